@@ -1,0 +1,21 @@
+"""hetero: train PyTorch models that do not fit on the accelerator.
+
+What is huge and light on compute (embedding tables, their sparse optimizer state) lives on the
+host; what is compute-dense runs on the device. ``import hetero`` stays light: no native kernels
+and no GPU initialisation happen at import time.
+"""
+
+from hetero.embedding import HostEmbedding, HostEmbeddingCollection, Pooling, TableConfig
+from hetero.placement import StorageTier, Target, resolve_device
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HostEmbedding",
+    "HostEmbeddingCollection",
+    "Pooling",
+    "StorageTier",
+    "TableConfig",
+    "Target",
+    "resolve_device",
+]

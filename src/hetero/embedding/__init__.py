@@ -1,0 +1,25 @@
+"""Host-resident embedding tables: lookup on the host, only the looked-up rows go to the device.
+
+The counterpart of MindSpore's ``EmbeddingLookup(target="CPU", sparse=True)``; the tables are
+trained by the sparse optimizers in :mod:`hetero.optim`.
+"""
+
+from hetero.embedding.table import (
+    HostEmbedding,
+    HostEmbeddingCollection,
+    Pooling,
+    SparseGrad,
+    TableConfig,
+    dense_parameters,
+    host_tables,
+)
+
+__all__ = [
+    "HostEmbedding",
+    "HostEmbeddingCollection",
+    "Pooling",
+    "SparseGrad",
+    "TableConfig",
+    "dense_parameters",
+    "host_tables",
+]

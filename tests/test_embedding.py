@@ -1,0 +1,148 @@
+"""HostEmbedding against dense nn.Embedding / nn.EmbeddingBag references."""
+
+import pytest
+import torch
+from torch import nn
+
+from hetero.embedding import HostEmbedding, HostEmbeddingCollection, Pooling, TableConfig, dense_parameters, host_tables
+
+
+def _pair(vocab=50, dim=8, pooling=Pooling.NONE, seed=0):
+    torch.manual_seed(seed)
+    host = HostEmbedding(TableConfig("t", vocab, dim, pooling=pooling, init_std=1.0))
+    return host, host.weight.detach().clone()
+
+
+def _dense_grad(sparse_grad, vocab, dim):
+    dense = torch.zeros(vocab, dim)
+    dense[sparse_grad.ids] = sparse_grad.rows
+    return dense
+
+
+def test_unpooled_forward_and_backward_equal_nn_embedding():
+    host, w = _pair()
+    ref = nn.Embedding(50, 8, sparse=True)
+    ref.weight.data.copy_(w)
+    ids = torch.randint(0, 50, (32, 5))
+    ids[0, :] = 7  # repeated ids must be coalesced
+    upstream = torch.randn(32, 5, 8)
+
+    out = host(ids)
+    (out * upstream).sum().backward()
+    ref_out = ref(ids)
+    (ref_out * upstream).sum().backward()
+
+    assert torch.equal(out, ref_out)
+    g = host.pop_sparse_grad()
+    assert torch.equal(g.ids, torch.unique(ids))  # unique ids only, sorted
+    torch.testing.assert_close(_dense_grad(g, 50, 8), ref.weight.grad.to_dense(), rtol=0, atol=1e-6)
+    assert host.weight.grad is None  # the table never gets a dense gradient
+
+
+@pytest.mark.parametrize("pooling", [Pooling.SUM, Pooling.MEAN])
+def test_bags_with_offsets_equal_nn_embedding_bag(pooling):
+    host, w = _pair(pooling=pooling)
+    ref = nn.EmbeddingBag(50, 8, mode=pooling.value, include_last_offset=True)
+    ref.weight.data.copy_(w)
+    ids = torch.tensor([3, 3, 9, 1, 40, 3, 9])
+    offsets = torch.tensor([0, 3, 3, 5, 7])  # bag 1 is empty
+    upstream = torch.randn(4, 8)
+
+    out = host(ids, offsets)
+    (out * upstream).sum().backward()
+    ref_out = ref(ids, offsets)
+    (ref_out * upstream).sum().backward()
+
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    assert torch.equal(out[1], torch.zeros(8))
+    torch.testing.assert_close(_dense_grad(host.pop_sparse_grad(), 50, 8), ref.weight.grad, rtol=0, atol=1e-6)
+
+
+def test_two_dimensional_ids_pool_over_last_dim():
+    host, w = _pair(pooling=Pooling.SUM)
+    ids = torch.randint(0, 50, (6, 4))
+    torch.testing.assert_close(host(ids), w[ids].sum(1), rtol=0, atol=1e-6)
+
+
+def test_gradient_accumulates_over_forwards_until_popped():
+    host, _ = _pair()
+    host(torch.tensor([1, 2])).sum().backward()
+    host(torch.tensor([2, 3])).sum().backward()
+    g = host.pop_sparse_grad()
+    assert g.ids.tolist() == [1, 2, 3]
+    assert g.rows[:, 0].tolist() == [1.0, 2.0, 1.0]
+    assert host.pop_sparse_grad() is None
+
+
+def test_no_gradient_captured_without_grad_mode():
+    host, _ = _pair()
+    with torch.no_grad():
+        host(torch.tensor([1, 2]))
+    assert host.pop_sparse_grad() is None
+
+
+@pytest.mark.parametrize("bad", [50, 1000, -1])
+def test_out_of_range_id_names_table_id_and_vocab(bad):
+    host, w = _pair()
+    with pytest.raises(IndexError) as err:
+        host(torch.tensor([[1, bad], [2, 3]]))
+    assert str(err.value) == (
+        f"table 't': id {bad} is out of range for vocab size 50 (valid ids are 0..49); fix the feature "
+        "encoding or set hashed=True on this table to hash ids into range"
+    )
+    assert torch.equal(host.weight, w)
+
+
+def test_hashed_table_maps_ids_into_range():
+    torch.manual_seed(0)
+    host = HostEmbedding(TableConfig("h", 10, 4, hashed=True, init_std=1.0))
+    ids = torch.tensor([3, 13, -7, 10**12 + 3])
+    torch.testing.assert_close(host(ids), host.weight[torch.tensor([3, 3, 3, 3])], rtol=0, atol=0)
+
+
+def test_bad_offsets_and_dtype_raise_value_error():
+    host, _ = _pair(pooling=Pooling.SUM)
+    with pytest.raises(ValueError, match="offsets must be 1-D of length B \\+ 1"):
+        host(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="ids must be int64 or int32, got torch.float32"):
+        host(torch.tensor([1.0]))
+
+
+def test_to_and_dtype_casts_leave_table_on_host_in_fp32():
+    model = nn.Module()
+    model.emb = HostEmbedding(TableConfig("t", 20, 4))
+    model.mlp = nn.Linear(4, 1)
+    model.to(torch.float64)
+    assert model.emb.weight.dtype == torch.float32 and model.emb.weight.device.type == "cpu"
+    assert model.mlp.weight.dtype == torch.float64
+    assert model.emb(torch.tensor([1])).dtype == torch.float64  # rows delivered in the model's dtype
+    assert [id(p) for p in dense_parameters(model)] == [id(model.mlp.weight), id(model.mlp.bias)]
+    assert list(host_tables(model)) == ["emb"]
+
+
+def test_collection_routes_features_and_reports_missing_feature():
+    coll = HostEmbeddingCollection([TableConfig("a", 5, 2), TableConfig("b", 7, 3, feature="x", pooling=Pooling.SUM)])
+    out = coll({"a": torch.tensor([1, 2]), "x": (torch.tensor([1, 2, 6]), torch.tensor([0, 1, 3]))})
+    assert out["a"].shape == (2, 2) and out["b"].shape == (2, 3)
+    with pytest.raises(KeyError, match="table 'b' looks up feature 'x', which is not in the batch"):
+        coll({"a": torch.tensor([1])})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_table_never_reaches_the_device():
+    model = nn.Module()
+    model.emb = HostEmbedding(TableConfig("t", 1000, 16, pooling=Pooling.MEAN))
+    model.mlp = nn.Linear(16, 1)
+    model.cuda()
+    assert model.emb.weight.device.type == "cpu"
+    ids, offsets = torch.randint(0, 1000, (64,)), torch.arange(0, 65, 4)
+    out = model.mlp(model.emb(ids, offsets))
+    assert out.device.type == "cuda"
+    out.sum().backward()
+    g = model.emb.pop_sparse_grad()
+    assert g.ids.device.type == "cpu" and g.rows.device.type == "cpu" and g.rows.is_pinned()
+    assert model.emb.weight.device.type == "cpu" and model.emb.weight.grad is None
+    ref = nn.EmbeddingBag(1000, 16, mode="mean", include_last_offset=True)
+    ref.weight.data.copy_(model.emb.weight)
+    torch.testing.assert_close(out.cpu(), model.mlp.cpu()(ref(ids, offsets)), rtol=1e-5, atol=1e-6)
