@@ -14,6 +14,7 @@ from hetero.optim.sparse import (
     LazyAdamConfig,
     SGDConfig,
     SparseOptimizer,
+    SparseOptimizerKind,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "LazyAdamConfig",
     "SGDConfig",
     "SparseOptimizer",
+    "SparseOptimizerKind",
 ]

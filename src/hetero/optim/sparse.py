@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -209,3 +210,16 @@ class SGD(SparseOptimizer):
 
     def _update(self, weight, state, ids, grad, step):
         weight.index_add_(0, ids, grad, alpha=-self.config.lr)
+
+
+class SparseOptimizerKind(enum.Enum):
+    """The sparse optimizers by name, for configs and the command line."""
+
+    LAZY_ADAM = "lazy_adam"
+    FTRL = "ftrl"
+    ADAGRAD = "adagrad"
+    SGD = "sgd"
+
+    @property
+    def optimizer(self) -> type[SparseOptimizer]:
+        return {"lazy_adam": LazyAdam, "ftrl": FTRL, "adagrad": Adagrad, "sgd": SGD}[self.value]

@@ -1,0 +1,77 @@
+"""Atomic checkpoint files.
+
+A checkpoint is written to a temporary file in the same directory, flushed and fsync'ed, then
+renamed over the old one (``os.replace`` is atomic on POSIX), and the directory is fsync'ed. A
+crash at any point leaves either the previous checkpoint or the new one, never a torn file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read, or does not fit the model it is loaded into."""
+
+
+def save_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
+    """Write ``state`` (tensors, containers, numbers, strings) to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(dict(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` (tensors only, no pickled code).
+
+    Raises:
+        CheckpointError: the file is missing, truncated or not a checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for torn or foreign files
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or not a hetero checkpoint): {e}") from e
+
+
+def check_model_compatible(model_state: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], path: str | Path) -> None:
+    """Check that ``saved`` has exactly the parameters and shapes of ``model_state``.
+
+    Raises:
+        CheckpointError: naming the first mismatching parameter and both shapes, or the
+            parameters only one side has.
+    """
+    for name, tensor in model_state.items():
+        if name in saved and saved[name].shape != tensor.shape:
+            raise CheckpointError(
+                f"checkpoint {path} was saved from another model config: parameter {name!r} has shape "
+                f"{tuple(saved[name].shape)} in the checkpoint and {tuple(tensor.shape)} in this model"
+            )
+    missing = sorted(set(model_state) - set(saved))
+    extra = sorted(set(saved) - set(model_state))
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint {path} was saved from another model config: parameters missing from the checkpoint "
+            f"{missing[:5]}, parameters this model lacks {extra[:5]}"
+        )

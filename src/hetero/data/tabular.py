@@ -1,0 +1,162 @@
+"""In-memory columnar datasets of sparse (categorical), multi-hot and dense features.
+
+A dataset is a dict of feature columns (int64 ids, or :class:`Jagged` bags for multi-hot features),
+a dense float matrix and a label vector, all on the host. :class:`Batches` cuts it into batches in
+a deterministic order per epoch, so a training position ``(epoch, batch)`` names exactly the same
+samples after a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Jagged(NamedTuple):
+    """Variable-length bags in the jagged layout: ``values`` ``(total,)`` int64, ``offsets`` ``(N + 1,)``.
+
+    Bag ``i`` is ``values[offsets[i]:offsets[i + 1]]``. Unpacks as ``(ids, offsets)``, the input of
+    a pooled :class:`hetero.embedding.HostEmbedding`.
+    """
+
+    values: Tensor
+    offsets: Tensor
+
+    @staticmethod
+    def from_lists(bags: list[list[int]]) -> "Jagged":
+        lengths = torch.tensor([len(b) for b in bags], dtype=torch.int64)
+        values = torch.tensor([v for b in bags for v in b], dtype=torch.int64)
+        return Jagged(values, torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+
+    def __len__(self) -> int:  # type: ignore[override]  - number of bags, not tuple arity
+        return self.offsets.numel() - 1
+
+    def select(self, index: Tensor) -> "Jagged":
+        """The bags at ``index`` (int64 ``(M,)``), in that order, as a new :class:`Jagged`."""
+        starts = self.offsets[:-1][index]
+        lengths = self.offsets[1:][index] - starts
+        offsets = torch.zeros(index.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        # position of every output value in ``values``: its bag's start plus its rank in the bag
+        shift = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=int(offsets[-1]))
+        positions = shift + torch.arange(int(offsets[-1]))
+        return Jagged(self.values[positions], offsets)
+
+
+class FeatureRole(enum.Enum):
+    """Which part of a Wide & Deep model a feature feeds."""
+
+    WIDE_AND_DEEP = "wide_and_deep"
+    WIDE = "wide"  # crossed features: memorisation only
+    DEEP = "deep"
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """A categorical feature: ``vocab_size`` ids in ``[0, vocab_size)``; id 0 means missing/unknown."""
+
+    name: str
+    vocab_size: int
+    multi_hot: bool = False
+    role: FeatureRole = FeatureRole.WIDE_AND_DEEP
+
+
+@dataclasses.dataclass
+class Batch:
+    """One batch on the host.
+
+    Attributes:
+        features: feature name -> int64 ``(B,)`` ids, or :class:`Jagged` bags for multi-hot features.
+        dense: float32 ``(B, K)`` dense features (``K`` may be 0).
+        label: float32 ``(B,)`` binary labels.
+    """
+
+    features: dict[str, Tensor | Jagged]
+    dense: Tensor
+    label: Tensor
+
+    def __len__(self) -> int:
+        return self.label.numel()
+
+
+@dataclasses.dataclass
+class TabularDataset:
+    """Columns of ``N`` samples (see :class:`Batch` for shapes) plus their :class:`Feature` specs."""
+
+    features: dict[str, Tensor | Jagged]
+    dense: Tensor
+    label: Tensor
+    specs: tuple[Feature, ...]
+
+    def __post_init__(self) -> None:
+        n = self.label.numel()
+        for name, col in self.features.items():
+            if len(col) != n:
+                raise ValueError(f"feature {name!r} has {len(col)} rows, label has {n}")
+        if self.dense.shape[0] != n:
+            raise ValueError(f"dense features have {self.dense.shape[0]} rows, label has {n}")
+
+    def __len__(self) -> int:
+        return self.label.numel()
+
+    @property
+    def num_dense(self) -> int:
+        return self.dense.shape[1]
+
+    def select(self, index: Tensor) -> Batch:
+        feats = {k: (v.select(index) if isinstance(v, Jagged) else v[index]) for k, v in self.features.items()}
+        return Batch(feats, self.dense[index], self.label[index])
+
+    def subset(self, index: Tensor) -> "TabularDataset":
+        b = self.select(index)
+        return TabularDataset(b.features, b.dense, b.label, self.specs)
+
+    def split(self, fractions: tuple[float, ...], seed: int) -> list["TabularDataset"]:
+        """Seeded random split into consecutive parts of the given fractions (e.g. 0.8, 0.1, 0.1)."""
+        if abs(sum(fractions) - 1.0) > 1e-9 or any(f <= 0 for f in fractions):
+            raise ValueError(f"split fractions must be positive and sum to 1, got {fractions}")
+        perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
+        bounds = [0] + [round(len(self) * sum(fractions[: i + 1])) for i in range(len(fractions))]
+        return [self.subset(perm[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    batch_size: int = 256
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+
+
+class Batches:
+    """Deterministic, resumable batching: epoch ``e`` is a permutation seeded by ``(seed, e)``.
+
+    ``epoch(e, start=k)`` yields the same batches as ``epoch(e)`` from batch ``k`` on, which is what
+    a mid-epoch resume needs.
+    """
+
+    def __init__(self, dataset: TabularDataset, config: BatchConfig) -> None:
+        if config.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {config.batch_size}")
+        self.dataset, self.config = dataset, config
+
+    def __len__(self) -> int:
+        n, b = len(self.dataset), self.config.batch_size
+        return n // b if self.config.drop_last else math.ceil(n / b)
+
+    def order(self, epoch: int) -> Tensor:
+        n = len(self.dataset)
+        if not self.config.shuffle:
+            return torch.arange(n)
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch))
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        order, b = self.order(epoch), self.config.batch_size
+        for i in range(start, len(self)):
+            yield self.dataset.select(order[i * b : (i + 1) * b])

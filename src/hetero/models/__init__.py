@@ -1,0 +1,5 @@
+"""Models built on hetero's host tables."""
+
+from hetero.models.wide_deep import WideDeep, WideDeepConfig
+
+__all__ = ["WideDeep", "WideDeepConfig"]

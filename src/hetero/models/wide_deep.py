@@ -1,0 +1,89 @@
+"""Wide & Deep (Cheng et al., "Wide & Deep Learning for Recommender Systems", DLRS 2016).
+
+* wide part: a linear model over sparse and crossed features = a sum of dim-1 host tables (one
+  per feature; multi-hot features are summed) plus a linear map of the dense features;
+* deep part: dim-``d`` host tables (multi-hot features mean-pooled), concatenated with the dense
+  features and fed to an MLP on the device;
+* logit = wide + deep, trained jointly with a logistic loss.
+
+All tables are :class:`~hetero.embedding.HostEmbedding` (host memory, sparse optimizers); the MLP
+and the wide dense/bias terms are ordinary parameters that follow ``model.to(device)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from hetero.embedding import HostEmbeddingCollection, Pooling, TableConfig
+from hetero.placement import copy_to
+
+
+@dataclasses.dataclass(frozen=True)
+class WideDeepConfig:
+    embedding_dim: int = 16
+    hidden: tuple[int, ...] = (256, 128)
+    dropout: float = 0.0
+    init_std: float = 0.01  # deep tables; wide tables start at zero (as FTRL expects)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSlot:
+    """What the model needs to know of one input feature (decoupled from any dataset class)."""
+
+    name: str
+    vocab_size: int
+    multi_hot: bool = False
+    wide: bool = True
+    deep: bool = True
+
+
+class WideDeep(nn.Module):
+    """Wide & Deep over host tables.
+
+    Args:
+        features: the sparse features; each gets a wide table ``wide_<name>`` (dim 1) if ``wide``
+            and a deep table ``deep_<name>`` (dim ``embedding_dim``) if ``deep``.
+        num_dense: number of dense features ``K``.
+
+    Forward: ``features`` maps name -> int64 ``(B,)`` ids or ``(ids, offsets)`` bags (host);
+    ``dense`` is float32 ``(B, K)`` (host or device). Returns float32 logits ``(B,)`` on the device
+    of the MLP.
+    """
+
+    def __init__(self, features: Sequence[FeatureSlot], num_dense: int, config: WideDeepConfig = WideDeepConfig()) -> None:
+        super().__init__()
+        self.config = config
+        self.wide = HostEmbeddingCollection([
+            TableConfig(f"wide_{f.name}", f.vocab_size, 1, feature=f.name,
+                        pooling=Pooling.SUM if f.multi_hot else Pooling.NONE, init_std=0.0)
+            for f in features if f.wide
+        ])
+        deep = [
+            TableConfig(f"deep_{f.name}", f.vocab_size, config.embedding_dim, feature=f.name,
+                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std)
+            for f in features if f.deep
+        ]
+        self.deep = HostEmbeddingCollection(deep)
+        self.wide_dense = nn.Linear(num_dense, 1) if num_dense else None
+        self.wide_bias = nn.Parameter(torch.zeros(1))
+        layers: list[nn.Module] = []
+        width = len(deep) * config.embedding_dim + num_dense
+        for h in config.hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            if config.dropout > 0:
+                layers.append(nn.Dropout(config.dropout))
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]], dense: Tensor) -> Tensor:
+        dense = copy_to(dense, self.wide_bias.device)  # host -> device, async on CUDA
+        wide = torch.stack([v.reshape(-1) for v in self.wide(features).values()], dim=1).sum(1) + self.wide_bias
+        if self.wide_dense is not None:
+            wide = wide + self.wide_dense(dense).squeeze(1)
+        deep_in = torch.cat([*self.deep(features).values(), dense], dim=1)
+        return wide + self.mlp(deep_in).squeeze(1)

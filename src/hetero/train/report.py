@@ -1,0 +1,39 @@
+"""Evaluation metrics (scikit-learn) and the run's plot (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def binary_metrics(label: np.ndarray, prob: np.ndarray) -> dict[str, float]:
+    """ROC AUC and log loss of predicted probabilities ``prob`` for binary ``label`` (both ``(N,)``)."""
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    prob = np.clip(prob.astype(np.float64), 1e-7, 1 - 1e-7)
+    return {"auc": float(roc_auc_score(label, prob)), "logloss": float(log_loss(label, prob, labels=[0, 1]))}
+
+
+def plot_curves(losses: list[float], epochs: list[int], valid_auc: list[float], path: Path) -> Path:
+    """Write a PNG with the training loss per step (and its moving average) and validation AUC per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = np.arange(1, len(losses) + 1)
+    ax_loss.plot(steps, losses, lw=0.5, alpha=0.4, label="loss per step")
+    if len(losses) >= 20:
+        w = max(len(losses) // 50, 10)
+        ax_loss.plot(steps[w - 1 :], np.convolve(losses, np.ones(w) / w, mode="valid"), lw=1.5, label=f"mean of {w}")
+    ax_loss.set(xlabel="step", ylabel="training log loss", title="Training loss")
+    ax_loss.legend()
+    ax_auc.plot(epochs, valid_auc, marker="o")
+    ax_auc.set(xlabel="epoch", ylabel="AUC", title="Validation AUC")
+    ax_auc.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,211 @@
+"""The training loop: host tables + sparse optimizers, device MLP + dense optimizer.
+
+One step: forward (host lookups, rows to the device, device compute), logistic loss, backward
+(sparse gradients land on the host), a finiteness check of the loss, then the dense and sparse
+optimizer steps. Checkpoints hold everything needed to continue bit for bit: model (tables
+included), optimizer states, the data position ``(epoch, batch)``, the RNG states and the history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.checkpoint import check_model_compatible, load_checkpoint, save_checkpoint
+from hetero.data import Batch, Batches, TabularDataset
+from hetero.embedding import dense_parameters
+from hetero.optim import SparseOptimizer
+from hetero.placement import copy_to
+from hetero.train.report import binary_metrics, plot_curves
+
+log = logging.getLogger("hetero")
+CHECKPOINT_NAME = "checkpoint.pt"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 5
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = at the end of each epoch only
+    max_steps: int | None = None  # stop (with a checkpoint) after this many steps in total
+    eval_batch_size: int = 8192
+    progress: bool = True
+
+
+class Trainer:
+    """Train a model whose ``forward(features, dense)`` returns logits, on a binary label.
+
+    Args:
+        model: already on its device (host tables stay on the host by construction).
+        dense_optimizer: a ``torch.optim`` optimizer over ``dense_parameters(model)``.
+        sparse_optimizers: name -> :class:`SparseOptimizer` (e.g. ``{"wide": FTRL, "deep": LazyAdam}``).
+        train: the training batches; ``valid``/``test``: evaluated each epoch / at the end.
+        run_dir: where the checkpoint, ``metrics.json``, ``losses.csv`` and ``curves.png`` go.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dense_optimizer: torch.optim.Optimizer,
+        sparse_optimizers: Mapping[str, SparseOptimizer],
+        train: Batches,
+        valid: TabularDataset,
+        test: TabularDataset,
+        config: TrainConfig,
+        run_dir: str | Path,
+    ) -> None:
+        self.model, self.dense_optimizer = model, dense_optimizer
+        self.sparse_optimizers = dict(sparse_optimizers)
+        self.train, self.valid, self.test, self.config = train, valid, test, config
+        self.run_dir = Path(run_dir)
+        self.checkpoint_path = self.run_dir / CHECKPOINT_NAME
+        self.device = next(p.device for p in dense_parameters(model))
+        self.epoch, self.batch, self.global_step = 0, 0, 0
+        self.losses: list[float] = []
+        self.history: dict[str, list] = {"epoch": [], "valid_auc": [], "valid_logloss": []}
+        self.train_seconds, self.train_samples = 0.0, 0
+
+    # ----------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": self.model.state_dict(),
+            "dense_optimizer": self.dense_optimizer.state_dict(),
+            "sparse_optimizers": {k: o.state_dict() for k, o in self.sparse_optimizers.items()},
+            "position": {"epoch": self.epoch, "batch": self.batch, "global_step": self.global_step},
+            "rng": rng,
+            "losses": torch.tensor(self.losses, dtype=torch.float64),
+            "history": self.history,
+            "throughput": {"train_seconds": self.train_seconds, "train_samples": self.train_samples},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
+        check_model_compatible(self.model.state_dict(), state["model"], path)
+        self.model.load_state_dict(state["model"])
+        self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        for k, opt in self.sparse_optimizers.items():
+            opt.load_state_dict(state["sparse_optimizers"][k])
+        pos = state["position"]
+        self.epoch, self.batch, self.global_step = pos["epoch"], pos["batch"], pos["global_step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.losses = state["losses"].tolist()
+        self.history = {k: list(v) for k, v in state["history"].items()}
+        self.train_seconds = state["throughput"]["train_seconds"]
+        self.train_samples = state["throughput"]["train_samples"]
+
+    def save(self) -> Path:
+        return save_checkpoint(self.state_dict(), self.checkpoint_path)
+
+    def resume(self) -> None:
+        """Continue from ``run_dir/checkpoint.pt``. Raises :class:`CheckpointError` if absent or unfit."""
+        self.load_state_dict(load_checkpoint(self.checkpoint_path), self.checkpoint_path)
+        log.info("hetero: resumed from %s at epoch %d, batch %d (step %d)",
+                 self.checkpoint_path, self.epoch, self.batch, self.global_step)
+
+    # ----------------------------------------------------------------------------- loop
+    def _step(self, batch: Batch) -> float:
+        for opt in self.sparse_optimizers.values():
+            opt.zero_grad()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        logits = self.model(batch.features, batch.dense)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device))
+        loss.backward()
+        value = loss.item()  # sync point: the host needs the loss to decide whether to step
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"loss is {value} at epoch {self.epoch}, batch {self.batch} (step {self.global_step + 1}); "
+                f"training stopped before applying this step. The last good checkpoint "
+                f"{self.checkpoint_path} is intact: lower the learning rates or check the input, then --resume"
+            )
+        self.dense_optimizer.step()
+        for opt in self.sparse_optimizers.values():
+            opt.step()
+        return value
+
+    def fit(self) -> dict[str, Any]:
+        """Train from the current position to the end; return the metrics also written to ``metrics.json``.
+
+        Raises:
+            FloatingPointError: a NaN/Inf loss; nothing of that step is applied and no checkpoint
+                is written after it.
+        """
+        from tqdm.auto import tqdm
+
+        start = time.perf_counter()
+        cfg, stop = self.config, False
+        while self.epoch < cfg.epochs and not stop:
+            bar = tqdm(total=len(self.train.dataset), initial=min(self.batch * self.train.config.batch_size, len(self.train.dataset)),
+                       unit="sample", unit_scale=True, desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
+                       disable=not cfg.progress, leave=False)
+            self.model.train()
+            for batch in self.train.epoch(self.epoch, start=self.batch):
+                t0 = time.perf_counter()
+                loss = self._step(batch)
+                self.train_seconds += time.perf_counter() - t0
+                self.train_samples += len(batch)
+                self.losses.append(loss)
+                self.batch += 1
+                self.global_step += 1
+                bar.update(len(batch))
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
+                    self.save()
+                if cfg.max_steps is not None and self.global_step >= cfg.max_steps:
+                    stop = True
+                    break
+            bar.close()
+            if not stop:
+                metrics = self.evaluate(self.valid)
+                self.history["epoch"].append(self.epoch + 1)
+                self.history["valid_auc"].append(metrics["auc"])
+                self.history["valid_logloss"].append(metrics["logloss"])
+                log.info("hetero: epoch %d valid auc %.4f logloss %.4f (%.0f samples/s)", self.epoch + 1,
+                         metrics["auc"], metrics["logloss"], self.train_samples / max(self.train_seconds, 1e-9))
+                self.epoch, self.batch = self.epoch + 1, 0
+            self.save()
+        return self._finish(time.perf_counter() - start)
+
+    @torch.no_grad()
+    def evaluate(self, data: TabularDataset) -> dict[str, float]:
+        self.model.eval()
+        probs = []
+        for i in range(0, len(data), self.config.eval_batch_size):
+            b = data.select(torch.arange(i, min(i + self.config.eval_batch_size, len(data))))
+            probs.append(torch.sigmoid(self.model(b.features, b.dense)).cpu())  # sync point: metrics run on the host
+        self.model.train()
+        return binary_metrics(data.label.numpy(), torch.cat(probs).numpy())
+
+    def _finish(self, wall_seconds: float) -> dict[str, Any]:
+        test = self.evaluate(self.test)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "losses.csv", "w") as f:
+            f.write("step,loss\n" + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(self.losses)))
+        plot = plot_curves(self.losses, self.history["epoch"], self.history["valid_auc"], self.run_dir / "curves.png")
+        metrics = {
+            "test_auc": test["auc"],
+            "test_logloss": test["logloss"],
+            "samples_per_s": self.train_samples / max(self.train_seconds, 1e-9),
+            "wall_time_s": wall_seconds,  # of this invocation (a resumed run counts from its restart)
+            "steps": self.global_step,
+            "epochs": self.epoch,
+            "device": str(self.device),
+            "checkpoint": str(self.checkpoint_path),
+            "plot": str(plot),
+            "history": self.history,
+        }
+        (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        return metrics

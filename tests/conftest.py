@@ -1,0 +1,47 @@
+import random
+
+import pytest
+import torch
+
+from hetero.data import Feature, FeatureRole, Jagged, TabularDataset
+
+GENRES = ["Action", "Comedy", "Drama", "Sci-Fi", "Children's"]
+
+
+def write_ml100k(directory, n_users=40, n_items=60, n_ratings=1200, seed=0):
+    """Write ml-100k in RecBole's atomic format; ratings depend on user and item so there is signal."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    users = ["user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token"]
+    for u in range(1, n_users + 1):
+        users.append(f"{u}\t{rng.randint(15, 70)}\t{rng.choice('MF')}\t{rng.choice(['student', 'writer', 'other'])}\t{rng.randint(10000, 99999)}")
+    items = ["item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq"]
+    for i in range(1, n_items + 1):
+        items.append(f"{i}\tMovie {i}\t{rng.choice(['1977', '1995', '1996', 'unknown'])}\t{' '.join(rng.sample(GENRES, rng.randint(1, 3)))}")
+    inter = ["user_id:token\titem_id:token\trating:float\ttimestamp:float"]
+    for _ in range(n_ratings):
+        u, i = rng.randint(1, n_users), rng.randint(1, n_items)
+        r = min(5, max(1, round(3 + (u % 3 - 1) + (i % 5 - 2) * 0.7 + rng.gauss(0, 0.7))))
+        inter.append(f"{u}\t{i}\t{r}\t{880000000 + rng.randint(0, 10**6)}")
+    for name, lines in (("user", users), ("item", items), ("inter", inter)):
+        (directory / f"ml-100k.{name}").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+@pytest.fixture
+def ml_dir(tmp_path):
+    return write_ml100k(tmp_path / "ml-100k")
+
+
+def make_dataset(n=600, seed=0):
+    """Synthetic CTR data: two one-hot features, one bag, one wide-only cross, 3 dense features."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randint(1, 50, (n,), generator=g), torch.randint(1, 30, (n,), generator=g)
+    bags = [torch.randint(1, 20, (int(k),), generator=g).tolist() for k in torch.randint(0, 4, (n,), generator=g)]
+    dense = torch.randn(n, 3, generator=g)
+    logit = (a % 7 - 3).float() * 0.5 + (b % 3 - 1).float() + dense[:, 0]
+    label = (torch.rand(n, generator=g) < torch.sigmoid(logit)).float()
+    specs = (Feature("a", 50), Feature("b", 30), Feature("c", 20, multi_hot=True),
+             Feature("a_x_b", 50 * 30, role=FeatureRole.WIDE))
+    feats = {"a": a, "b": b, "c": Jagged.from_lists(bags), "a_x_b": a * 30 + b}
+    return TabularDataset(feats, dense, label, specs)

@@ -1,0 +1,121 @@
+"""Trainer and CLI: exact resume, NaN guard, checkpoint validation, run artefacts."""
+
+import json
+
+import pytest
+import torch
+
+from hetero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from hetero.cli import main
+from hetero.data import BatchConfig, Batches, FeatureRole
+from hetero.embedding import dense_parameters, host_tables
+from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
+from hetero.optim import FTRL, LazyAdam
+from hetero.train import TrainConfig, Trainer
+
+from conftest import make_dataset
+
+
+def _cli(ml_dir, run_dir, *extra):
+    return main(["train", "--data-path", str(ml_dir), "--run-dir", str(run_dir), "--epochs", "2",
+                 "--batch-size", "64", "--no-progress", "--embedding-dim", "8", "--hidden", "16,8", *extra])
+
+
+def test_cli_run_writes_metrics_plot_and_prints_json_last(ml_dir, tmp_path, capsys):
+    assert _cli(ml_dir, tmp_path / "run") == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    metrics = json.loads(last)
+    assert set(metrics) >= {"test_auc", "test_logloss", "samples_per_s", "wall_time_s", "checkpoint"}
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["test_auc"] == metrics["test_auc"]
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert load_checkpoint(metrics["checkpoint"])["position"]["epoch"] == 2
+
+
+def test_resume_from_mid_epoch_checkpoint_is_bitwise_identical(ml_dir, tmp_path):
+    # 960 training samples / 64 = 15 batches per epoch; stop at step 7, in the middle of epoch 1.
+    assert _cli(ml_dir, tmp_path / "full") == 0
+    assert _cli(ml_dir, tmp_path / "cut", "--max-steps", "7") == 0
+    ckpt = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert ckpt["position"] == {"epoch": 0, "batch": 7, "global_step": 7}
+    assert _cli(ml_dir, tmp_path / "cut", "--resume") == 0
+    full = (tmp_path / "full" / "losses.csv").read_text()
+    assert full.count("\n") == 31  # header + 30 steps
+    assert (tmp_path / "cut" / "losses.csv").read_text() == full  # repr() of every float: bitwise
+    a = load_checkpoint(tmp_path / "full" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    assert json.loads((tmp_path / "cut" / "metrics.json").read_text())["test_auc"] == \
+        json.loads((tmp_path / "full" / "metrics.json").read_text())["test_auc"]
+
+
+def test_resume_without_checkpoint_is_a_clear_error(ml_dir, tmp_path, capsys):
+    assert _cli(ml_dir, tmp_path / "nothing", "--resume") == 1
+    assert f"hetero: error: no checkpoint at {tmp_path / 'nothing' / 'checkpoint.pt'}" in capsys.readouterr().err
+
+
+def test_checkpoint_from_other_model_config_names_parameter_and_shapes(ml_dir, tmp_path, capsys):
+    assert _cli(ml_dir, tmp_path / "run", "--max-steps", "2") == 0
+    assert _cli(ml_dir, tmp_path / "run", "--resume", "--embedding-dim", "4") == 1
+    err = capsys.readouterr().err
+    assert (f"checkpoint {tmp_path / 'run' / 'checkpoint.pt'} was saved from another model config: parameter "
+            "'deep.tables.deep_user.weight' has shape (41, 8) in the checkpoint and (41, 4) in this model") in err
+
+
+def test_truncated_checkpoint_is_reported_and_atomic_save_keeps_the_old_one(tmp_path):
+    path = save_checkpoint({"x": torch.arange(1000)}, tmp_path / "c.pt")
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="is unreadable \\(truncated or not a hetero checkpoint\\)"):
+        load_checkpoint(torn)
+
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("crash while writing")
+
+    with pytest.raises(RuntimeError, match="crash while writing"):
+        save_checkpoint({"x": Boom()}, path)
+    assert torch.equal(load_checkpoint(path)["x"], torch.arange(1000))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "torn.pt"]  # no temp file left behind
+
+
+def _trainer(data, run_dir, **config):
+    torch.manual_seed(0)
+    slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=True, deep=f.role is not FeatureRole.WIDE) for f in data.specs]
+    model = WideDeep(slots, data.num_dense, WideDeepConfig(embedding_dim=4, hidden=(8,), dropout=0.2))
+    tables = host_tables(model)
+    sparse = {"wide": FTRL({k: t for k, t in tables.items() if k.startswith("wide.")}),
+              "deep": LazyAdam({k: t for k, t in tables.items() if k.startswith("deep.")})}
+    dense = torch.optim.Adam(dense_parameters(model), lr=1e-2)
+    batches = Batches(data, BatchConfig(batch_size=50, shuffle=False))
+    return Trainer(model, dense, sparse, batches, data, data, TrainConfig(progress=False, **config), run_dir)
+
+
+def test_nan_loss_stops_before_the_update_and_keeps_last_good_checkpoint(tmp_path):
+    data = make_dataset(600)
+    data.dense[260, 0] = float("nan")  # in batch 6 (samples 250..299), i.e. step 6
+    trainer = _trainer(data, tmp_path / "nan", checkpoint_every=2)
+    with pytest.raises(FloatingPointError) as err:
+        trainer.fit()
+    assert str(err.value).startswith("loss is nan at epoch 0, batch 5 (step 6); training stopped before applying this step.")
+    saved = load_checkpoint(tmp_path / "nan" / "checkpoint.pt")
+    assert saved["position"]["global_step"] == 4
+
+    clean = make_dataset(600)
+    reference = _trainer(clean, tmp_path / "ref", max_steps=4)
+    reference.fit()
+    expected = load_checkpoint(tmp_path / "ref" / "checkpoint.pt")
+    for k, v in expected["model"].items():
+        assert torch.equal(v, saved["model"][k]), k
+    for name, opt in expected["sparse_optimizers"].items():
+        for table, state in opt["state"].items():
+            for s, t in state.items():
+                assert torch.equal(t, saved["sparse_optimizers"][name]["state"][table][s])
+
+
+def test_training_learns_the_synthetic_signal(tmp_path):
+    data = make_dataset(2000)
+    trainer = _trainer(data, tmp_path / "learn", epochs=8)
+    metrics = trainer.fit()
+    assert metrics["test_auc"] > 0.75
+    assert trainer.losses[-1] < trainer.losses[0]
