@@ -4,9 +4,10 @@ The counterpart of MindSpore's ``EmbeddingLookup(target="CPU", sparse=True)``; t
 trained by the sparse optimizers in :mod:`hetero.optim`.
 """
 
+from hetero.embedding.collection import HostEmbeddingCollection
+from hetero.embedding.kernels import set_num_threads
 from hetero.embedding.table import (
     HostEmbedding,
-    HostEmbeddingCollection,
     Pooling,
     SparseGrad,
     TableConfig,
@@ -22,4 +23,5 @@ __all__ = [
     "TableConfig",
     "dense_parameters",
     "host_tables",
+    "set_num_threads",
 ]

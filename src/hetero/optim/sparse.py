@@ -19,7 +19,15 @@ Update rules (``g`` is the coalesced gradient of a row, all ops elementwise):
   their ``l2`` equal to half of this ``l2``.)
 * :class:`Adagrad` - Duchi et al. 2011, as ``torch.optim.Adagrad`` (no lr decay):
   ``s += g^2;  w -= lr * g / (sqrt(s) + eps)``.
+* :class:`RowWiseAdagrad` - Adagrad with one accumulator per row (the mean of ``g^2`` over the
+  row), as FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` used by TorchRec/DLRM: ``s_r += mean(g^2);
+  w -= lr * g / (sqrt(s_r) + eps)``; its state is ``D`` times smaller.
 * :class:`SGD` - ``w -= lr * g``.
+
+The updates run as fused numba kernels (:mod:`hetero.embedding._numba_kernels`), one call per
+table group and step, parallel over rows. For fp32 tables every weight and state row is read and
+written once, in place; for bf16/fp16 tables the rows are gathered, updated in fp32 and written
+back with round-to-nearest. Rows are independent, so results do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -31,10 +39,15 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from hetero.embedding import HostEmbedding
+from hetero.embedding.group import TableGroup
+from hetero.embedding.kernels import kernels
+
+f32 = np.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,23 +75,37 @@ class AdagradConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowWiseAdagradConfig:
+    lr: float = 0.01
+    eps: float = 1e-10
+    initial_accumulator: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class SGDConfig:
     lr: float = 0.01
 
 
 class SparseOptimizer(abc.ABC):
-    """Base class: owns host tables, their per-row state, and a per-table step count.
+    """Base class: owns host tables, their per-row state, and a step count per table group.
 
     Args:
         tables: the tables to train, as ``{qualified name: table}`` (use
-            :func:`hetero.embedding.host_tables`) or an iterable (keyed by table name).
+            :func:`hetero.embedding.host_tables`) or an iterable (keyed by table name). Tables that
+            share storage (a :class:`~hetero.embedding.HostEmbeddingCollection` group) must all be
+            given to the same optimizer.
         config: the optimizer's hyper-parameters (its ``Config`` dataclass); default if ``None``.
 
     Use like ``torch.optim``: ``zero_grad()`` before the forward, ``loss.backward()``, ``step()``.
+
+    Raises:
+        ValueError: no tables, or only part of a table group.
+        TypeError: a config of another optimizer.
     """
 
     Config: ClassVar[type]
     state_names: ClassVar[tuple[str, ...]] = ()
+    rowwise_state: ClassVar[bool] = False  # one state value per row instead of per element
 
     def __init__(self, tables: Mapping[str, HostEmbedding] | Iterable[HostEmbedding], config: Any = None) -> None:
         if not isinstance(tables, Mapping):
@@ -89,39 +116,76 @@ class SparseOptimizer(abc.ABC):
         if not isinstance(self.config, self.Config):
             raise TypeError(f"{type(self).__name__} takes a {self.Config.__name__}, got {type(self.config).__name__}")
         self.tables: dict[str, HostEmbedding] = dict(tables)
-        self.steps: dict[str, int] = {name: 0 for name in self.tables}
-        # State beside the table: same shape, same (host) device, fp32.
-        self.state: dict[str, dict[str, Tensor]] = {
-            name: {s: self._initial_state(s, t.weight) for s in self.state_names} for name, t in self.tables.items()
+        owned = {id(t) for t in self.tables.values()}
+        self.groups: list[TableGroup] = []
+        for t in self.tables.values():
+            if any(g is t.group for g in self.groups):
+                continue
+            others = [o.name for o in t.group.tables if id(o) not in owned]
+            if others:
+                raise ValueError(
+                    f"{type(self).__name__}: table {t.name!r} shares storage with tables {others} (same "
+                    f"collection, dim and dtype), which this optimizer was not given; give all of them to one optimizer"
+                )
+            self.groups.append(t.group)
+        self._group_steps: dict[int, int] = {id(g): 0 for g in self.groups}
+        # State beside the table: same rows, host memory, fp32.
+        self.group_state: dict[int, dict[str, Tensor]] = {
+            id(g): {s: self._initial_state(s, g) for s in self.state_names} for g in self.groups
         }
 
-    def _initial_state(self, name: str, weight: Tensor) -> Tensor:
-        return torch.zeros_like(weight, dtype=torch.float32)
+    def _initial_state(self, name: str, group: TableGroup) -> Tensor:
+        shape = (group.num_rows,) if self.rowwise_state else (group.num_rows, group.dim)
+        return torch.zeros(shape, dtype=torch.float32)
+
+    @property
+    def steps(self) -> dict[str, int]:
+        """Steps applied per table (tables of one group share the count; LazyAdam's ``t``)."""
+        return {name: self._group_steps[id(t.group)] for name, t in self.tables.items()}
+
+    @property
+    def state(self) -> dict[str, dict[str, Tensor]]:
+        """Per-table views of the state: ``{table name: {state name: (V, D) or (V,) tensor}}``."""
+        out = {}
+        for name, t in self.tables.items():
+            a = t.group.row_offset[id(t)]
+            out[name] = {s: x[a : a + t.config.num_embeddings] for s, x in self.group_state[id(t.group)].items()}
+        return out
 
     def zero_grad(self) -> None:
-        for table in self.tables.values():
-            table.zero_grad_sparse()
+        for group in self.groups:
+            group.pending = []
 
     @torch.no_grad()
     def step(self) -> None:
-        """Apply the pending sparse gradient of every table; tables without one are skipped."""
-        for name, table in self.tables.items():
-            grad = table.pop_sparse_grad()
+        """Apply the pending sparse gradient of every table group; groups without one are skipped."""
+        for group in self.groups:
+            grad = group.pop_sparse_grad()
             if grad is None or grad.ids.numel() == 0:
                 continue
-            self.steps[name] += 1
-            self._update(table.weight.data, self.state[name], grad.ids, grad.rows, self.steps[name])
+            self._group_steps[id(group)] += 1
+            step = self._group_steps[id(group)]
+            ids = grad.ids.numpy()
+            g = grad.rows.contiguous().numpy()
+            state = [x.numpy() for x in self.group_state[id(group)].values()]
+            if group.dtype == torch.float32:
+                self._update(group.storage.numpy(), ids, state, ids, g, step)
+            else:  # low-precision storage: update an fp32 copy of the rows, write back rounded
+                rows = group.storage.index_select(0, grad.ids).float()
+                self._update(rows.numpy(), np.arange(len(ids)), state, ids, g, step)
+                group.storage.index_copy_(0, grad.ids, rows.to(group.dtype))
+            group.note_update(grad.ids)
 
     @abc.abstractmethod
-    def _update(self, weight: Tensor, state: dict[str, Tensor], ids: Tensor, grad: Tensor, step: int) -> None:
-        """Update rows ``ids`` (unique, int64) of ``weight`` and ``state`` from ``grad`` ``(U, D)``."""
+    def _update(self, w: np.ndarray, widx: np.ndarray, state: list[np.ndarray], ids: np.ndarray, grad: np.ndarray, step: int) -> None:
+        """Run the kernel: rows ``ids`` of the state and rows ``widx`` of ``w`` from ``grad`` ``(U, D)``."""
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": type(self).__name__,
             "config": dataclasses.asdict(self.config),
-            "steps": dict(self.steps),
-            "state": {name: dict(s) for name, s in self.state.items()},
+            "steps": self.steps,
+            "state": self.state,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -133,19 +197,21 @@ class SparseOptimizer(abc.ABC):
         kind = type(self).__name__
         if state_dict["optimizer"] != kind:
             raise ValueError(f"sparse optimizer state is for {state_dict['optimizer']}, not {kind}")
-        saved, ours = set(state_dict["state"]), set(self.state)
+        saved, ours = set(state_dict["state"]), set(self.tables)
         if saved != ours:
             raise ValueError(f"{kind} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
+        views = self.state
         for name, tensors in state_dict["state"].items():
             for s, t in tensors.items():
-                mine = self.state[name][s]
+                mine = views[name][s]
                 if t.shape != mine.shape:
                     raise ValueError(
                         f"{kind} state {s!r} of table {name!r} has shape {tuple(t.shape)} in the checkpoint "
                         f"and {tuple(mine.shape)} here"
                     )
                 mine.copy_(t)
-        self.steps = {name: int(n) for name, n in state_dict["steps"].items()}
+        for name, t in self.tables.items():
+            self._group_steps[id(t.group)] = int(state_dict["steps"][name])
         self.config = self.Config(**state_dict["config"])
 
 
@@ -153,63 +219,49 @@ class LazyAdam(SparseOptimizer):
     Config = LazyAdamConfig
     state_names = ("exp_avg", "exp_avg_sq")
 
-    def _update(self, weight, state, ids, grad, step):
+    def _update(self, w, widx, state, ids, grad, step):
         c = self.config
-        m = state["exp_avg"].index_select(0, ids).mul_(c.beta1).add_(grad, alpha=1 - c.beta1)
-        v = state["exp_avg_sq"].index_select(0, ids).mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
         step_size = c.lr * math.sqrt(1 - c.beta2**step) / (1 - c.beta1**step)
-        w = weight.index_select(0, ids).addcdiv_(m, v.sqrt().add_(c.eps), value=-step_size)
-        state["exp_avg"].index_copy_(0, ids, m)
-        state["exp_avg_sq"].index_copy_(0, ids, v)
-        weight.index_copy_(0, ids, w)
+        kernels().lazy_adam(w, widx, *state, ids, grad, f32(step_size), f32(c.beta1), f32(c.beta2), f32(c.eps))
 
 
 class FTRL(SparseOptimizer):
     Config = FTRLConfig
     state_names = ("accumulator", "linear")  # n and z in McMahan et al.
 
-    def _initial_state(self, name, weight):
-        fill = self.config.initial_accumulator if name == "accumulator" else 0.0
-        return torch.full_like(weight, fill, dtype=torch.float32)
+    def _initial_state(self, name, group):
+        x = super()._initial_state(name, group)
+        return x.fill_(self.config.initial_accumulator) if name == "accumulator" else x
 
-    def _update(self, weight, state, ids, grad, step):
+    def _update(self, w, widx, state, ids, grad, step):
         c = self.config
-        n = state["accumulator"].index_select(0, ids)
-        z = state["linear"].index_select(0, ids)
-        w = weight.index_select(0, ids)
-        n_new = n + grad * grad
-        sqrt_n_new = n_new.sqrt()
-        z.add_(grad).sub_((sqrt_n_new - n.sqrt()).div_(c.lr).mul_(w))
-        w = torch.where(
-            z.abs() <= c.l1,
-            torch.zeros_like(z),
-            -(z - torch.sign(z) * c.l1) / ((c.beta + sqrt_n_new) / c.lr + c.l2),
-        )
-        state["accumulator"].index_copy_(0, ids, n_new)
-        state["linear"].index_copy_(0, ids, z)
-        weight.index_copy_(0, ids, w)
+        kernels().ftrl(w, widx, *state, ids, grad, f32(c.lr), f32(c.l1), f32(c.l2), f32(c.beta))
 
 
 class Adagrad(SparseOptimizer):
     Config = AdagradConfig
     state_names = ("sum",)
 
-    def _initial_state(self, name, weight):
-        return torch.full_like(weight, self.config.initial_accumulator, dtype=torch.float32)
+    def _initial_state(self, name, group):
+        return super()._initial_state(name, group).fill_(self.config.initial_accumulator)
 
-    def _update(self, weight, state, ids, grad, step):
-        c = self.config
-        s = state["sum"].index_select(0, ids).addcmul_(grad, grad)
-        w = weight.index_select(0, ids).addcdiv_(grad, s.sqrt().add_(c.eps), value=-c.lr)
-        state["sum"].index_copy_(0, ids, s)
-        weight.index_copy_(0, ids, w)
+    def _update(self, w, widx, state, ids, grad, step):
+        kernels().adagrad(w, widx, *state, ids, grad, f32(self.config.lr), f32(self.config.eps))
+
+
+class RowWiseAdagrad(Adagrad):
+    Config = RowWiseAdagradConfig
+    rowwise_state = True
+
+    def _update(self, w, widx, state, ids, grad, step):
+        kernels().rowwise_adagrad(w, widx, *state, ids, grad, f32(self.config.lr), f32(self.config.eps))
 
 
 class SGD(SparseOptimizer):
     Config = SGDConfig
 
-    def _update(self, weight, state, ids, grad, step):
-        weight.index_add_(0, ids, grad, alpha=-self.config.lr)
+    def _update(self, w, widx, state, ids, grad, step):
+        kernels().sgd(w, widx, ids, grad, f32(self.config.lr))
 
 
 class SparseOptimizerKind(enum.Enum):
@@ -218,8 +270,10 @@ class SparseOptimizerKind(enum.Enum):
     LAZY_ADAM = "lazy_adam"
     FTRL = "ftrl"
     ADAGRAD = "adagrad"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
     SGD = "sgd"
 
     @property
     def optimizer(self) -> type[SparseOptimizer]:
-        return {"lazy_adam": LazyAdam, "ftrl": FTRL, "adagrad": Adagrad, "sgd": SGD}[self.value]
+        return {"lazy_adam": LazyAdam, "ftrl": FTRL, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad,
+                "sgd": SGD}[self.value]
