@@ -45,8 +45,9 @@ class LookupPlan:
     Attributes:
         unique: ``(U,)`` int64 group rows, first-occurrence order.
         inverse: ``(N,)`` int64 position in ``unique`` of each looked-up id.
-        offsets: ``(num_bags + 1,)`` int64 bag boundaries over the ``N`` ids (a per-id lookup is a
-            bag of one).
+        index: ``(N,)`` int64 group row of each looked-up id (``unique[inverse]``).
+        offsets: ``(num_bags + 1,)`` int64 bag boundaries over the ``N`` ids, or empty when every
+            id is its own bag (only per-id lookups).
         scale: ``(N,)`` float32 per-id weight (``1/len(bag)`` for mean pooling), or ``None``.
         bag_ranges: per request, its ``[start, end)`` range of bags and output shape.
         version: the group's update count when the rows were gathered (prefetch).
@@ -54,6 +55,7 @@ class LookupPlan:
 
     unique: Tensor
     inverse: Tensor
+    index: Tensor
     offsets: Tensor
     scale: Tensor | None
     bag_ranges: list[tuple[int, int, tuple[int, ...]]]
@@ -112,18 +114,22 @@ class TableGroup:
         K = kernels()
         flat, offsets, lengths, ranges = [], [], [], []
         n = bags = 0
+        singleton = all(r.offsets is None and r.table.config.pooling.value == "none" for r in requests)
         for r in requests:
             cfg = r.table.config
             if r.ids.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"table {cfg.name!r}: ids must be int64 or int32, got {r.ids.dtype}")
             ids = r.ids.to("cpu", torch.int64).reshape(-1)  # sync point if ids live on the device
-            off, shape = _bags(r, ids.numel())
-            lengths.append(off[1:] - off[:-1])
-            offsets.append(off[:-1] + n)
-            ranges.append((bags, bags + len(lengths[-1]), shape))
+            if singleton:  # per-id lookups: bag i is id i, no offsets needed
+                ranges.append((n, n + ids.numel(), tuple(r.ids.shape)))
+            else:
+                off, shape = _bags(r, ids.numel())
+                lengths.append(off[1:] - off[:-1])
+                offsets.append(off[:-1] + n)
+                ranges.append((bags, bags + len(lengths[-1]), shape))
+                bags += len(lengths[-1])
             flat.append(ids)
             n += ids.numel()
-            bags += len(lengths[-1])
         ids = flat[0] if len(flat) == 1 else torch.cat(flat)
         seg = np.zeros(len(requests) + 1, np.int64)
         np.cumsum([f.numel() for f in flat], out=seg[1:])
@@ -138,13 +144,17 @@ class TableGroup:
                 self.marker[:] = 0
                 self.stamp = 1
             unique, inverse = K.dedup(rows, self.marker, self.stamp)
-        all_offsets = torch.cat([*offsets, torch.tensor([n])])
         scale = None
-        if any(r.table.config.pooling.value == "mean" for r in requests):
-            per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling.value == "mean" else torch.ones(len(ln)))
-                       for r, ln in zip(requests, lengths)]
-            scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
-        return LookupPlan(torch.from_numpy(unique), torch.from_numpy(inverse), all_offsets, scale, ranges)
+        if singleton:
+            all_offsets = torch.empty(0, dtype=torch.int64)
+        else:
+            all_offsets = torch.cat([*offsets, torch.tensor([n])])
+            if any(r.table.config.pooling.value == "mean" for r in requests):
+                per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling.value == "mean" else torch.ones(len(ln)))
+                           for r, ln in zip(requests, lengths)]
+                scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
+        return LookupPlan(torch.from_numpy(unique), torch.from_numpy(inverse), torch.from_numpy(rows),
+                          all_offsets, scale, ranges)
 
     def _segment_meta(self, requests: list[Request]):
         vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
@@ -183,24 +193,38 @@ class TableGroup:
         device, dtype = anchor.device, anchor.dtype
         if plan is None:
             plan = self.plan(requests)
-        if plan.rows is None:
-            self.gather(plan, pin=device.type == "cuda")
-        else:
-            self.refresh_stale(plan)
-        rows = plan.rows_device if plan.rows_device is not None else copy_to(plan.rows, device)  # host -> device: U rows
-        rows = rows.to(dtype)
-        if torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            rows.register_hook(lambda grad, unique=plan.unique: self._capture_grad(unique, grad))
         if device.type == "cpu":
-            pooled = _HostPool.apply(rows, plan.inverse, plan.offsets, plan.scale)
+            # The backward of _HostPool hands the coalesced gradient to this group itself; the
+            # zero-size sink only puts the op on the autograd tape.
+            sink = torch.empty(0, requires_grad=torch.is_grad_enabled())
+            if self.dtype == torch.float32 and plan.rows is None:
+                # The device is the host: pool straight from the table rows (read at this moment,
+                # so always fresh); there is nothing to transfer, hence no staging copy.
+                rows, index = self.storage, plan.index
+            else:
+                rows, index = (self.gather(plan, pin=False) if plan.rows is None else plan.rows), plan.inverse
+                self.refresh_stale(plan)
+            pooled = _HostPool.apply(rows, index, plan.offsets, plan.scale, sink, self, plan.unique, plan.inverse).to(dtype)
         else:
+            if plan.rows is None:
+                self.gather(plan, pin=True)
+            else:
+                self.refresh_stale(plan)
+            rows = plan.rows_device if plan.rows_device is not None else copy_to(plan.rows, device)  # host -> device: U rows
+            rows = rows.to(dtype)
+            if torch.is_grad_enabled():
+                rows.requires_grad_(True)
+                rows.register_hook(lambda grad, unique=plan.unique: self._capture_grad(unique, grad))
+            offsets = plan.offsets if plan.offsets.numel() else torch.arange(plan.inverse.numel() + 1)
             pooled = F.embedding_bag(
-                copy_to(plan.inverse, device), rows, copy_to(plan.offsets, device), mode="sum",
+                copy_to(plan.inverse, device), rows, copy_to(offsets, device), mode="sum",
                 per_sample_weights=None if plan.scale is None else copy_to(plan.scale, device).to(dtype),
                 include_last_offset=True,
             )
-        return [pooled[a:b].reshape(*shape, self.dim) for a, b, shape in plan.bag_ranges]
+        if len(plan.bag_ranges) == 1:  # no slicing: its backward would zero-fill and copy the gradient
+            return [pooled.reshape(*plan.bag_ranges[0][2], self.dim)]
+        parts = pooled.split([b - a for a, b, _ in plan.bag_ranges])
+        return [p.reshape(*shape, self.dim) for p, (_, _, shape) in zip(parts, plan.bag_ranges)]
 
     # ------------------------------------------------------------------------------ grads
     def _capture_grad(self, unique: Tensor, grad: Tensor) -> None:
@@ -259,22 +283,28 @@ def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:
 class _HostPool(torch.autograd.Function):
     """Pool (or expand) unique rows into bags on the CPU with the numba kernels.
 
-    The backward is the coalesce: one gradient row per unique id, summed in occurrence order.
-    (On CUDA, ``F.embedding_bag`` does the same job on the device.)
+    The backward is the coalesce: one gradient row per unique id, handed to the group as a
+    :class:`SparseGrad` (no gradient flows to ``rows``, which is a copy). On CUDA,
+    ``F.embedding_bag`` does the same job on the device.
     """
 
     @staticmethod
-    def forward(ctx, rows, inverse, offsets, scale):
-        out = torch.empty(offsets.numel() - 1, rows.shape[1], dtype=torch.float32)
+    def forward(ctx, rows, index, offsets, scale, sink, group, unique, inverse):
+        bags = offsets.numel() - 1 if offsets.numel() else index.numel()
+        out = torch.empty(bags, rows.shape[1], dtype=torch.float32)
         scale_np = scale.numpy() if scale is not None else np.empty(0, np.float32)
-        kernels().pool_forward(rows.detach().float().numpy(), inverse.numpy(), offsets.numpy(), scale_np, out.numpy())
-        ctx.save_for_backward(inverse, offsets, scale if scale is not None else torch.empty(0))
-        ctx.num_unique, ctx.dtype = rows.shape[0], rows.dtype
+        kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
+        ctx.save_for_backward(inverse, offsets, scale if scale is not None else torch.empty(0), unique)
+        ctx.group = group
         return out.to(rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        inverse, offsets, scale = ctx.saved_tensors
+        from hetero.embedding.table import SparseGrad
+
+        inverse, offsets, scale, unique = ctx.saved_tensors
+        K = kernels()
         g = grad_out.detach().float().contiguous().numpy()
-        grad = kernels().pool_backward(g, inverse.numpy(), offsets.numpy(), scale.numpy(), ctx.num_unique)
-        return torch.from_numpy(grad).to(ctx.dtype), None, None, None
+        grad = K.pool_backward(g, inverse.numpy(), offsets.numpy(), scale.numpy(), unique.numel(), K.num_threads())
+        ctx.group.pending.append(SparseGrad(unique, torch.from_numpy(grad)))
+        return None, None, None, None, torch.empty(0), None, None, None

@@ -19,8 +19,11 @@ _threads: int | None = None
 
 @functools.cache
 def _module() -> ModuleType:
+    import numba
+
     from hetero.embedding import _numba_kernels
 
+    _numba_kernels.num_threads = numba.get_num_threads
     return _numba_kernels
 
 
@@ -31,7 +34,7 @@ def kernels() -> ModuleType:
 
     want = min(_threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if numba.get_num_threads() != want:
-        numba.set_num_threads(want)
+        numba.set_num_threads(want)  # thread-local in numba: set for each calling thread
     return mod
 
 

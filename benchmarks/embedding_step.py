@@ -1,0 +1,129 @@
+"""Host embedding train step: lookup + coalesce + sparse optimizer, lookups/s.
+
+One 1M x 16 fp32 table, batches of 4096 x 26 ids drawn uniform and Zipf(1.05) (hot ids scattered
+over the table by a fixed permutation), fresh ids every step. A step is the forward lookup
+((4096, 26, 16) output), the backward with a fixed upstream gradient, and the optimizer step.
+Same run: the torch baseline (``nn.Embedding(sparse=True)`` + ``SparseAdam`` / ``Adagrad`` /
+``SGD``), raw ``index_select`` rows/s on fresh ids (the memory limit), and a 26-table collection
+(26 x 1M x 16, one table per field, one kernel call per step) with LazyAdam.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit  # noqa: E402
+
+from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig  # noqa: E402
+from hetero.optim import SparseOptimizerKind  # noqa: E402
+
+B, F, D = 4096, 26, 16
+
+
+def id_batches(dist: str, rows: int, count: int, seed: int = 0) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    if dist == "uniform":
+        return [torch.from_numpy(rng.integers(0, rows, (B, F))) for _ in range(count)]
+    perm = rng.permutation(rows)
+    return [torch.from_numpy(perm[(rng.zipf(1.05, (B, F)) - 1) % rows]) for _ in range(count)]
+
+
+def timed(step, batches, warmup: int) -> float:
+    """Seconds per step over ``batches[warmup:]``."""
+    for b in batches[:warmup]:
+        step(b)
+    t0 = time.perf_counter()
+    for b in batches[warmup:]:
+        step(b)
+    return (time.perf_counter() - t0) / (len(batches) - warmup)
+
+
+def hetero_step_rate(kind: SparseOptimizerKind, batches, rows: int, warmup: int) -> float:
+    torch.manual_seed(0)
+    table = HostEmbedding(TableConfig("t", rows, D))
+    opt = kind.optimizer([table])
+    upstream = torch.randn(B, F, D)
+
+    def step(ids):
+        opt.zero_grad()
+        table(ids).backward(upstream)
+        opt.step()
+
+    return B * F / timed(step, batches, warmup)
+
+
+def torch_step_rate(make_opt, batches, rows: int, warmup: int) -> float:
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(rows, D, sparse=True)
+    opt = make_opt(emb.parameters())
+    upstream = torch.randn(B, F, D)
+
+    def step(ids):
+        opt.zero_grad()
+        emb(ids).backward(upstream)
+        opt.step()
+
+    return B * F / timed(step, batches, warmup)
+
+
+def multi_table_rate(batches, rows: int, warmup: int) -> float:
+    torch.manual_seed(0)
+    coll = HostEmbeddingCollection([TableConfig(f"C{i}", rows, D) for i in range(F)])
+    opt = SparseOptimizerKind.LAZY_ADAM.optimizer(coll.tables.values())
+    upstream = torch.randn(B, D)
+
+    def step(ids):
+        opt.zero_grad()
+        out = coll({f"C{i}": ids[:, i] for i in range(F)})
+        torch.autograd.backward(list(out.values()), [upstream] * F)
+        opt.step()
+
+    return B * F / timed(step, batches, warmup)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-multi-table", action="store_true", help="skip the 26-table case (5 GB of host memory)")
+    args = p.parse_args()
+    count = args.steps + args.warmup
+    result: dict = {"table": f"{args.rows} x {D} fp32", "batch": f"{B} x {F}", "steps": args.steps}
+    baselines = {
+        SparseOptimizerKind.LAZY_ADAM: ("torch_sparse_adam", lambda ps: torch.optim.SparseAdam(ps, lr=1e-3)),
+        SparseOptimizerKind.ADAGRAD: ("torch_sparse_adagrad", lambda ps: torch.optim.Adagrad(ps, lr=1e-2)),
+        SparseOptimizerKind.SGD: ("torch_sparse_sgd", lambda ps: torch.optim.SGD(ps, lr=1e-2)),
+    }
+    for dist in ("uniform", "zipf"):
+        batches = id_batches(dist, args.rows, count)
+        sfx = "" if dist == "uniform" else "_zipf"
+        result[f"unique_fraction{sfx}"] = float(np.mean([b.unique().numel() / b.numel() for b in batches]))
+        table = torch.randn(args.rows, D)
+        flat = [b.reshape(-1) for b in batches]
+        result[f"index_select_rows_per_s{sfx}"] = B * F / timed(lambda ids: table.index_select(0, ids), flat, args.warmup)
+        for kind in SparseOptimizerKind:
+            rate = hetero_step_rate(kind, batches, args.rows, args.warmup)
+            result[f"{kind.value}_lookups_per_s{sfx}"] = rate
+            print(f"{dist:8s} hetero {kind.value:16s} {rate / 1e6:7.2f} M lookups/s", file=sys.stderr)
+            if kind in baselines:
+                name, make = baselines[kind]
+                base = torch_step_rate(make, batches[: max(args.warmup + 8, 10)], args.rows, 2)
+                result[f"{name}_lookups_per_s{sfx}"] = base
+                print(f"{dist:8s} torch  {name:16s} {base / 1e6:7.2f} M lookups/s", file=sys.stderr)
+        if dist == "uniform" and not args.no_multi_table:
+            result["multi_table_lazy_adam_lookups_per_s"] = multi_table_rate(batches, args.rows, args.warmup)
+    result["lazy_adam_speedup_vs_torch"] = result["lazy_adam_lookups_per_s"] / result["torch_sparse_adam_lookups_per_s"]
+    result["lazy_adam_fraction_of_index_select"] = result["lazy_adam_lookups_per_s"] / result["index_select_rows_per_s"]
+    emit("embedding_step", result)
+
+
+if __name__ == "__main__":
+    main()
