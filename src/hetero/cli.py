@@ -17,7 +17,7 @@ import torch
 
 from hetero.checkpoint import CheckpointError
 from hetero.data import BatchConfig, Batches, CriteoConfig, FeatureRole, load_movielens_100k, read_criteo_tsv
-from hetero.embedding import dense_parameters, host_tables
+from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.placement import Target, resolve_device
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: each epoch)")
     g.add_argument("--max-steps", type=int, help="stop after this many steps in total")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--prefetch", action="store_true", help="prepare the next batch's lookups on a worker thread")
+    g.add_argument("--threads", type=int, help="threads of the host embedding kernels (default: torch's)")
     return p
 
 
@@ -96,7 +98,8 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
              len(data), len(train), len(tables), n_rows,
              sum(t.weight.numel() * 4 for t in tables.values()) / 1e6, device)
     config = TrainConfig(epochs=args.epochs, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, prefetch=args.prefetch)
+    set_num_threads(args.threads)
     batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed))
     return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir)
 

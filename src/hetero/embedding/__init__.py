@@ -6,6 +6,7 @@ trained by the sparse optimizers in :mod:`hetero.optim`.
 
 from hetero.embedding.collection import HostEmbeddingCollection
 from hetero.embedding.kernels import set_num_threads
+from hetero.embedding.prefetch import PrefetchConfig, Prefetcher
 from hetero.embedding.table import (
     HostEmbedding,
     Pooling,
@@ -19,6 +20,8 @@ __all__ = [
     "HostEmbedding",
     "HostEmbeddingCollection",
     "Pooling",
+    "PrefetchConfig",
+    "Prefetcher",
     "SparseGrad",
     "TableConfig",
     "dense_parameters",

@@ -35,7 +35,8 @@ class HostEmbeddingCollection(nn.Module):
         for t in self.tables.values():
             by_kind.setdefault((t.config.embedding_dim, t.config.dtype), []).append(t)
         self.groups = [TableGroup(ts) for ts in by_kind.values()]
-        self._prepared: dict[int, list[LookupPlan]] = {}
+        # id(features) -> (features, plans); holding ``features`` keeps its id from being reused
+        self._prepared: dict[int, tuple[Mapping, list[LookupPlan]]] = {}
 
     def requests(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> list[list[Request]]:
         """The lookup requests of ``features``, one list per group."""
@@ -54,10 +55,11 @@ class HostEmbeddingCollection(nn.Module):
 
     def prepare(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]], plans: list[LookupPlan]) -> None:
         """Hand over plans built ahead of time (by a prefetcher) for the lookup of ``features``."""
-        self._prepared[id(features)] = plans
+        self._prepared[id(features)] = (features, plans)
 
     def forward(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
-        plans = self._prepared.pop(id(features), None)
+        entry = self._prepared.pop(id(features), None)
+        plans = entry[1] if entry is not None and entry[0] is features else None
         out = {}
         for i, (group, reqs) in enumerate(zip(self.groups, self.requests(features))):
             for r, y in zip(reqs, group.lookup(reqs, None if plans is None else plans[i])):

@@ -62,6 +62,9 @@ class LookupPlan:
     version: int = -1
     rows: Tensor | None = None  # gathered rows (host, pinned on CUDA) once gather() ran
     rows_device: Tensor | None = None  # their device copy, when prefetched
+    copy_done: "torch.cuda.Event | None" = None  # end of the prefetch host->device copy
+    max_staleness: int = 0  # optimizer steps the gathered rows may lag behind
+    refreshed: int = 0  # rows gathered again because an update overtook the prefetch
 
 
 class TableGroup:
@@ -166,8 +169,11 @@ class TableGroup:
     def gather(self, plan: LookupPlan, pin: bool) -> Tensor:
         """Copy the plan's unique rows out of the table (the only read of the table per lookup)."""
         out = torch.empty(plan.unique.numel(), self.dim, dtype=self.dtype, pin_memory=pin)
+        # Record the version before reading: an update racing with this gather is then seen as
+        # newer than the gather and its rows are refreshed before use (conservative).
+        plan.version = self.version
         torch.index_select(self.storage, 0, plan.unique, out=out)
-        plan.rows, plan.version = out, self.version
+        plan.rows = out
         return out
 
     def refresh_stale(self, plan: LookupPlan) -> int:
@@ -175,7 +181,10 @@ class TableGroup:
 
         The prefetch read-after-write fix: returns how many rows were refreshed.
         """
-        if self.row_version is None or plan.version == self.version:
+        if plan.copy_done is not None:
+            torch.cuda.current_stream().wait_event(plan.copy_done)  # device waits for the prefetch copy, not the host
+            plan.copy_done = None
+        if self.row_version is None or self.version - plan.version <= plan.max_staleness:
             return 0
         stale = torch.from_numpy(kernels().stale_positions(self.row_version, plan.unique.numpy(), plan.version))
         if stale.numel():
@@ -183,8 +192,10 @@ class TableGroup:
             plan.rows[stale] = fresh
             if plan.rows_device is not None:
                 # host -> device copy of the refreshed rows only, ordered after the prefetch copy
-                plan.rows_device[stale.to(plan.rows_device.device)] = copy_to(fresh, plan.rows_device.device).to(plan.rows_device.dtype)
+                dev = plan.rows_device.device
+                plan.rows_device[copy_to(stale, dev)] = copy_to(fresh, dev).to(plan.rows_device.dtype)
         plan.version = self.version
+        plan.refreshed += stale.numel()
         return stale.numel()
 
     def lookup(self, requests: list[Request], plan: LookupPlan | None = None) -> list[Tensor]:
@@ -296,7 +307,7 @@ class _HostPool(torch.autograd.Function):
         kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
         ctx.save_for_backward(inverse, offsets, scale if scale is not None else torch.empty(0), unique)
         ctx.group = group
-        return out.to(rows.dtype)
+        return out  # fp32 whatever the storage dtype: the backward then receives an fp32 gradient
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -22,7 +22,7 @@ from torch import nn
 
 from hetero.checkpoint import check_model_compatible, load_checkpoint, save_checkpoint
 from hetero.data import Batch, Batches, TabularDataset
-from hetero.embedding import dense_parameters
+from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.placement import copy_to
 from hetero.train.report import binary_metrics, plot_curves
@@ -39,6 +39,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop (with a checkpoint) after this many steps in total
     eval_batch_size: int = 8192
     progress: bool = True
+    prefetch: bool = False  # prepare the next batch's lookups on a worker thread (hetero.embedding.Prefetcher)
 
 
 class Trainer:
@@ -152,7 +153,10 @@ class Trainer:
                        unit="sample", unit_scale=True, desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
                        disable=not cfg.progress, leave=False)
             self.model.train()
-            for batch in self.train.epoch(self.epoch, start=self.batch):
+            batches = self.train.epoch(self.epoch, start=self.batch)
+            if cfg.prefetch:
+                batches = Prefetcher(self.model, batches)
+            for batch in batches:
                 t0 = time.perf_counter()
                 loss = self._step(batch)
                 self.train_seconds += time.perf_counter() - t0

@@ -1,0 +1,112 @@
+"""Prefetch pipeline: prepare the host side of batch i+1's lookups while batch i trains.
+
+A worker thread takes the next batch, builds the lookup plans of every
+:class:`~hetero.embedding.HostEmbeddingCollection` in the model (id checks and dedup, numba
+kernels that release the GIL) and, when rows must travel, gathers them into a pinned staging
+buffer and starts the host->device copy on a side CUDA stream (an event marks its end; the
+compute stream waits on that event, not the host).
+
+Read-after-write: rows gathered for batch i+1 may be updated by batch i's optimizer step
+afterwards. Each group keeps a per-row update version; when batch i+1 is consumed, rows updated
+after their gather are gathered again (and re-sent), so a lookup never sees a stale row unless
+``max_staleness`` allows it. On a CPU-only machine fp32 tables are read in place at compute time
+and cannot be stale; there only the plans are prefetched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetero.embedding.collection import HostEmbeddingCollection
+from hetero.embedding.group import LookupPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchConfig:
+    depth: int = 1  # batches prepared ahead of the one being trained
+    max_staleness: int = 0  # optimizer steps a prefetched row may lag behind; 0 = never stale
+    gather_rows: bool | None = None  # gather rows ahead; None = when they must travel or be converted
+
+
+class Prefetcher:
+    """Iterate ``batches`` with their embedding lookups prepared one step ahead on a worker thread.
+
+    Args:
+        model: the module whose :class:`HostEmbeddingCollection` s look up ``features(batch)``.
+        batches: any iterable of batches.
+        features: maps a batch to the feature mapping the collections receive (the same object
+            must then be passed to the model: plans are matched by identity).
+
+    Yields the batches in order. Exceptions of the worker (an out-of-range id) are raised when
+    the batch that caused them is reached, before anything of that batch is applied.
+    """
+
+    def __init__(self, model: nn.Module, batches: Iterable[Any], config: PrefetchConfig = PrefetchConfig(),
+                 features: Callable[[Any], Mapping] = lambda b: b.features) -> None:
+        if config.depth < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {config.depth}")
+        self.config, self.features = config, features
+        self.collections = [m for m in model.modules() if isinstance(m, HostEmbeddingCollection)]
+        for c in self.collections:
+            for g in c.groups:
+                g.track_row_versions()
+        self.batches = batches
+        self.refreshed_rows = 0  # rows re-gathered because an update overtook their prefetch
+        cuda = any(c.tables and next(iter(c.tables.values())).output_device.type == "cuda" for c in self.collections)
+        self.stream = torch.cuda.Stream() if cuda else None
+
+    def _prepare(self, batch: Any) -> list[list[LookupPlan]]:
+        feats = self.features(batch)
+        out = []
+        for c in self.collections:
+            plans = []
+            for group, reqs in zip(c.groups, c.requests(feats)):
+                plan = group.plan(reqs)
+                plan.max_staleness = self.config.max_staleness
+                device = reqs[0].table.output_device
+                gather = self.config.gather_rows
+                if gather is None:
+                    gather = device.type != "cpu" or group.dtype != torch.float32
+                if gather:
+                    group.gather(plan, pin=device.type == "cuda")
+                    if self.stream is not None and device.type == "cuda":
+                        with torch.cuda.stream(self.stream):
+                            plan.rows_device = plan.rows.to(device, non_blocking=True)  # host -> device, side stream
+                            plan.copy_done = torch.cuda.Event()
+                            plan.copy_done.record(self.stream)
+                plans.append(plan)
+            out.append(plans)
+        return out
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.batches)
+        pending: deque[tuple[Any, Future]] = deque()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-prefetch") as pool:
+            def refill() -> None:
+                while len(pending) < self.config.depth:
+                    batch = next(it, None)
+                    if batch is None:
+                        return
+                    pending.append((batch, pool.submit(self._prepare, batch)))
+
+            try:
+                refill()
+                while pending:
+                    batch, future = pending.popleft()
+                    plans = future.result()  # sync point: wait for this batch's host-side preparation
+                    feats = self.features(batch)
+                    for c, p in zip(self.collections, plans):
+                        c.prepare(feats, p)
+                    refill()  # the next batch is prepared while this one trains
+                    yield batch
+                    self.refreshed_rows += sum(p.refreshed for ps in plans for p in ps)
+            finally:  # stopped early (max_steps, an error): drop plans nobody will consume
+                for c in self.collections:
+                    c._prepared.clear()
