@@ -35,14 +35,21 @@ def id_batches(dist: str, rows: int, count: int, seed: int = 0) -> list[torch.Te
     return [torch.from_numpy(perm[(rng.zipf(1.05, (B, F)) - 1) % rows]) for _ in range(count)]
 
 
-def timed(step, batches, warmup: int) -> float:
-    """Seconds per step over ``batches[warmup:]``."""
+def timed(step, batches, warmup: int, block: int = 5) -> float:
+    """Seconds per step: the median over blocks of ``block`` steps of ``batches[warmup:]``.
+
+    The median of blocks resists the bursts of a shared machine better than one long mean.
+    """
     for b in batches[:warmup]:
         step(b)
-    t0 = time.perf_counter()
-    for b in batches[warmup:]:
-        step(b)
-    return (time.perf_counter() - t0) / (len(batches) - warmup)
+    times = []
+    rest = batches[warmup:]
+    for i in range(0, len(rest) - block + 1, block):
+        t0 = time.perf_counter()
+        for b in rest[i : i + block]:
+            step(b)
+        times.append((time.perf_counter() - t0) / block)
+    return float(np.median(times))
 
 
 def hetero_step_rate(kind: SparseOptimizerKind, batches, rows: int, warmup: int) -> float:
@@ -91,7 +98,7 @@ def multi_table_rate(batches, rows: int, warmup: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-multi-table", action="store_true", help="skip the 26-table case (5 GB of host memory)")
     args = p.parse_args()
@@ -115,7 +122,7 @@ def main() -> None:
             print(f"{dist:8s} hetero {kind.value:16s} {rate / 1e6:7.2f} M lookups/s", file=sys.stderr)
             if kind in baselines:
                 name, make = baselines[kind]
-                base = torch_step_rate(make, batches[: max(args.warmup + 8, 10)], args.rows, 2)
+                base = torch_step_rate(make, batches[: args.warmup + 15], args.rows, 2)
                 result[f"{name}_lookups_per_s{sfx}"] = base
                 print(f"{dist:8s} torch  {name:16s} {base / 1e6:7.2f} M lookups/s", file=sys.stderr)
         if dist == "uniform" and not args.no_multi_table:

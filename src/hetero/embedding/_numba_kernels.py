@@ -120,37 +120,56 @@ def pool_forward(rows, index, offsets, scale, out):
                 out[b, j] += s * rows[r, j]
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def pool_backward(grad_out, inverse, offsets, scale, num_unique, num_threads):
-    """Coalesce the gradient of pooled (or per-id) outputs into one row per unique id.
+@njit(cache=True, nogil=True, inline="always")
+def _coalesce_range(grad, src, inverse, offsets, scale, lo, hi):
+    """``grad[k] = sum_{i: inverse[i] == k} scale[i] * src[bag(i)]`` for ``lo <= k < hi``.
 
-    ``grad[k] = sum_{i: inverse[i] == k} scale[i] * grad_out[bag(i)]``. Thread ``t`` owns the
-    unique ids of one contiguous range and scans all occurrences in order, reading ``grad_out``
-    sequentially; each row's sum is accumulated in occurrence order, so the result is bitwise
-    independent of the thread count, and no sort or CSR index is built.
+    Scans all occurrences in order (reading ``src`` sequentially) and keeps those it owns, so each
+    row's sum is accumulated in occurrence order: bitwise independent of how rows are split
+    between threads. No sort or CSR index is built.
     """
-    d = grad_out.shape[1]
-    grad = np.zeros((num_unique, d), np.float32)
+    d = grad.shape[1]
+    for k in range(lo, hi):
+        for j in range(d):
+            grad[k, j] = 0.0
     weighted = scale.shape[0] > 0
-    chunk = (num_unique + num_threads - 1) // num_threads
-    singleton = offsets.shape[0] == 0
-    for t in prange(num_threads):
-        lo, hi = t * chunk, min(num_unique, (t + 1) * chunk)
-        if singleton:
-            for i in range(inverse.shape[0]):
-                k = inverse[i]
-                if k >= lo and k < hi:
-                    s = scale[i] if weighted else np.float32(1.0)
-                    for j in range(d):
-                        grad[k, j] += s * grad_out[i, j]
-            continue
-        for b in range(offsets.shape[0] - 1):
-            for i in range(offsets[b], offsets[b + 1]):
-                k = inverse[i]
-                if k >= lo and k < hi:
-                    s = scale[i] if weighted else np.float32(1.0)
-                    for j in range(d):
-                        grad[k, j] += s * grad_out[b, j]
+    if offsets.shape[0] == 0:  # every id is its own bag
+        n = inverse.shape[0]
+        for i in range(n):
+            if i + AHEAD < n:
+                prefetch(grad, inverse[i + AHEAD])
+            k = inverse[i]
+            if k >= lo and k < hi:
+                s = scale[i] if weighted else np.float32(1.0)
+                for j in range(d):
+                    grad[k, j] += s * src[i, j]
+        return
+    for b in range(offsets.shape[0] - 1):
+        for i in range(offsets[b], offsets[b + 1]):
+            k = inverse[i]
+            if k >= lo and k < hi:
+                s = scale[i] if weighted else np.float32(1.0)
+                for j in range(d):
+                    grad[k, j] += s * src[b, j]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _owned(t, nthreads, nu, grad, src, inverse, offsets, scale):
+    """Unique rows ``[lo, hi)`` owned by thread ``t``; with a per-id gradient ``src`` (non-empty),
+    first coalesce those rows' gradient into ``grad[lo:hi]``, where it stays in this core's cache."""
+    chunk = (nu + nthreads - 1) // nthreads
+    lo, hi = t * chunk, min(nu, (t + 1) * chunk)
+    if src.shape[0] > 0 and lo < hi:
+        _coalesce_range(grad, src, inverse, offsets, scale, lo, hi)
+    return lo, hi
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def pool_backward(grad_out, inverse, offsets, scale, num_unique, nthreads):
+    """Coalesce the gradient of pooled (or per-id) outputs into one ``(U, D)`` row per unique id."""
+    grad = np.empty((num_unique, grad_out.shape[1]), np.float32)
+    for t in prange(nthreads):
+        _owned(t, nthreads, num_unique, grad, grad_out, inverse, offsets, scale)
     return grad
 
 
@@ -158,97 +177,110 @@ def pool_backward(grad_out, inverse, offsets, scale, num_unique, num_threads):
 # tables ``w`` is the table itself and ``widx`` is ``ids`` (updated in place); for bf16/fp16
 # tables ``w`` is an fp32 copy of the rows and ``widx`` is ``arange(U)``. State rows are always
 # ``state[ids[k]]``. Each kernel reads and writes every weight row and state row once.
+# ``grad`` is the coalesced ``(U, D)`` gradient; when the per-id gradient ``src`` is given (with
+# ``inverse``/``offsets``/``scale``), ``grad`` is scratch that each thread first fills for its
+# own rows (the coalesce fused into the update).
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def lazy_adam(w, widx, m, v, ids, grad, step_size, beta1, beta2, eps):
+def lazy_adam(w, widx, m, v, ids, grad, src, inverse, offsets, scale, nthreads, step_size, beta1, beta2, eps):
     nu = ids.shape[0]
     d = grad.shape[1]
     one = np.float32(1.0)
-    for k in prange(ids.shape[0]):
-        if k + AHEAD < nu:
-            prefetch(w, widx[k + AHEAD])
-            prefetch(m, ids[k + AHEAD])
-            prefetch(v, ids[k + AHEAD])
-        r, q = ids[k], widx[k]
-        for j in range(d):
-            g = grad[k, j]
-            mj = beta1 * m[r, j] + (one - beta1) * g
-            vj = beta2 * v[r, j] + (one - beta2) * g * g
-            m[r, j] = mj
-            v[r, j] = vj
-            w[q, j] -= step_size * mj / (np.sqrt(vj) + eps)
+    for t in prange(nthreads):
+        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        for k in range(lo, hi):
+            if k + AHEAD < hi:
+                prefetch(w, widx[k + AHEAD])
+                prefetch(m, ids[k + AHEAD])
+                prefetch(v, ids[k + AHEAD])
+            r, q = ids[k], widx[k]
+            for j in range(d):
+                g = grad[k, j]
+                mj = beta1 * m[r, j] + (one - beta1) * g
+                vj = beta2 * v[r, j] + (one - beta2) * g * g
+                m[r, j] = mj
+                v[r, j] = vj
+                w[q, j] -= step_size * mj / (np.sqrt(vj) + eps)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def ftrl(w, widx, n, z, ids, grad, lr, l1, l2, beta):
+def ftrl(w, widx, n, z, ids, grad, src, inverse, offsets, scale, nthreads, lr, l1, l2, beta):
     nu = ids.shape[0]
     d = grad.shape[1]
-    for k in prange(ids.shape[0]):
-        if k + AHEAD < nu:
-            prefetch(w, widx[k + AHEAD])
-            prefetch(n, ids[k + AHEAD])
-            prefetch(z, ids[k + AHEAD])
-        r, q = ids[k], widx[k]
-        for j in range(d):
-            g = grad[k, j]
-            nj = n[r, j]
-            n_new = nj + g * g
-            sqrt_new = np.sqrt(n_new)
-            zj = z[r, j] + g - (sqrt_new - np.sqrt(nj)) / lr * w[q, j]
-            n[r, j] = n_new
-            z[r, j] = zj
-            if abs(zj) <= l1:
-                w[q, j] = 0.0
-            else:
-                w[q, j] = -(zj - np.sign(zj) * l1) / ((beta + sqrt_new) / lr + l2)
+    for t in prange(nthreads):
+        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        for k in range(lo, hi):
+            if k + AHEAD < hi:
+                prefetch(w, widx[k + AHEAD])
+                prefetch(n, ids[k + AHEAD])
+                prefetch(z, ids[k + AHEAD])
+            r, q = ids[k], widx[k]
+            for j in range(d):
+                g = grad[k, j]
+                nj = n[r, j]
+                n_new = nj + g * g
+                sqrt_new = np.sqrt(n_new)
+                zj = z[r, j] + g - (sqrt_new - np.sqrt(nj)) / lr * w[q, j]
+                n[r, j] = n_new
+                z[r, j] = zj
+                if abs(zj) <= l1:
+                    w[q, j] = 0.0
+                else:
+                    w[q, j] = -(zj - np.sign(zj) * l1) / ((beta + sqrt_new) / lr + l2)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def adagrad(w, widx, s, ids, grad, lr, eps):
+def adagrad(w, widx, s, ids, grad, src, inverse, offsets, scale, nthreads, lr, eps):
     nu = ids.shape[0]
     d = grad.shape[1]
-    for k in prange(ids.shape[0]):
-        if k + AHEAD < nu:
-            prefetch(w, widx[k + AHEAD])
-            prefetch(s, ids[k + AHEAD])
-        r, q = ids[k], widx[k]
-        for j in range(d):
-            g = grad[k, j]
-            sj = s[r, j] + g * g
-            s[r, j] = sj
-            w[q, j] -= lr * g / (np.sqrt(sj) + eps)
+    for t in prange(nthreads):
+        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        for k in range(lo, hi):
+            if k + AHEAD < hi:
+                prefetch(w, widx[k + AHEAD])
+                prefetch(s, ids[k + AHEAD])
+            r, q = ids[k], widx[k]
+            for j in range(d):
+                g = grad[k, j]
+                sj = s[r, j] + g * g
+                s[r, j] = sj
+                w[q, j] -= lr * g / (np.sqrt(sj) + eps)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def rowwise_adagrad(w, widx, s, ids, grad, lr, eps):
+def rowwise_adagrad(w, widx, s, ids, grad, src, inverse, offsets, scale, nthreads, lr, eps):
     nu = ids.shape[0]
     d = grad.shape[1]
-    for k in prange(ids.shape[0]):
-        if k + AHEAD < nu:
-            prefetch(w, widx[k + AHEAD])
-            prefetch(s, ids[k + AHEAD])
-        r, q = ids[k], widx[k]
-        acc = np.float32(0.0)
-        for j in range(d):
-            acc += grad[k, j] * grad[k, j]
-        sr = s[r] + acc / np.float32(d)
-        s[r] = sr
-        step = lr / (np.sqrt(sr) + eps)
-        for j in range(d):
-            w[q, j] -= step * grad[k, j]
+    for t in prange(nthreads):
+        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        for k in range(lo, hi):
+            if k + AHEAD < hi:
+                prefetch(w, widx[k + AHEAD])
+                prefetch(s, ids[k + AHEAD])
+            r, q = ids[k], widx[k]
+            acc = np.float32(0.0)
+            for j in range(d):
+                acc += grad[k, j] * grad[k, j]
+            sr = s[r] + acc / np.float32(d)
+            s[r] = sr
+            step = lr / (np.sqrt(sr) + eps)
+            for j in range(d):
+                w[q, j] -= step * grad[k, j]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def sgd(w, widx, ids, grad, lr):
+def sgd(w, widx, ids, grad, src, inverse, offsets, scale, nthreads, lr):
     nu = ids.shape[0]
     d = grad.shape[1]
-    for k in prange(ids.shape[0]):
-        if k + AHEAD < nu:
-            prefetch(w, widx[k + AHEAD])
-        q = widx[k]
-        for j in range(d):
-            w[q, j] -= lr * grad[k, j]
+    for t in prange(nthreads):
+        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        for k in range(lo, hi):
+            if k + AHEAD < hi:
+                prefetch(w, widx[k + AHEAD])
+            q = widx[k]
+            for j in range(d):
+                w[q, j] -= lr * grad[k, j]
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hetero.embedding.kernels import kernels
-from hetero.placement import copy_to
+from hetero.placement import copy_to, host_empty
 
 if TYPE_CHECKING:
     from hetero.embedding.table import HostEmbedding, SparseGrad
@@ -84,7 +84,7 @@ class TableGroup:
         if len(tables) == 1:
             storage = tables[0].weight.data
         else:
-            storage = torch.empty(total, self.dim, dtype=self.dtype)
+            storage = host_empty((total, self.dim), self.dtype)
         start = 0
         for t in tables:
             v = t.config.num_embeddings
@@ -294,9 +294,9 @@ def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:
 class _HostPool(torch.autograd.Function):
     """Pool (or expand) unique rows into bags on the CPU with the numba kernels.
 
-    The backward is the coalesce: one gradient row per unique id, handed to the group as a
-    :class:`SparseGrad` (no gradient flows to ``rows``, which is a copy). On CUDA,
-    ``F.embedding_bag`` does the same job on the device.
+    The backward hands the group a :class:`SparseGrad` that keeps the gradient per id; the
+    optimizer coalesces it into one row per unique id as it updates (no gradient flows to
+    ``rows``, which is a copy). On CUDA, ``F.embedding_bag``'s backward coalesces on the device.
     """
 
     @staticmethod
@@ -314,8 +314,7 @@ class _HostPool(torch.autograd.Function):
         from hetero.embedding.table import SparseGrad
 
         inverse, offsets, scale, unique = ctx.saved_tensors
-        K = kernels()
-        g = grad_out.detach().float().contiguous().numpy()
-        grad = K.pool_backward(g, inverse.numpy(), offsets.numpy(), scale.numpy(), unique.numel(), K.num_threads())
-        ctx.group.pending.append(SparseGrad(unique, torch.from_numpy(grad)))
+        # Keep the gradient per id: the optimizer coalesces it and updates in one pass.
+        src = grad_out.detach().float().contiguous()
+        ctx.group.pending.append(SparseGrad(unique, None, per_id=(src, inverse, offsets, scale)))
         return None, None, None, None, torch.empty(0), None, None, None

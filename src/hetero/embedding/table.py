@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from hetero.embedding.group import Request, TableGroup
+from hetero.placement import host_empty
 
 
 class Pooling(enum.Enum):
@@ -77,21 +78,38 @@ class TableConfig:
         return self.feature or self.name
 
 
-@dataclasses.dataclass
 class SparseGrad:
     """Gradient of a table group for one step: only the rows the batch touched.
 
     Attributes:
         ids: ``(U,)`` int64, host, unique rows of the group's storage (for a standalone table:
             its ids), in first-occurrence order.
-        rows: ``(U, D)`` float32, host, the coalesced gradient of each of those rows.
+        rows: ``(U, D)`` float32, host, the coalesced gradient of each of those rows. On the CPU
+            it is computed on first access: until then the gradient is kept per id (``per_id``:
+            the output gradient, the inverse map, bag offsets and scales) so that the optimizer
+            can coalesce and update in one pass.
         ready: on CUDA, the event recorded after the async device->host copy of ``rows``;
             :meth:`wait` blocks on it before the host reads ``rows``. ``None`` on CPU.
     """
 
-    ids: Tensor
-    rows: Tensor
-    ready: "torch.cuda.Event | None" = None
+    def __init__(self, ids: Tensor, rows: Tensor | None, ready: "torch.cuda.Event | None" = None,
+                 per_id: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> None:
+        assert rows is not None or per_id is not None
+        self.ids, self._rows, self.ready, self.per_id = ids, rows, ready, per_id
+
+    @property
+    def rows(self) -> Tensor:
+        if self._rows is None:
+            from hetero.embedding.kernels import kernels
+
+            K = kernels()
+            src, inverse, offsets, scale = (t.numpy() for t in self.per_id)
+            self._rows = torch.from_numpy(K.pool_backward(src, inverse, offsets, scale, self.ids.numel(), K.num_threads()))
+        return self._rows
+
+    @property
+    def is_coalesced(self) -> bool:
+        return self._rows is not None
 
     def wait(self) -> "SparseGrad":
         if self.ready is not None:
@@ -107,7 +125,7 @@ class SparseGrad:
         for g in grads:
             g.wait()
         ids, inverse = torch.unique(torch.cat([g.ids for g in grads]), return_inverse=True)
-        rows = torch.zeros(ids.numel(), grads[0].rows.shape[1], dtype=grads[0].rows.dtype)
+        rows = torch.zeros(ids.numel(), grads[0].rows.shape[1], dtype=torch.float32)
         rows.index_add_(0, inverse, torch.cat([g.rows for g in grads]))
         return SparseGrad(ids, rows)
 
@@ -144,12 +162,13 @@ class HostEmbedding(nn.Module):
     def __init__(self, config: TableConfig) -> None:
         super().__init__()
         self.config = config
-        weight = torch.empty(config.num_embeddings, config.embedding_dim, dtype=torch.float32)
+        weight = host_empty((config.num_embeddings, config.embedding_dim), config.dtype)
         if config.init_std > 0:
-            weight.normal_(0.0, config.init_std)
+            # drawn in fp32 (the same random stream for every storage dtype), then stored
+            weight.copy_(torch.empty(weight.shape).normal_(0.0, config.init_std))
         else:
             weight.zero_()
-        self.weight = nn.Parameter(weight.to(config.dtype), requires_grad=False)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         # Zero-size probe that follows .to()/.cuda()/.half(): it records where and in which dtype
         # the rest of the model lives, i.e. where the looked-up rows must be delivered.
         self.register_buffer("_device_anchor", torch.empty(0), persistent=False)

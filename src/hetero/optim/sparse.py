@@ -46,8 +46,12 @@ from torch import Tensor
 from hetero.embedding import HostEmbedding
 from hetero.embedding.group import TableGroup
 from hetero.embedding.kernels import kernels
+from hetero.placement import host_empty
 
 f32 = np.float32
+_NO_SRC = np.empty((0, 1), np.float32)  # "the gradient is already coalesced"
+_NO_IDX = np.empty(0, np.int64)
+_NO_SCALE = np.empty(0, np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +140,7 @@ class SparseOptimizer(abc.ABC):
 
     def _initial_state(self, name: str, group: TableGroup) -> Tensor:
         shape = (group.num_rows,) if self.rowwise_state else (group.num_rows, group.dim)
-        return torch.zeros(shape, dtype=torch.float32)
+        return host_empty(shape, torch.float32).zero_()
 
     @property
     def steps(self) -> dict[str, int]:
@@ -166,7 +170,12 @@ class SparseOptimizer(abc.ABC):
             self._group_steps[id(group)] += 1
             step = self._group_steps[id(group)]
             ids = grad.ids.numpy()
-            g = grad.rows.contiguous().numpy()
+            K = kernels()
+            if grad.is_coalesced:
+                g = (grad.rows.contiguous().numpy(), _NO_SRC, _NO_IDX, _NO_IDX, _NO_SCALE, K.num_threads())
+            else:  # per-id gradient: the kernel coalesces each thread's rows into scratch, then updates
+                src, inverse, offsets, scale = (t.numpy() for t in grad.per_id)
+                g = (np.empty((len(ids), group.dim), np.float32), src, inverse, offsets, scale, K.num_threads())
             state = [x.numpy() for x in self.group_state[id(group)].values()]
             if group.dtype == torch.float32:
                 self._update(group.storage.numpy(), ids, state, ids, g, step)
@@ -177,8 +186,11 @@ class SparseOptimizer(abc.ABC):
             group.note_update(grad.ids)
 
     @abc.abstractmethod
-    def _update(self, w: np.ndarray, widx: np.ndarray, state: list[np.ndarray], ids: np.ndarray, grad: np.ndarray, step: int) -> None:
-        """Run the kernel: rows ``ids`` of the state and rows ``widx`` of ``w`` from ``grad`` ``(U, D)``."""
+    def _update(self, w: np.ndarray, widx: np.ndarray, state: list[np.ndarray], ids: np.ndarray, grad: tuple, step: int) -> None:
+        """Run the kernel on rows ``ids`` of the state and rows ``widx`` of ``w``.
+
+        ``grad`` is the kernels' gradient arguments: ``(grad, src, inverse, offsets, scale, nthreads)``.
+        """
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -222,7 +234,7 @@ class LazyAdam(SparseOptimizer):
     def _update(self, w, widx, state, ids, grad, step):
         c = self.config
         step_size = c.lr * math.sqrt(1 - c.beta2**step) / (1 - c.beta1**step)
-        kernels().lazy_adam(w, widx, *state, ids, grad, f32(step_size), f32(c.beta1), f32(c.beta2), f32(c.eps))
+        kernels().lazy_adam(w, widx, *state, ids, *grad, f32(step_size), f32(c.beta1), f32(c.beta2), f32(c.eps))
 
 
 class FTRL(SparseOptimizer):
@@ -235,7 +247,7 @@ class FTRL(SparseOptimizer):
 
     def _update(self, w, widx, state, ids, grad, step):
         c = self.config
-        kernels().ftrl(w, widx, *state, ids, grad, f32(c.lr), f32(c.l1), f32(c.l2), f32(c.beta))
+        kernels().ftrl(w, widx, *state, ids, *grad, f32(c.lr), f32(c.l1), f32(c.l2), f32(c.beta))
 
 
 class Adagrad(SparseOptimizer):
@@ -246,7 +258,7 @@ class Adagrad(SparseOptimizer):
         return super()._initial_state(name, group).fill_(self.config.initial_accumulator)
 
     def _update(self, w, widx, state, ids, grad, step):
-        kernels().adagrad(w, widx, *state, ids, grad, f32(self.config.lr), f32(self.config.eps))
+        kernels().adagrad(w, widx, *state, ids, *grad, f32(self.config.lr), f32(self.config.eps))
 
 
 class RowWiseAdagrad(Adagrad):
@@ -254,14 +266,14 @@ class RowWiseAdagrad(Adagrad):
     rowwise_state = True
 
     def _update(self, w, widx, state, ids, grad, step):
-        kernels().rowwise_adagrad(w, widx, *state, ids, grad, f32(self.config.lr), f32(self.config.eps))
+        kernels().rowwise_adagrad(w, widx, *state, ids, *grad, f32(self.config.lr), f32(self.config.eps))
 
 
 class SGD(SparseOptimizer):
     Config = SGDConfig
 
     def _update(self, w, widx, state, ids, grad, step):
-        kernels().sgd(w, widx, ids, grad, f32(self.config.lr))
+        kernels().sgd(w, widx, ids, *grad, f32(self.config.lr))
 
 
 class SparseOptimizerKind(enum.Enum):

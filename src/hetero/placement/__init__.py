@@ -4,6 +4,7 @@ Targets are typed (:class:`Target`, :class:`StorageTier`); strings are parsed on
 (CLI, config files) with :meth:`Target.parse` and never passed around inside hetero.
 """
 
+from hetero.placement.memory import host_empty
 from hetero.placement.target import StorageTier, Target, copy_to, resolve_device
 
-__all__ = ["StorageTier", "Target", "copy_to", "resolve_device"]
+__all__ = ["StorageTier", "Target", "copy_to", "host_empty", "resolve_device"]
