@@ -27,6 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	$(PY) benchmarks/embedding_step.py
 	$(PY) benchmarks/train_step.py
 
 clean:

@@ -119,3 +119,9 @@ def test_training_learns_the_synthetic_signal(tmp_path):
     metrics = trainer.fit()
     assert metrics["test_auc"] > 0.75
     assert trainer.losses[-1] < trainer.losses[0]
+
+
+def test_prefetch_leaves_the_loss_trajectory_bitwise_unchanged(ml_dir, tmp_path):
+    assert _cli(ml_dir, tmp_path / "plain", "--epochs", "1") == 0
+    assert _cli(ml_dir, tmp_path / "pre", "--epochs", "1", "--prefetch", "--threads", "1") == 0
+    assert (tmp_path / "pre" / "losses.csv").read_text() == (tmp_path / "plain" / "losses.csv").read_text()

@@ -63,6 +63,8 @@ class Prefetcher:
         self.stream = torch.cuda.Stream() if cuda else None
 
     def _prepare(self, batch: Any) -> list[list[LookupPlan]]:
+        # Runs on the worker thread: only serial numba kernels (plan) and torch ops (gather) here.
+        # numba's default threading layer does not allow two threads to launch parallel kernels.
         feats = self.features(batch)
         out = []
         for c in self.collections:
