@@ -52,32 +52,28 @@ def timed(step, batches, warmup: int, block: int = 5) -> float:
     return float(np.median(times))
 
 
-def hetero_step_rate(kind: SparseOptimizerKind, batches, rows: int, warmup: int) -> float:
-    torch.manual_seed(0)
-    table = HostEmbedding(TableConfig("t", rows, D))
-    opt = kind.optimizer([table])
+def step_rate(module, opt, batches, warmup: int) -> float:
+    """Lookups/s of forward + backward (fixed upstream gradient) + optimizer step."""
     upstream = torch.randn(B, F, D)
 
     def step(ids):
         opt.zero_grad()
-        table(ids).backward(upstream)
+        module(ids).backward(upstream)
         opt.step()
 
     return B * F / timed(step, batches, warmup)
+
+
+def hetero_step_rate(kind: SparseOptimizerKind, batches, rows: int, warmup: int) -> float:
+    torch.manual_seed(0)
+    table = HostEmbedding(TableConfig("t", rows, D))
+    return step_rate(table, kind.optimizer([table]), batches, warmup)
 
 
 def torch_step_rate(make_opt, batches, rows: int, warmup: int) -> float:
     torch.manual_seed(0)
     emb = torch.nn.Embedding(rows, D, sparse=True)
-    opt = make_opt(emb.parameters())
-    upstream = torch.randn(B, F, D)
-
-    def step(ids):
-        opt.zero_grad()
-        emb(ids).backward(upstream)
-        opt.step()
-
-    return B * F / timed(step, batches, warmup)
+    return step_rate(emb, make_opt(emb.parameters()), batches, warmup)
 
 
 def multi_table_rate(batches, rows: int, warmup: int) -> float:

@@ -191,22 +191,27 @@ def _train(threads, prefetch=None, steps=6):
             outs.append({n: o.detach().clone() for n, o in out.items()})
             sum((o * (k + 1)).sum() for k, o in enumerate(out.values())).backward()
             opt.step()
-        return coll, outs, it
+        return coll, outs, it, batches
     finally:
         set_num_threads(None)
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    one, _, _ = _train(1)
-    two, _, _ = _train(2)
+    one = _train(1)[0]
+    two = _train(2)[0]
     for n in one.tables:
         assert torch.equal(one.tables[n].weight, two.tables[n].weight), n
 
 
 def test_prefetched_rows_are_never_stale():
-    ref, ref_outs, _ = _train(2)
-    pre, pre_outs, prefetcher = _train(2, PrefetchConfig(gather_rows=True))
-    assert prefetcher.refreshed_rows > 0  # the hazard happened: updates overtook prefetched rows
+    # worker=False prepares batch i+1 (gathering its rows) before batch i's update, every time:
+    # the read-after-write hazard is certain, not left to thread timing.
+    ref, ref_outs, _, _ = _train(2)
+    pre, pre_outs, prefetcher, batches = _train(2, PrefetchConfig(gather_rows=True, worker=False))
+    touched = [{"a": set(f["a"].reshape(-1).tolist()), "b": set(f["b"][0].tolist()),
+                "c": set((f["c"] % 20).tolist()), "w": set(f["w"].tolist())} for f in batches]
+    expected = sum(len(cur[n] & prev[n]) for prev, cur in zip(touched[:-1], touched[1:]) for n in cur)
+    assert expected > 0 and prefetcher.refreshed_rows == expected  # exactly the rows the previous step updated
     for a, b in zip(ref_outs, pre_outs):
         for n in a:
             assert torch.equal(a[n], b[n]), n
@@ -214,16 +219,22 @@ def test_prefetched_rows_are_never_stale():
         assert torch.equal(ref.tables[n].weight, pre.tables[n].weight)
 
 
+def test_prefetch_on_a_worker_thread_is_exact():
+    ref, ref_outs, _, _ = _train(2)
+    pre, pre_outs, _, _ = _train(2, PrefetchConfig(gather_rows=True))
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(ref_outs, pre_outs) for n in a)
+
+
 def test_staleness_bound_allows_stale_rows_only_when_configured():
-    ref, ref_outs, _ = _train(2)
-    _, stale_outs, prefetcher = _train(2, PrefetchConfig(gather_rows=True, max_staleness=1))
+    ref, ref_outs, _, _ = _train(2)
+    _, stale_outs, prefetcher, _ = _train(2, PrefetchConfig(gather_rows=True, max_staleness=1, worker=False))
     assert prefetcher.refreshed_rows == 0
     assert not torch.equal(ref_outs[-1]["a"], stale_outs[-1]["a"])  # this test can see stale reads
 
 
 def test_prefetch_without_early_gather_is_exact_and_cleans_up():
-    ref, ref_outs, _ = _train(2)
-    pre, pre_outs, _ = _train(2, PrefetchConfig())
+    ref, ref_outs, _, _ = _train(2)
+    pre, pre_outs, _, _ = _train(2, PrefetchConfig())
     assert all(torch.equal(a[n], b[n]) for a, b in zip(ref_outs, pre_outs) for n in a)
     assert pre._prepared == {}
 

@@ -7,14 +7,8 @@ trained by the sparse optimizers in :mod:`hetero.optim`.
 from hetero.embedding.collection import HostEmbeddingCollection
 from hetero.embedding.kernels import set_num_threads
 from hetero.embedding.prefetch import PrefetchConfig, Prefetcher
-from hetero.embedding.table import (
-    HostEmbedding,
-    Pooling,
-    SparseGrad,
-    TableConfig,
-    dense_parameters,
-    host_tables,
-)
+from hetero.embedding.config import Pooling, TableConfig
+from hetero.embedding.table import HostEmbedding, SparseGrad, dense_parameters, host_tables
 
 __all__ = [
     "HostEmbedding",

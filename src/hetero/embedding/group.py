@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hetero.embedding.config import Pooling
 from hetero.embedding.kernels import kernels
 from hetero.placement import copy_to, host_empty
 
@@ -111,13 +112,14 @@ class TableGroup:
         """Check, globalize and dedup the ids of ``requests``; build bags. Reads no table rows.
 
         Raises:
-            IndexError: an out-of-range id (see :meth:`HostEmbedding.checked_ids`).
+            IndexError: an out-of-range id of a table that is not ``hashed``, naming the table,
+                the id and the vocab size; raised before any state changes.
             ValueError: bad dtype or offsets.
         """
         K = kernels()
         flat, offsets, lengths, ranges = [], [], [], []
         n = bags = 0
-        singleton = all(r.offsets is None and r.table.config.pooling.value == "none" for r in requests)
+        singleton = all(r.offsets is None and r.table.config.pooling is Pooling.NONE for r in requests)
         for r in requests:
             cfg = r.table.config
             if r.ids.dtype not in (torch.int64, torch.int32):
@@ -152,8 +154,8 @@ class TableGroup:
             all_offsets = torch.empty(0, dtype=torch.int64)
         else:
             all_offsets = torch.cat([*offsets, torch.tensor([n])])
-            if any(r.table.config.pooling.value == "mean" for r in requests):
-                per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling.value == "mean" else torch.ones(len(ln)))
+            if any(r.table.config.pooling is Pooling.MEAN for r in requests):
+                per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling is Pooling.MEAN else torch.ones(len(ln)))
                            for r, ln in zip(requests, lengths)]
                 scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
         return LookupPlan(torch.from_numpy(unique), torch.from_numpy(inverse), torch.from_numpy(rows),
@@ -274,7 +276,7 @@ def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:
     """Bag offsets ``(bags + 1,)`` of one request and the shape of its output (without ``D``)."""
     cfg = r.table.config
     if r.offsets is not None:
-        if cfg.pooling.value == "none":
+        if cfg.pooling is Pooling.NONE:
             raise ValueError(f"table {cfg.name!r}: offsets given but pooling is 'none'; use SUM or MEAN")
         off = r.offsets.to("cpu", torch.int64)
         if off.dim() != 1 or off.numel() < 1 or int(off[0]) != 0 or int(off[-1]) != n:
@@ -283,7 +285,7 @@ def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:
                 f"offsets[-1] == len(ids) == {n}, got {off.tolist()[:8]}"
             )
         return off, (off.numel() - 1,)
-    if cfg.pooling.value == "none":
+    if cfg.pooling is Pooling.NONE:
         return torch.arange(n + 1), tuple(r.ids.shape)
     if r.ids.dim() != 2:
         raise ValueError(f"table {cfg.name!r}: pooled lookup without offsets needs 2-D ids (B, L), got {tuple(r.ids.shape)}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ class PrefetchConfig:
     depth: int = 1  # batches prepared ahead of the one being trained
     max_staleness: int = 0  # optimizer steps a prefetched row may lag behind; 0 = never stale
     gather_rows: bool | None = None  # gather rows ahead; None = when they must travel or be converted
+    worker: bool = True  # False: prepare the next batch on the calling thread (same look-ahead, no overlap)
 
 
 class Prefetcher:
@@ -90,7 +91,8 @@ class Prefetcher:
     def __iter__(self) -> Iterator[Any]:
         it = iter(self.batches)
         pending: deque[tuple[Any, Future]] = deque()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-prefetch") as pool:
+        pool_cm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-prefetch") if self.config.worker else _Inline()
+        with pool_cm as pool:
             def refill() -> None:
                 while len(pending) < self.config.depth:
                     batch = next(it, None)
@@ -112,3 +114,15 @@ class Prefetcher:
             finally:  # stopped early (max_steps, an error): drop plans nobody will consume
                 for c in self.collections:
                     c._prepared.clear()
+
+
+class _Inline(Executor):
+    """Runs each submitted call at once on the calling thread (``PrefetchConfig(worker=False)``)."""
+
+    def submit(self, fn, /, *args, **kwargs):  # noqa: ANN001, ANN201 - Executor API
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # delivered when the batch is reached, like the worker's errors
+            future.set_exception(e)
+        return future

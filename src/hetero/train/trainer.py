@@ -40,6 +40,7 @@ class TrainConfig:
     eval_batch_size: int = 8192
     progress: bool = True
     prefetch: bool = False  # prepare the next batch's lookups on a worker thread (hetero.embedding.Prefetcher)
+    warmup_steps: int = 10  # first steps of each run left out of samples/s (kernel compilation)
 
 
 class Trainer:
@@ -147,7 +148,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
-        cfg, stop = self.config, False
+        cfg, stop, steps_this_run = self.config, False, 0
         while self.epoch < cfg.epochs and not stop:
             bar = tqdm(total=len(self.train.dataset), initial=min(self.batch * self.train.config.batch_size, len(self.train.dataset)),
                        unit="sample", unit_scale=True, desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
@@ -159,8 +160,10 @@ class Trainer:
             for batch in batches:
                 t0 = time.perf_counter()
                 loss = self._step(batch)
-                self.train_seconds += time.perf_counter() - t0
-                self.train_samples += len(batch)
+                steps_this_run += 1
+                if steps_this_run > cfg.warmup_steps:  # steady state only: not the first-call compilation
+                    self.train_seconds += time.perf_counter() - t0
+                    self.train_samples += len(batch)
                 self.losses.append(loss)
                 self.batch += 1
                 self.global_step += 1
@@ -202,7 +205,7 @@ class Trainer:
         metrics = {
             "test_auc": test["auc"],
             "test_logloss": test["logloss"],
-            "samples_per_s": self.train_samples / max(self.train_seconds, 1e-9),
+            "samples_per_s": self.train_samples / max(self.train_seconds, 1e-9),  # steady state, see warmup_steps
             "wall_time_s": wall_seconds,  # of this invocation (a resumed run counts from its restart)
             "steps": self.global_step,
             "epochs": self.epoch,
