@@ -10,8 +10,19 @@ from hetero.placement import StorageTier, Target, resolve_device
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # hetero.explain / hetero.partition load torch.fx machinery on first use only.
+    if name in ("explain", "partition"):
+        import hetero.placement as placement
+
+        return getattr(placement, name)
+    raise AttributeError(f"module 'hetero' has no attribute {name!r}")
+
 __all__ = [
     "HostEmbedding",
+    "explain",
+    "partition",
     "HostEmbeddingCollection",
     "Pooling",
     "StorageTier",

@@ -1,6 +1,8 @@
-"""Datasets: in-memory tabular data, MovieLens-100K and the Criteo TSV format."""
+"""Datasets: in-memory tabular data, MovieLens-100K, the Criteo TSV format and MNIST."""
 
 from hetero.data.criteo import CriteoConfig, read_criteo_tsv
+from hetero.data.fetch import default_cache_dir
+from hetero.data.mnist import load_mnist, read_idx
 from hetero.data.movielens import fetch_movielens_100k, load_movielens_100k
 from hetero.data.tabular import Batch, BatchConfig, Batches, Feature, FeatureRole, Jagged, TabularDataset
 
@@ -13,6 +15,9 @@ __all__ = [
     "FeatureRole",
     "Jagged",
     "TabularDataset",
+    "default_cache_dir",
+    "load_mnist",
+    "read_idx",
     "fetch_movielens_100k",
     "load_movielens_100k",
     "read_criteo_tsv",

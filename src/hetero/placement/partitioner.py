@@ -1,0 +1,385 @@
+"""Automatic host/device partitioning of a model's forward graph, and its concurrent execution.
+
+Capture: ``torch.fx`` symbolic tracing. It needs no example inputs, keeps ``nn.Module`` calls,
+parameters and the module path of every op (``nn_module_stack``), and its graphs are plain
+Python that ``split_module`` cuts into subgraphs; torch.export would demand static shapes and
+functionalised ops, and a Dynamo backend sees graphs only at the first call and splits them at
+graph breaks. Where symbolic tracing fails (data-dependent control flow), hetero falls back to
+module-level placement with hooks and warns, naming the reason.
+
+Steps: (1) assign a :class:`Target` to every op (see :mod:`hetero.placement.annotate` for the
+precedence); (2) insert a transfer op on every edge whose ends have different targets - the copy
+is differentiable, so gradients flow back across it and land where their parameters live;
+(3) group ops into subgraphs: ``stage(op) = max over inputs of stage(input) + (1 if the input's
+target differs)``, and ops of equal (target, stage) form one subgraph - maximal same-target
+groups whose dependency graph is acyclic by construction; (4) run the subgraphs in order, host
+subgraphs on a worker thread and device subgraphs on the caller's thread, each starting as soon
+as its inputs are ready, so independent host and device subgraphs run concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import operator
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.split_module import split_module
+
+from hetero.placement.annotate import PlacementSpec, current_region, module_target
+from hetero.placement.target import Target, copy_to, resolve_device
+
+
+@torch.fx.wrap
+def transfer(x: torch.Tensor, target: str) -> torch.Tensor:
+    """Copy ``x`` to the device of ``target`` (differentiable). Host->device is pinned and async."""
+    device = resolve_device(Target(target))
+    if _recorder.active is not None:  # logical bytes across the boundary, also where both are the CPU
+        _recorder.add(target, x.numel() * x.element_size())
+    if device.type == "cpu":
+        return x.to(device)  # device -> host; on CUDA a sync point: the host subgraph needs the values
+    return copy_to(x, device)
+
+
+class _Recorder:
+    """Bytes crossing the boundary while ``explain`` runs; shared by the caller and the host worker."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active: dict[str, int] | None = None
+
+    def add(self, target: str, nbytes: int) -> None:
+        with self.lock:
+            if self.active is not None:
+                self.active[target] += nbytes
+
+
+_recorder = _Recorder()
+
+
+class _Tracer(fx.Tracer):
+    """Keeps modules with a placement of their own as single ops; records ``on()`` regions."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return module_target(m) is not None or super().is_leaf_module(m, qualname)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        node.meta["hetero_region"] = current_region()
+        return node
+
+
+def op_type(node: fx.Node, root: nn.Module) -> str:
+    """The op type of a node as op rules name it (``matmul``, ``add``, ``relu``, ``linear``...)."""
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target)).strip("_")
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_module":
+        return type(root.get_submodule(str(node.target))).__name__.lower()
+    return node.op
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _modules_on_path(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+@dataclasses.dataclass
+class Subgraph:
+    name: str
+    target: Target
+    ops: list[tuple[str, str]]  # (op type, module path)
+    inputs: list[str]  # names of the subgraphs it consumes
+
+
+class HeteroModule(nn.Module):
+    """A model whose forward runs as host and device subgraphs (see the module docstring).
+
+    Build with :func:`partition`. Parameters live on their target (host: CPU memory; device: the
+    resolved accelerator, or the CPU on a host-only machine). ``subgraphs`` describes the split.
+    """
+
+    def __init__(self, model: nn.Module, split: fx.GraphModule | None, subgraphs: list[Subgraph], concurrent: bool) -> None:
+        super().__init__()
+        self.model = model  # the original module: owns the parameters (state_dict keys unchanged)
+        self.split = split
+        self.subgraphs = subgraphs
+        self._targets = {s.name: s.target for s in subgraphs}
+        self.concurrent = concurrent
+        self._order = _schedule(split.graph, self._targets) if split is not None else []
+        self._pool: ThreadPoolExecutor | None = None
+        self.fallback_reason: str | None = None
+        self.param_targets: dict[str, Target] = {}  # qualified parameter name -> where it lives
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - placement decides where parameters live
+        raise RuntimeError("a HeteroModule's parameters live where their placement puts them; "
+                           "call .to()/.cuda() on the model before hetero.placement.partition()")
+
+    # The original model owns the parameters: names and state_dict keys stay the user's.
+    def named_parameters(self, *args, **kwargs):
+        return self.model.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.model.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            # One thread: host subgraphs run in submission (topological) order, so a task only ever
+            # waits on tasks submitted before it and the pool cannot deadlock.
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-host")
+        return self._pool
+
+    def forward(self, *args: Any) -> Any:
+        if self.split is None:  # fallback: the model's own forward, with placement hooks
+            return self.model(*args)
+        env: dict[fx.Node, Any] = {}
+        inputs = iter(args)
+        grad = torch.is_grad_enabled()
+
+        def resolve(a):
+            return fx.node.map_aggregate(fx.node.map_arg(a, lambda n: env[n]), _value)
+
+        for node in self._order:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "call_module":
+                sub = self.split.get_submodule(str(node.target))
+                if self.concurrent and self._targets.get(str(node.target)) is Target.HOST:
+                    env[node] = self._worker().submit(_run, sub, node.args, node.kwargs, env.copy(), grad)
+                else:
+                    env[node] = sub(*resolve(node.args), **resolve(node.kwargs))
+            elif node.op == "get_attr":  # a parameter handed to a subgraph as an input
+                env[node] = functools.reduce(getattr, str(node.target).split("."), self.split)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                src, idx = node.args
+                env[node] = _Item(env[src], idx)  # stays lazy: no wait for a host subgraph here
+            elif node.op == "output":
+                return resolve(node.args[0])  # sync point: wait for the last host subgraphs
+            else:
+                assert node.op == "call_function", f"unexpected top-level node {node.op} {node.target}"
+                env[node] = node.target(*resolve(node.args), **resolve(node.kwargs))
+        raise AssertionError("graph without output")
+
+
+@dataclasses.dataclass
+class _Item:
+    source: Any
+    index: Any
+
+
+def _value(x: Any) -> Any:
+    if isinstance(x, _Item):
+        return _value(x.source)[x.index]
+    if isinstance(x, Future):
+        return x.result()  # sync point: the consumer needs this host subgraph's output
+    return x
+
+
+def _schedule(graph: fx.Graph, targets: dict[str, Target]) -> list[fx.Node]:
+    """A topological order of the top-level graph that enqueues host subgraphs as early as their
+    inputs allow, so the worker starts them before device work that does not depend on them."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+
+    def priority(n: fx.Node) -> tuple[int, int]:
+        host = n.op == "call_module" and targets.get(str(n.target)) is Target.HOST
+        rank = {"placeholder": 0, "get_attr": 1, "output": 4}.get(n.op, 1 if host else 3)
+        return rank, position[n]
+
+    waiting = {n: len(n.all_input_nodes) for n in graph.nodes}
+    ready = [(priority(n), n.name, n) for n in graph.nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        *_, n = heapq.heappop(ready)
+        order.append(n)
+        for user in n.users:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, (priority(user), user.name, user))
+    assert len(order) == len(graph.nodes), "the subgraph graph has a cycle"
+    return order
+
+
+def _run(sub: nn.Module, args, kwargs, env, grad: bool):
+    with torch.set_grad_enabled(grad):  # grad mode is per thread: mirror the caller's
+        res = lambda a: fx.node.map_aggregate(fx.node.map_arg(a, lambda n: env[n]), _value)  # noqa: E731
+        return sub(*res(args), **res(kwargs))
+
+
+def _check_names(model: nn.Module, spec: PlacementSpec, graph: fx.Graph) -> None:
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    for name in spec.modules:
+        if name not in modules:
+            raise ValueError(f"placement names module {name!r}, which {type(model).__name__} does not have; "
+                             f"its modules are {sorted(m for m in modules if m)}")
+    for name, t in spec.params.items():
+        if name not in params:
+            raise ValueError(f"placement pins parameter {name!r}, which {type(model).__name__} does not have; "
+                             f"its parameters are {sorted(params)}")
+        owner = modules[name.rsplit(".", 1)[0]] if "." in name else model
+        if getattr(type(owner), "hetero_target", None) is Target.HOST and t is not Target.HOST:
+            raise ValueError(f"conflicting pin: parameter {name!r} belongs to a host-resident "
+                             f"{type(owner).__name__}; it cannot be placed on {t.value}")
+    for rule in spec.ops:
+        if rule.module and rule.module not in modules:
+            raise ValueError(f"placement names module {rule.module!r}, which {type(model).__name__} does not have; "
+                             f"its modules are {sorted(m for m in modules if m)}")
+        found = {op_type(n, model) for n in graph.nodes if n.op.startswith("call")
+                 and rule.module in _modules_on_path(module_path(n))}
+        if rule.op not in found:
+            raise ValueError(f"placement names op type {rule.op!r} in module {rule.module or '(whole model)'!r}, "
+                             f"which runs no such op; its op types are {sorted(found)}")
+
+
+def _assign(model: nn.Module, spec: PlacementSpec, graph: fx.Graph) -> dict[fx.Node, Target]:
+    placed = {name: t for name, m in model.named_modules() if (t := module_target(m)) is not None}
+    placed.update(spec.modules)  # the spec's entries win over marks and class defaults
+    targets: dict[fx.Node, Target] = {}
+    for node in graph.nodes:
+        if not node.op.startswith("call"):
+            continue
+        path = module_path(node)
+        kind = op_type(node, model)
+        rules = [r for r in spec.ops if r.op == kind and r.module in _modules_on_path(path)]
+        if node.meta.get("hetero_region") is not None:
+            targets[node] = node.meta["hetero_region"]
+        elif rules:
+            targets[node] = max(rules, key=lambda r: len(r.module)).target
+        else:
+            owners = [m for m in _modules_on_path(path) if m in placed]
+            targets[node] = placed[owners[-1]] if owners else spec.default
+    for node in graph.nodes:  # parameters and buffers: pinned, else with their first consumer
+        if node.op == "get_attr":
+            pinned = spec.params.get(str(node.target))
+            consumers = [u for u in node.users if u in targets]
+            targets[node] = pinned or (targets[consumers[0]] if consumers else spec.default)
+    return targets
+
+
+def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: bool = True) -> HeteroModule:
+    """Split ``model`` into host and device subgraphs per ``spec`` and the marks in the model.
+
+    Moves each parameter to its target (host: CPU; device: :func:`resolve_device`). The returned
+    :class:`HeteroModule` shares the parameters with ``model`` (optimizers may be built on either).
+
+    Raises:
+        ValueError: an unknown module, parameter or op type in ``spec`` (the message lists the
+            valid ones), or a conflicting pin.
+    """
+    spec = spec or PlacementSpec()
+    try:
+        tracer = _Tracer()
+        graph = tracer.trace(model)
+    except Exception as e:  # noqa: BLE001 - any failure of symbolic tracing means: no graph
+        return _fallback(model, spec, f"{type(e).__name__}: {e}")
+    _check_names(model, spec, graph)
+    gm = fx.GraphModule(model, graph)
+    targets = _assign(model, spec, gm.graph)
+
+    # (2) transfers on every edge whose ends differ in target
+    for node in list(gm.graph.nodes):
+        if node not in targets or node.op == "get_attr":
+            continue
+        for arg in list(node.all_input_nodes):
+            src_target = targets.get(arg)  # placeholders have none: inputs are moved where used
+            if src_target is targets[node] and arg.op != "placeholder":
+                continue
+            with gm.graph.inserting_before(node):
+                copy = gm.graph.call_function(transfer, (arg, targets[node].value))
+            targets[copy] = targets[node]
+            node.replace_input_with(arg, copy)
+
+    # (3) stages and subgraphs
+    stage: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node in targets and node.op != "get_attr":
+            stage[node] = max([stage[a] + (targets[a] is not targets[node]) for a in node.all_input_nodes if a in stage],
+                              default=0)
+    keys = sorted({(stage[n], targets[n].value) for n in stage})
+    index = {k: i for i, k in enumerate(keys)}
+    gm.recompile()
+    split = split_module(gm, model, lambda n: index[(stage[n], targets[n].value)])  # topologically sorted
+
+    # parameters and buffers to their targets
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    param_targets: dict[str, Target] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner_name, _, attr = str(node.target).rpartition(".")
+            tensor = getattr(model.get_submodule(owner_name), attr)
+            tensor.data = tensor.data.to(resolve_device(targets[node]))
+            if id(tensor) in param_names:
+                param_targets[param_names[id(tensor)]] = targets[node]
+        elif node.op == "call_module":  # a leaf module's parameters stay with it
+            prefix = str(node.target)
+            for n, p in model.get_submodule(prefix).named_parameters():
+                if module_target(model.get_submodule(prefix)) is None:
+                    p.data = p.data.to(resolve_device(targets[node]))
+                param_targets[f"{prefix}.{n}"] = targets[node]
+
+    subgraphs = []
+    for name, _ in split.named_children():
+        if not name.startswith("submod_"):
+            continue
+        i = int(name[len("submod_"):])
+        tv = keys[i][1]
+        ops = [(op_type(n, model), module_path(n)) for n in gm.graph.nodes
+               if n in stage and n.target is not transfer and index[(stage[n], targets[n].value)] == i]
+        call = next(n for n in split.graph.nodes if n.op == "call_module" and n.target == name)
+        deps = sorted({str(a.target) for a in _producers(call)})
+        subgraphs.append(Subgraph(name, Target(tv), ops, deps))
+    hm = HeteroModule(model, split, subgraphs, concurrent)
+    hm.param_targets = param_targets
+    return hm
+
+
+def _producers(node: fx.Node) -> list[fx.Node]:
+    out = []
+    for a in node.all_input_nodes:
+        if a.op == "call_module":
+            out.append(a)
+        elif a.op == "call_function":  # getitem of a subgraph's outputs
+            out.extend(_producers(a))
+    return out
+
+
+def _fallback(model: nn.Module, spec: PlacementSpec, reason: str) -> HeteroModule:
+    warnings.warn(
+        f"hetero: cannot capture the forward graph of {type(model).__name__} ({reason}); falling back to "
+        f"module-level placement with hooks (op rules and on() regions are ignored)",
+        stacklevel=3,
+    )
+    placed = {name: t for name, m in model.named_modules() if (t := module_target(m)) is not None}
+    placed.update(spec.modules)
+    for name, m in model.named_modules():
+        owners = [p for p in _modules_on_path(name) if p in placed]
+        t = placed[owners[-1]] if owners else spec.default
+        for p_name, p in m.named_parameters(recurse=False):
+            full = f"{name}.{p_name}" if name else p_name
+            p.data = p.data.to(resolve_device(spec.params.get(full, t)))
+        if name in placed or not name:
+            m.register_forward_pre_hook(lambda mod, args, t=t: tuple(
+                transfer(a, t.value) if isinstance(a, torch.Tensor) else a for a in args))
+    hm = HeteroModule(model, None, [], concurrent=False)
+    hm.fallback_reason = reason
+    return hm
