@@ -1,9 +1,12 @@
-"""Sparse optimizers for host embedding tables: they update only the rows present in the batch.
+"""Host optimizers: sparse ones for embedding tables (only the rows present in the batch), and
+HostAdam/HostAdamW for dense models (fp32 master weights and moments on the host).
 
 Dense (device) parameters use any ``torch.optim`` optimizer on
 ``hetero.embedding.dense_parameters(model)``.
 """
 
+from hetero.optim.host_adam import HostAdam, HostAdamW, HostOffloadConfig, device_memory_report
+from hetero.optim.loss_scale import DynamicLossScaler
 from hetero.optim.sparse import (
     FTRL,
     SGD,
@@ -20,6 +23,11 @@ from hetero.optim.sparse import (
 )
 
 __all__ = [
+    "DynamicLossScaler",
+    "HostAdam",
+    "HostAdamW",
+    "HostOffloadConfig",
+    "device_memory_report",
     "FTRL",
     "SGD",
     "Adagrad",

@@ -1,0 +1,55 @@
+"""One place that loads numba kernel modules: lazily, thread-safe, with hetero's thread count.
+
+``import hetero`` never imports numba; the first kernel call does. numba's default threading layer
+(workqueue) aborts when two threads launch parallel kernels at once, which hetero does (a prefetch
+worker, a host optimizer overlapping backward), so the thread-safe layer (OpenMP or TBB) is asked
+for unless ``NUMBA_THREADING_LAYER`` is set. Kernels use ``torch.get_num_threads()`` threads
+(which honours ``OMP_NUM_THREADS``) unless :func:`set_num_threads` says otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+_threads: int | None = None
+
+
+@functools.cache
+def _numba() -> ModuleType:
+    import numba
+
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER = "threadsafe"
+    return numba
+
+
+def num_threads() -> int:
+    numba = _numba()
+    return min(_threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+
+
+def load(module: str) -> ModuleType:
+    """Import kernel module ``module`` (compiling on first use) with the thread count applied."""
+    numba = _numba()
+    mod = importlib.import_module(module)
+    want = num_threads()
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)  # thread-local in numba: set for each calling thread
+    return mod
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads for hetero's host kernels; ``None`` restores the default (``torch.get_num_threads()``).
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError(f"host kernel threads must be >= 1, got {n}")
+    _threads = n
