@@ -257,6 +257,24 @@ class HostAdamW(torch.optim.Optimizer):
         for b in range(len(self._buckets)):
             self._update_bucket(b, factor)
 
+    def update_from_host_gradients(self) -> None:
+        """Run the update of every parameter from the gradients already in the host buffers
+        (``grad_buffer``), as ``step()`` does after backward. For benchmarks and tests of the
+        host step alone."""
+        for slot in self._slots.values():
+            slot.arrived = True
+        if self._can_overlap():
+            for b in range(len(self._buckets)):
+                self._update_bucket(b, 1.0)
+        else:
+            self._finish_global()
+        if self._upload_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._upload_stream)
+
+    def grad_buffer(self, param: Tensor) -> Tensor:
+        """The host fp32 buffer ``param``'s gradient streams into (flat)."""
+        return self._slots[id(param)].grad
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Device gradients are freed as they stream to the host; only a stray one can remain.
         for slot in self._slots.values():
