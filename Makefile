@@ -29,6 +29,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/embedding_step.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/host_adam.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache

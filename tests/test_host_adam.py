@@ -149,3 +149,19 @@ def test_device_bytes_per_parameter():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     _train(ref, ref_opt, _data(2))
     assert device_memory_report(ref, ref_opt)["bytes_per_param"] == 16  # fp32 weights, grads, two moments
+
+
+def test_lm_example_trains_on_stdlib_text_with_bf16_device_weights(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lm_host_adam.py"
+    spec = importlib.util.spec_from_file_location("lm_host_adam", path)
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)
+    result = lm.main(["--d-model", "64", "--layers", "2", "--heads", "2", "--context", "32", "--batch-size", "8",
+                      "--steps", "30", "--log-every", "10", "--corpus-bytes", "300000", "--lr", "3e-3"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    first, last = (float(ln.split("train loss ")[1].split()[0]) for ln in (lines[0], lines[-1]))
+    assert result["weights_dtype"] == "bfloat16" and last < first
+    assert result["device_bytes_per_param"] <= 2.5
