@@ -165,3 +165,20 @@ def test_lm_example_trains_on_stdlib_text_with_bf16_device_weights(capsys):
     first, last = (float(ln.split("train loss ")[1].split()[0]) for ln in (lines[0], lines[-1]))
     assert result["weights_dtype"] == "bfloat16" and last < first
     assert result["device_bytes_per_param"] <= 2.5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_trajectory_and_accounting():
+    ref, mine = _model().cuda(), _model().cuda()
+    data = [(x.cuda(), y.cuda()) for x, y in _data(50)]
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data)
+    torch.cuda.reset_peak_memory_stats()
+    opt = HostAdamW(mine.named_parameters(), lr=1e-2, config=FP32)
+    _train(mine, opt, data)
+    torch.cuda.synchronize()
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        assert b.device.type == "cuda"
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    report = device_memory_report(mine, opt)
+    assert report["params"] + report["grads"] <= torch.cuda.max_memory_allocated()

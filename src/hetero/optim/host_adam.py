@@ -77,6 +77,7 @@ class _Slot:
     step: int = 0
     arrived: bool = False
     copied: Any = None  # CUDA event of the device->host gradient copy
+    uploaded: Any = None  # CUDA event of the last host->device upload from ``staging``
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -190,6 +191,9 @@ class HostAdamW(torch.optim.Optimizer):
             bc1 = 1 - beta1**slot.step
             bc2_sqrt = math.sqrt(1 - beta2**slot.step)
             dtype = self.config.device_dtype
+            if slot.uploaded is not None:
+                slot.uploaded.synchronize()  # sync point: the previous upload still reads ``staging``
+                slot.uploaded = None
             target = slot.staging if slot.staging is not None else slot.param.data.reshape(-1)
             mode = {torch.bfloat16: 1, torch.float32: 2}.get(dtype, 0)
             out16 = target.view(torch.int16).numpy().view(np.uint16) if mode == 1 else _NO_U16
@@ -206,9 +210,13 @@ class HostAdamW(torch.optim.Optimizer):
             slot.arrived = False
 
     def _upload(self, slot: _Slot) -> None:
-        # host -> device on a side stream; the compute stream waits for it in step()
+        # host -> device on a side stream; the compute stream waits for it in step(). The host
+        # already waited for this parameter's gradient copy, so every kernel that read the old
+        # weight in this backward has run.
         with torch.cuda.stream(self._upload_stream):
             slot.param.data.copy_(slot.staging.view_as(slot.param), non_blocking=True)
+            slot.uploaded = torch.cuda.Event()
+            slot.uploaded.record(self._upload_stream)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch.optim API
