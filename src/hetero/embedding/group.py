@@ -207,8 +207,8 @@ class TableGroup:
         if plan is None:
             plan = self.plan(requests)
         if device.type == "cpu":
-            # The backward of _HostPool hands the coalesced gradient to this group itself; the
-            # zero-size sink only puts the op on the autograd tape.
+            # The backward of _HostPool hands the gradient (per id; the optimizer coalesces it as
+            # it updates) to this group itself; the zero-size sink only puts the op on the tape.
             sink = torch.empty(0, requires_grad=torch.is_grad_enabled())
             if self.dtype == torch.float32 and plan.rows is None:
                 # The device is the host: pool straight from the table rows (read at this moment,
