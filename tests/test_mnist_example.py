@@ -89,3 +89,17 @@ def test_init_weights_are_loaded_and_checked(mnist_dir, tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", **arrays)
     with pytest.raises(ValueError, match=r"bad.npz: array 'w2' has shape \(512, 10\), the network needs \(512, 512\)"):
         ex.main([*args[:-1], str(tmp_path / "bad.npz")])
+
+
+def test_torchrun_two_ranks_print_the_single_process_losses(mnist_dir, tmp_path):
+    import subprocess
+    import sys
+
+    common = ["--data-dir", str(mnist_dir), "--no-shuffle", "--max-steps", "12", "--log-every", "4"]
+    single = subprocess.run([sys.executable, str(EXAMPLE), "--batch-size", "32", *common],
+                            capture_output=True, text=True, check=True)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(EXAMPLE), "--batch-size", "16", *common],
+                         capture_output=True, text=True, check=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    np.testing.assert_allclose(_losses(two.stdout), _losses(single.stdout), rtol=0, atol=1e-5)
+    assert len(_losses(two.stdout)) == 3

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hetero import parallel
 from hetero.checkpoint import CheckpointError
 from hetero.data import BatchConfig, Batches, CriteoConfig, FeatureRole, load_movielens_100k, read_criteo_tsv
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", type=Path, help="ml-100k atomic-file dir, or the Criteo TSV file")
     g.add_argument("--cache-dir", type=Path, help="download cache (default $HETERO_CACHE or ~/.cache/hetero)")
     g.add_argument("--hash-buckets", type=int, help="Criteo: hash categorical values into this many rows per table")
-    g.add_argument("--batch-size", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=256, help="global batch (split over the ranks under torchrun)")
     g.add_argument("--seed", type=int, default=0, help="seeds the split, the shuffling and the initialisation")
     g = t.add_argument_group("model")
     g.add_argument("--embedding-dim", type=int, default=WideDeepConfig.embedding_dim)
@@ -100,14 +101,20 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     config = TrainConfig(epochs=args.epochs, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
                          progress=not args.no_progress, prefetch=args.prefetch)
     set_num_threads(args.threads)
-    batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed))
+    batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed,
+                                         rank=parallel.rank(), world_size=parallel.world_size()))
     return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    rank = 0
     try:
+        parallel.init()  # torchrun's environment, if any; a single process otherwise
+        rank = parallel.rank()
+        if rank != 0:  # one voice per job: the other ranks only warn
+            logging.getLogger("hetero").setLevel(logging.WARNING)
         trainer = build_trainer(args)
         if args.resume:
             trainer.resume()
@@ -115,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FloatingPointError, CheckpointError, ValueError, IndexError, RuntimeError) as e:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
+    finally:
+        parallel.shutdown()
+    if rank == 0:
+        print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
     return 0
 
 

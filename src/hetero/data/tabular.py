@@ -128,10 +128,17 @@ class TabularDataset:
 
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
+    """``batch_size`` is the global batch; with ``world_size`` ranks each rank gets
+    ``batch_size / world_size`` of it, interleaved: sample ``i`` of the epoch's order goes to rank
+    ``i mod world_size`` (the reference design's ``num_shards``/``shard_id``). ``drop_last`` drops
+    the final partial batch (``drop_remainder``)."""
+
     batch_size: int = 256
     shuffle: bool = True
     seed: int = 0
     drop_last: bool = False
+    rank: int = 0
+    world_size: int = 1
 
 
 class Batches:
@@ -142,8 +149,15 @@ class Batches:
     """
 
     def __init__(self, dataset: TabularDataset, config: BatchConfig) -> None:
+        """Raises ``ValueError`` for a non-positive batch size, a bad rank, or a world size that
+        does not divide the batch size."""
         if config.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {config.batch_size}")
+        if not 0 <= config.rank < config.world_size:
+            raise ValueError(f"rank {config.rank} is outside world size {config.world_size}")
+        if config.batch_size % config.world_size:
+            raise ValueError(f"global batch size {config.batch_size} is not divisible by world size {config.world_size}; "
+                             f"use a multiple of {config.world_size} (each rank gets batch_size / world_size)")
         self.dataset, self.config = dataset, config
 
     def __len__(self) -> int:
@@ -157,6 +171,7 @@ class Batches:
         return torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch))
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
-        order, b = self.order(epoch), self.config.batch_size
+        """This rank's part of global batches ``start, start + 1, ...`` of ``epoch``."""
+        order, b, c = self.order(epoch), self.config.batch_size, self.config
         for i in range(start, len(self)):
-            yield self.dataset.select(order[i * b : (i + 1) * b])
+            yield self.dataset.select(order[i * b : (i + 1) * b][c.rank :: c.world_size])

@@ -24,6 +24,7 @@ from hetero.checkpoint import check_model_compatible, load_checkpoint, save_chec
 from hetero.data import Batch, Batches, TabularDataset
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
+from hetero.parallel import ReplicatedSparse, active, barrier, data_parallel, rank, world_size
 from hetero.placement import copy_to
 from hetero.train.report import binary_metrics, plot_curves
 
@@ -66,7 +67,10 @@ class Trainer:
         run_dir: str | Path,
     ) -> None:
         self.model, self.dense_optimizer = model, dense_optimizer
-        self.sparse_optimizers = dict(sparse_optimizers)
+        # Data parallel over the ranks of the process group (nothing at world size 1): DDP for the
+        # dense part, replicated host tables with exchanged sparse gradients.
+        self.net = data_parallel(model)
+        self.sparse_optimizers = {k: ReplicatedSparse(o) if active() else o for k, o in sparse_optimizers.items()}
         self.train, self.valid, self.test, self.config = train, valid, test, config
         self.run_dir = Path(run_dir)
         self.checkpoint_path = self.run_dir / CHECKPOINT_NAME
@@ -110,7 +114,11 @@ class Trainer:
         self.train_samples = state["throughput"]["train_samples"]
 
     def save(self) -> Path:
-        return save_checkpoint(self.state_dict(), self.checkpoint_path)
+        # Replicas are identical: rank 0 writes, the others wait until the file is complete.
+        if rank() == 0:
+            save_checkpoint(self.state_dict(), self.checkpoint_path)
+        barrier()
+        return self.checkpoint_path
 
     def resume(self) -> None:
         """Continue from ``run_dir/checkpoint.pt``. Raises :class:`CheckpointError` if absent or unfit."""
@@ -123,10 +131,10 @@ class Trainer:
         for opt in self.sparse_optimizers.values():
             opt.zero_grad()
         self.dense_optimizer.zero_grad(set_to_none=True)
-        logits = self.model(batch.features, batch.dense)
+        logits = self.net(batch.features, batch.dense)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device))
         loss.backward()
-        value = loss.item()  # sync point: the host needs the loss to decide whether to step
+        value = _global_mean(loss)  # sync point: the host needs the loss to decide whether to step
         if not math.isfinite(value):
             raise FloatingPointError(
                 f"loss is {value} at epoch {self.epoch}, batch {self.batch} (step {self.global_step + 1}); "
@@ -198,6 +206,8 @@ class Trainer:
 
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         test = self.evaluate(self.test)
+        if rank() != 0:
+            return {"test_auc": test["auc"], "test_logloss": test["logloss"]}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / "losses.csv", "w") as f:
             f.write("step,loss\n" + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(self.losses)))
@@ -210,9 +220,19 @@ class Trainer:
             "steps": self.global_step,
             "epochs": self.epoch,
             "device": str(self.device),
+            "world_size": world_size(),
             "checkpoint": str(self.checkpoint_path),
             "plot": str(plot),
             "history": self.history,
         }
         (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         return metrics
+
+
+def _global_mean(loss: torch.Tensor) -> float:
+    """The loss of the global batch: the mean of the ranks' batch losses (equal-size shards)."""
+    if active():
+        loss = loss.detach().clone()
+        torch.distributed.all_reduce(loss)
+        loss /= world_size()
+    return loss.item()

@@ -1,0 +1,111 @@
+"""Data parallelism: dense parameters through DDP, host tables replicated with sparse exchange.
+
+Every rank holds the whole model and reads its shard of the data (see ``BatchConfig``'s
+``rank``/``world_size``). Dense (device) parameters are synchronised by
+``DistributedDataParallel``, whose gradient buckets are the comm fusion of the reference design
+(``bucket_mb``); gradients are averaged (``gradients_mean=True``) or summed. Host tables are
+replicated: after backward each rank all-gathers every group's sparse gradient (unique rows and
+their coalesced gradients, padded to the largest rank's row count), sums them in rank order and
+scales like the dense gradients, so every replica applies the same update and stays identical.
+With world size 1 all of this is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetero.embedding import SparseGrad, host_tables
+from hetero.optim import SparseOptimizer
+from hetero.parallel.env import active, world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelConfig:
+    bucket_mb: float = 25.0  # DDP gradient bucket size: comm fusion
+    gradients_mean: bool = True  # average gradients over ranks (else sum)
+
+
+def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelConfig()) -> nn.Module:
+    """Wrap ``model`` for data parallelism (the model itself at world size 1).
+
+    Host tables are left out of DDP: they are not broadcast (ranks build them identically from
+    the same seed; :func:`check_replicas` verifies it) and their gradients go through
+    :class:`ReplicatedSparse`.
+    """
+    if not active():
+        return model
+    ignore = [f"{name}.weight" for name in host_tables(model)]
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=config.bucket_mb)
+    if not config.gradients_mean:
+        ddp.register_comm_hook(None, _sum_hook)
+    return ddp
+
+
+def _sum_hook(state, bucket):  # noqa: ANN001 - DDP comm hook signature
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def check_replicas(model: nn.Module) -> None:
+    """Raise ``ValueError`` if a host table differs between ranks (checksum over all rows)."""
+    if not active():
+        return
+    for name, table in host_tables(model).items():
+        local = table.weight.detach().double().sum().reshape(1)
+        both = torch.cat([local, -local])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        if float(both[0]) != -float(both[1]):
+            raise ValueError(f"host table {name!r} differs between ranks; build the model with the same seed on every rank")
+
+
+class ReplicatedSparse:
+    """A sparse optimizer whose tables are replicated across ranks: ``step()`` first exchanges
+    the sparse gradients so that every rank applies the sum (or mean) over all ranks."""
+
+    def __init__(self, optimizer: SparseOptimizer, config: DataParallelConfig = DataParallelConfig()) -> None:
+        self.optimizer, self.config = optimizer, config
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        if active():
+            for group in self.optimizer.groups:
+                grad = group.pop_sparse_grad()
+                if grad is None:
+                    grad = SparseGrad(torch.empty(0, dtype=torch.int64), torch.empty(0, group.dim))
+                group.pending = [self._all_reduce(grad, group.dim)]
+        self.optimizer.step()
+
+    def _all_reduce(self, grad: SparseGrad, dim: int) -> SparseGrad:
+        n = world_size()
+        ids, rows = grad.ids, grad.rows
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(counts, torch.tensor([ids.numel()]))
+        longest = max(int(c) for c in counts)
+        pad_ids = torch.zeros(longest, dtype=torch.int64)
+        pad_rows = torch.zeros(longest, dim)
+        pad_ids[: ids.numel()], pad_rows[: ids.numel()] = ids, rows
+        all_ids = [torch.empty_like(pad_ids) for _ in range(n)]
+        all_rows = [torch.empty_like(pad_rows) for _ in range(n)]
+        dist.all_gather(all_ids, pad_ids)
+        dist.all_gather(all_rows, pad_rows)
+        ids = torch.cat([a[: int(c)] for a, c in zip(all_ids, counts)])
+        rows = torch.cat([r[: int(c)] for r, c in zip(all_rows, counts)])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, rows)  # same order on every rank
+        if self.config.gradients_mean:
+            summed /= n
+        return SparseGrad(unique, summed)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)

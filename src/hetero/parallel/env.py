@@ -1,0 +1,85 @@
+"""The process group: initialised from torchrun's environment; world size 1 needs nothing.
+
+``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+:func:`init` joins the group (NCCL when CUDA is present, gloo otherwise). Without those variables
+the job is a single process: every helper answers rank 0 of 1 and collectives are skipped, so
+single-process code and distributed code are the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("hetero")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistConfig:
+    backend: str | None = None  # None: nccl with CUDA, gloo otherwise
+    timeout_s: float = 600.0
+
+
+def init(config: DistConfig = DistConfig()) -> bool:
+    """Join the process group described by torchrun's environment; returns whether one exists.
+
+    Raises:
+        ValueError: some torchrun variables are set and others are missing (naming them and the
+            fix), or they are not integers where integers are needed.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    present = [v for v in TORCHRUN_VARS if v in os.environ]
+    if not present:
+        return False
+    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise ValueError(f"distributed environment incomplete: {', '.join(missing)} not set (found "
+                         f"{', '.join(present)}); launch with `torchrun --nproc-per-node N ...` or set all of "
+                         f"{', '.join(TORCHRUN_VARS)}")
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        if not os.environ[v].isdigit():
+            raise ValueError(f"environment variable {v}={os.environ[v]!r} is not a non-negative integer")
+    if int(os.environ["WORLD_SIZE"]) == 1:
+        return False
+    backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout_s))
+    log.info("hetero: rank %d of %d (%s)", rank(), world_size(), backend)
+    return True
+
+
+def active() -> bool:
+    """Whether a process group with more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0)) if active() else 0
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group (if any); safe to call more than once."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

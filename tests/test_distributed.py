@@ -1,0 +1,135 @@
+"""Data parallel on gloo: N ranks x batch B/N equal 1 process x batch B."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from conftest import make_dataset
+
+from hetero.data import BatchConfig, Batches, FeatureRole
+from hetero.embedding import dense_parameters, host_tables
+from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
+from hetero.optim import FTRL, LazyAdam
+from hetero.parallel import DataParallelConfig, ReplicatedSparse, check_replicas, data_parallel, init, rank, shutdown, world_size
+
+STEPS, BATCH = 6, 32
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _global_loss(loss):
+    if world_size() > 1:
+        loss = loss.detach().clone()
+        torch.distributed.all_reduce(loss)
+        loss /= world_size()
+    return loss.item()
+
+
+def _mlp_run(mean: bool, scale: float):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 1))
+    net = data_parallel(model, DataParallelConfig(bucket_mb=0.0001, gradients_mean=mean))  # tiny buckets: several
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = make_dataset(STEPS * BATCH)
+    batches = Batches(data, BatchConfig(batch_size=BATCH, shuffle=True, seed=3, rank=rank(), world_size=world_size()))
+    losses = []
+    for batch in batches.epoch(0):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(net(batch.dense).squeeze(1), batch.label)
+        (loss * scale).backward()
+        opt.step()
+        losses.append(_global_loss(loss))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _wide_deep_run(mean: bool, scale: float):
+    torch.manual_seed(0)
+    data = make_dataset(STEPS * BATCH)
+    slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, deep=f.role is not FeatureRole.WIDE) for f in data.specs]
+    model = WideDeep(slots, data.num_dense, WideDeepConfig(embedding_dim=4, hidden=(8,)))
+    check_replicas(model)
+    net = data_parallel(model, DataParallelConfig(gradients_mean=mean))
+    tables = host_tables(model)
+    sparse = [ReplicatedSparse(FTRL({k: t for k, t in tables.items() if k.startswith("wide.")}), DataParallelConfig(gradients_mean=mean)),
+              ReplicatedSparse(LazyAdam({k: t for k, t in tables.items() if k.startswith("deep.")}), DataParallelConfig(gradients_mean=mean))]
+    dense = torch.optim.Adam(dense_parameters(model), lr=1e-2)
+    batches = Batches(data, BatchConfig(batch_size=BATCH, shuffle=True, seed=3, rank=rank(), world_size=world_size()))
+    losses = []
+    for batch in batches.epoch(0):
+        for o in (*sparse, dense):
+            o.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(net(batch.features, batch.dense), batch.label)
+        (loss * scale).backward()
+        for o in (*sparse, dense):
+            o.step()
+        losses.append(_global_loss(loss))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+RUNS = {"mlp": _mlp_run, "wide_deep": _wide_deep_run}
+
+
+def _worker(r, n, port, kind, mean, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
+    torch.set_num_threads(1)
+    assert init()
+    try:
+        result = RUNS[kind](mean, 1.0)
+        if r == 0:
+            torch.save(result, out)
+    finally:
+        shutdown()
+
+
+def _distributed(tmp_path, kind, n, mean):
+    out = tmp_path / f"{kind}_{n}_{mean}.pt"
+    mp.spawn(_worker, args=(n, _free_port(), kind, mean, str(out)), nprocs=n, join=True)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("kind,n", [("mlp", 2), ("wide_deep", 2), ("wide_deep", 4)])
+@pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
+def test_n_ranks_equal_one_process(tmp_path, kind, n, mean):
+    # gradients_mean=False sums the ranks' gradients: the single-process equivalent is a loss
+    # scaled by the world size.
+    ref_losses, ref_state = RUNS[kind](True, 1.0 if mean else float(n))
+    losses, state = _distributed(tmp_path, kind, n, mean)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5, msg=k)
+
+
+def test_shards_are_disjoint_covering_and_interleaved():
+    data = make_dataset(64)
+    full = next(Batches(data, BatchConfig(batch_size=16, seed=1)).epoch(2))
+    parts = [next(Batches(data, BatchConfig(batch_size=16, seed=1, rank=r, world_size=4)).epoch(2)) for r in range(4)]
+    for r, part in enumerate(parts):
+        assert torch.equal(part.dense, full.dense[r::4])  # sample i of the global batch -> rank i mod 4
+
+
+def test_bad_distributed_input_names_value_and_fix(monkeypatch):
+    with pytest.raises(ValueError, match="global batch size 30 is not divisible by world size 4; use a multiple of 4"):
+        Batches(make_dataset(8), BatchConfig(batch_size=30, world_size=4, rank=1))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for v in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    with pytest.raises(ValueError, match="distributed environment incomplete: LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set "
+                                         r"\(found RANK, WORLD_SIZE\); launch with `torchrun --nproc-per-node N"):
+        init()
+
+
+def test_world_size_one_is_a_single_process(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    assert init() is False and rank() == 0 and world_size() == 1
+    model = nn.Linear(2, 2)
+    assert data_parallel(model) is model
