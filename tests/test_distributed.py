@@ -133,3 +133,33 @@ def test_world_size_one_is_a_single_process(monkeypatch):
     assert init() is False and rank() == 0 and world_size() == 1
     model = nn.Linear(2, 2)
     assert data_parallel(model) is model
+
+
+def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tmp_path, ml_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args = ["--data-path", str(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
+            "--hidden", "16,8", "--dropout", "0", "--checkpoint-every", "4", "--resume", "auto"]
+    # pytorch/pytorch#135712: with the rendezvous store shared, restarted workers can read the
+    # previous attempt's addresses; a separate store per attempt avoids it (documented in README).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AT_STEP": "10", "KILL_MARKER": str(tmp_path / "killed"),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    helper = Path(__file__).parent / "helpers" / "kill_once.py"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "--max-restarts", "1", str(helper), "train", *args, "--run-dir", str(tmp_path / "killed_run")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "killed").exists()  # rank 1 was killed mid-epoch 1 (15 steps per epoch) ...
+    assert "resumed from" in run.stderr and "at epoch 0, batch 8 (step 8)" in run.stderr  # ... and restarted
+    clean = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "hetero", "train", *args, "--run-dir", str(tmp_path / "clean_run")],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    a = torch.load(tmp_path / "killed_run" / "checkpoint.pt")
+    b = torch.load(tmp_path / "clean_run" / "checkpoint.pt")
+    assert a["position"] == b["position"] == {"epoch": 2, "batch": 0, "global_step": 30}
+    for k in b["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert (tmp_path / "killed_run" / "losses.csv").read_text() == (tmp_path / "clean_run" / "losses.csv").read_text()

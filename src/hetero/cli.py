@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=8)
     g.add_argument("--run-dir", type=Path, default=Path("runs/wide_deep"))
-    g.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint.pt")
+    g.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
+                   help="continue from RUN_DIR/checkpoint.pt; 'auto': if it exists (for torchrun --max-restarts)")
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: each epoch)")
     g.add_argument("--max-steps", type=int, help="stop after this many steps in total")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -74,7 +75,7 @@ def _sparse_optimizer(kind: str, tables, lr: float, args):
     return kind.optimizer(tables, kind.optimizer.Config(lr=lr))
 
 
-def build_trainer(args: argparse.Namespace) -> Trainer:
+def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer:
     torch.manual_seed(args.seed)
     if args.data == "movielens-100k":
         data = load_movielens_100k(args.data_path, args.cache_dir)
@@ -103,27 +104,29 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     set_num_threads(args.threads)
     batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed,
                                          rank=parallel.rank(), world_size=parallel.world_size()))
-    return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir)
+    return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir, on_step=on_step)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_step=None) -> int:
+    """Run the command line; ``on_step`` (see :class:`Trainer`) is for embedding callers."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    rank = 0
+    rank, failed = 0, True
     try:
         parallel.init()  # torchrun's environment, if any; a single process otherwise
         rank = parallel.rank()
         if rank != 0:  # one voice per job: the other ranks only warn
             logging.getLogger("hetero").setLevel(logging.WARNING)
-        trainer = build_trainer(args)
-        if args.resume:
+        trainer = build_trainer(args, on_step)
+        if args.resume == "yes" or (args.resume == "auto" and trainer.checkpoint_path.is_file()):
             trainer.resume()
         metrics = trainer.fit()
+        failed = False
     except (FloatingPointError, CheckpointError, ValueError, IndexError, RuntimeError) as e:
         print(f"hetero: error: {e}", file=sys.stderr)
-        return 1
+        return 1  # under torchrun --max-restarts, a failed rank makes the job restart from the checkpoint
     finally:
-        parallel.shutdown()
+        parallel.shutdown(clean=not failed)
     if rank == 0:
         print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
     return 0

@@ -78,8 +78,12 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown() -> None:
-    """Leave the process group (if any); safe to call more than once."""
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group (if any); safe to call more than once.
+
+    ``clean=False`` (after an error, e.g. a peer died) skips the final barrier, which would fail.
+    """
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

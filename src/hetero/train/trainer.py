@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class Trainer:
         sparse_optimizers: name -> :class:`SparseOptimizer` (e.g. ``{"wide": FTRL, "deep": LazyAdam}``).
         train: the training batches; ``valid``/``test``: evaluated each epoch / at the end.
         run_dir: where the checkpoint, ``metrics.json``, ``losses.csv`` and ``curves.png`` go.
+        on_step: called after every step (and its checkpoint, if one is due) with the trainer.
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class Trainer:
         test: TabularDataset,
         config: TrainConfig,
         run_dir: str | Path,
+        on_step: Callable[["Trainer"], None] | None = None,
     ) -> None:
         self.model, self.dense_optimizer = model, dense_optimizer
         # Data parallel over the ranks of the process group (nothing at world size 1): DDP for the
@@ -79,6 +81,7 @@ class Trainer:
         self.losses: list[float] = []
         self.history: dict[str, list] = {"epoch": [], "valid_auc": [], "valid_logloss": []}
         self.train_seconds, self.train_samples = 0.0, 0
+        self.on_step = on_step
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -179,6 +182,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
                 if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
                     self.save()
+                if self.on_step is not None:
+                    self.on_step(self)
                 if cfg.max_steps is not None and self.global_step >= cfg.max_steps:
                     stop = True
                     break
@@ -188,8 +193,9 @@ class Trainer:
                 self.history["epoch"].append(self.epoch + 1)
                 self.history["valid_auc"].append(metrics["auc"])
                 self.history["valid_logloss"].append(metrics["logloss"])
-                log.info("hetero: epoch %d valid auc %.4f logloss %.4f (%.0f samples/s)", self.epoch + 1,
-                         metrics["auc"], metrics["logloss"], self.train_samples / max(self.train_seconds, 1e-9))
+                rate = f"{self.train_samples / self.train_seconds:.0f} samples/s" if self.train_seconds else "rate after warm-up"
+                log.info("hetero: epoch %d valid auc %.4f logloss %.4f (%s)", self.epoch + 1,
+                         metrics["auc"], metrics["logloss"], rate)
                 self.epoch, self.batch = self.epoch + 1, 0
             self.save()
         return self._finish(time.perf_counter() - start)
