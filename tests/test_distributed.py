@@ -163,3 +163,38 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tm
     for k in b["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert (tmp_path / "killed_run" / "losses.csv").read_text() == (tmp_path / "clean_run" / "losses.csv").read_text()
+
+
+def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir):
+    """The integrated checkpoint holds replicated state and a world-size-free position (global
+    batches), so it continues under any world size."""
+    import shutil
+    import subprocess
+    import sys
+
+    from hetero.cli import main
+
+    args = ["--data-path", str(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
+            "--hidden", "16,8", "--dropout", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(n, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", "hetero",
+               "train", *args, *extra]
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+
+    assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0  # the uninterrupted 1-rank run
+    torchrun(4, "--max-steps", "7", "--run-dir", str(tmp_path / "four"))  # mid-epoch 1 of 15 steps
+    shutil.copytree(tmp_path / "four", tmp_path / "two")
+    torchrun(2, "--resume", "--run-dir", str(tmp_path / "two"))
+    shutil.copytree(tmp_path / "four", tmp_path / "single")
+    assert main(["train", *args, "--resume", "--run-dir", str(tmp_path / "single")]) == 0
+    reference = torch.load(tmp_path / "one" / "checkpoint.pt")
+    ref_losses = reference["losses"]
+    for name in ("two", "single"):
+        state = torch.load(tmp_path / name / "checkpoint.pt")
+        assert state["position"] == reference["position"]
+        torch.testing.assert_close(state["losses"], ref_losses, rtol=0, atol=1e-5)
+        for k, v in reference["model"].items():
+            torch.testing.assert_close(state["model"][k], v, rtol=0, atol=1e-5, msg=f"{name}: {k}")
