@@ -24,7 +24,7 @@ from hetero.checkpoint import check_model_compatible, load_checkpoint, save_chec
 from hetero.data import Batch, Batches, TabularDataset
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
-from hetero.parallel import ReplicatedSparse, active, barrier, data_parallel, rank, world_size
+from hetero.parallel import ReplicatedSparse, active, barrier, check_replicas, data_parallel, rank, world_size
 from hetero.placement import copy_to
 from hetero.train.report import binary_metrics, plot_curves
 
@@ -71,6 +71,7 @@ class Trainer:
         self.model, self.dense_optimizer = model, dense_optimizer
         # Data parallel over the ranks of the process group (nothing at world size 1): DDP for the
         # dense part, replicated host tables with exchanged sparse gradients.
+        check_replicas(model)  # ranks must start from identical tables (same seed)
         self.net = data_parallel(model)
         self.sparse_optimizers = {k: ReplicatedSparse(o) if active() else o for k, o in sparse_optimizers.items()}
         self.train, self.valid, self.test, self.config = train, valid, test, config
