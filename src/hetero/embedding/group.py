@@ -46,6 +46,9 @@ class LookupPlan:
     Attributes:
         unique: ``(U,)`` int64 group rows, first-occurrence order.
         inverse: ``(N,)`` int64 position in ``unique`` of each looked-up id.
+        first: ``(U,)`` int64 position of each unique id's first occurrence; ``next``: ``(N,)``
+            int64 position of the next occurrence of the same id, -1 at the last (the
+            occurrence chains the optimizer kernels sum per-id gradients along).
         index: ``(N,)`` int64 group row of each looked-up id (``unique[inverse]``).
         offsets: ``(num_bags + 1,)`` int64 bag boundaries over the ``N`` ids, or empty when every
             id is its own bag (only per-id lookups).
@@ -56,6 +59,8 @@ class LookupPlan:
 
     unique: Tensor
     inverse: Tensor
+    first: Tensor
+    next: Tensor
     index: Tensor
     offsets: Tensor
     scale: Tensor | None
@@ -148,7 +153,7 @@ class TableGroup:
             if self.stamp >= 1 << 31:  # the stamp lives in the upper 32 bits of the marker
                 self.marker[:] = 0
                 self.stamp = 1
-            unique, inverse = K.dedup(rows, self.marker, self.stamp)
+            unique, inverse, first, nxt = K.dedup(rows, self.marker, self.stamp)
         scale = None
         if singleton:
             all_offsets = torch.empty(0, dtype=torch.int64)
@@ -158,8 +163,8 @@ class TableGroup:
                 per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling is Pooling.MEAN else torch.ones(len(ln)))
                            for r, ln in zip(requests, lengths)]
                 scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
-        return LookupPlan(torch.from_numpy(unique), torch.from_numpy(inverse), torch.from_numpy(rows),
-                          all_offsets, scale, ranges)
+        return LookupPlan(torch.from_numpy(unique), torch.from_numpy(inverse), torch.from_numpy(first),
+                          torch.from_numpy(nxt), torch.from_numpy(rows), all_offsets, scale, ranges)
 
     def _segment_meta(self, requests: list[Request]):
         vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
@@ -217,7 +222,7 @@ class TableGroup:
             else:
                 rows, index = (self.gather(plan, pin=False) if plan.rows is None else plan.rows), plan.inverse
                 self.refresh_stale(plan)
-            pooled = _HostPool.apply(rows, index, plan.offsets, plan.scale, sink, self, plan.unique, plan.inverse).to(dtype)
+            pooled = _HostPool.apply(rows, index, plan.offsets, plan.scale, sink, self, plan).to(dtype)
         else:
             if plan.rows is None:
                 self.gather(plan, pin=True)
@@ -302,21 +307,22 @@ class _HostPool(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, index, offsets, scale, sink, group, unique, inverse):
+    def forward(ctx, rows, index, offsets, scale, sink, group, plan):
         bags = offsets.numel() - 1 if offsets.numel() else index.numel()
         out = torch.empty(bags, rows.shape[1], dtype=torch.float32)
         scale_np = scale.numpy() if scale is not None else np.empty(0, np.float32)
         kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
-        ctx.save_for_backward(inverse, offsets, scale if scale is not None else torch.empty(0), unique)
-        ctx.group = group
+        ctx.group, ctx.plan = group, plan  # index tensors only: nothing autograd needs to version-check
         return out  # fp32 whatever the storage dtype: the backward then receives an fp32 gradient
 
     @staticmethod
     def backward(ctx, grad_out):
         from hetero.embedding.table import SparseGrad
 
-        inverse, offsets, scale, unique = ctx.saved_tensors
+        plan = ctx.plan
         # Keep the gradient per id: the optimizer coalesces it and updates in one pass.
         src = grad_out.detach().float().contiguous()
-        ctx.group.pending.append(SparseGrad(unique, None, per_id=(src, inverse, offsets, scale)))
-        return None, None, None, None, torch.empty(0), None, None, None
+        scale = plan.scale if plan.scale is not None else torch.empty(0)
+        ctx.group.pending.append(SparseGrad(plan.unique, None, per_id=(src, plan.inverse, plan.offsets, scale),
+                                            chain=(plan.first, plan.next)))
+        return None, None, None, None, torch.empty(0), None, None

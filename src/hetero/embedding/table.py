@@ -36,15 +36,17 @@ class SparseGrad:
         rows: ``(U, D)`` float32, host, the coalesced gradient of each of those rows. On the CPU
             it is computed on first access: until then the gradient is kept per id (``per_id``:
             the output gradient, the inverse map, bag offsets and scales) so that the optimizer
-            can coalesce and update in one pass.
+            can coalesce and update in one pass; ``chain`` holds the occurrence chains
+            (``first``, ``next``; see :class:`~hetero.embedding.group.LookupPlan`).
         ready: on CUDA, the event recorded after the async device->host copy of ``rows``;
             :meth:`wait` blocks on it before the host reads ``rows``. ``None`` on CPU.
     """
 
     def __init__(self, ids: Tensor, rows: Tensor | None, ready: "torch.cuda.Event | None" = None,
-                 per_id: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> None:
+                 per_id: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+                 chain: tuple[Tensor, Tensor] | None = None) -> None:
         assert rows is not None or per_id is not None
-        self.ids, self._rows, self.ready, self.per_id = ids, rows, ready, per_id
+        self.ids, self._rows, self.ready, self.per_id, self.chain = ids, rows, ready, per_id, chain
 
     @property
     def rows(self) -> Tensor:

@@ -49,7 +49,7 @@ from hetero.embedding.kernels import kernels
 from hetero.placement import host_empty
 
 f32 = np.float32
-_NO_SRC = np.empty((0, 1), np.float32)  # "the gradient is already coalesced"
+_NO_ROWS = np.empty((0, 1), np.float32)  # an absent (U, D) or (N, D) gradient argument
 _NO_IDX = np.empty(0, np.int64)
 _NO_SCALE = np.empty(0, np.float32)
 
@@ -171,11 +171,13 @@ class SparseOptimizer(abc.ABC):
             step = self._group_steps[id(group)]
             ids = grad.ids.numpy()
             K = kernels()
-            if grad.is_coalesced:
-                g = (grad.rows.contiguous().numpy(), _NO_SRC, _NO_IDX, _NO_IDX, _NO_SCALE, K.num_threads())
-            else:  # per-id gradient: the kernel coalesces each thread's rows into scratch, then updates
-                src, inverse, offsets, scale = (t.numpy() for t in grad.per_id)
-                g = (np.empty((len(ids), group.dim), np.float32), src, inverse, offsets, scale, K.num_threads())
+            src, _, offsets, scale = grad.per_id if grad.per_id is not None else (None,) * 4
+            if grad.is_coalesced or offsets.numel():
+                # pooled bags: coalesce first (the chains run over ids, the gradient is per bag)
+                g = (grad.rows.contiguous().numpy(), _NO_ROWS, _NO_IDX, _NO_IDX, _NO_SCALE, K.num_threads())
+            else:  # per-id gradient: the kernel sums each row's occurrences as it updates the row
+                first, nxt = (t.numpy() for t in grad.chain)
+                g = (_NO_ROWS, src.numpy(), first, nxt, scale.numpy(), K.num_threads())
             state = [x.numpy() for x in self.group_state[id(group)].values()]
             if group.dtype == torch.float32:
                 self._update(group.storage.numpy(), ids, state, ids, g, step)
@@ -189,7 +191,7 @@ class SparseOptimizer(abc.ABC):
     def _update(self, w: np.ndarray, widx: np.ndarray, state: list[np.ndarray], ids: np.ndarray, grad: tuple, step: int) -> None:
         """Run the kernel on rows ``ids`` of the state and rows ``widx`` of ``w``.
 
-        ``grad`` is the kernels' gradient arguments: ``(grad, src, inverse, offsets, scale, nthreads)``.
+        ``grad`` is the kernels' gradient arguments: ``(grad, src, first, next, scale, nthreads)``.
         """
 
     def state_dict(self) -> dict[str, Any]:
