@@ -1,7 +1,7 @@
 """Host AdamW step throughput (params/s) against torch's fused AdamW and the memory bound.
 
 Same run, same machine: (1) HostAdamW's host update with the bf16 copy-out for the device, from
-gradients already in its host buffers; (2) ``torch.optim.AdamW(fused=True)`` on fp32 CPU
+gradients already in its host buffers (bf16, as bf16 device weights produce them); (2) ``torch.optim.AdamW(fused=True)`` on fp32 CPU
 tensors (no copy-out); (3) the bandwidth bound: the best of a copy and a STREAM triad
 (``a = b + s * c``) measured on large arrays, divided by 28 bytes per parameter (read weight,
 two moments, gradient; write weight, two moments). Sizes: one 100M-parameter tensor and ten

@@ -91,6 +91,26 @@ def test_bf16_device_weights_track_the_fp32_reference():
         assert (opt.master(b) - a.detach()).norm() < 0.06 * (a.detach() - w0).norm()
 
 
+def test_bf16_gradient_buffer_is_widened_exactly_by_the_kernel():
+    # With bf16 device weights the gradient streams to the host in bf16 (the kernel widens it):
+    # one step equals torch's fp32 AdamW on the master with that gradient widened to fp32.
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(70_001))  # odd size: the chunked kernel's ragged tail
+    master = p.detach().clone()
+    opt = HostAdamW([("w", p)], lr=1e-2, weight_decay=0.1, config=HostOffloadConfig(max_grad_norm=0.5))
+    buf = opt.grad_buffer(p)
+    assert buf.dtype == torch.bfloat16 and buf.numel() == p.numel()
+    g = (torch.randn(p.numel()) * 3).to(torch.bfloat16)
+    buf.copy_(g)
+    opt.update_from_host_gradients()
+    ref = nn.Parameter(master)
+    ref.grad = g.float()
+    torch.nn.utils.clip_grad_norm_([ref], 0.5)
+    torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1).step()
+    torch.testing.assert_close(opt.master(p), ref.detach(), rtol=0, atol=1e-6)
+    assert abs(opt.last_grad_norm - g.float().norm().item()) < 1e-3 * g.float().norm().item()
+
+
 def test_fp16_loss_scaling_skips_an_overflow_and_recovers():
     torch.manual_seed(0)
     model = _model()

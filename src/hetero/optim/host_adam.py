@@ -7,12 +7,16 @@ The reference design's optimizer heterogeneity (fp16 device weights, fp32 Adam s
 
 Data flow per step, per bucket of parameters (in the order backward produces their gradients):
 
-1. a post-accumulate-grad hook copies each gradient device->host into a pinned fp32 buffer
-   (async on CUDA; an event marks its end) and frees the device gradient at once;
+1. a post-accumulate-grad hook copies each gradient device->host into a pinned buffer (async on
+   CUDA; an event marks its end) and frees the device gradient at once. With bf16 device weights
+   the buffer is bf16, as the gradient is: half the PCIe bytes and 2 fewer bytes per parameter
+   for the host update to read; the kernel widens it to fp32 exactly. Otherwise it is fp32;
 2. when a bucket's last gradient has arrived, a worker thread waits for the copies and runs the
    fused kernel (:mod:`hetero.optim._adam_kernels`) over the bucket: the fp32 master and moments
-   are updated and, in the same pass, the bf16 copy is written - into a pinned staging buffer that
-   is uploaded on a side stream (CUDA), or straight into the parameter when the device is the host;
+   are updated and, in the same pass, the new device weight is written over the gradient it came
+   from (no extra buffer, no extra memory traffic); that buffer is uploaded on a side stream
+   (CUDA), or, when the device is the host, becomes the parameter's storage while the old one
+   receives the next gradient (a swap, no copy). fp16 weights go through an fp16 staging copy;
 3. ``step()`` waits for all of it.
 
 Backward of the remaining layers runs meanwhile. Global gradient-norm clipping and fp16 dynamic
@@ -37,6 +41,7 @@ from torch import Tensor, nn
 
 from hetero._numba import load, num_threads
 from hetero.optim.loss_scale import DynamicLossScaler
+from hetero.placement import host_empty
 
 f32 = np.float32
 
@@ -71,13 +76,14 @@ class _Slot:
     master: Tensor  # host fp32, flat
     exp_avg: Tensor
     exp_avg_sq: Tensor
-    grad: Tensor  # host fp32, flat: the streamed gradient
-    staging: Tensor | None  # host copy in device_dtype for the upload (None: written into param directly)
+    grad: Tensor  # host, flat: the streamed gradient (bf16 with bf16 device weights, else fp32),
+    # then the new device weight when its dtype is the device dtype
+    staging: Tensor | None  # fp16 device weights on CUDA: the host fp16 copy for the upload
     bucket: int = 0
     step: int = 0
     arrived: bool = False
     copied: Any = None  # CUDA event of the device->host gradient copy
-    uploaded: Any = None  # CUDA event of the last host->device upload from ``staging``
+    uploaded: Any = None  # CUDA event of the last host->device upload (it reads ``grad`` or ``staging``)
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -120,14 +126,15 @@ class HostAdamW(torch.optim.Optimizer):
         self._slots: dict[int, _Slot] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                master = p.detach().to("cpu", torch.float32).reshape(-1).clone()
-                if cuda:
-                    master = master.pin_memory()  # pinned: async copies to and from the device
-                host = lambda: torch.zeros(master.numel(), dtype=torch.float32, pin_memory=cuda)  # noqa: E731
+                master = _host_buffer(p.numel(), torch.float32, cuda)
+                master.copy_(p.detach().reshape(-1))
+                host = lambda dtype=torch.float32: _host_buffer(master.numel(), dtype, cuda).zero_()  # noqa: E731
                 on_host = p.device.type == "cpu"
                 p.data = p.data.to(config.device_dtype)  # the device keeps only the low-precision weights
-                staging = None if on_host else torch.empty(master.numel(), dtype=config.device_dtype, pin_memory=cuda)
-                slot = _Slot(names[id(p)], p, group, master, host(), host(), host(), staging)
+                grad_dtype = torch.bfloat16 if config.device_dtype == torch.bfloat16 else torch.float32
+                fp16_upload = config.device_dtype == torch.float16 and not on_host
+                staging = torch.empty(master.numel(), dtype=torch.float16, pin_memory=cuda) if fp16_upload else None
+                slot = _Slot(names[id(p)], p, group, master, host(), host(), host(grad_dtype), staging)
                 self._slots[id(p)] = slot
                 p.register_post_accumulate_grad_hook(self._on_grad)
         # Buckets in reverse registration order: backward produces the last layers' gradients first.
@@ -151,7 +158,7 @@ class HostAdamW(torch.optim.Optimizer):
     def _on_grad(self, p: Tensor) -> None:
         slot = self._slots[id(p)]
         self.peak_device_grad_bytes = max(self.peak_device_grad_bytes, p.grad.numel() * p.grad.element_size())
-        # device -> host into pinned fp32 (dtype conversion included); async on CUDA
+        # device -> host into the pinned buffer (fp16 is widened to fp32 by the copy); async on CUDA
         slot.grad.copy_(p.grad.reshape(-1), non_blocking=True)
         if p.grad.device.type == "cuda":
             slot.copied = torch.cuda.Event()
@@ -190,31 +197,35 @@ class HostAdamW(torch.optim.Optimizer):
             beta1, beta2 = g["betas"]
             bc1 = 1 - beta1**slot.step
             bc2_sqrt = math.sqrt(1 - beta2**slot.step)
-            dtype = self.config.device_dtype
             if slot.uploaded is not None:
-                slot.uploaded.synchronize()  # sync point: the previous upload still reads ``staging``
+                slot.uploaded.synchronize()  # sync point: the previous upload still reads the buffer
                 slot.uploaded = None
-            target = slot.staging if slot.staging is not None else slot.param.data.reshape(-1)
-            mode = {torch.bfloat16: 1, torch.float32: 2}.get(dtype, 0)
-            out16 = target.view(torch.int16).numpy().view(np.uint16) if mode == 1 else _NO_U16
-            out32 = target.numpy() if mode == 2 else _NO_F32
+            in_place = slot.grad.dtype == self.config.device_dtype  # bf16 or fp32: weight over gradient
             lr, wd = g["lr"], g["weight_decay"]
             decay = 1 - lr * wd if self.decoupled else wd  # scalars in double, rounded once (as torch)
-            K.adam_step(slot.master.numpy(), slot.exp_avg.numpy(), slot.exp_avg_sq.numpy(), slot.grad.numpy(),
-                        out16, out32, mode, f32(decay), self.decoupled, f32(1 - beta1), f32(beta2), f32(1 - beta2),
+            K.adam_step(slot.master.numpy(), slot.exp_avg.numpy(), slot.exp_avg_sq.numpy(), _np(slot.grad), in_place,
+                        f32(decay), self.decoupled, f32(1 - beta1), f32(beta2), f32(1 - beta2),
                         f32(lr / bc1), f32(bc2_sqrt), f32(g["eps"]), f32(grad_scale), _chunks(slot.master.numel()))
-            if mode == 0:  # fp16: numba has no fp16 arithmetic, so torch rounds the copy
-                target.copy_(slot.master)
-            if slot.staging is not None:
-                self._upload(slot)
+            if not in_place:  # fp16: numba has no fp16 arithmetic, so torch rounds the copy
+                (slot.staging if slot.staging is not None else slot.param.data.view(-1)).copy_(slot.master)
+                if slot.staging is not None:
+                    self._upload(slot, slot.staging)
+            elif slot.param.device.type == "cpu":
+                # The device is the host: the buffer holding the new weights becomes the
+                # parameter's storage and the old storage receives the next gradient (no copy).
+                new = slot.grad
+                slot.grad = slot.param.data.reshape(-1)
+                slot.param.data = new.view(slot.param.shape)
+            else:
+                self._upload(slot, slot.grad)
             slot.arrived = False
 
-    def _upload(self, slot: _Slot) -> None:
-        # host -> device on a side stream; the compute stream waits for it in step(). The host
-        # already waited for this parameter's gradient copy, so every kernel that read the old
-        # weight in this backward has run.
+    def _upload(self, slot: _Slot, source: Tensor) -> None:
+        # host -> device on a side stream; the compute stream waits for it in step(), so the next
+        # backward's gradient copy into ``source`` is ordered after it. The host already waited
+        # for this parameter's gradient copy, so every kernel that read the old weight has run.
         with torch.cuda.stream(self._upload_stream):
-            slot.param.data.copy_(slot.staging.view_as(slot.param), non_blocking=True)
+            slot.param.data.copy_(source.view_as(slot.param), non_blocking=True)
             slot.uploaded = torch.cuda.Event()
             slot.uploaded.record(self._upload_stream)
 
@@ -247,7 +258,7 @@ class HostAdamW(torch.optim.Optimizer):
                 s.copied.synchronize()  # sync point: all gradients on the host
         total, finite = 0.0, True
         for s in arrived:
-            sq, ok = K.sum_of_squares(s.grad.numpy(), _chunks(s.grad.numel()))
+            sq, ok = K.sum_of_squares(_np(s.grad), _chunks(s.grad.numel()))
             total, finite = total + sq, finite and ok
         scale = self.loss_scale
         if self.loss_scaler is not None:
@@ -280,7 +291,9 @@ class HostAdamW(torch.optim.Optimizer):
             torch.cuda.current_stream().wait_stream(self._upload_stream)
 
     def grad_buffer(self, param: Tensor) -> Tensor:
-        """The host fp32 buffer ``param``'s gradient streams into (flat)."""
+        """The host buffer ``param``'s next gradient streams into (flat; bf16 with bf16 device
+        weights, else fp32). On a host-only machine it changes after every update (a swap with
+        the parameter's storage): look it up again each step."""
         return self._slots[id(param)].grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -345,8 +358,16 @@ class HostAdam(HostAdamW):
         super().__init__(params, lr, betas, eps, weight_decay, config=config)
 
 
-_NO_U16 = np.empty(0, np.uint16)
-_NO_F32 = np.empty(0, np.float32)
+def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> Tensor:
+    """A flat host buffer: pinned on CUDA machines (async copies to and from the device), else
+    huge-page backed (the update streams five arrays; with 4 KiB pages the hardware prefetcher
+    stops at every page boundary)."""
+    return torch.empty(n, dtype=dtype, pin_memory=True) if pin else host_empty((n,), dtype)
+
+
+def _np(t: Tensor) -> np.ndarray:
+    """A numpy view for the kernels: bf16 as its uint16 bits (numpy has no bf16)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _chunks(n: int) -> int:
