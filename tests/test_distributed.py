@@ -14,7 +14,18 @@ from hetero.data import BatchConfig, Batches, FeatureRole
 from hetero.embedding import dense_parameters, host_tables
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRL, LazyAdam
-from hetero.parallel import DataParallelConfig, ReplicatedSparse, check_replicas, data_parallel, init, rank, shutdown, world_size
+from hetero.parallel import (
+    DataParallelConfig,
+    DistributedSparse,
+    check_replicas,
+    data_parallel,
+    full_model_state,
+    init,
+    rank,
+    shard_rows,
+    shutdown,
+    world_size,
+)
 
 STEPS, BATCH = 6, 32
 
@@ -50,16 +61,18 @@ def _mlp_run(mean: bool, scale: float):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _wide_deep_run(mean: bool, scale: float):
+def _wide_deep_run(mean: bool, scale: float, sharded: bool = False):
     torch.manual_seed(0)
     data = make_dataset(STEPS * BATCH)
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, deep=f.role is not FeatureRole.WIDE) for f in data.specs]
     model = WideDeep(slots, data.num_dense, WideDeepConfig(embedding_dim=4, hidden=(8,)))
+    if sharded:
+        assert shard_rows(model) == (2 if world_size() > 1 else 0)  # wide (dim 1) and deep (dim 4) groups
     check_replicas(model)
     net = data_parallel(model, DataParallelConfig(gradients_mean=mean))
     tables = host_tables(model)
-    sparse = [ReplicatedSparse(FTRL({k: t for k, t in tables.items() if k.startswith("wide.")}), DataParallelConfig(gradients_mean=mean)),
-              ReplicatedSparse(LazyAdam({k: t for k, t in tables.items() if k.startswith("deep.")}), DataParallelConfig(gradients_mean=mean))]
+    sparse = [DistributedSparse(FTRL({k: t for k, t in tables.items() if k.startswith("wide.")}), DataParallelConfig(gradients_mean=mean)),
+              DistributedSparse(LazyAdam({k: t for k, t in tables.items() if k.startswith("deep.")}), DataParallelConfig(gradients_mean=mean))]
     dense = torch.optim.Adam(dense_parameters(model), lr=1e-2)
     batches = Batches(data, BatchConfig(batch_size=BATCH, shuffle=True, seed=3, rank=rank(), world_size=world_size()))
     losses = []
@@ -71,10 +84,16 @@ def _wide_deep_run(mean: bool, scale: float):
         for o in (*sparse, dense):
             o.step()
         losses.append(_global_loss(loss))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if sharded and world_size() > 1:  # each rank holds a 1/N block of every group's rows
+        for name, t in host_tables(model).items():
+            g = t.group
+            assert g.exchange is not None and g.storage.shape[0] <= -(-g.exchange.global_rows // world_size()), name
+    state = full_model_state(model)  # sharded tables gathered whole
+    return losses, {k: v.detach().clone() for k, v in state.items()}
 
 
-RUNS = {"mlp": _mlp_run, "wide_deep": _wide_deep_run}
+RUNS = {"mlp": _mlp_run, "wide_deep": _wide_deep_run,
+        "wide_deep_sharded": lambda mean, scale: _wide_deep_run(mean, scale, sharded=True)}
 
 
 def _worker(r, n, port, kind, mean, out):
@@ -95,7 +114,8 @@ def _distributed(tmp_path, kind, n, mean):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("kind,n", [("mlp", 2), ("wide_deep", 2), ("wide_deep", 4)])
+@pytest.mark.parametrize("kind,n", [("mlp", 2), ("wide_deep", 2), ("wide_deep", 4), ("wide_deep_sharded", 2),
+                                    ("wide_deep_sharded", 4)])
 @pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
 def test_n_ranks_equal_one_process(tmp_path, kind, n, mean):
     # gradients_mean=False sums the ranks' gradients: the single-process equivalent is a loss

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--prefetch", action="store_true", help="prepare the next batch's lookups on a worker thread")
     g.add_argument("--threads", type=int, help="threads of the host embedding kernels (default: torch's)")
+    g.add_argument("--table-sharding", choices=["replicated", "row"], default="replicated",
+                   help="under torchrun: every rank holds whole tables, or a 1/N block of each table's rows")
     return p
 
 
@@ -89,6 +91,10 @@ def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer:
     model_config = WideDeepConfig(embedding_dim=args.embedding_dim, hidden=args.hidden, dropout=args.dropout)
     device = resolve_device(Target.DEVICE)
     model = WideDeep(slots, data.num_dense, model_config).to(device)
+    if args.table_sharding == "row":
+        if args.prefetch:
+            raise ValueError("--prefetch works with replicated tables only; drop it or use --table-sharding replicated")
+        parallel.shard_rows(model)  # before the optimizers: their state is allocated per shard
     tables = host_tables(model)
     sparse = {
         "wide": _sparse_optimizer(args.wide_optimizer, {k: v for k, v in tables.items() if k.startswith("wide.")}, args.wide_lr, args),
@@ -96,9 +102,9 @@ def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer:
     }
     dense = torch.optim.Adam(dense_parameters(model), lr=args.dense_lr)
     n_rows = sum(t.config.num_embeddings for t in tables.values())
-    log.info("hetero: %d samples (%d train); %d host tables, %d rows, %.1f MB on the host; MLP on %s",
+    log.info("hetero: %d samples (%d train); %d host tables, %d rows, %.1f MB on this host (%s); MLP on %s",
              len(data), len(train), len(tables), n_rows,
-             sum(t.weight.numel() * 4 for t in tables.values()) / 1e6, device)
+             sum(t.weight.numel() * 4 for t in tables.values()) / 1e6, args.table_sharding, device)
     config = TrainConfig(epochs=args.epochs, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
                          progress=not args.no_progress, prefetch=args.prefetch)
     set_num_threads(args.threads)

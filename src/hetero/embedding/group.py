@@ -101,7 +101,10 @@ class TableGroup:
             t.group = self
             start += v
         self.storage = storage
-        self.marker = np.zeros(total, np.int64)  # dedup scratch: 8 bytes per row
+        # dedup scratch: 8 bytes per row; None for a row-sharded group (``torch.unique`` instead:
+        # a marker over the global row space on every rank would not shrink with more ranks)
+        self.marker: np.ndarray | None = np.zeros(total, np.int64)
+        self.exchange = None  # set by hetero.parallel.shard_rows: the lookup talks to other ranks
         self.stamp = 0
         self.lock = threading.Lock()  # the marker is shared by every lookup of the group
         self.pending: list["SparseGrad"] = []
@@ -148,12 +151,13 @@ class TableGroup:
         if bad >= 0:
             s = int(np.searchsorted(seg, bad, side="right") - 1)
             requests[s].table.raise_out_of_range(int(ids[bad]))
-        with self.lock:
-            self.stamp += 1
-            if self.stamp >= 1 << 31:  # the stamp lives in the upper 32 bits of the marker
-                self.marker[:] = 0
-                self.stamp = 1
-            unique, inverse, first, nxt = K.dedup(rows, self.marker, self.stamp)
+        if self.marker is None:
+            unique_t, inverse_t = torch.unique(torch.from_numpy(rows), return_inverse=True)
+            unique, inverse = unique_t.numpy(), inverse_t.numpy()
+            first = nxt = np.empty(0, np.int64)  # no occurrence chains: the gradient arrives coalesced
+        else:
+            with self.lock:
+                unique, inverse, first, nxt = self._dedup(K, rows)
         scale = None
         if singleton:
             all_offsets = torch.empty(0, dtype=torch.int64)
@@ -165,6 +169,13 @@ class TableGroup:
                 scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
         return LookupPlan(torch.from_numpy(unique), torch.from_numpy(inverse), torch.from_numpy(first),
                           torch.from_numpy(nxt), torch.from_numpy(rows), all_offsets, scale, ranges)
+
+    def _dedup(self, K, rows: np.ndarray):  # noqa: ANN001 - the kernels module
+        self.stamp += 1
+        if self.stamp >= 1 << 31:  # the stamp lives in the upper 32 bits of the marker
+            self.marker[:] = 0
+            self.stamp = 1
+        return K.dedup(rows, self.marker, self.stamp)
 
     def _segment_meta(self, requests: list[Request]):
         vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
@@ -207,6 +218,8 @@ class TableGroup:
 
     def lookup(self, requests: list[Request], plan: LookupPlan | None = None) -> list[Tensor]:
         """Outputs of ``requests`` on the device of the first table's anchor (autograd-aware)."""
+        if self.exchange is not None:
+            return self.exchange.lookup(self, requests)
         anchor = requests[0].table._device_anchor
         device, dtype = anchor.device, anchor.dtype
         if plan is None:
@@ -239,6 +252,10 @@ class TableGroup:
                 per_sample_weights=None if plan.scale is None else copy_to(plan.scale, device).to(dtype),
                 include_last_offset=True,
             )
+        return self.split_outputs(pooled, plan)
+
+    def split_outputs(self, pooled: Tensor, plan: LookupPlan) -> list[Tensor]:
+        """The per-request outputs of the pooled ``(bags, D)`` result of ``plan``."""
         if len(plan.bag_ranges) == 1:  # no slicing: its backward would zero-fill and copy the gradient
             return [pooled.reshape(*plan.bag_ranges[0][2], self.dim)]
         parts = pooled.split([b - a for a, b, _ in plan.bag_ranges])

@@ -45,6 +45,9 @@ class Prefetcher:
         features: maps a batch to the feature mapping the collections receive (the same object
             must then be passed to the model: plans are matched by identity).
 
+    Raises:
+        ValueError: ``depth < 1``, or a row-sharded table (its lookup is a collective).
+
     Yields the batches in order. Exceptions of the worker (an out-of-range id) are raised when
     the batch that caused them is reached, before anything of that batch is applied.
     """
@@ -57,6 +60,9 @@ class Prefetcher:
         self.collections = [m for m in model.modules() if isinstance(m, HostEmbeddingCollection)]
         for c in self.collections:
             for g in c.groups:
+                if g.exchange is not None:
+                    raise ValueError(f"tables {[t.name for t in g.tables]} are row-sharded across ranks: their lookup "
+                                     f"is a collective and cannot be prefetched; prefetch replicated tables only")
                 g.track_row_versions()
         self.batches = batches
         self.refreshed_rows = 0  # rows re-gathered because an update overtook their prefetch

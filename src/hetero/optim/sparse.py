@@ -153,7 +153,7 @@ class SparseOptimizer(abc.ABC):
         out = {}
         for name, t in self.tables.items():
             a = t.group.row_offset[id(t)]
-            out[name] = {s: x[a : a + t.config.num_embeddings] for s, x in self.group_state[id(t.group)].items()}
+            out[name] = {s: x[a : a + t.weight.shape[0]] for s, x in self.group_state[id(t.group)].items()}
         return out
 
     def zero_grad(self) -> None:

@@ -1,22 +1,38 @@
-"""Distributed training on torch.distributed: the process group, data parallelism.
+"""Distributed training on torch.distributed: the process group, data parallelism, row-sharded
+host tables.
 
 ``hetero.distributed`` is the same module under the name the docs use.
 """
 
-from hetero.parallel.data_parallel import DataParallelConfig, ReplicatedSparse, check_replicas, data_parallel
+from hetero.parallel.data_parallel import (
+    DataParallelConfig,
+    DistributedSparse,
+    check_replicas,
+    data_parallel,
+    full_model_state,
+    global_shapes,
+    local_model_state,
+)
+from hetero.parallel.row_sharded import gather_rows, shard_rows, sharded_tables
 from hetero.parallel.env import DistConfig, active, barrier, init, local_rank, rank, shutdown, world_size
 
 __all__ = [
     "DataParallelConfig",
     "DistConfig",
-    "ReplicatedSparse",
+    "DistributedSparse",
     "active",
     "barrier",
     "check_replicas",
     "data_parallel",
+    "full_model_state",
+    "gather_rows",
+    "global_shapes",
+    "local_model_state",
     "init",
     "local_rank",
     "rank",
+    "shard_rows",
+    "sharded_tables",
     "shutdown",
     "world_size",
 ]

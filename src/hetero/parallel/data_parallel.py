@@ -1,13 +1,15 @@
-"""Data parallelism: dense parameters through DDP, host tables replicated with sparse exchange.
+"""Data parallelism: dense parameters through DDP; host tables replicated or row-sharded.
 
 Every rank holds the whole model and reads its shard of the data (see ``BatchConfig``'s
 ``rank``/``world_size``). Dense (device) parameters are synchronised by
 ``DistributedDataParallel``, whose gradient buckets are the comm fusion of the reference design
 (``bucket_mb``); gradients are averaged (``gradients_mean=True``) or summed. Host tables are
-replicated: after backward each rank all-gathers every group's sparse gradient (unique rows and
-their coalesced gradients, padded to the largest rank's row count), sums them in rank order and
-scales like the dense gradients, so every replica applies the same update and stays identical.
-With world size 1 all of this is skipped.
+either replicated - after backward each rank all-gathers every group's sparse gradient (unique
+rows and their coalesced gradients, padded to the largest rank's row count), sums them in rank
+order and scales like the dense gradients, so every replica applies the same update and stays
+identical - or row-sharded (:func:`~hetero.parallel.row_sharded.shard_rows`: all-to-all of ids,
+rows and gradients). :class:`DistributedSparse` handles both. With world size 1 all of this is
+skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from hetero.embedding import SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
 from hetero.parallel.env import active, world_size
+from hetero.parallel.row_sharded import gather_rows, local_table_rows, sharded_tables, table_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +37,7 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
 
     Host tables are left out of DDP: they are not broadcast (ranks build them identically from
     the same seed; :func:`check_replicas` verifies it) and their gradients go through
-    :class:`ReplicatedSparse`.
+    :class:`DistributedSparse`.
     """
     if not active():
         return model
@@ -53,10 +56,14 @@ def _sum_hook(state, bucket):  # noqa: ANN001 - DDP comm hook signature
 
 
 def check_replicas(model: nn.Module) -> None:
-    """Raise ``ValueError`` if a host table differs between ranks (checksum over all rows)."""
+    """Raise ``ValueError`` if a replicated host table differs between ranks (checksum over all
+    rows). Row-sharded tables are left out: their shards differ by design."""
     if not active():
         return
+    sharded = sharded_tables(model)
     for name, table in host_tables(model).items():
+        if name in sharded:
+            continue
         local = table.weight.detach().double().sum().reshape(1)
         both = torch.cat([local, -local])
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
@@ -64,9 +71,15 @@ def check_replicas(model: nn.Module) -> None:
             raise ValueError(f"host table {name!r} differs between ranks; build the model with the same seed on every rank")
 
 
-class ReplicatedSparse:
-    """A sparse optimizer whose tables are replicated across ranks: ``step()`` first exchanges
-    the sparse gradients so that every rank applies the sum (or mean) over all ranks."""
+class DistributedSparse:
+    """A sparse optimizer over tables that are replicated or row-sharded across the ranks.
+
+    ``step()`` first exchanges the sparse gradients: a replicated group gets the sum (or mean)
+    over all ranks, so every replica applies the same update; a row-sharded group sends each
+    gradient row to its owner (see :mod:`hetero.parallel.row_sharded`). ``state_dict()`` holds
+    full tables' state (a collective: every rank calls it); ``load_state_dict()`` takes a full
+    state and keeps this rank's rows, so it loads at any world size.
+    """
 
     def __init__(self, optimizer: SparseOptimizer, config: DataParallelConfig = DataParallelConfig()) -> None:
         self.optimizer, self.config = optimizer, config
@@ -77,6 +90,9 @@ class ReplicatedSparse:
     def step(self) -> None:
         if active():
             for group in self.optimizer.groups:
+                if group.exchange is not None:
+                    group.pending = [group.exchange.reduce_gradients(group.dim, self.config.gradients_mean)]
+                    continue
                 grad = group.pop_sparse_grad()
                 if grad is None:
                     grad = SparseGrad(torch.empty(0, dtype=torch.int64), torch.empty(0, group.dim))
@@ -105,7 +121,53 @@ class ReplicatedSparse:
         return SparseGrad(unique, summed)
 
     def state_dict(self):
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        opt = self.optimizer
+        for group in opt.groups:
+            if group.exchange is None:
+                continue
+            for s, x in opt.group_state[id(group)].items():
+                full = gather_rows(x, group.exchange.global_rows)
+                for name, t in opt.tables.items():
+                    if t.group is group:
+                        state["state"][name][s] = table_rows(t, full)
+        return state
 
     def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
+        opt = self.optimizer
+        local = {name: dict(tensors) for name, tensors in state["state"].items()}
+        for name, t in opt.tables.items():
+            if t.group.exchange is not None and name in local:
+                local[name] = {s: local_table_rows(t, x) for s, x in local[name].items()}
+        self.optimizer.load_state_dict({**state, "state": local})
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every row-sharded table gathered whole (a collective)."""
+    state = model.state_dict()
+    done: dict[int, torch.Tensor] = {}
+    for name, t in sharded_tables(model).items():
+        g = t.group
+        if id(g) not in done:
+            done[id(g)] = gather_rows(g.storage, g.exchange.global_rows)
+        state[f"{name}.weight"] = table_rows(t, done[id(g)])
+    return state
+
+
+def local_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full model state (from :func:`full_model_state`, any world size) cut to this rank's rows."""
+    state = dict(state)
+    for name, t in sharded_tables(model).items():
+        key = f"{name}.weight"
+        if key in state:
+            state[key] = local_table_rows(t, state[key])
+    return state
+
+
+def global_shapes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with sharded tables replaced by meta tensors of their full shape
+    (to check a checkpoint against the model without gathering)."""
+    state = dict(model.state_dict())
+    for name, t in sharded_tables(model).items():
+        state[f"{name}.weight"] = torch.empty(t.config.num_embeddings, t.config.embedding_dim, device="meta")
+    return state

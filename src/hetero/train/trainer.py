@@ -24,7 +24,18 @@ from hetero.checkpoint import check_model_compatible, load_checkpoint, save_chec
 from hetero.data import Batch, Batches, TabularDataset
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
-from hetero.parallel import ReplicatedSparse, active, barrier, check_replicas, data_parallel, rank, world_size
+from hetero.parallel import (
+    DistributedSparse,
+    active,
+    barrier,
+    check_replicas,
+    data_parallel,
+    full_model_state,
+    global_shapes,
+    local_model_state,
+    rank,
+    world_size,
+)
 from hetero.placement import copy_to
 from hetero.train.report import binary_metrics, plot_curves
 
@@ -70,10 +81,11 @@ class Trainer:
     ) -> None:
         self.model, self.dense_optimizer = model, dense_optimizer
         # Data parallel over the ranks of the process group (nothing at world size 1): DDP for the
-        # dense part, replicated host tables with exchanged sparse gradients.
-        check_replicas(model)  # ranks must start from identical tables (same seed)
+        # dense part; host tables replicated (exchanged sparse gradients) or row-sharded
+        # (hetero.parallel.shard_rows, called before the optimizers were built).
+        check_replicas(model)  # ranks must start from identical replicated tables (same seed)
         self.net = data_parallel(model)
-        self.sparse_optimizers = {k: ReplicatedSparse(o) if active() else o for k, o in sparse_optimizers.items()}
+        self.sparse_optimizers = {k: DistributedSparse(o) if active() else o for k, o in sparse_optimizers.items()}
         self.train, self.valid, self.test, self.config = train, valid, test, config
         self.run_dir = Path(run_dir)
         self.checkpoint_path = self.run_dir / CHECKPOINT_NAME
@@ -91,7 +103,7 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
             "format_version": FORMAT_VERSION,
-            "model": self.model.state_dict(),
+            "model": full_model_state(self.model),  # row-sharded tables gathered whole (collective)
             "dense_optimizer": self.dense_optimizer.state_dict(),
             "sparse_optimizers": {k: o.state_dict() for k, o in self.sparse_optimizers.items()},
             "position": {"epoch": self.epoch, "batch": self.batch, "global_step": self.global_step},
@@ -102,8 +114,8 @@ class Trainer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
-        check_model_compatible(self.model.state_dict(), state["model"], path)
-        self.model.load_state_dict(state["model"])
+        check_model_compatible(global_shapes(self.model), state["model"], path)
+        self.model.load_state_dict(local_model_state(self.model, state["model"]))  # this rank's rows of sharded tables
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
         for k, opt in self.sparse_optimizers.items():
             opt.load_state_dict(state["sparse_optimizers"][k])
@@ -118,9 +130,11 @@ class Trainer:
         self.train_samples = state["throughput"]["train_samples"]
 
     def save(self) -> Path:
-        # Replicas are identical: rank 0 writes, the others wait until the file is complete.
+        # Every rank builds the state (it gathers row-sharded tables: a collective); it is then
+        # identical on all ranks, so rank 0 writes and the others wait until the file is complete.
+        state = self.state_dict()
         if rank() == 0:
-            save_checkpoint(self.state_dict(), self.checkpoint_path)
+            save_checkpoint(state, self.checkpoint_path)
         barrier()
         return self.checkpoint_path
 

@@ -1,0 +1,190 @@
+"""Row-sharded host tables: each rank's host memory holds 1/N of every table's rows.
+
+The rows of a table group (its global row space, see :class:`~hetero.embedding.group.TableGroup`)
+are cut into N contiguous blocks of ``ceil(rows / N)`` rows, rank ``r`` holding block ``r`` -
+``torch.chunk``'s rule, which is also ``DTensor``'s ``Shard(0)``, so a distributed checkpoint
+can describe a shard as a DTensor and load it into another world size. A table therefore grows
+with the number of hosts: each rank stores at most ``ceil(rows / N)`` rows and their optimizer
+state. (Block partitioning puts a vocabulary's hot low ids on one rank unless ids are hashed;
+TorchRec's row-wise sharding makes the same choice.)
+
+A lookup on every rank (the same tables in the same order, as data parallelism guarantees):
+
+1. check and dedup the batch's ids locally (``torch.unique``: no per-row marker over the global
+   row space, which would not shrink with N);
+2. all-to-all of the unique ids, bucketed by owner rank (counts first, then ids);
+3. each owner gathers the requested rows from its shard; all-to-all of the rows back;
+4. pool / expand on the device as usual (``F.embedding_bag``); backward yields one coalesced
+   gradient row per unique id, kept with the routing of step 2.
+
+The optimizer step (:class:`DistributedSparse`) sends each rank's gradient rows back to their
+owners with the reverse all-to-all; an owner sums what it receives in rank order (then divides by
+N with ``gradients_mean``) and applies its sparse optimizer to its shard only. The collectives run
+in ``forward`` and ``step``, never inside backward, so they cannot interleave with DDP's
+all-reduces differently on different ranks. This is TorchRec's row-wise sharding on host memory
+(Ivchenko et al., "TorchRec: a PyTorch domain library for recommendation systems", RecSys 2022).
+
+At world size 1 nothing is sharded (one shard is the table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hetero.embedding import SparseGrad, host_tables
+from hetero.embedding.group import Request, TableGroup
+from hetero.placement import copy_to, host_empty
+from hetero.parallel.env import active, rank, world_size
+
+
+def block_range(rows: int, r: int, n: int) -> tuple[int, int]:
+    """Global rows ``[lo, hi)`` of a ``rows``-row group that rank ``r`` of ``n`` holds."""
+    block = -(-rows // n)
+    return min(r * block, rows), min((r + 1) * block, rows)
+
+
+@dataclasses.dataclass
+class _Routed:
+    """One lookup's routing, kept for the gradient's way back to the owners."""
+
+    order: Tensor  # (U,) permutation of the unique ids that sorts them by owner rank
+    send_counts: list[int]  # ids (and later gradient rows) this rank sends to each rank
+    recv_counts: list[int]  # ids this rank received from each rank, as owner
+    local_rows: Tensor  # (sum recv_counts,) local shard rows of the received ids
+    grad: Tensor | None = None  # (U, D) coalesced gradient of the unique rows, once backward ran
+
+
+class RowSharding:
+    """The exchange of one row-sharded table group (``group.exchange``); see the module docstring."""
+
+    def __init__(self, group: TableGroup, global_rows: int) -> None:
+        self.rank, self.world = rank(), world_size()
+        self.global_rows = global_rows
+        self.block = -(-global_rows // self.world)  # rows per rank (the last may hold fewer)
+        self.lo, self.hi = block_range(global_rows, self.rank, self.world)
+        self.pending: list[_Routed] = []
+
+    def lookup(self, group: TableGroup, requests: list[Request]) -> list[Tensor]:
+        anchor = requests[0].table._device_anchor
+        plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
+        unique, n = plan.unique, self.world
+        owner = unique // self.block
+        order = torch.argsort(owner, stable=True)  # identity for torch.unique's sorted ids; any dedup order works
+        send_counts = torch.bincount(owner, minlength=n)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)  # how many ids each rank asks of this one
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        asked = torch.empty(sum(recv), dtype=torch.int64)
+        dist.all_to_all_single(asked, unique[order], recv, send)
+        local_rows = asked - self.lo
+        served = group.storage.index_select(0, local_rows).float()  # the rows this rank owns and was asked for
+        got = torch.empty(unique.numel(), group.dim)
+        dist.all_to_all_single(got, served, send, recv)
+        rows = torch.empty_like(got)
+        rows[order] = got  # back to the order of ``unique``
+        routed = _Routed(order, send, recv, local_rows)
+        rows = copy_to(rows, anchor.device).to(anchor.dtype)  # host -> device: U rows
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            rows.register_hook(lambda grad, routed=routed: self._capture(routed, grad))
+            self.pending.append(routed)
+        offsets = plan.offsets if plan.offsets.numel() else torch.arange(plan.inverse.numel() + 1)
+        dev = anchor.device
+        pooled = F.embedding_bag(
+            copy_to(plan.inverse, dev), rows, copy_to(offsets, dev), mode="sum",
+            per_sample_weights=None if plan.scale is None else copy_to(plan.scale, dev).to(anchor.dtype),
+            include_last_offset=True,
+        )
+        return group.split_outputs(pooled, plan)
+
+    @staticmethod
+    def _capture(routed: _Routed, grad: Tensor) -> None:
+        # Runs inside backward: only keep the coalesced gradient; the exchange runs in step().
+        routed.grad = grad.detach().to("cpu", torch.float32)  # device -> host (sync point on CUDA)
+
+    def reduce_gradients(self, dim: int, mean: bool) -> SparseGrad:
+        """Send every pending lookup's gradient rows to their owners; return this shard's summed
+        gradient (local rows). Every rank must call it, with the same number of pending lookups."""
+        ids, rows = [], []
+        for routed in self.pending:
+            grad = routed.grad if routed.grad is not None else torch.zeros(routed.order.numel(), dim)
+            received = torch.empty(sum(routed.recv_counts), dim)
+            dist.all_to_all_single(received, grad[routed.order].contiguous(), routed.recv_counts, routed.send_counts)
+            ids.append(routed.local_rows)
+            rows.append(received)
+        self.pending = []
+        if not ids:
+            return SparseGrad(torch.empty(0, dtype=torch.int64), torch.empty(0, dim))
+        unique, inverse = torch.unique(torch.cat(ids), return_inverse=True)
+        # index_add_ on the CPU accumulates in index order: the received rows are ordered by
+        # source rank, so the sum is the same on every run.
+        summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, torch.cat(rows))
+        if mean:
+            summed /= self.world
+        return SparseGrad(unique, summed)
+
+
+def shard_rows(module: nn.Module) -> int:
+    """Row-shard every host table group in ``module`` across the ranks; returns how many groups.
+
+    Call it on every rank after building the model (from the same seed) and before creating the
+    sparse optimizers (their state is allocated per shard). Each rank keeps only the rows it owns
+    (the whole table is built once at construction; a table that does not fit one host must be
+    initialised per shard instead). Does nothing at world size 1.
+    """
+    if not active():
+        return 0
+    r, n = rank(), world_size()
+    groups = {id(t.group): t.group for t in host_tables(module).values()}
+    for group in groups.values():
+        if group.exchange is not None:
+            continue
+        total = group.num_rows
+        lo, hi = block_range(total, r, n)
+        shard = host_empty((hi - lo, group.dim), group.dtype)
+        shard.copy_(group.storage[lo:hi])
+        for t in group.tables:
+            start = group.row_offset[id(t)]
+            a, b = min(max(start, lo), hi), min(max(start + t.config.num_embeddings, lo), hi)
+            t.weight.data = shard[a - lo : b - lo]  # the table's rows on this rank (possibly none)
+        group.storage = shard  # ids and row offsets stay global: the exchange maps them to ranks
+        group.marker = None
+        group.exchange = RowSharding(group, total)
+    return len(groups)
+
+
+def sharded_tables(module: nn.Module) -> dict[str, "torch.nn.Module"]:
+    """Host tables of ``module`` whose rows are sharded across the ranks, by qualified name."""
+    return {k: t for k, t in host_tables(module).items() if t.group.exchange is not None}
+
+
+def gather_rows(shard: Tensor, global_rows: int) -> Tensor:
+    """The full ``(global_rows, ...)`` tensor from every rank's block (see :func:`block_range`).
+    Collective: every rank calls it; every rank gets the result."""
+    n = world_size()
+    block = -(-global_rows // n)
+    padded = torch.zeros((block, *shard.shape[1:]), dtype=shard.dtype)
+    padded[: shard.shape[0]] = shard
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded)
+    return torch.cat(parts)[:global_rows]
+
+
+def table_rows(t: nn.Module, full_group: Tensor) -> Tensor:
+    """Table ``t``'s rows within a full (gathered) group tensor."""
+    start = t.group.row_offset[id(t)]
+    return full_group[start : start + t.config.num_embeddings]
+
+
+def local_table_rows(t: nn.Module, full_table: Tensor) -> Tensor:
+    """This rank's rows of a full table tensor (the inverse of gathering)."""
+    g = t.group
+    start = g.row_offset[id(t)]
+    lo, hi = block_range(g.exchange.global_rows, rank(), world_size())
+    a, b = min(max(start, lo), hi), min(max(start + t.config.num_embeddings, lo), hi)
+    return full_table[a - start : b - start]
