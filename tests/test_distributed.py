@@ -185,36 +185,51 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tm
     assert (tmp_path / "killed_run" / "losses.csv").read_text() == (tmp_path / "clean_run" / "losses.csv").read_text()
 
 
-def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir):
-    """The integrated checkpoint holds replicated state and a world-size-free position (global
-    batches), so it continues under any world size."""
+@pytest.mark.parametrize("layout", [("integrated", "replicated"), ("sharded", "row")], ids=["integrated", "sharded"])
+def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout):
+    """Integrated: every tensor whole in one file. Sharded: each rank writes its block of the
+    row-sharded tables (torch.distributed.checkpoint), and loading at 2 ranks or 1 reshards them.
+    The position counts global batches, so both continue under any world size."""
     import shutil
     import subprocess
     import sys
 
-    from hetero.cli import main
+    from hetero.cli import main, merge
 
+    fmt, sharding = layout
     args = ["--data-path", str(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
-            "--hidden", "16,8", "--dropout", "0"]
+            "--hidden", "16,8", "--dropout", "0", "--checkpoint-format", fmt]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def torchrun(n, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", "hetero",
-               "train", *args, *extra]
+               "train", *args, "--table-sharding", sharding, *extra]
         run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
 
+    def final(name):
+        if fmt == "integrated":
+            return torch.load(tmp_path / name / "checkpoint.pt")
+        return torch.load(merge(tmp_path / name / "checkpoint.dcp", tmp_path / name / "merged.pt"))
+
     assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0  # the uninterrupted 1-rank run
     torchrun(4, "--max-steps", "7", "--run-dir", str(tmp_path / "four"))  # mid-epoch 1 of 15 steps
+    if fmt == "sharded":
+        assert len(list((tmp_path / "four" / "checkpoint.dcp").glob("__*_0.distcp"))) == 4
     shutil.copytree(tmp_path / "four", tmp_path / "two")
     torchrun(2, "--resume", "--run-dir", str(tmp_path / "two"))
     shutil.copytree(tmp_path / "four", tmp_path / "single")
     assert main(["train", *args, "--resume", "--run-dir", str(tmp_path / "single")]) == 0
-    reference = torch.load(tmp_path / "one" / "checkpoint.pt")
+    reference = final("one")
     ref_losses = reference["losses"]
     for name in ("two", "single"):
-        state = torch.load(tmp_path / name / "checkpoint.pt")
+        state = final(name)
         assert state["position"] == reference["position"]
         torch.testing.assert_close(state["losses"], ref_losses, rtol=0, atol=1e-5)
         for k, v in reference["model"].items():
             torch.testing.assert_close(state["model"][k], v, rtol=0, atol=1e-5, msg=f"{name}: {k}")
+        for opt, saved in reference["sparse_optimizers"].items():
+            for table, tensors in saved["state"].items():
+                for s, v in tensors.items():
+                    torch.testing.assert_close(state["sparse_optimizers"][opt]["state"][table][s], v, rtol=0, atol=1e-5,
+                                               msg=f"{name}: {opt} {table} {s}")

@@ -1,4 +1,5 @@
 """``hetero train``: the Wide & Deep main job on MovieLens-100K (default) or a Criteo TSV file.
+``hetero checkpoint merge``: a sharded checkpoint into one integrated file (for inference).
 
 Each component gets its own small config built from the flags; nothing else is shared.
 The last line printed to stdout is the run's metrics as one JSON object.
@@ -22,7 +23,7 @@ from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.placement import Target, resolve_device
-from hetero.train import TrainConfig, Trainer
+from hetero.train import CheckpointFormat, TrainConfig, Trainer
 
 log = logging.getLogger("hetero")
 
@@ -59,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int, default=8)
     g.add_argument("--run-dir", type=Path, default=Path("runs/wide_deep"))
     g.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
-                   help="continue from RUN_DIR/checkpoint.pt; 'auto': if it exists (for torchrun --max-restarts)")
+                   help="continue from RUN_DIR's checkpoint; 'auto': if it exists (for torchrun --max-restarts)")
+    g.add_argument("--checkpoint-format", choices=[f.value for f in CheckpointFormat], default="integrated",
+                   help="integrated: RUN_DIR/checkpoint.pt, written whole by rank 0; sharded: RUN_DIR/checkpoint.dcp, "
+                        "each rank writing its part (torch.distributed.checkpoint); both resume at any world size")
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: each epoch)")
     g.add_argument("--max-steps", type=int, help="stop after this many steps in total")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -67,7 +71,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, help="threads of the host embedding kernels (default: torch's)")
     g.add_argument("--table-sharding", choices=["replicated", "row"], default="replicated",
                    help="under torchrun: every rank holds whole tables, or a 1/N block of each table's rows")
+    c = sub.add_parser("checkpoint", help="checkpoint tools")
+    csub = c.add_subparsers(dest="action", required=True)
+    m = csub.add_parser("merge", help="merge a sharded checkpoint (a checkpoint.dcp directory) into one integrated file")
+    m.add_argument("source", type=Path, help="the checkpoint.dcp directory")
+    m.add_argument("output", type=Path, help="the integrated checkpoint file to write (atomically)")
     return p
+
+
+def merge(source: Path, output: Path) -> Path:
+    """Write the integrated checkpoint of the sharded checkpoint ``source`` to ``output``.
+
+    Raises:
+        CheckpointError: ``source`` is missing, incomplete (a shard missing or truncated) or unreadable.
+    """
+    from hetero.checkpoint import save_checkpoint
+    from hetero.checkpoint.sharded import read_full
+    from hetero.train.checkpointing import to_integrated
+
+    return save_checkpoint(to_integrated(read_full(source)), output)
 
 
 def _sparse_optimizer(kind: str, tables, lr: float, args):
@@ -106,7 +128,8 @@ def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer:
              len(data), len(train), len(tables), n_rows,
              sum(t.weight.numel() * 4 for t in tables.values()) / 1e6, args.table_sharding, device)
     config = TrainConfig(epochs=args.epochs, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
-                         progress=not args.no_progress, prefetch=args.prefetch)
+                         progress=not args.no_progress, prefetch=args.prefetch,
+                         checkpoint_format=CheckpointFormat(args.checkpoint_format))
     set_num_threads(args.threads)
     batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed,
                                          rank=parallel.rank(), world_size=parallel.world_size()))
@@ -117,6 +140,14 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
     """Run the command line; ``on_step`` (see :class:`Trainer`) is for embedding callers."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.command == "checkpoint":
+        try:
+            out = merge(args.source, args.output)
+        except CheckpointError as e:
+            print(f"hetero: error: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps({"merged": str(args.source), "checkpoint": str(out)}))
+        return 0
     rank, failed = 0, True
     try:
         parallel.init()  # torchrun's environment, if any; a single process otherwise
@@ -124,7 +155,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         if rank != 0:  # one voice per job: the other ranks only warn
             logging.getLogger("hetero").setLevel(logging.WARNING)
         trainer = build_trainer(args, on_step)
-        if args.resume == "yes" or (args.resume == "auto" and trainer.checkpoint_path.is_file()):
+        if args.resume == "yes" or (args.resume == "auto" and trainer.has_checkpoint()):
             trainer.resume()
         metrics = trainer.fit()
         failed = False

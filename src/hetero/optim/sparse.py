@@ -194,16 +194,16 @@ class SparseOptimizer(abc.ABC):
         ``grad`` is the kernels' gradient arguments: ``(grad, src, first, next, scale, nthreads)``.
         """
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": type(self).__name__,
-            "config": dataclasses.asdict(self.config),
-            "steps": self.steps,
-            "state": self.state,
-        }
+    def state_dict(self, include_state: bool = True) -> dict[str, Any]:
+        """Type, config, steps per table and (``include_state``) the per-table row state views."""
+        out = {"optimizer": type(self).__name__, "config": dataclasses.asdict(self.config), "steps": self.steps}
+        if include_state:
+            out["state"] = self.state
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore state saved by :meth:`state_dict`.
+        """Restore state saved by :meth:`state_dict`. Without ``"state"``, only the configuration
+        and step counts are restored (a distributed checkpoint restores the per-row state in place).
 
         Raises:
             ValueError: the saved optimizer type, tables or state shapes differ from this one.
@@ -211,6 +211,9 @@ class SparseOptimizer(abc.ABC):
         kind = type(self).__name__
         if state_dict["optimizer"] != kind:
             raise ValueError(f"sparse optimizer state is for {state_dict['optimizer']}, not {kind}")
+        if "state" not in state_dict:
+            self._load_counts(state_dict)
+            return
         saved, ours = set(state_dict["state"]), set(self.tables)
         if saved != ours:
             raise ValueError(f"{kind} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
@@ -224,6 +227,12 @@ class SparseOptimizer(abc.ABC):
                         f"and {tuple(mine.shape)} here"
                     )
                 mine.copy_(t)
+        self._load_counts(state_dict)
+
+    def _load_counts(self, state_dict: Mapping[str, Any]) -> None:
+        saved, ours = set(state_dict["steps"]), set(self.tables)
+        if saved != ours:
+            raise ValueError(f"{type(self).__name__} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
         for name, t in self.tables.items():
             self._group_steps[id(t.group)] = int(state_dict["steps"][name])
         self.config = self.Config(**state_dict["config"])

@@ -22,7 +22,7 @@ from torch import nn
 
 from hetero.embedding import SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
-from hetero.parallel.env import active, world_size
+from hetero.parallel.env import active, host_group, world_size
 from hetero.parallel.row_sharded import gather_rows, local_table_rows, sharded_tables, table_rows
 
 
@@ -66,7 +66,7 @@ def check_replicas(model: nn.Module) -> None:
             continue
         local = table.weight.detach().double().sum().reshape(1)
         both = torch.cat([local, -local])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=host_group())
         if float(both[0]) != -float(both[1]):
             raise ValueError(f"host table {name!r} differs between ranks; build the model with the same seed on every rank")
 
@@ -103,15 +103,16 @@ class DistributedSparse:
         n = world_size()
         ids, rows = grad.ids, grad.rows
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-        dist.all_gather(counts, torch.tensor([ids.numel()]))
+        group = host_group()  # host tensors: gloo even when NCCL is the default
+        dist.all_gather(counts, torch.tensor([ids.numel()]), group=group)
         longest = max(int(c) for c in counts)
         pad_ids = torch.zeros(longest, dtype=torch.int64)
         pad_rows = torch.zeros(longest, dim)
         pad_ids[: ids.numel()], pad_rows[: ids.numel()] = ids, rows
         all_ids = [torch.empty_like(pad_ids) for _ in range(n)]
         all_rows = [torch.empty_like(pad_rows) for _ in range(n)]
-        dist.all_gather(all_ids, pad_ids)
-        dist.all_gather(all_rows, pad_rows)
+        dist.all_gather(all_ids, pad_ids, group=group)
+        dist.all_gather(all_rows, pad_rows, group=group)
         ids = torch.cat([a[: int(c)] for a, c in zip(all_ids, counts)])
         rows = torch.cat([r[: int(c)] for r, c in zip(all_rows, counts)])
         unique, inverse = torch.unique(ids, return_inverse=True)
@@ -120,8 +121,10 @@ class DistributedSparse:
             summed /= n
         return SparseGrad(unique, summed)
 
-    def state_dict(self):
-        state = self.optimizer.state_dict()
+    def state_dict(self, include_state: bool = True):
+        state = self.optimizer.state_dict(include_state)
+        if not include_state:
+            return state
         opt = self.optimizer
         for group in opt.groups:
             if group.exchange is None:
@@ -135,6 +138,9 @@ class DistributedSparse:
 
     def load_state_dict(self, state):
         opt = self.optimizer
+        if "state" not in state:  # counts only: a sharded checkpoint loaded the rows in place
+            opt.load_state_dict(state)
+            return
         local = {name: dict(tensors) for name, tensors in state["state"].items()}
         for name, t in opt.tables.items():
             if t.group.exchange is not None and name in local:

@@ -73,6 +73,20 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0)) if active() else 0
 
 
+_HOST_GROUP: list = []
+
+
+def host_group():  # noqa: ANN201 - a ProcessGroup or None
+    """The process group for collectives on host tensors (sparse gradients, table rows): the
+    default group when it is gloo, else (NCCL on CUDA) a gloo group over the same ranks, created
+    on first use. Collective on first call: every rank must call it."""
+    if not active() or dist.get_backend() == "gloo":
+        return None
+    if not _HOST_GROUP:
+        _HOST_GROUP.append(dist.new_group(backend="gloo"))
+    return _HOST_GROUP[0]
+
+
 def barrier() -> None:
     if active():
         dist.barrier()
@@ -86,4 +100,5 @@ def shutdown(clean: bool = True) -> None:
     if dist.is_available() and dist.is_initialized():
         if clean:
             dist.barrier()
+        _HOST_GROUP.clear()
         dist.destroy_process_group()

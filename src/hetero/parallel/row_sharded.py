@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from hetero.embedding import SparseGrad, host_tables
 from hetero.embedding.group import Request, TableGroup
 from hetero.placement import copy_to, host_empty
-from hetero.parallel.env import active, rank, world_size
+from hetero.parallel.env import active, host_group, rank, world_size
 
 
 def block_range(rows: int, r: int, n: int) -> tuple[int, int]:
@@ -68,6 +68,7 @@ class RowSharding:
         self.block = -(-global_rows // self.world)  # rows per rank (the last may hold fewer)
         self.lo, self.hi = block_range(global_rows, self.rank, self.world)
         self.pending: list[_Routed] = []
+        self.group = host_group()  # the rows and ids are host tensors: gloo even when NCCL is the default
 
     def lookup(self, group: TableGroup, requests: list[Request]) -> list[Tensor]:
         anchor = requests[0].table._device_anchor
@@ -77,14 +78,14 @@ class RowSharding:
         order = torch.argsort(owner, stable=True)  # identity for torch.unique's sorted ids; any dedup order works
         send_counts = torch.bincount(owner, minlength=n)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts)  # how many ids each rank asks of this one
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # how many ids each rank asks of this one
         send, recv = send_counts.tolist(), recv_counts.tolist()
         asked = torch.empty(sum(recv), dtype=torch.int64)
-        dist.all_to_all_single(asked, unique[order], recv, send)
+        dist.all_to_all_single(asked, unique[order], recv, send, group=self.group)
         local_rows = asked - self.lo
         served = group.storage.index_select(0, local_rows).float()  # the rows this rank owns and was asked for
         got = torch.empty(unique.numel(), group.dim)
-        dist.all_to_all_single(got, served, send, recv)
+        dist.all_to_all_single(got, served, send, recv, group=self.group)
         rows = torch.empty_like(got)
         rows[order] = got  # back to the order of ``unique``
         routed = _Routed(order, send, recv, local_rows)
@@ -114,7 +115,8 @@ class RowSharding:
         for routed in self.pending:
             grad = routed.grad if routed.grad is not None else torch.zeros(routed.order.numel(), dim)
             received = torch.empty(sum(routed.recv_counts), dim)
-            dist.all_to_all_single(received, grad[routed.order].contiguous(), routed.recv_counts, routed.send_counts)
+            dist.all_to_all_single(received, grad[routed.order].contiguous(), routed.recv_counts, routed.send_counts,
+                                   group=self.group)
             ids.append(routed.local_rows)
             rows.append(received)
         self.pending = []
@@ -171,7 +173,7 @@ def gather_rows(shard: Tensor, global_rows: int) -> Tensor:
     padded = torch.zeros((block, *shard.shape[1:]), dtype=shard.dtype)
     padded[: shard.shape[0]] = shard
     parts = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=host_group())
     return torch.cat(parts)[:global_rows]
 
 

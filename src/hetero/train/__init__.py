@@ -1,5 +1,5 @@
 """Training loop, evaluation and reports."""
 
-from hetero.train.trainer import Trainer, TrainConfig
+from hetero.train.trainer import CheckpointFormat, Trainer, TrainConfig
 
-__all__ = ["TrainConfig", "Trainer"]
+__all__ = ["CheckpointFormat", "TrainConfig", "Trainer"]

@@ -9,6 +9,7 @@ included), optimizer states, the data position ``(epoch, batch)``, the RNG state
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import math
@@ -20,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetero.checkpoint import check_model_compatible, load_checkpoint, save_checkpoint
+from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
+from hetero.checkpoint.sharded import load_sharded, resolve, save_sharded
 from hetero.data import Batch, Batches, TabularDataset
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
@@ -37,11 +39,24 @@ from hetero.parallel import (
     world_size,
 )
 from hetero.placement import copy_to
+from hetero.train.checkpointing import read_extra, sharded_state
 from hetero.train.report import binary_metrics, plot_curves
 
 log = logging.getLogger("hetero")
-CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT_VERSION = 1
+
+
+class CheckpointFormat(enum.Enum):
+    """``integrated``: one file with every tensor whole (rank 0 writes it); ``sharded``: a
+    ``torch.distributed.checkpoint`` directory, each rank writing its part (see
+    :mod:`hetero.train.checkpointing`). Both load at any world size."""
+
+    INTEGRATED = "integrated"
+    SHARDED = "sharded"
+
+    @property
+    def file_name(self) -> str:
+        return "checkpoint.pt" if self is CheckpointFormat.INTEGRATED else "checkpoint.dcp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +68,7 @@ class TrainConfig:
     progress: bool = True
     prefetch: bool = False  # prepare the next batch's lookups on a worker thread (hetero.embedding.Prefetcher)
     warmup_steps: int = 10  # first steps of each run left out of samples/s (kernel compilation)
+    checkpoint_format: CheckpointFormat = CheckpointFormat.INTEGRATED
 
 
 class Trainer:
@@ -88,7 +104,7 @@ class Trainer:
         self.sparse_optimizers = {k: DistributedSparse(o) if active() else o for k, o in sparse_optimizers.items()}
         self.train, self.valid, self.test, self.config = train, valid, test, config
         self.run_dir = Path(run_dir)
-        self.checkpoint_path = self.run_dir / CHECKPOINT_NAME
+        self.checkpoint_path = self.run_dir / config.checkpoint_format.file_name
         self.device = next(p.device for p in dense_parameters(model))
         self.epoch, self.batch, self.global_step = 0, 0, 0
         self.losses: list[float] = []
@@ -97,25 +113,35 @@ class Trainer:
         self.on_step = on_step
 
     # ----------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, tables: bool = True) -> dict[str, Any]:
+        """Everything needed to continue bit for bit, tensors whole (the integrated layout).
+
+        ``tables=False`` leaves out the model and the sparse optimizers' row state (what the
+        sharded layout stores as tensors of its own) and needs no collective.
+        """
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        return {
-            "format_version": FORMAT_VERSION,
-            "model": full_model_state(self.model),  # row-sharded tables gathered whole (collective)
+        state = {"format_version": FORMAT_VERSION}
+        if tables:
+            state["model"] = full_model_state(self.model)  # row-sharded tables gathered whole (collective)
+        state.update({
             "dense_optimizer": self.dense_optimizer.state_dict(),
-            "sparse_optimizers": {k: o.state_dict() for k, o in self.sparse_optimizers.items()},
+            "sparse_optimizers": {k: o.state_dict(include_state=tables) for k, o in self.sparse_optimizers.items()},
             "position": {"epoch": self.epoch, "batch": self.batch, "global_step": self.global_step},
             "rng": rng,
             "losses": torch.tensor(self.losses, dtype=torch.float64),
             "history": self.history,
             "throughput": {"train_seconds": self.train_seconds, "train_samples": self.train_samples},
-        }
+        })
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
-        check_model_compatible(global_shapes(self.model), state["model"], path)
-        self.model.load_state_dict(local_model_state(self.model, state["model"]))  # this rank's rows of sharded tables
+        """Restore a :meth:`state_dict`; without ``"model"`` (the sharded layout) the tables and
+        the model were loaded in place already."""
+        if "model" in state:
+            check_model_compatible(global_shapes(self.model), state["model"], path)
+            self.model.load_state_dict(local_model_state(self.model, state["model"]))  # this rank's rows of sharded tables
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
         for k, opt in self.sparse_optimizers.items():
             opt.load_state_dict(state["sparse_optimizers"][k])
@@ -130,6 +156,9 @@ class Trainer:
         self.train_samples = state["throughput"]["train_samples"]
 
     def save(self) -> Path:
+        """Write the checkpoint in ``config.checkpoint_format`` (every rank calls it)."""
+        if self.config.checkpoint_format is CheckpointFormat.SHARDED:
+            return save_sharded(sharded_state(self), self.checkpoint_path)
         # Every rank builds the state (it gathers row-sharded tables: a collective); it is then
         # identical on all ranks, so rank 0 writes and the others wait until the file is complete.
         state = self.state_dict()
@@ -138,9 +167,29 @@ class Trainer:
         barrier()
         return self.checkpoint_path
 
+    def has_checkpoint(self) -> bool:
+        if self.config.checkpoint_format is CheckpointFormat.SHARDED:
+            try:
+                resolve(self.checkpoint_path)
+                return True
+            except CheckpointError:
+                return False
+        return self.checkpoint_path.is_file()
+
     def resume(self) -> None:
-        """Continue from ``run_dir/checkpoint.pt``. Raises :class:`CheckpointError` if absent or unfit."""
-        self.load_state_dict(load_checkpoint(self.checkpoint_path), self.checkpoint_path)
+        """Continue from the run directory's checkpoint, saved at any world size.
+
+        Raises:
+            CheckpointError: absent, truncated or missing a shard, or saved from another model
+                config; nothing is changed then.
+        """
+        if self.config.checkpoint_format is CheckpointFormat.SHARDED:
+            template = sharded_state(self, blob=False)
+            # Validate before touching anything: load_sharded checks shards and shapes first.
+            load_sharded(template, self.checkpoint_path)
+            self.load_state_dict(read_extra(template), self.checkpoint_path)
+        else:
+            self.load_state_dict(load_checkpoint(self.checkpoint_path), self.checkpoint_path)
         log.info("hetero: resumed from %s at epoch %d, batch %d (step %d)",
                  self.checkpoint_path, self.epoch, self.batch, self.global_step)
 

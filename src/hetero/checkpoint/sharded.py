@@ -1,0 +1,189 @@
+"""Per-rank sharded checkpoints on ``torch.distributed.checkpoint`` (DCP), written atomically.
+
+A sharded checkpoint is a DCP directory: every rank writes its own shard file
+(``__<rank>_0.distcp``) and rank 0 the ``.metadata`` that maps each tensor's chunks to files.
+Tensors given as ``DTensor`` are sharded (each rank writes its block); plain tensors and other
+values present on every rank are replicated (DCP writes them once). Loading reads whatever
+chunks overlap the requested tensors, so a checkpoint saved by N ranks loads into M ranks: the
+resharding is DCP's.
+
+Atomicity: the ranks write into ``<name>.tmp``; after all have finished, rank 0 renames the old
+checkpoint to ``<name>.old``, the new one into place, and deletes the old one. A crash leaves
+either the old checkpoint (under its name or, between the two renames, as ``.old``, which
+:func:`resolve` then picks) or the new one - never a torn directory under either name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetero.checkpoint.io import CheckpointError
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    # DCP warns that it "assumes a single process" whenever no_dist is used: that is the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_sharded(state: Mapping[str, Any], path: str | Path) -> Path:
+    """Write ``state`` as a DCP checkpoint directory ``path`` (every rank calls it).
+
+    DCP's file writer fsyncs every file; the directory swap is described in the module docstring.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
+    _barrier()
+    with _single_process_quiet():
+        dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=not _distributed())
+    _barrier()  # every rank's shard is on disk
+    if _rank() == 0:
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the renames themselves are durable
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return path
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint directory to read: ``path``, or ``path.old`` after a crash between the swap's
+    two renames. Raises :class:`CheckpointError` if neither exists."""
+    path = Path(path)
+    for candidate in (path, path.with_name(path.name + ".old")):
+        if (candidate / ".metadata").is_file():
+            return candidate
+    raise CheckpointError(f"no sharded checkpoint at {path} (no {path / '.metadata'})")
+
+
+def validate(path: str | Path):  # noqa: ANN201 - DCP's Metadata
+    """Check that every shard file the metadata refers to exists and is long enough.
+
+    Returns DCP's ``Metadata``. Raises:
+        CheckpointError: naming the missing or truncated shard file and what to do; nothing is
+            read into any model before this check passes.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = resolve(path)
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a torn or foreign .metadata
+        raise CheckpointError(f"sharded checkpoint {path}: unreadable .metadata ({e}); resume from another checkpoint") from e
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"sharded checkpoint {path}: shard file {name} is missing; the checkpoint is incomplete "
+                                  f"(copy every __<rank>_0.distcp file of it, or resume from another checkpoint)")
+        if f.stat().st_size < size:
+            raise CheckpointError(f"sharded checkpoint {path}: shard file {name} is truncated ({f.stat().st_size} bytes, "
+                                  f"{size} expected); resume from another checkpoint")
+    return metadata
+
+
+def load_sharded(template: dict[str, Any], path: str | Path) -> Path:
+    """Load a DCP checkpoint into ``template`` in place (every rank calls it); returns the directory.
+
+    ``template`` has the structure of the saved state: tensors (plain: the full tensor;
+    ``DTensor``: this rank's block) are filled in place whatever the saving world size was;
+    ``io.BytesIO`` values are replaced by the saved bytes.
+
+    Raises:
+        CheckpointError: a missing or truncated shard, or a tensor whose saved global shape
+            differs from the template's (naming it, both shapes and the fix); raised before any
+            tensor is written.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = resolve(path)
+    metadata = validate(path)
+    saved = metadata.state_dict_metadata
+    for key, value in _flatten(template):
+        if key not in saved:
+            raise CheckpointError(f"sharded checkpoint {path} has no {key!r}: it was saved from another model or optimizer "
+                                  f"config; resume with the config it was saved with")
+        if isinstance(value, torch.Tensor) and isinstance(saved[key], TensorStorageMetadata):
+            if tuple(saved[key].size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"sharded checkpoint {path}: {key!r} has global shape {tuple(saved[key].size)} in the checkpoint and "
+                    f"{tuple(value.shape)} here; a checkpoint reshards across world sizes, not across table or "
+                    f"model sizes: resume with the config it was saved with")
+    try:
+        with _single_process_quiet():
+            dcp.load(template, checkpoint_id=str(path), no_dist=not _distributed())
+    except Exception as e:
+        raise CheckpointError(f"sharded checkpoint {path} could not be loaded: {e}") from e
+    return path
+
+
+def read_full(path: str | Path) -> dict[str, Any]:
+    """Every value of a sharded checkpoint, tensors whole, in one process (no process group).
+
+    For merging and inspection; needs memory for the whole checkpoint.
+    """
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = resolve(path)
+    validate(path)
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "full.pt"
+        with _single_process_quiet():
+            dcp_to_torch_save(str(path), str(out))
+        return torch.load(out, map_location="cpu", weights_only=False)  # our own file, just written
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``(key, value)`` leaves of nested dicts, keys joined with ``.`` as DCP's flattening does."""
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out += _flatten(v, key + ".")
+        else:
+            out.append((key, v))
+    return out

@@ -1,0 +1,131 @@
+"""The trainer's checkpoint layouts: integrated (one file) and sharded (a DCP directory).
+
+Integrated (``checkpoint.pt``, :func:`hetero.checkpoint.save_checkpoint`): every tensor whole -
+row-sharded tables are gathered first - written by rank 0. What inference loads.
+
+Sharded (``checkpoint.dcp``, :mod:`hetero.checkpoint.sharded`): one DCP directory, each rank
+writing its part:
+
+* ``model``: the dense parameters and buffers (replicated: written once);
+* ``tables.<group>``: per table group (``<group>`` = its tables' qualified names, comma-joined)
+  the ``weight`` storage and every sparse optimizer state as ``<optimizer>.<state>``, each a
+  ``DTensor`` of row blocks when the group is row-sharded, else a plain (replicated) tensor;
+  stored per group in every layout, so a checkpoint of sharded tables loads into replicated ones
+  and back, at any world size;
+* ``extra``: the rest as one ``torch.save`` blob (``io.BytesIO``): data position, RNG, loss
+  history, dense optimizer state, sparse optimizer configs and step counts, and the layout of
+  the groups (for :func:`to_integrated`).
+
+:func:`to_integrated` turns a sharded checkpoint read whole into the integrated layout; the CLI's
+``hetero checkpoint merge`` writes it, bit for bit what an integrated save at the same step holds.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hetero.embedding import host_tables
+from hetero.parallel import DistributedSparse, active, world_size
+from hetero.parallel.env import host_group
+
+if TYPE_CHECKING:
+    from hetero.train.trainer import Trainer
+
+
+def _sparse(opt):  # noqa: ANN001, ANN202 - a SparseOptimizer, possibly wrapped
+    return opt.optimizer if isinstance(opt, DistributedSparse) else opt
+
+
+def _groups(model: torch.nn.Module) -> dict[str, Any]:
+    """Table groups of ``model`` by checkpoint key, in model order."""
+    names = {id(t): q for q, t in host_tables(model).items()}
+    out: dict[str, Any] = {}
+    for t in host_tables(model).values():
+        key = ",".join(names[id(x)] for x in t.group.tables)
+        out.setdefault(key, t.group)
+    return out
+
+
+def _mesh():  # noqa: ANN202 - a DeviceMesh over the host group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = host_group()
+    if group is None:
+        group = torch.distributed.group.WORLD
+    return DeviceMesh.from_group(group, "cpu")
+
+
+def _wrap(x: torch.Tensor, group, mesh) -> torch.Tensor:  # noqa: ANN001
+    """A row-sharded group's local block as a DTensor (no copy: loads write into ``x``)."""
+    if group.exchange is None:
+        return x
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (group.exchange.global_rows, *x.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def sharded_state(trainer: "Trainer", blob: bool = True) -> dict[str, Any]:
+    """The state :func:`hetero.checkpoint.sharded.save_sharded` writes; with ``blob=False``, the
+    template :func:`~hetero.checkpoint.sharded.load_sharded` fills (tensors are live: in place)."""
+    model = trainer.model
+    tables = host_tables(model)
+    table_keys = {f"{q}.weight" for q in tables}
+    mesh = _mesh() if active() and any(t.group.exchange is not None for t in tables.values()) else None
+    names = {id(t): q for q, t in tables.items()}
+    out_tables, layout = {}, {"groups": {}, "sparse": {}}
+    for key, group in _groups(model).items():
+        entry = {"weight": _wrap(group.storage, group, mesh)}
+        for opt_key, opt in trainer.sparse_optimizers.items():
+            for s, x in _sparse(opt).group_state.get(id(group), {}).items():
+                entry[f"{opt_key}.{s}"] = _wrap(x, group, mesh)
+        out_tables[key] = entry
+        layout["groups"][key] = [(names[id(t)], group.row_offset[id(t)], t.config.num_embeddings) for t in group.tables]
+    for opt_key, opt in trainer.sparse_optimizers.items():
+        layout["sparse"][opt_key] = {name: names[id(t)] for name, t in _sparse(opt).tables.items()}
+    state: dict[str, Any] = {  # tables first: a table that does not fit is the first error reported
+        "tables": out_tables,
+        "model": {k: v for k, v in model.state_dict().items() if k not in table_keys},
+        "extra": io.BytesIO(),
+    }
+    if blob:
+        extra = {k: v for k, v in trainer.state_dict(tables=False).items()}
+        extra["layout"] = layout
+        extra["saved_world_size"] = world_size()
+        torch.save(extra, state["extra"])
+    return state
+
+
+def read_extra(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The blob of a loaded sharded state."""
+    buf = state["extra"]
+    buf.seek(0)
+    return torch.load(buf, map_location="cpu", weights_only=True)
+
+
+def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
+    """A sharded checkpoint read whole (:func:`~hetero.checkpoint.sharded.read_full`) in the
+    integrated layout: per-table weights in ``model``, per-table state in each sparse optimizer."""
+    extra = read_extra(full)
+    layout = extra.pop("layout")
+    extra.pop("saved_world_size")
+    model = dict(full["model"])
+    where: dict[str, tuple[str, int, int]] = {}
+    for key, entries in layout["groups"].items():
+        for q, start, rows in entries:
+            where[q] = (key, start, rows)
+            model[f"{q}.weight"] = full["tables"][key]["weight"][start : start + rows]
+    sparse = {}
+    for opt_key, saved in extra["sparse_optimizers"].items():
+        state = {}
+        for name, q in layout["sparse"][opt_key].items():
+            key, start, rows = where[q]
+            prefix = f"{opt_key}."
+            state[name] = {k[len(prefix):]: v[start : start + rows] for k, v in full["tables"][key].items() if k.startswith(prefix)}
+        sparse[opt_key] = {**saved, "state": state}
+    return {**extra, "model": model, "sparse_optimizers": sparse}
