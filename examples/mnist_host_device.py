@@ -133,12 +133,9 @@ def main(argv: list[str] | None = None) -> float:
             optimizer.step()
             steps += 1
             if step % args.log_every == 0:
-                value = loss.detach().clone()
-                if world > 1:
-                    torch.distributed.all_reduce(value)  # the global batch's loss: mean over ranks
-                    value /= world
+                value = parallel.global_mean(loss)  # the global batch's loss: mean over ranks
                 if rank == 0:
-                    print(f"epoch: {epoch}, step: {step}, loss is {value.item():.7g}", flush=True)
+                    print(f"epoch: {epoch}, step: {step}, loss is {value:.7g}", flush=True)
     with torch.no_grad():
         correct = sum(int((model(test_x[i : i + 1000]).argmax(1) == test_y[i : i + 1000]).sum())
                       for i in range(0, len(test_x), 1000))

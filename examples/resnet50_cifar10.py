@@ -128,11 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.step()
             steps += 1
             if step % args.log_every == 0:
-                value = loss.detach().clone()
-                if world > 1:
-                    torch.distributed.all_reduce(value)  # the global batch's loss: mean over ranks
-                    value /= world
-                loss_value = value.item()  # sync point: the host prints it
+                loss_value = parallel.global_mean(loss)  # the global batch's loss; sync point: the host prints it
                 if rank == 0:
                     print(f"epoch: {epoch}, step: {step}, loss is {loss_value:.6g}", flush=True)
     model.eval()

@@ -87,6 +87,17 @@ def host_group():  # noqa: ANN201 - a ProcessGroup or None
     return _HOST_GROUP[0]
 
 
+def global_mean(value: torch.Tensor) -> float:
+    """The mean of a scalar over the ranks (e.g. the global batch's loss from equal-size shards),
+    as a Python float on every rank; the value itself at world size 1. Collective; a sync point
+    (the host reads the result)."""
+    if active():
+        value = value.detach().clone()
+        dist.all_reduce(value)  # on the value's device: NCCL for device tensors
+        value /= world_size()
+    return value.item()
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

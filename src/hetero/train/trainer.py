@@ -33,6 +33,7 @@ from hetero.parallel import (
     check_replicas,
     data_parallel,
     full_model_state,
+    global_mean,
     global_shapes,
     local_model_state,
     rank,
@@ -201,7 +202,7 @@ class Trainer:
         logits = self.net(batch.features, batch.dense)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device))
         loss.backward()
-        value = _global_mean(loss)  # sync point: the host needs the loss to decide whether to step
+        value = global_mean(loss)  # sync point: the host needs the global loss to decide whether to step
         if not math.isfinite(value):
             raise FloatingPointError(
                 f"loss is {value} at epoch {self.epoch}, batch {self.batch} (step {self.global_step + 1}); "
@@ -297,12 +298,3 @@ class Trainer:
         }
         (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         return metrics
-
-
-def _global_mean(loss: torch.Tensor) -> float:
-    """The loss of the global batch: the mean of the ranks' batch losses (equal-size shards)."""
-    if active():
-        loss = loss.detach().clone()
-        torch.distributed.all_reduce(loss)
-        loss /= world_size()
-    return loss.item()
