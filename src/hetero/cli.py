@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
             return 1
         print(json.dumps({"merged": str(args.source), "checkpoint": str(out)}))
         return 0
-    rank, failed = 0, True
+    rank, failed, trainer = 0, True, None
     try:
         parallel.init()  # torchrun's environment, if any; a single process otherwise
         rank = parallel.rank()
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 1  # under torchrun --max-restarts, a failed rank makes the job restart from the checkpoint
     finally:
+        trainer = None  # release the DDP wrapper before its process group goes (see parallel.shutdown)
         parallel.shutdown(clean=not failed)
     if rank == 0:
         print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))

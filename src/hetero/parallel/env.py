@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 
@@ -109,6 +110,11 @@ def shutdown(clean: bool = True) -> None:
     ``clean=False`` (after an error, e.g. a peer died) skips the final barrier, which would fail.
     """
     if dist.is_available() and dist.is_initialized():
+        # Objects that hold the group (a DDP wrapper and its reducer) may be unreachable but not
+        # yet collected (reference cycles); collected after the group is destroyed - or at
+        # interpreter exit - their C++ side aborts the process ("terminate called without an
+        # active exception"). Collect them while the group still exists.
+        gc.collect()
         if clean:
             dist.barrier()
         _HOST_GROUP.clear()
