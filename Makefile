@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/embedding_step.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/host_adam.py
+	$(PY) benchmarks/ps.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache

@@ -127,6 +127,31 @@ def test_n_ranks_equal_one_process(tmp_path, kind, n, mean):
         torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5, msg=k)
 
 
+def _untouched_shard_worker(r, n, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
+    assert init()
+    try:
+        from hetero.embedding import HostEmbedding, TableConfig
+
+        torch.manual_seed(0)
+        table = HostEmbedding(TableConfig("t", 100, 4))
+        shard_rows(table)
+        opt = DistributedSparse(LazyAdam([table]))
+        for _ in range(3):
+            opt.zero_grad()
+            table(torch.tensor([1, 7, 30])).sum().backward()  # rows of rank 0's block only
+            opt.step()
+        torch.save(opt.optimizer.steps, f"{out}.{r}")
+    finally:
+        shutdown()
+
+
+def test_a_shard_the_batch_missed_still_counts_the_step(tmp_path):
+    """LazyAdam's bias correction uses the table's step count: equal on every shard, as in one process."""
+    mp.spawn(_untouched_shard_worker, args=(2, _free_port(), str(tmp_path / "steps")), nprocs=2, join=True)
+    assert torch.load(tmp_path / "steps.0") == torch.load(tmp_path / "steps.1") == {"t": 3}
+
+
 def test_shards_are_disjoint_covering_and_interleaved():
     data = make_dataset(64)
     full = next(Batches(data, BatchConfig(batch_size=16, seed=1)).epoch(2))

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from hetero import parallel
+from hetero import parallel, ps
 from hetero.checkpoint import CheckpointError
 from hetero.data import BatchConfig, Batches, CriteoConfig, FeatureRole, load_movielens_100k, read_criteo_tsv
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.placement import Target, resolve_device
+from hetero.ps import PSConfig, PSMode
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
 
 log = logging.getLogger("hetero")
@@ -61,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", type=Path, default=Path("runs/wide_deep"))
     g.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
                    help="continue from RUN_DIR's checkpoint; 'auto': if it exists (for torchrun --max-restarts)")
-    g.add_argument("--checkpoint-format", choices=[f.value for f in CheckpointFormat], default="integrated",
-                   help="integrated: RUN_DIR/checkpoint.pt, written whole by rank 0; sharded: RUN_DIR/checkpoint.dcp, "
-                        "each rank writing its part (torch.distributed.checkpoint); both resume at any world size")
+    g.add_argument("--checkpoint-format", choices=[f.value for f in CheckpointFormat],
+                   help="integrated (default): RUN_DIR/checkpoint.pt, written whole by rank 0; sharded (the default with "
+                        "--ps-servers): RUN_DIR/checkpoint.dcp, each rank writing its part (torch.distributed.checkpoint); "
+                        "both resume at any world size")
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: each epoch)")
     g.add_argument("--max-steps", type=int, help="stop after this many steps in total")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -71,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, help="threads of the host embedding kernels (default: torch's)")
     g.add_argument("--table-sharding", choices=["replicated", "row"], default="replicated",
                    help="under torchrun: every rank holds whole tables, or a 1/N block of each table's rows")
+    g = t.add_argument_group("parameter server (under torchrun: the last N processes serve the tables)")
+    g.add_argument("--ps-servers", type=int, default=0, help="server processes (0: no parameter server)")
+    g.add_argument("--ps-mode", choices=[m.value for m in PSMode], default="sync",
+                   help="sync: equal to one process on the global batch; async: pushes applied on arrival; bounded: "
+                        "async with a worker row cache of at most --ps-staleness steps")
+    g.add_argument("--ps-staleness", type=int, default=0, help="bounded mode: steps a pulled row may be reused")
+    g.add_argument("--ps-server-memory-mb", type=float, default=0.0,
+                   help="each server's memory budget for its shard of rows and optimizer state (0: unlimited)")
+    g.add_argument("--ps-timeout", type=float, default=60.0, help="seconds a worker waits for a server's answer")
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True)
     m = csub.add_parser("merge", help="merge a sharded checkpoint (a checkpoint.dcp directory) into one integrated file")
@@ -99,7 +110,9 @@ def _sparse_optimizer(kind: str, tables, lr: float, args):
     return kind.optimizer(tables, kind.optimizer.Config(lr=lr))
 
 
-def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer:
+def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer | None:
+    """The trainer of this process; ``None`` on a parameter server, which has served the job by
+    the time this returns."""
     torch.manual_seed(args.seed)
     if args.data == "movielens-100k":
         data = load_movielens_100k(args.data_path, args.cache_dir)
@@ -111,25 +124,34 @@ def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer:
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
                          deep=f.role is not FeatureRole.WIDE) for f in data.specs]
     model_config = WideDeepConfig(embedding_dim=args.embedding_dim, hidden=args.hidden, dropout=args.dropout)
-    device = resolve_device(Target.DEVICE)
+    # a parameter server runs no model: it keeps it on the host and leaves the accelerator alone
+    device = torch.device("cpu") if ps.role() is ps.Role.SERVER else resolve_device(Target.DEVICE)
     model = WideDeep(slots, data.num_dense, model_config).to(device)
-    if args.table_sharding == "row":
-        if args.prefetch:
-            raise ValueError("--prefetch works with replicated tables only; drop it or use --table-sharding replicated")
-        parallel.shard_rows(model)  # before the optimizers: their state is allocated per shard
+    if args.prefetch and (args.table_sharding == "row" or args.ps_servers):
+        raise ValueError("--prefetch works with replicated tables only; drop it or use --table-sharding replicated "
+                         "without --ps-servers")
+    if args.ps_servers:
+        ps.shard_tables(model)  # before the optimizers: their state is allocated per shard, on the servers
+    elif args.table_sharding == "row":
+        parallel.shard_rows(model)
     tables = host_tables(model)
     sparse = {
         "wide": _sparse_optimizer(args.wide_optimizer, {k: v for k, v in tables.items() if k.startswith("wide.")}, args.wide_lr, args),
         "deep": _sparse_optimizer(args.deep_optimizer, {k: v for k, v in tables.items() if k.startswith("deep.")}, args.deep_lr, args),
     }
+    if args.ps_servers:
+        ps.start(model, sparse)  # memory budgets checked on every rank; a server serves here until the workers stop
+        if ps.role() is ps.Role.SERVER:
+            return None
     dense = torch.optim.Adam(dense_parameters(model), lr=args.dense_lr)
     n_rows = sum(t.config.num_embeddings for t in tables.values())
-    log.info("hetero: %d samples (%d train); %d host tables, %d rows, %.1f MB on this host (%s); MLP on %s",
+    where = f"on {args.ps_servers} parameter servers" if args.ps_servers else f"on this host ({args.table_sharding})"
+    log.info("hetero: %d samples (%d train); %d host tables, %d rows, %.1f MB %s; MLP on %s",
              len(data), len(train), len(tables), n_rows,
-             sum(t.weight.numel() * 4 for t in tables.values()) / 1e6, args.table_sharding, device)
+             sum(t.weight.numel() * t.weight.element_size() for t in tables.values()) / 1e6, where, device)
+    fmt = args.checkpoint_format or ("sharded" if args.ps_servers else "integrated")
     config = TrainConfig(epochs=args.epochs, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
-                         progress=not args.no_progress, prefetch=args.prefetch,
-                         checkpoint_format=CheckpointFormat(args.checkpoint_format))
+                         progress=not args.no_progress, prefetch=args.prefetch, checkpoint_format=CheckpointFormat(fmt))
     set_num_threads(args.threads)
     batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed,
                                          rank=parallel.rank(), world_size=parallel.world_size()))
@@ -150,20 +172,29 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         return 0
     rank, failed, trainer = 0, True, None
     try:
-        parallel.init()  # torchrun's environment, if any; a single process otherwise
+        # torchrun's environment, if any; a single process otherwise. A parameter-server job's
+        # default group is gloo: its servers use no accelerator (the workers' group may be NCCL).
+        parallel.init(parallel.DistConfig(backend="gloo") if args.ps_servers else parallel.DistConfig())
+        if args.ps_servers:
+            ps.init(PSConfig(num_servers=args.ps_servers, mode=PSMode(args.ps_mode), staleness=args.ps_staleness,
+                             server_memory_bytes=int(args.ps_server_memory_mb * 2**20), timeout_s=args.ps_timeout))
         rank = parallel.rank()
         if rank != 0:  # one voice per job: the other ranks only warn
             logging.getLogger("hetero").setLevel(logging.WARNING)
         trainer = build_trainer(args, on_step)
+        if trainer is None:  # a parameter server: the workers are done
+            failed = False
+            return 0
         if args.resume == "yes" or (args.resume == "auto" and trainer.has_checkpoint()):
             trainer.resume()
         metrics = trainer.fit()
         failed = False
-    except (FloatingPointError, CheckpointError, ValueError, IndexError, RuntimeError) as e:
+    except (FloatingPointError, CheckpointError, ValueError, IndexError, RuntimeError, OSError) as e:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 1  # under torchrun --max-restarts, a failed rank makes the job restart from the checkpoint
     finally:
         trainer = None  # release the DDP wrapper before its process group goes (see parallel.shutdown)
+        ps.shutdown(clean=not failed)  # a parameter-server worker: tell the servers it is done
         parallel.shutdown(clean=not failed)
     if rank == 0:
         print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))

@@ -136,26 +136,45 @@ def load_sharded(template: dict[str, Any], path: str | Path) -> Path:
             tensor is written.
     """
     import torch.distributed.checkpoint as dcp
+
+    error = None
+    try:
+        path = _check_template(template, path)
+    except CheckpointError as e:
+        error = e
+    if _distributed():
+        # Ranks load different parts (a parameter server its shard): one rank's error must stop
+        # every rank before the collective load, or the others would wait in it forever.
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else str(error))
+        first = next((e for e in errors if e is not None), None)
+        if first is not None and error is None:
+            error = CheckpointError(first)
+    if error is not None:
+        raise error
+    try:
+        with _single_process_quiet():
+            dcp.load(template, checkpoint_id=str(path), no_dist=not _distributed())
+    except Exception as e:
+        raise CheckpointError(f"sharded checkpoint {path} could not be loaded: {e}") from e
+    return path
+
+
+def _check_template(template: dict[str, Any], path: str | Path) -> Path:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = resolve(path)
-    metadata = validate(path)
-    saved = metadata.state_dict_metadata
+    saved = validate(path).state_dict_metadata
     for key, value in _flatten(template):
         if key not in saved:
-            raise CheckpointError(f"sharded checkpoint {path} has no {key!r}: it was saved from another model or optimizer "
-                                  f"config; resume with the config it was saved with")
+            raise CheckpointError(f"sharded checkpoint {path} has no {key!r}: it was saved from another model, optimizer "
+                                  f"or parameter-server config; resume with the config it was saved with")
         if isinstance(value, torch.Tensor) and isinstance(saved[key], TensorStorageMetadata):
             if tuple(saved[key].size) != tuple(value.shape):
                 raise CheckpointError(
                     f"sharded checkpoint {path}: {key!r} has global shape {tuple(saved[key].size)} in the checkpoint and "
                     f"{tuple(value.shape)} here; a checkpoint reshards across world sizes, not across table or "
                     f"model sizes: resume with the config it was saved with")
-    try:
-        with _single_process_quiet():
-            dcp.load(template, checkpoint_id=str(path), no_dist=not _distributed())
-    except Exception as e:
-        raise CheckpointError(f"sharded checkpoint {path} could not be loaded: {e}") from e
     return path
 
 

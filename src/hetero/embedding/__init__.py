@@ -8,9 +8,19 @@ from hetero.embedding.collection import HostEmbeddingCollection
 from hetero.embedding.kernels import set_num_threads
 from hetero.embedding.prefetch import PrefetchConfig, Prefetcher
 from hetero.embedding.config import Pooling, TableConfig
-from hetero.embedding.table import HostEmbedding, SparseGrad, dense_parameters, host_tables
+from hetero.embedding.table import (
+    INIT_CHUNK,
+    HostEmbedding,
+    SparseGrad,
+    defer_tables,
+    dense_parameters,
+    host_tables,
+    init_rows,
+    table_groups,
+)
 
 __all__ = [
+    "INIT_CHUNK",
     "HostEmbedding",
     "HostEmbeddingCollection",
     "Pooling",
@@ -18,7 +28,10 @@ __all__ = [
     "Prefetcher",
     "SparseGrad",
     "TableConfig",
+    "defer_tables",
     "dense_parameters",
     "host_tables",
+    "init_rows",
     "set_num_threads",
+    "table_groups",
 ]

@@ -87,8 +87,11 @@ class TableGroup:
         self.tables = list(tables)
         self.row_offset: dict[int, int] = {}
         total = sum(t.config.num_embeddings for t in tables)
+        deferred = any(t.weight.is_meta for t in tables)  # rows held elsewhere (hetero.ps)
         if len(tables) == 1:
             storage = tables[0].weight.data
+        elif deferred:
+            storage = torch.empty((total, self.dim), dtype=self.dtype, device="meta")
         else:
             storage = host_empty((total, self.dim), self.dtype)
         start = 0
@@ -103,8 +106,9 @@ class TableGroup:
         self.storage = storage
         # dedup scratch: 8 bytes per row; None for a row-sharded group (``torch.unique`` instead:
         # a marker over the global row space on every rank would not shrink with more ranks)
-        self.marker: np.ndarray | None = np.zeros(total, np.int64)
-        self.exchange = None  # set by hetero.parallel.shard_rows: the lookup talks to other ranks
+        self.marker: np.ndarray | None = None if deferred else np.zeros(total, np.int64)
+        # set by hetero.parallel.shard_rows or hetero.ps.shard_tables: the lookup talks to other ranks
+        self.exchange = None
         self.stamp = 0
         self.lock = threading.Lock()  # the marker is shared by every lookup of the group
         self.pending: list["SparseGrad"] = []
@@ -246,12 +250,20 @@ class TableGroup:
             if torch.is_grad_enabled():
                 rows.requires_grad_(True)
                 rows.register_hook(lambda grad, unique=plan.unique: self._capture_grad(unique, grad))
-            offsets = plan.offsets if plan.offsets.numel() else torch.arange(plan.inverse.numel() + 1)
-            pooled = F.embedding_bag(
-                copy_to(plan.inverse, device), rows, copy_to(offsets, device), mode="sum",
-                per_sample_weights=None if plan.scale is None else copy_to(plan.scale, device).to(dtype),
-                include_last_offset=True,
-            )
+            return self.pool(rows, plan)
+        return self.split_outputs(pooled, plan)
+
+    def pool(self, rows: Tensor, plan: LookupPlan) -> list[Tensor]:
+        """The per-request outputs of ``plan`` from its unique rows ``rows`` (``(U, D)``, on the
+        output device and dtype): ``F.embedding_bag``, whose backward coalesces the gradient of
+        repeated ids into one row per unique id."""
+        dev = rows.device
+        offsets = plan.offsets if plan.offsets.numel() else torch.arange(plan.inverse.numel() + 1)
+        pooled = F.embedding_bag(
+            copy_to(plan.inverse, dev), rows, copy_to(offsets, dev), mode="sum",
+            per_sample_weights=None if plan.scale is None else copy_to(plan.scale, dev).to(rows.dtype),
+            include_last_offset=True,
+        )
         return self.split_outputs(pooled, plan)
 
     def split_outputs(self, pooled: Tensor, plan: LookupPlan) -> list[Tensor]:

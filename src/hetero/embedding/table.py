@@ -81,6 +81,39 @@ class SparseGrad:
         return SparseGrad(ids, rows)
 
 
+INIT_CHUNK = 4096  # rows per independently seeded block of the initialisation
+_DEFERRED = [False]
+
+
+def defer_tables(deferred: bool = True) -> None:
+    """Tables built from now on (``deferred=True``) hold no rows in this process: their weight is
+    a ``meta`` tensor of the full shape (a parameter-server job, :mod:`hetero.ps`, where servers
+    build the rows they own). Draws from the global RNG are unchanged, so the rest of the model
+    initialises as in a plain process."""
+    _DEFERRED[0] = deferred
+
+
+def init_rows(config: TableConfig, seed: int, lo: int, hi: int) -> Tensor:
+    """Initial values of rows ``[lo, hi)`` of a table, ``(hi - lo, D)`` in ``config.dtype``.
+
+    ``N(0, init_std**2)`` (zeros if ``init_std == 0``), drawn in fp32 per block of
+    :data:`INIT_CHUNK` rows from a generator seeded by ``(seed, block)``, so a row's value does
+    not depend on which process builds it or how the rows are split.
+    """
+    out = torch.empty(hi - lo, config.embedding_dim)
+    if config.init_std <= 0:
+        return out.zero_().to(config.dtype)
+    g = torch.Generator()
+    for block in range(lo // INIT_CHUNK, -(-hi // INIT_CHUNK)):
+        a = block * INIT_CHUNK
+        b = min(a + INIT_CHUNK, config.num_embeddings)
+        g.manual_seed((seed + block * 0x9E3779B97F4A7C15) % (1 << 63))
+        rows = torch.empty(b - a, config.embedding_dim).normal_(0.0, config.init_std, generator=g)
+        s, e = max(a, lo), min(b, hi)
+        out[s - lo : e - lo] = rows[s - a : e - a]
+    return out.to(config.dtype)
+
+
 class HostEmbedding(nn.Module):
     """An embedding table that lives in host memory and never moves to the device.
 
@@ -114,12 +147,18 @@ class HostEmbedding(nn.Module):
     def __init__(self, config: TableConfig) -> None:
         super().__init__()
         self.config = config
-        weight = host_empty((config.num_embeddings, config.embedding_dim), config.dtype)
-        if config.init_std > 0:
-            # drawn in fp32 (the same random stream for every storage dtype), then stored
-            weight.copy_(torch.empty(weight.shape).normal_(0.0, config.init_std))
+        # One draw from the global RNG seeds this table's rows (see init_rows): any subset of the
+        # rows can then be initialised alone - a parameter server builds only its shard - and
+        # the global random stream advances the same whether or not the rows are built here.
+        self.init_seed = int(torch.randint(0, 1 << 62, (1,)))
+        shape = (config.num_embeddings, config.embedding_dim)
+        if _DEFERRED[0]:
+            weight = torch.empty(shape, dtype=config.dtype, device="meta")  # no memory: the rows live elsewhere
         else:
-            weight.zero_()
+            weight = host_empty(shape, config.dtype)
+            for lo in range(0, config.num_embeddings, INIT_CHUNK):
+                hi = min(lo + INIT_CHUNK, config.num_embeddings)
+                weight[lo:hi] = init_rows(config, self.init_seed, lo, hi)
         self.weight = nn.Parameter(weight, requires_grad=False)
         # Zero-size probe that follows .to()/.cuda()/.half(): it records where and in which dtype
         # the rest of the model lives, i.e. where the looked-up rows must be delivered.
@@ -171,6 +210,17 @@ class HostEmbedding(nn.Module):
 def host_tables(module: nn.Module) -> dict[str, HostEmbedding]:
     """All host tables in ``module`` by qualified name (stable keys for optimizers and checkpoints)."""
     return {name: m for name, m in module.named_modules() if isinstance(m, HostEmbedding)}
+
+
+def table_groups(module: nn.Module) -> dict[str, TableGroup]:
+    """The table groups of ``module`` in model order, keyed by their tables' qualified names
+    (comma-joined): the stable key of a group's storage in checkpoints and parameter servers."""
+    tables = host_tables(module)
+    names = {id(t): q for q, t in tables.items()}
+    out: dict[str, TableGroup] = {}
+    for t in tables.values():
+        out.setdefault(",".join(names[id(x)] for x in t.group.tables), t.group)
+    return out
 
 
 def dense_parameters(module: nn.Module) -> Iterator[nn.Parameter]:

@@ -140,6 +140,8 @@ class SparseOptimizer(abc.ABC):
 
     def _initial_state(self, name: str, group: TableGroup) -> Tensor:
         shape = (group.num_rows,) if self.rowwise_state else (group.num_rows, group.dim)
+        if group.storage.is_meta:  # the rows live on parameter servers, and so does their state
+            return torch.empty(shape, device="meta")
         return host_empty(shape, torch.float32).zero_()
 
     @property
@@ -155,6 +157,12 @@ class SparseOptimizer(abc.ABC):
             a = t.group.row_offset[id(t)]
             out[name] = {s: x[a : a + t.weight.shape[0]] for s, x in self.group_state[id(t.group)].items()}
         return out
+
+    def count_step(self, group: TableGroup) -> None:
+        """Count a step of ``group`` that changed none of its rows here: a parameter-server shard
+        whose rows the batch missed while the table's other shards were updated. Keeps LazyAdam's
+        per-table step ``t`` (its bias correction) the same on every shard."""
+        self._group_steps[id(group)] += 1
 
     def zero_grad(self) -> None:
         for group in self.groups:

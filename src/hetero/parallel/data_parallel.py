@@ -22,7 +22,7 @@ from torch import nn
 
 from hetero.embedding import SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
-from hetero.parallel.env import active, host_group, world_size
+from hetero.parallel.env import active, data_parallel_group, host_group, world_size
 from hetero.parallel.row_sharded import gather_rows, local_table_rows, sharded_tables, table_rows
 
 
@@ -44,14 +44,15 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
     ignore = [f"{name}.weight" for name in host_tables(model)]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=config.bucket_mb)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=config.bucket_mb,
+                                              process_group=data_parallel_group())
     if not config.gradients_mean:
-        ddp.register_comm_hook(None, _sum_hook)
+        ddp.register_comm_hook(data_parallel_group(), _sum_hook)
     return ddp
 
 
-def _sum_hook(state, bucket):  # noqa: ANN001 - DDP comm hook signature
-    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+def _sum_hook(group, bucket):  # noqa: ANN001 - DDP comm hook signature (state: the process group)
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
@@ -91,7 +92,10 @@ class DistributedSparse:
         if active():
             for group in self.optimizer.groups:
                 if group.exchange is not None:
-                    group.pending = [group.exchange.reduce_gradients(group.dim, self.config.gradients_mean)]
+                    grad = group.exchange.reduce_gradients(group.dim, self.config.gradients_mean)
+                    if grad.ids.numel() == 0 and group.exchange.touched:
+                        self.optimizer.count_step(group)  # the table's other shards step: keep the count equal
+                    group.pending = [grad]
                     continue
                 grad = group.pop_sparse_grad()
                 if grad is None:

@@ -13,6 +13,7 @@ import datetime
 import gc
 import logging
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ def init(config: DistConfig = DistConfig()) -> bool:
             raise ValueError(f"environment variable {v}={os.environ[v]!r} is not a non-negative integer")
     if int(os.environ["WORLD_SIZE"]) == 1:
         return False
+    _bind_loopback()
     backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -57,17 +59,53 @@ def init(config: DistConfig = DistConfig()) -> bool:
     return True
 
 
+# The data-parallel group when it is not the whole job: in a parameter-server job
+# (hetero.ps) the workers train data-parallel among themselves while the servers serve.
+_DP: list = []
+
+
+def set_data_parallel_group(group, host=None) -> None:  # noqa: ANN001 - ProcessGroups
+    """Make ``group`` (a subgroup of the job, e.g. the parameter-server workers) the one that
+    :func:`rank`, :func:`world_size`, DDP and the host collectives use; ``host`` is a gloo group over
+    the same ranks when ``group`` is NCCL. Called on the group's members only."""
+    _DP[:] = [group, host if host is not None else group]
+
+
+def data_parallel_group():  # noqa: ANN201 - a ProcessGroup or None (the default group)
+    return _DP[0] if _DP else None
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def _bind_loopback() -> None:
+    """A single-host job (``MASTER_ADDR`` loopback, as ``torchrun --standalone`` sets it) keeps gloo's
+    sockets on the loopback interface too; by default gloo binds to the address the host name
+    resolves to, reachable from the network. ``GLOO_SOCKET_IFNAME`` set by the user wins."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or os.environ.get("MASTER_ADDR") not in LOOPBACK:
+        return
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # no interface list on this platform: leave gloo's default
+        return
+    lo = next((n for n in names if n in ("lo", "lo0")), None)
+    if lo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+
+
 def active() -> bool:
-    """Whether a process group with more than one rank exists."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """Whether a data-parallel group with more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(data_parallel_group()) > 1
 
 
 def rank() -> int:
-    return dist.get_rank() if active() else 0
+    """This process's rank in the data-parallel group (the job's rank unless it is a
+    parameter-server job)."""
+    return dist.get_rank(data_parallel_group()) if active() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if active() else 1
+    return dist.get_world_size(data_parallel_group()) if active() else 1
 
 
 def local_rank() -> int:
@@ -81,6 +119,8 @@ def host_group():  # noqa: ANN201 - a ProcessGroup or None
     """The process group for collectives on host tensors (sparse gradients, table rows): the
     default group when it is gloo, else (NCCL on CUDA) a gloo group over the same ranks, created
     on first use. Collective on first call: every rank must call it."""
+    if _DP:
+        return _DP[1]
     if not active() or dist.get_backend() == "gloo":
         return None
     if not _HOST_GROUP:
@@ -94,14 +134,14 @@ def global_mean(value: torch.Tensor) -> float:
     (the host reads the result)."""
     if active():
         value = value.detach().clone()
-        dist.all_reduce(value)  # on the value's device: NCCL for device tensors
+        dist.all_reduce(value, group=data_parallel_group())  # on the value's device: NCCL for device tensors
         value /= world_size()
     return value.item()
 
 
 def barrier() -> None:
     if active():
-        dist.barrier()
+        dist.barrier(group=data_parallel_group())
 
 
 def shutdown(clean: bool = True) -> None:
@@ -118,4 +158,5 @@ def shutdown(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         _HOST_GROUP.clear()
+        _DP.clear()
         dist.destroy_process_group()

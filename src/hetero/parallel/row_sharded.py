@@ -33,7 +33,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetero.embedding import SparseGrad, host_tables
@@ -68,6 +67,7 @@ class RowSharding:
         self.block = -(-global_rows // self.world)  # rows per rank (the last may hold fewer)
         self.lo, self.hi = block_range(global_rows, self.rank, self.world)
         self.pending: list[_Routed] = []
+        self.touched = False  # whether the last reduce_gradients saw rows of this group on any rank
         self.group = host_group()  # the rows and ids are host tensors: gloo even when NCCL is the default
 
     def lookup(self, group: TableGroup, requests: list[Request]) -> list[Tensor]:
@@ -94,14 +94,7 @@ class RowSharding:
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, routed=routed: self._capture(routed, grad))
             self.pending.append(routed)
-        offsets = plan.offsets if plan.offsets.numel() else torch.arange(plan.inverse.numel() + 1)
-        dev = anchor.device
-        pooled = F.embedding_bag(
-            copy_to(plan.inverse, dev), rows, copy_to(offsets, dev), mode="sum",
-            per_sample_weights=None if plan.scale is None else copy_to(plan.scale, dev).to(anchor.dtype),
-            include_last_offset=True,
-        )
-        return group.split_outputs(pooled, plan)
+        return group.pool(rows, plan)
 
     @staticmethod
     def _capture(routed: _Routed, grad: Tensor) -> None:
@@ -111,6 +104,11 @@ class RowSharding:
     def reduce_gradients(self, dim: int, mean: bool) -> SparseGrad:
         """Send every pending lookup's gradient rows to their owners; return this shard's summed
         gradient (local rows). Every rank must call it, with the same number of pending lookups."""
+        # Whether any rank looked up this group: a shard that got no rows still counts the step,
+        # as one process would (LazyAdam's bias correction uses the table's step count).
+        touched = torch.tensor([sum(r.order.numel() for r in self.pending)])
+        dist.all_reduce(touched, group=self.group)
+        self.touched = bool(touched)
         ids, rows = [], []
         for routed in self.pending:
             grad = routed.grad if routed.grad is not None else torch.zeros(routed.order.numel(), dim)

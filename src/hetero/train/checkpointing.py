@@ -12,6 +12,10 @@ writing its part:
   ``DTensor`` of row blocks when the group is row-sharded, else a plain (replicated) tensor;
   stored per group in every layout, so a checkpoint of sharded tables loads into replicated ones
   and back, at any world size;
+* ``ps.<group>.shard<s>`` and ``ps_meta.shard<s>`` instead of ``tables.<group>`` in a
+  parameter-server job (:mod:`hetero.ps`): server ``s`` writes its hash shard of the rows and
+  state, and a blob with the step counts; such a checkpoint resumes with the same number of
+  servers (any number of workers);
 * ``extra``: the rest as one ``torch.save`` blob (``io.BytesIO``): data position, RNG, loss
   history, dense optimizer state, sparse optimizer configs and step counts, and the layout of
   the groups (for :func:`to_integrated`).
@@ -28,26 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.embedding import host_tables
-from hetero.parallel import DistributedSparse, active, world_size
+from hetero.embedding import host_tables, table_groups
+from hetero.parallel import active, world_size
 from hetero.parallel.env import host_group
 
 if TYPE_CHECKING:
     from hetero.train.trainer import Trainer
 
 
-def _sparse(opt):  # noqa: ANN001, ANN202 - a SparseOptimizer, possibly wrapped
-    return opt.optimizer if isinstance(opt, DistributedSparse) else opt
-
-
-def _groups(model: torch.nn.Module) -> dict[str, Any]:
-    """Table groups of ``model`` by checkpoint key, in model order."""
-    names = {id(t): q for q, t in host_tables(model).items()}
-    out: dict[str, Any] = {}
-    for t in host_tables(model).values():
-        key = ",".join(names[id(x)] for x in t.group.tables)
-        out.setdefault(key, t.group)
-    return out
+def _sparse(opt):  # noqa: ANN001, ANN202 - a SparseOptimizer, possibly wrapped (DistributedSparse, PSSparse)
+    return getattr(opt, "optimizer", opt)
 
 
 def _mesh():  # noqa: ANN202 - a DeviceMesh over the host group
@@ -78,14 +72,17 @@ def sharded_state(trainer: "Trainer", blob: bool = True) -> dict[str, Any]:
     table_keys = {f"{q}.weight" for q in tables}
     mesh = _mesh() if active() and any(t.group.exchange is not None for t in tables.values()) else None
     names = {id(t): q for q, t in tables.items()}
-    out_tables, layout = {}, {"groups": {}, "sparse": {}}
-    for key, group in _groups(model).items():
+    out_tables, layout = {}, {"groups": {}, "sparse": {}, "ps": {}}
+    for key, group in table_groups(model).items():
+        layout["groups"][key] = [(names[id(t)], group.row_offset[id(t)], t.config.num_embeddings) for t in group.tables]
+        if getattr(group.exchange, "remote", False):  # on parameter servers: they write these rows
+            layout["ps"][key] = len(group.exchange.servers)
+            continue
         entry = {"weight": _wrap(group.storage, group, mesh)}
         for opt_key, opt in trainer.sparse_optimizers.items():
             for s, x in _sparse(opt).group_state.get(id(group), {}).items():
                 entry[f"{opt_key}.{s}"] = _wrap(x, group, mesh)
         out_tables[key] = entry
-        layout["groups"][key] = [(names[id(t)], group.row_offset[id(t)], t.config.num_embeddings) for t in group.tables]
     for opt_key, opt in trainer.sparse_optimizers.items():
         layout["sparse"][opt_key] = {name: names[id(t)] for name, t in _sparse(opt).tables.items()}
     state: dict[str, Any] = {  # tables first: a table that does not fit is the first error reported
@@ -108,6 +105,19 @@ def read_extra(state: Mapping[str, Any]) -> dict[str, Any]:
     return torch.load(buf, map_location="cpu", weights_only=True)
 
 
+def _interleave(shards: Mapping[str, Any], servers: int) -> dict[str, torch.Tensor]:
+    """A group's tensors whole from its parameter-server shards (global row ``g`` is row
+    ``g // servers`` of shard ``g % servers``)."""
+    out = {}
+    for name in shards["shard0"]:
+        parts = [shards[f"shard{s}"][name] for s in range(servers)]
+        whole = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+        for s, p in enumerate(parts):
+            whole[s::servers] = p
+        out[name] = whole
+    return out
+
+
 def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
     """A sharded checkpoint read whole (:func:`~hetero.checkpoint.sharded.read_full`) in the
     integrated layout: per-table weights in ``model``, per-table state in each sparse optimizer."""
@@ -115,17 +125,22 @@ def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
     layout = extra.pop("layout")
     extra.pop("saved_world_size")
     model = dict(full["model"])
+    tables = dict(full.get("tables", {}))
+    steps = {}
+    for key, servers in layout.get("ps", {}).items():
+        tables[key] = _interleave(full["ps"][key], servers)
+        steps = read_extra({"extra": full["ps_meta"]["shard0"]})["sparse_optimizers"]  # the servers count the steps
     where: dict[str, tuple[str, int, int]] = {}
     for key, entries in layout["groups"].items():
         for q, start, rows in entries:
             where[q] = (key, start, rows)
-            model[f"{q}.weight"] = full["tables"][key]["weight"][start : start + rows]
+            model[f"{q}.weight"] = tables[key]["weight"][start : start + rows]
     sparse = {}
     for opt_key, saved in extra["sparse_optimizers"].items():
         state = {}
         for name, q in layout["sparse"][opt_key].items():
             key, start, rows = where[q]
             prefix = f"{opt_key}."
-            state[name] = {k[len(prefix):]: v[start : start + rows] for k, v in full["tables"][key].items() if k.startswith(prefix)}
-        sparse[opt_key] = {**saved, "state": state}
+            state[name] = {k[len(prefix):]: v[start : start + rows] for k, v in tables[key].items() if k.startswith(prefix)}
+        sparse[opt_key] = {**saved, **({"steps": steps[opt_key]["steps"]} if opt_key in steps else {}), "state": state}
     return {**extra, "model": model, "sparse_optimizers": sparse}

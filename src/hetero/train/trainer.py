@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero import ps
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
 from hetero.checkpoint.sharded import load_sharded, resolve, save_sharded
 from hetero.data import Batch, Batches, TabularDataset
@@ -102,7 +103,13 @@ class Trainer:
         # (hetero.parallel.shard_rows, called before the optimizers were built).
         check_replicas(model)  # ranks must start from identical replicated tables (same seed)
         self.net = data_parallel(model)
-        self.sparse_optimizers = {k: DistributedSparse(o) if active() else o for k, o in sparse_optimizers.items()}
+        # Tables on parameter servers (hetero.ps): the optimizers' steps become pushes.
+        self.remote = ps.remote_tables(model)
+        if self.remote and config.checkpoint_format is not CheckpointFormat.SHARDED:
+            raise ValueError("tables on parameter servers are checkpointed by the servers, each its shard: use "
+                             "checkpoint_format=CheckpointFormat.SHARDED (--checkpoint-format sharded)")
+        self.sparse_optimizers = {k: ps.PSSparse(o) if self.remote else DistributedSparse(o) if active() else o
+                                  for k, o in sparse_optimizers.items()}
         self.train, self.valid, self.test, self.config = train, valid, test, config
         self.run_dir = Path(run_dir)
         self.checkpoint_path = self.run_dir / config.checkpoint_format.file_name
@@ -159,6 +166,8 @@ class Trainer:
     def save(self) -> Path:
         """Write the checkpoint in ``config.checkpoint_format`` (every rank calls it)."""
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
+            if self.remote:
+                ps.request_checkpoint(save=True, path=self.checkpoint_path)  # the servers write their shards
             return save_sharded(sharded_state(self), self.checkpoint_path)
         # Every rank builds the state (it gathers row-sharded tables: a collective); it is then
         # identical on all ranks, so rank 0 writes and the others wait until the file is complete.
@@ -186,6 +195,8 @@ class Trainer:
         """
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
             template = sharded_state(self, blob=False)
+            if self.remote:
+                ps.request_checkpoint(save=False, path=self.checkpoint_path)  # the servers load their shards
             # Validate before touching anything: load_sharded checks shards and shapes first.
             load_sharded(template, self.checkpoint_path)
             self.load_state_dict(read_extra(template), self.checkpoint_path)

@@ -1,0 +1,220 @@
+"""The worker side: lookups pull rows from the servers, optimizer steps push gradients.
+
+A lookup of a table group on a worker (``group.exchange`` is a :class:`PSClient`):
+
+1. check and dedup the batch's ids locally (``torch.unique``; out-of-range ids raise here,
+   before anything is sent, naming the table);
+2. in ``BOUNDED`` mode take the rows the :class:`RowCache` still holds; pull the others from
+   their owners (``id % S``), one request per server, all servers in flight at once;
+3. pool on the device as a local table does; backward leaves one gradient row per unique id.
+
+``PSSparse.step()`` pushes every group's coalesced gradient rows to their owners - to every
+server, empty if none of its rows were touched, so that a ``SYNC`` server knows when a step is
+complete - and waits for the servers' receipts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hetero.embedding.group import Request, TableGroup
+from hetero.placement import copy_to
+from hetero.ps.transport import Channel, Op, Status, encode
+
+
+class RowCache:
+    """Rows a worker pulled, reused for at most ``staleness`` of its steps (``PSMode.BOUNDED``).
+
+    Entries are kept sorted by id; an entry older than ``staleness`` steps is dropped at the next
+    lookup, so a row used at step ``t`` was pulled at step ``t - staleness`` or later. Counters
+    (``hits``, ``misses``, ``max_age``: the oldest entry ever used, in steps) make the bound
+    observable.
+    """
+
+    def __init__(self, staleness: int) -> None:
+        self.staleness = staleness
+        self.ids = torch.empty(0, dtype=torch.int64)
+        self.rows: Tensor | None = None
+        self.born = torch.empty(0, dtype=torch.int64)
+        self.hits = self.misses = self.max_age = 0
+
+    def lookup(self, unique: Tensor, step: int) -> tuple[Tensor, Tensor | None]:
+        """``(hit mask over unique, rows of the hits)`` for sorted unique ids at worker step ``step``."""
+        fresh = step - self.born <= self.staleness
+        if not bool(fresh.all()):
+            self.ids, self.born, self.rows = self.ids[fresh], self.born[fresh], self.rows[fresh]
+        hit = torch.zeros(unique.numel(), dtype=torch.bool)
+        if self.ids.numel() == 0 or unique.numel() == 0:
+            self.misses += unique.numel()
+            return hit, None
+        pos = torch.searchsorted(self.ids, unique).clamp(max=self.ids.numel() - 1)
+        hit = self.ids[pos] == unique
+        pos = pos[hit]
+        if pos.numel():
+            self.max_age = max(self.max_age, int((step - self.born[pos]).max()))
+        self.hits += pos.numel()
+        self.misses += unique.numel() - pos.numel()
+        return hit, self.rows[pos]
+
+    def insert(self, ids: Tensor, rows: Tensor, step: int) -> None:
+        """Add rows pulled at ``step`` (ids not in the cache: they were misses)."""
+        if ids.numel() == 0:
+            return
+        merged = torch.cat([self.ids, ids])
+        order = torch.argsort(merged)
+        self.ids = merged[order]
+        self.born = torch.cat([self.born, torch.full((ids.numel(),), step, dtype=torch.int64)])[order]
+        self.rows = (rows if self.rows is None else torch.cat([self.rows, rows]))[order]
+
+
+class PSClient:
+    """``group.exchange`` on a worker: the group's rows live on ``len(servers)`` servers.
+
+    Args:
+        index: the group's position in the model's table groups (its name in requests).
+        servers: the server ranks, shard ``s`` on ``servers[s]``.
+        cache_staleness: ``None``: no cache (``SYNC``/``ASYNC``); else :class:`RowCache`'s bound.
+    """
+
+    remote = True  # the rows are not in this process
+
+    def __init__(self, group: TableGroup, index: int, servers: list[int], channel: Channel,
+                 cache_staleness: int | None) -> None:
+        self.group, self.index, self.servers, self.channel = group, index, servers, channel
+        self.global_rows = group.num_rows
+        self.name = ",".join(t.name for t in group.tables)
+        self.step = 0  # pushes so far: the sequence number servers order this worker's requests by
+        self.pending: list[list[Any]] = []  # [unique ids, their gradient (or None until backward)]
+        self.cache = RowCache(cache_staleness) if cache_staleness is not None else None
+
+    def reset(self) -> None:
+        """Forget the step count and cached rows (after a checkpoint load)."""
+        self.step, self.pending = 0, []
+        if self.cache is not None:
+            self.cache = RowCache(self.cache.staleness)
+
+    # ------------------------------------------------------------------------------ pull
+    def lookup(self, group: TableGroup, requests: list[Request]) -> list[Tensor]:
+        anchor = requests[0].table._device_anchor
+        plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
+        pin = anchor.device.type == "cuda"  # received straight into pinned memory: the upload is an async DMA
+        rows = copy_to(self.fetch(plan.unique, pin), anchor.device).to(anchor.dtype)  # host -> device: U rows
+        if torch.is_grad_enabled():
+            entry = [plan.unique, None]
+            rows.requires_grad_(True)
+            # Runs inside backward: keep the coalesced gradient; the push runs in the optimizer step.
+            # device -> host copy (a sync point on CUDA)
+            rows.register_hook(lambda grad, entry=entry: entry.__setitem__(1, grad.detach().to("cpu", torch.float32)))
+            self.pending.append(entry)
+        return group.pool(rows, plan)
+
+    def fetch(self, unique: Tensor, pin: bool = False) -> Tensor:
+        """Rows ``(U, D)`` (storage dtype, host; pinned with ``pin``) of the sorted unique group rows ``unique``."""
+        if self.cache is None:
+            return self.pull(unique, pin)
+        hit, cached = self.cache.lookup(unique, self.step)
+        missing = unique[~hit]
+        pulled = self.pull(missing)
+        self.cache.insert(missing, pulled, self.step)
+        rows = torch.empty(unique.numel(), self.group.dim, dtype=self.group.dtype, pin_memory=pin)
+        rows[~hit] = pulled
+        if cached is not None:
+            rows[hit] = cached
+        return rows
+
+    def _route(self, ids: Tensor) -> list[Tensor | None]:
+        """Per shard, the mask over ``ids`` of the ids it owns (``None``: one server owns all)."""
+        n = len(self.servers)
+        if n == 1:
+            return [None]
+        owner = ids % n
+        return [owner == s for s in range(n)]  # n cheap passes; a stable argsort costs more at n <= 16
+
+    def pull(self, ids: Tensor, pin: bool = False) -> Tensor:
+        """Rows ``(len(ids), D)`` (storage dtype, host; pinned with ``pin``) of group rows ``ids``
+        from their servers, in the order of ``ids``.
+
+        Raises:
+            IndexError / ValueError: the owning server rejected an id (its message names the table).
+            ServerTimeoutError / ServerLostError: a server did not answer (naming its rank).
+        """
+        out = torch.empty(ids.numel(), self.group.dim, dtype=self.group.dtype, pin_memory=pin)
+        if ids.numel() == 0:
+            return out
+        masks = self._route(ids)
+        ch, what = self.channel, f"a pull of table group {self.name!r}"
+        asked = [(server, mask, ids if mask is None else ids[mask]) for server, mask in zip(self.servers, masks)]
+        asked = [a for a in asked if a[2].numel()]
+        sends = [(s, ch.request(s, Op.PULL, [p], step=self.step, group=self.index, n=p.numel())) for s, _, p in asked]
+        for server, mask, part in asked:
+            h = ch.reply_header(server, what)
+            if int(h[0]) != Status.OK:
+                ch.raise_error(server, h, what)
+            rows = out if mask is None else torch.empty(part.numel(), self.group.dim, dtype=self.group.dtype)
+            ch.wait(ch.receive(server, rows), server, what)
+            if mask is not None:
+                out[mask] = rows
+        for server, works in sends:
+            for w in works:
+                ch.wait(w, server, what)
+        return out
+
+    # ------------------------------------------------------------------------------ push
+    def push(self) -> None:
+        """Send this step's gradient rows to their owners (every server gets a message)."""
+        done = [e for e in self.pending if e[1] is not None]  # lookups without a gradient changed nothing
+        self.pending = []
+        if len(done) == 1:
+            ids, rows = done[0]
+        elif done:  # several lookups this step (micro-batches): one row per id
+            ids, inverse = torch.unique(torch.cat([e[0] for e in done]), return_inverse=True)
+            rows = torch.zeros(ids.numel(), self.group.dim).index_add_(0, inverse, torch.cat([e[1] for e in done]))
+        else:
+            ids, rows = torch.empty(0, dtype=torch.int64), torch.empty(0, self.group.dim)
+        ch, what = self.channel, f"a push of table group {self.name!r}"
+        sends = []
+        for server, mask in zip(self.servers, self._route(ids)):
+            part, grad = (ids, rows) if mask is None else (ids[mask], rows[mask])
+            sends.append((server, ch.request(server, Op.PUSH, [part, grad.contiguous()], step=self.step,
+                                             group=self.index, n=part.numel(), extra=ids.numel())))
+        for server, works in sends:
+            h = ch.reply_header(server, what)  # the server's receipt
+            if int(h[0]) != Status.OK:
+                ch.raise_error(server, h, what)
+            for w in works:
+                ch.wait(w, server, what)
+        self.step += 1
+
+
+def broadcast(channel: Channel, servers: list[int], op: Op, path: str) -> None:
+    """Tell every server to join a checkpoint save or load of ``path`` (the DCP call follows)."""
+    for server in servers:
+        for w in channel.request(server, op, [encode(path)], n=len(path.encode())):
+            channel.wait(w, server, f"a checkpoint {op.name.lower()}")
+
+
+class PSSparse:
+    """A sparse optimizer whose tables live on parameter servers: ``step()`` pushes the gradients
+    (the servers apply this optimizer); its state dict holds configuration and step counts only
+    (the rows' state is in the servers' part of the checkpoint)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.clients = [g.exchange for g in optimizer.groups]
+
+    def zero_grad(self) -> None:
+        for c in self.clients:
+            c.pending = []
+
+    def step(self) -> None:
+        for c in self.clients:
+            c.push()
+
+    def state_dict(self, include_state: bool = True) -> dict[str, Any]:
+        return self.optimizer.state_dict(include_state=False)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "state"})

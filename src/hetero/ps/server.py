@@ -1,0 +1,238 @@
+"""The server side: a shard of every table group, its sparse optimizer state, and the serve loop.
+
+Rows are hash-partitioned: global group row ``g`` lives on shard ``g % S`` at local row
+``g // S`` (PaddlePaddle's and Persia's rule), so a vocabulary's hot low ids spread over all
+servers. A shard is built from the tables' seeds (:func:`hetero.embedding.init_rows`) without
+materialising any other row, so a table needs only its shards' memory anywhere in the job.
+
+The serve loop takes requests from any worker in arrival order (see
+:mod:`hetero.ps.transport`); it is single-threaded, so a pull never sees a half-applied update.
+Updates use the same fused optimizer kernels as a local table (:mod:`hetero.optim`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hetero.embedding import INIT_CHUNK, SparseGrad, init_rows
+from hetero.embedding.group import TableGroup
+from hetero.placement import host_empty
+from hetero.ps.config import PSMode
+from hetero.ps.transport import HEADER, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, Op, Status, decode, encode, header
+
+log = logging.getLogger("hetero")
+
+
+class ServerShard:
+    """``group.exchange`` on a server: marks the group's storage as shard ``shard`` of ``servers``."""
+
+    remote = False  # the rows are here
+
+    def __init__(self, global_rows: int, shard: int, servers: int) -> None:
+        self.global_rows, self.shard, self.servers = global_rows, shard, servers
+
+    def lookup(self, group: TableGroup, requests: list) -> list[Tensor]:
+        raise RuntimeError("a parameter server does not run the model; only workers look up rows")
+
+
+def shard_rows_count(global_rows: int, shard: int, servers: int) -> int:
+    return max(0, -(-(global_rows - shard) // servers))
+
+
+def build_shard(group: TableGroup, shard: int, servers: int) -> Tensor:
+    """The ``(rows of this shard, D)`` storage of ``group``'s shard, initialised as the full table
+    would be, one seeded block of rows at a time (peak extra memory: one block)."""
+    out = host_empty((shard_rows_count(group.num_rows, shard, servers), group.dim), group.dtype)
+    for t in group.tables:
+        start, vocab = group.row_offset[id(t)], t.config.num_embeddings
+        for lo in range(0, vocab, INIT_CHUNK):
+            hi = min(lo + INIT_CHUNK, vocab)
+            first = lo + (shard - start - lo) % servers  # first table row of this block on this shard
+            if first >= hi:
+                continue
+            mine = torch.arange(first, hi, servers)
+            out[(start + mine) // servers] = init_rows(t.config, t.init_seed, lo, hi)[mine - lo]
+    return out
+
+
+class ParameterServer:
+    """Serves the shard ``shard`` of ``servers`` of every table group of a model.
+
+    Args:
+        groups: the model's table groups by checkpoint key (:func:`hetero.embedding.table_groups`),
+            in the same order on every rank (a request names a group by its position).
+        optimizers: name -> sparse optimizer (built after :func:`hetero.ps.shard_tables`, so its
+            state has the shard's rows).
+    """
+
+    def __init__(self, groups: dict[str, TableGroup], optimizers: dict[str, Any], shard: int, servers: int,
+                 workers: list[int], pg, mode: PSMode, gradients_mean: bool) -> None:  # noqa: ANN001 - ProcessGroup
+        self.keys, self.groups = list(groups), list(groups.values())
+        self.owner = {}
+        for name, opt in optimizers.items():
+            for g in opt.groups:
+                self.owner[id(g)] = (name, opt)
+        self.optimizers = optimizers
+        self.shard, self.servers, self.workers, self.pg = shard, servers, list(workers), pg
+        self.mode, self.mean = mode, gradients_mean
+        self.applied = [0] * len(self.groups)  # steps applied per group (SYNC: the step pulls wait for)
+        self.inbox: list[dict[int, dict[int, tuple]]] = [{} for _ in self.groups]  # SYNC: step -> worker -> push
+        self.deferred: list[list[tuple[int, int, Tensor]]] = [[] for _ in self.groups]  # SYNC: early pulls
+        self.sends: list[tuple[Any, list[Tensor]]] = []  # replies in flight (their tensors kept alive)
+        self.served_rows = self.updated_rows = 0
+
+    def nbytes(self) -> int:
+        """Bytes of this shard: table rows and optimizer state."""
+        total = sum(g.storage.numel() * g.storage.element_size() for g in self.groups)
+        for _, opt in self.optimizers.items():
+            for state in opt.group_state.values():
+                total += sum(x.numel() * x.element_size() for x in state.values() if not x.is_meta)
+        return total
+
+    # ------------------------------------------------------------------------------ loop
+    def serve(self, on_checkpoint) -> None:  # noqa: ANN001 - callable(op, path)
+        """Answer requests until every worker sent STOP. ``on_checkpoint(op, path)`` runs when all
+        workers asked for the same SAVE or LOAD (it joins the job-wide DCP collective)."""
+        live, votes = set(self.workers), {}
+        h = torch.empty(HEADER, dtype=torch.int64)
+        while live:
+            src = dist.recv(h, None, group=self.pg, tag=TAG_REQUEST)
+            op, step, g, n, extra = (int(x) for x in h[:5])
+            if op == Op.PULL:
+                self._pull(src, step, g, self._recv(src, (n,), torch.int64))
+            elif op == Op.PUSH:
+                ids = self._recv(src, (n,), torch.int64)
+                self._push(src, step, g, ids, self._recv(src, (n, self.groups[g].dim), torch.float32), extra)
+            elif op in (Op.SAVE, Op.LOAD):
+                path = decode(self._recv(src, (n,), torch.uint8))
+                voters = votes.setdefault((op, path), set())
+                voters.add(src)
+                if voters == set(self.workers):
+                    del votes[(op, path)]
+                    on_checkpoint(Op(op), path)
+                    if op == Op.LOAD:  # both sides count steps from the load
+                        self.applied = [0] * len(self.groups)
+            elif op == Op.STOP:
+                live.discard(src)
+            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        for w, _ in self.sends:
+            w.wait()
+
+    def _recv(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        dist.recv(t, src, group=self.pg, tag=TAG_PAYLOAD)
+        return t
+
+    def _reply(self, dst: int, tensors: list[Tensor]) -> None:
+        for t in tensors:
+            self.sends.append((dist.isend(t, dst, group=self.pg, tag=TAG_REPLY), [t]))
+
+    def _error(self, dst: int, kind: Status, message: str) -> None:
+        msg = encode(message)
+        self._reply(dst, [header(kind, msg.numel()), msg])
+
+    def _check(self, g: int, ids: Tensor) -> tuple[Status, str] | None:
+        """An id outside the group or not on this shard: the message names the table."""
+        group = self.groups[g]
+        bad = (ids < 0) | (ids >= group.exchange.global_rows) | (ids % self.servers != self.shard)
+        if not bool(bad.any()):
+            return None
+        row = int(ids[int(bad.nonzero()[0])])
+        starts = [group.row_offset[id(t)] for t in group.tables]
+        t = group.tables[max(0, int(np.searchsorted(starts, row, side="right")) - 1)]
+        tid, vocab = row - group.row_offset[id(t)], t.config.num_embeddings
+        where = f"parameter server rank {dist.get_rank()} (shard {self.shard} of {self.servers})"
+        if not 0 <= tid < vocab:
+            return Status.INDEX_ERROR, (f"{where}: table {t.name!r}: id {tid} is out of range for vocab size {vocab} "
+                                        f"(valid ids are 0..{vocab - 1}); fix the feature encoding or set hashed=True")
+        return Status.VALUE_ERROR, (f"{where}: table {t.name!r}: id {tid} (group row {row}) belongs to shard "
+                                    f"{row % self.servers}, not this one; workers and servers disagree on the number "
+                                    f"of servers")
+
+    def _pull(self, src: int, step: int, g: int, ids: Tensor) -> None:
+        err = self._check(g, ids)
+        if err is not None:
+            self._error(src, *err)
+            return
+        local = ids // self.servers
+        if self.mode is PSMode.SYNC and step > self.applied[g]:
+            self.deferred[g].append((src, step, local))  # answered once step - 1 is applied
+            return
+        self._send_rows(src, g, local)
+
+    def _send_rows(self, dst: int, g: int, local: Tensor) -> None:
+        rows = self.groups[g].storage.index_select(0, local)
+        self.served_rows += local.numel()
+        self._reply(dst, [header(Status.OK, local.numel()), rows])
+
+    def _push(self, src: int, step: int, g: int, ids: Tensor, rows: Tensor, count: int) -> None:
+        err = self._check(g, ids)
+        if err is not None:
+            self._error(src, *err)
+            return
+        self._reply(src, [header(Status.OK, ids.numel())])  # received (not necessarily applied)
+        if self.mode is not PSMode.SYNC:  # one worker's share of a global batch: 1/W of its gradient
+            self._apply(g, [(ids, rows, count)], 1.0 / len(self.workers) if self.mean else 1.0)
+            self.applied[g] += 1
+            return
+        self.inbox[g].setdefault(step, {})[src] = (ids, rows, count)
+        while len(self.inbox[g].get(self.applied[g], {})) == len(self.workers):
+            parts = self.inbox[g].pop(self.applied[g])
+            self._apply(g, [parts[w] for w in self.workers], 1.0 / len(self.workers) if self.mean else 1.0)
+            self.applied[g] += 1
+            ready = [d for d in self.deferred[g] if d[1] <= self.applied[g]]
+            self.deferred[g] = [d for d in self.deferred[g] if d[1] > self.applied[g]]
+            for dst, _, local in ready:
+                self._send_rows(dst, g, local)
+
+    def _apply(self, g: int, parts: list[tuple[Tensor, Tensor, int]], scale: float) -> None:
+        """One optimizer step of group ``g`` from the pushes ``parts`` (summed in the given order)."""
+        group = self.groups[g]
+        name, opt = self.owner[id(group)]
+        ids = torch.cat([p[0] for p in parts])
+        if ids.numel() == 0:
+            if any(p[2] for p in parts):  # the table got rows elsewhere this step: count it here too
+                opt.count_step(group)
+            return
+        if len(parts) == 1 and bool((ids[1:] > ids[:-1]).all()):
+            unique, summed = ids, parts[0][1]  # one worker's push: its ids are unique already (sorted)
+        else:
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            # index_add_ on the CPU adds in index order: the sum is the same on every run
+            summed = torch.zeros(unique.numel(), group.dim).index_add_(0, inverse, torch.cat([p[1] for p in parts]))
+        if scale != 1.0:
+            summed *= scale
+        group.pending = [SparseGrad(unique // self.servers, summed)]
+        opt.step()  # only this group has a pending gradient
+        self.updated_rows += unique.numel()
+
+    # ------------------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """This shard's part of the job's DCP checkpoint: the rows and optimizer state of every
+        group (live tensors: a load writes into them) and one blob with the step counts."""
+        tables = {}
+        for key, group in zip(self.keys, self.groups):
+            entry = {"weight": group.storage}
+            name, opt = self.owner[id(group)]
+            for s, x in opt.group_state[id(group)].items():
+                entry[f"{name}.{s}"] = x
+            tables[key] = {f"shard{self.shard}": entry}
+        return {"ps": tables, "ps_meta": {f"shard{self.shard}": io.BytesIO()}}
+
+    def save_blob(self, state: dict[str, Any]) -> None:
+        counts = {name: opt.state_dict(include_state=False) for name, opt in self.optimizers.items()}
+        torch.save({"sparse_optimizers": counts, "servers": self.servers}, state["ps_meta"][f"shard{self.shard}"])
+
+    def load_blob(self, state: dict[str, Any]) -> None:
+        buf = state["ps_meta"][f"shard{self.shard}"]
+        buf.seek(0)
+        saved = torch.load(buf, map_location="cpu", weights_only=True)
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(saved["sparse_optimizers"][name])  # counts only; the rows were loaded in place

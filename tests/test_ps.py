@@ -1,0 +1,278 @@
+"""Parameter server (hetero.ps): 2 servers + 2 workers on gloo against one process."""
+
+import datetime
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import write_ml100k
+
+from hetero import ps
+from hetero.cli import main, merge
+from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig, init_rows
+from hetero.optim import LazyAdam
+from hetero.parallel import env
+from hetero.ps.server import build_shard
+
+ARGS = ["--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8", "--hidden", "16,8", "--dropout", "0"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(n, *args, script=("-m", "hetero"), extra_env=None, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *script, "train", *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(extra_env or {})}, timeout=300)
+    if check:
+        assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def _assert_same_training(ref_path, dcp_dir, tmp_path):
+    """The parameter-server run's merged checkpoint equals the 1-process integrated one."""
+    ref = torch.load(ref_path)
+    got = torch.load(merge(dcp_dir, tmp_path / "merged.pt"))
+    assert got["position"] == ref["position"]
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=1e-5)
+    for k, v in ref["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=0, atol=1e-5, msg=k)
+    for opt, saved in ref["sparse_optimizers"].items():
+        assert got["sparse_optimizers"][opt]["steps"] == saved["steps"]
+        for table, tensors in saved["state"].items():
+            for s, v in tensors.items():
+                torch.testing.assert_close(got["sparse_optimizers"][opt]["state"][table][s], v, rtol=0, atol=1e-5,
+                                           msg=f"{opt} {table} {s}")
+
+
+def test_sync_mode_equals_one_process_with_tables_no_single_server_could_hold(tmp_path, ml_dir):
+    data = ["--data-path", str(ml_dir), *ARGS]
+    assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
+    # What the whole tables need: a 1-server job reports it before allocating, on every rank, and stops.
+    tiny = _torchrun(2, *data, "--ps-servers", "1", "--ps-server-memory-mb", "0.001", "--run-dir", str(tmp_path / "x"),
+                     check=False)
+    assert tiny.returncode != 0
+    rows = re.search(r"hetero: error: parameter server rank 1 \(shard 0 of 1\): its table rows alone need ([0-9.]+) MiB, "
+                     r"over its memory budget of 0.000999 MiB \(server_memory_bytes\); run more servers or raise the "
+                     r"budget", tiny.stderr)
+    assert rows, tiny.stderr[-3000:]
+    # With the state of FTRL (wide) and LazyAdam (deep), two tensors of the table's shape each, one
+    # server would need 3x the rows; each of two servers about half of that.
+    budget = 0.6 * 3 * float(rows.group(1))
+    _torchrun(4, *data, "--ps-servers", "2", "--ps-server-memory-mb", str(budget), "--run-dir", str(tmp_path / "ps"))
+    assert sorted(p.name for p in (tmp_path / "ps" / "checkpoint.dcp").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    _assert_same_training(tmp_path / "one" / "checkpoint.pt", tmp_path / "ps" / "checkpoint.dcp", tmp_path)
+    one = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    two = json.loads((tmp_path / "ps" / "metrics.json").read_text())
+    assert abs(one["test_auc"] - two["test_auc"]) < 1e-6
+
+
+def test_a_killed_server_restarts_the_job_from_the_last_checkpoint(tmp_path, ml_dir):
+    data = ["--data-path", str(ml_dir), *ARGS]
+    assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
+    # pytorch/pytorch#135712: a separate rendezvous store per attempt (see the README)
+    env_ = {"KILL_AT_STEP": "10", "KILL_MARKER": str(tmp_path / "killed"), "VICTIM_RANK": "3",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    helper = Path(__file__).parent / "helpers" / "kill_server_once.py"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          "--max-restarts", "1", str(helper), "train", *data, "--ps-servers", "2", "--ps-timeout", "20",
+                          "--checkpoint-every", "4", "--resume", "auto", "--run-dir", str(tmp_path / "ps")],
+                         capture_output=True, text=True, env={**ENV, **env_}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "killed").read_text() == "killed"  # server rank 3 died after step 10 ...
+    assert "resumed from" in run.stderr and "at epoch 0, batch 8 (step 8)" in run.stderr  # ... the job went on from step 8
+    _assert_same_training(tmp_path / "one" / "checkpoint.pt", tmp_path / "ps" / "checkpoint.dcp", tmp_path)
+
+
+def test_async_mode_converges_to_the_auc_of_sync(tmp_path):
+    """Sync mode is the 1-process run (previous tests); async reaches its test AUC within 0.01."""
+    ml = write_ml100k(tmp_path / "ml", n_users=300, n_items=400, n_ratings=12000)
+    data = ["--data-path", str(ml), *ARGS, "--epochs", "3", "--batch-size", "256"]
+    assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
+    _torchrun(4, *data, "--ps-servers", "2", "--ps-mode", "async", "--run-dir", str(tmp_path / "async"))
+    sync = json.loads((tmp_path / "one" / "metrics.json").read_text())["test_auc"]
+    asyn = json.loads((tmp_path / "async" / "metrics.json").read_text())["test_auc"]
+    assert sync > 0.85 and abs(asyn - sync) <= 0.01, (sync, asyn)
+
+
+# ---------------------------------------------------------------------------------- spawned jobs
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank, world, port, timeout_s=30.0):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _table():
+    torch.manual_seed(0)
+    return HostEmbedding(TableConfig("items", 40, 4))
+
+
+def _staleness_job(rank, world, port, out):
+    _join(rank, world, port)
+    role = ps.init(ps.PSConfig(num_servers=2, mode=ps.PSMode.BOUNDED, staleness=2))
+    table = _table()
+    ps.shard_tables(table)
+    opt = LazyAdam([table])
+    ps.start(table, {"items": opt})
+    if role is ps.Role.WORKER:
+        client = table.group.exchange
+        ids = torch.tensor([1, 2, 3, 7, 8, 20, 33])  # the same rows every step: their cache entries age
+        seen = []
+        for _ in range(8):
+            rows = table(ids)
+            seen.append(rows.detach().clone())
+            rows.sum().backward()
+            ps.PSSparse(opt).step()
+        c = client.cache
+        changed = [not torch.equal(seen[t], seen[t - 1]) for t in range(1, 8)]
+        Path(out, f"{rank}.json").write_text(json.dumps({"hits": c.hits, "misses": c.misses, "max_age": c.max_age,
+                                                         "changed": changed}))
+    ps.shutdown()
+    env.shutdown()
+
+
+def test_bounded_staleness_reuses_a_row_for_at_most_k_steps(tmp_path):
+    mp.spawn(_staleness_job, args=(4, _port(), str(tmp_path)), nprocs=4)
+    for worker in (0, 1):
+        got = json.loads((tmp_path / f"{worker}.json").read_text())
+        # 7 rows, steps 0..7, k = 2: pulled at steps 0, 3, 6 (an entry of age 3 is dropped), cached otherwise
+        assert got["max_age"] == 2 and got["misses"] == 3 * 7 and got["hits"] == 5 * 7, got
+        # the rows change exactly when they are pulled again (the servers applied the pushes meanwhile)
+        assert got["changed"] == [False, False, True, False, False, True, False], got
+
+
+def _bad_input_job(rank, world, port, out):
+    _join(rank, world, port)
+    role = ps.init(ps.PSConfig(num_servers=1, timeout_s=2))
+    table = _table()
+    ps.shard_tables(table)
+    opt = LazyAdam([table])
+    ps.start(table, {"items": opt})
+    if role is ps.Role.WORKER:
+        client = table.group.exchange
+        try:
+            client.pull(torch.tensor([3, 45]))  # past the worker's own check: the server must catch it
+        except IndexError as e:
+            Path(out, "index.txt").write_text(str(e))
+        Path(out, "after.txt").write_text(str(client.pull(torch.tensor([3])).shape))  # the server went on serving
+    ps.shutdown()
+    env.shutdown()
+
+
+def _silent_server_job(rank, world, port, out):
+    _join(rank, world, port)
+    role = ps.init(ps.PSConfig(num_servers=1, timeout_s=2))
+    table = _table()
+    ps.shard_tables(table)
+    if role is ps.Role.WORKER:
+        t0 = time.perf_counter()
+        try:
+            table.group.exchange.pull(torch.tensor([3]))
+        except ps.ServerTimeoutError as e:
+            Path(out, "timeout.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{e}")
+    else:
+        time.sleep(6)  # alive, but never serving
+    os._exit(0)  # the worker's request is still pending: no orderly shutdown of the group
+
+
+def test_a_server_rejects_an_out_of_range_id_with_the_table_name(tmp_path):
+    mp.spawn(_bad_input_job, args=(2, _port(), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "index.txt").read_text() == (
+        "parameter server rank 1 (shard 0 of 1): table 'items': id 45 is out of range for vocab size 40 (valid ids are "
+        "0..39); fix the feature encoding or set hashed=True")
+    assert (tmp_path / "after.txt").read_text() == "torch.Size([1, 4])"
+
+
+def test_an_unresponsive_server_is_a_timeout_naming_its_rank(tmp_path):
+    mp.spawn(_silent_server_job, args=(2, _port(), str(tmp_path)), nprocs=2)
+    seconds, message = (tmp_path / "timeout.txt").read_text().split("\n", 1)
+    assert 1.5 <= float(seconds) < 5
+    assert message.startswith("parameter server rank 1 (shard 0 of 1) did not answer a pull of table group 'items' "
+                              "within 2 s (PSConfig.timeout_s); is its process running and reachable from this worker?")
+
+
+# ---------------------------------------------------------------------------------- in process
+@pytest.mark.parametrize("servers", [1, 2, 3])
+def test_server_shards_hold_exactly_the_rows_of_the_full_table(servers):
+    torch.manual_seed(0)
+    coll = HostEmbeddingCollection([TableConfig("a", 5000, 3), TableConfig("b", 7, 3), TableConfig("c", 4100, 3)])
+    group = next(iter(coll.tables.values())).group
+    whole = torch.empty_like(group.storage)
+    for s in range(servers):
+        whole[s::servers] = build_shard(group, s, servers)  # global row g lives at g // S on shard g % S
+    assert torch.equal(whole, group.storage)
+
+
+def test_a_table_row_does_not_depend_on_how_the_table_is_split():
+    torch.manual_seed(0)
+    t = HostEmbedding(TableConfig("t", 10000, 5))
+    for lo, hi in [(0, 1), (4095, 4097), (123, 9999), (8192, 10000)]:
+        assert torch.equal(init_rows(t.config, t.init_seed, lo, hi), t.weight[lo:hi])
+
+
+def test_deferred_tables_hold_no_rows_and_leave_the_random_stream_unchanged():
+    from hetero.embedding import defer_tables
+
+    torch.manual_seed(0)
+    HostEmbedding(TableConfig("t", 1000, 4))
+    after_built = torch.rand(3)
+    defer_tables(True)
+    try:
+        torch.manual_seed(0)
+        t = HostEmbedding(TableConfig("t", 1000, 4))
+        assert torch.equal(torch.rand(3), after_built)  # the dense layers built next initialise the same
+        huge = HostEmbedding(TableConfig("huge", 10**9, 64))  # 256 GB if it were built here
+        assert huge.weight.is_meta and huge.group.storage.is_meta and huge.group.marker is None and t.weight.is_meta
+        opt = LazyAdam([huge])
+        assert all(x.is_meta for x in opt.group_state[id(huge.group)].values())  # its state lives on the servers too
+    finally:
+        defer_tables(False)
+
+
+def test_row_cache_drops_entries_older_than_the_bound():
+    cache = ps.RowCache(staleness=1)
+    ids = torch.tensor([2, 5, 9])
+    hit, _ = cache.lookup(ids, step=0)
+    assert not hit.any()
+    cache.insert(ids, torch.arange(6.0).reshape(3, 2), step=0)
+    hit, rows = cache.lookup(torch.tensor([1, 5, 9]), step=1)  # age 1: still valid
+    assert hit.tolist() == [False, True, True] and rows.tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    hit, rows = cache.lookup(torch.tensor([5]), step=2)  # age 2 > 1: gone
+    assert not hit.any() and cache.ids.numel() == 0 and cache.max_age == 1
+
+
+def test_ps_config_and_launch_errors_name_the_fix(tmp_path, ml_dir, capsys, monkeypatch):
+    with pytest.raises(ValueError, match=r"PSConfig.staleness=2 needs mode=PSMode.BOUNDED \(got sync\)"):
+        ps.PSConfig(staleness=2)
+    with pytest.raises(ValueError, match=r"PSConfig.num_servers must be >= 1, got 0"):
+        ps.PSConfig(num_servers=0)
+    for v in env.TORCHRUN_VARS:
+        monkeypatch.delenv(v, raising=False)
+    assert main(["train", "--data-path", str(ml_dir), *ARGS, "--ps-servers", "2", "--run-dir", str(tmp_path)]) == 1
+    assert ("hetero: error: a parameter server needs a multi-process job: launch with torchrun --nproc-per-node 2+W "
+            "(servers + workers)") in capsys.readouterr().err
+
+
+def test_a_single_host_job_binds_gloo_to_loopback(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    env._bind_loopback()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # a multi-host job: the user's network
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # torchrun --standalone
+    env._bind_loopback()
+    assert os.environ.get("GLOO_SOCKET_IFNAME") in ("lo", "lo0")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
+    env._bind_loopback()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"  # the user's choice wins
