@@ -119,13 +119,20 @@ def _table():
     return HostEmbedding(TableConfig("items", 40, 4))
 
 
-def _staleness_job(rank, world, port, out):
+def _start(rank, world, port, config):
+    """Join, split into servers and workers, build one table and its LazyAdam; a server serves
+    inside ps.start until the workers stop."""
     _join(rank, world, port)
-    role = ps.init(ps.PSConfig(num_servers=2, mode=ps.PSMode.BOUNDED, staleness=2))
+    role = ps.init(config)
     table = _table()
     ps.shard_tables(table)
     opt = LazyAdam([table])
     ps.start(table, {"items": opt})
+    return role, table, opt
+
+
+def _staleness_job(rank, world, port, out):
+    role, table, opt = _start(rank, world, port, ps.PSConfig(num_servers=2, mode=ps.PSMode.BOUNDED, staleness=2))
     if role is ps.Role.WORKER:
         client = table.group.exchange
         ids = torch.tensor([1, 2, 3, 7, 8, 20, 33])  # the same rows every step: their cache entries age
@@ -154,12 +161,7 @@ def test_bounded_staleness_reuses_a_row_for_at_most_k_steps(tmp_path):
 
 
 def _bad_input_job(rank, world, port, out):
-    _join(rank, world, port)
-    role = ps.init(ps.PSConfig(num_servers=1, timeout_s=2))
-    table = _table()
-    ps.shard_tables(table)
-    opt = LazyAdam([table])
-    ps.start(table, {"items": opt})
+    role, table, _ = _start(rank, world, port, ps.PSConfig(num_servers=1, timeout_s=2))
     if role is ps.Role.WORKER:
         client = table.group.exchange
         try:
