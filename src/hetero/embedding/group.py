@@ -110,6 +110,7 @@ class TableGroup:
         # set by hetero.parallel.shard_rows or hetero.ps.shard_tables: the lookup talks to other ranks
         self.exchange = None
         self.stamp = 0
+        self._last = np.empty(0, np.int64)  # dedup scratch, reused (under the lock)
         self.lock = threading.Lock()  # the marker is shared by every lookup of the group
         self.pending: list["SparseGrad"] = []
         self.version = 0  # optimizer updates applied so far
@@ -179,7 +180,9 @@ class TableGroup:
         if self.stamp >= 1 << 31:  # the stamp lives in the upper 32 bits of the marker
             self.marker[:] = 0
             self.stamp = 1
-        return K.dedup(rows, self.marker, self.stamp)
+        if self._last.shape[0] < rows.shape[0]:
+            self._last = np.empty(max(rows.shape[0], 2 * self._last.shape[0]), np.int64)
+        return K.dedup(rows, self.marker, self.stamp, self._last)
 
     def _segment_meta(self, requests: list[Request]):
         vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
