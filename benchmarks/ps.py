@@ -98,18 +98,19 @@ def ps_rate(servers: int, steps: int, warmup: int) -> float:
         port = s.getsockname()[1]
     # One thread per process, as torchrun sets for several processes per host: idle OpenMP
     # threads spin for a while after each parallel region and would starve the other processes.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned interpreters
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    os.environ.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")  # inherited by the spawned interpreters
     try:
         with tempfile.TemporaryDirectory() as d:
             out = str(Path(d) / "rate.json")
             mp.spawn(_rank, args=(servers + 1, port, steps, warmup, out), nprocs=servers + 1)
             return json.loads(Path(out).read_text())
     finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main() -> None:

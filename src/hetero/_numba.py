@@ -24,16 +24,11 @@ def _numba() -> ModuleType:
     # numba's thread pool no larger than torch's: under torchrun (OMP_NUM_THREADS=1 per process)
     # idle pool threads spin after each kernel and take the cores of the job's other processes
     # (measured: parameter-server pulls 3x slower with 3 processes on 2 cores). numba reads the
-    # size from the environment at import; it is set for the import only, so processes this one
-    # starts later choose their own.
-    own = "NUMBA_NUM_THREADS" not in os.environ
-    if own:
-        os.environ["NUMBA_NUM_THREADS"] = str(max(_threads or torch.get_num_threads(), 1))
-    try:
-        import numba
-    finally:
-        if own:
-            del os.environ["NUMBA_NUM_THREADS"]
+    # size from the environment, at import and again whenever it compiles, so the variable stays
+    # set (processes started from this one inherit it unless they set their own).
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(max(_threads or torch.get_num_threads(), 1)))
+    import numba
+
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER = "threadsafe"
     return numba
@@ -56,6 +51,9 @@ def load(module: str) -> ModuleType:
 
 def set_num_threads(n: int | None) -> None:
     """Threads for hetero's host kernels; ``None`` restores the default (``torch.get_num_threads()``).
+
+    numba's thread pool is sized by the first kernel call (``NUMBA_NUM_THREADS``, default the
+    thread count then in effect); later calls use at most that many threads.
 
     Raises:
         ValueError: ``n < 1``.
