@@ -178,8 +178,9 @@ def start(model: nn.Module, sparse_optimizers: dict[str, Any]) -> None:
         groups = table_groups(model)
         s = job.servers.index(dist.get_rank())
         if any(not isinstance(g.exchange, ServerShard) for g in groups.values()):
-            need = sum(shard_rows_count(g.num_rows, s, len(job.servers)) * g.dim * g.storage.element_size()
-                       for g in groups.values())
+            rows = [g.exchange.global_rows if isinstance(g.exchange, ServerShard) else g.num_rows for g in groups.values()]
+            need = sum(shard_rows_count(r, s, len(job.servers)) * g.dim * g.storage.element_size()
+                       for r, g in zip(rows, groups.values()))
             problem = f"its table rows alone need {_mib(need)}"
         else:
             job.server = ParameterServer(groups, dict(sparse_optimizers), s, len(job.servers), job.workers, job.pg,
