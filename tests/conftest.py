@@ -28,6 +28,29 @@ def write_ml100k(directory, n_users=40, n_items=60, n_ratings=1200, seed=0):
     return directory
 
 
+# Multi-rank tests run every rank on the CPU with gloo: one machine's single GPU cannot host two
+# NCCL ranks, and parity with a CPU reference needs CPU arithmetic. The CUDA path of a
+# multi-process job has its own test (tests/test_ps.py, one CUDA worker beside a CPU server).
+CPU_RANKS = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def assert_parity(got, want, msg=None):
+    """A placed run against the unplaced one: bitwise when the device part runs on the CPU (CI);
+    on a GPU to fp32 rounding, since cuBLAS accumulates in another order than the CPU's kernels."""
+    got, want = got.detach().cpu(), want.detach().cpu()
+    if torch.cuda.is_available():
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=msg)
+    else:
+        assert torch.equal(got, want), msg
+
+
+@pytest.fixture
+def cpu_ranks(monkeypatch):
+    """Processes this test spawns (mp.spawn, torchrun) see no GPU and use one thread each."""
+    for k, v in CPU_RANKS.items():
+        monkeypatch.setenv(k, v)
+
+
 @pytest.fixture
 def ml_dir(tmp_path):
     return write_ml100k(tmp_path / "ml-100k")

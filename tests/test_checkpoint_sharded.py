@@ -40,11 +40,14 @@ def _worker(r, n, port, ml_dir, run_dir):
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    from conftest import write_ml100k
+    from conftest import CPU_RANKS, write_ml100k
 
     root = tmp_path_factory.mktemp("sharded")
     ml = write_ml100k(root / "ml-100k")
-    mp.spawn(_worker, args=(2, _free_port(), str(ml), str(root / "run")), nprocs=2, join=True)
+    with pytest.MonkeyPatch.context() as mpatch:  # the ranks run on the CPU (see conftest.CPU_RANKS)
+        for k, v in CPU_RANKS.items():
+            mpatch.setenv(k, v)
+        mp.spawn(_worker, args=(2, _free_port(), str(ml), str(root / "run")), nprocs=2, join=True)
     return root / "run", ml
 
 

@@ -65,7 +65,7 @@ def test_bad_files_name_the_file_and_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_resnet50_example_trains_data_parallel(tmp_path, ranks):
+def test_resnet50_example_trains_data_parallel(tmp_path, ranks, cpu_ranks):
     write_cifar(tmp_path / "cifar-10-batches-bin")
     args = [str(EXAMPLE), "--data-dir", str(tmp_path), "--batch-size", "4", "--max-steps", "2", "--eval-samples", "8",
             "--log-every", "1"]

@@ -111,20 +111,20 @@ def _worker(r, n, port, kind, mean, out):
 def _distributed(tmp_path, kind, n, mean):
     out = tmp_path / f"{kind}_{n}_{mean}.pt"
     mp.spawn(_worker, args=(n, _free_port(), kind, mean, str(out)), nprocs=n, join=True)
-    return torch.load(out)
+    return torch.load(out, map_location="cpu")
 
 
 @pytest.mark.parametrize("kind,n", [("mlp", 2), ("wide_deep", 2), ("wide_deep", 4), ("wide_deep_sharded", 2),
                                     ("wide_deep_sharded", 4)])
 @pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
-def test_n_ranks_equal_one_process(tmp_path, kind, n, mean):
+def test_n_ranks_equal_one_process(tmp_path, kind, n, mean, cpu_ranks):
     # gradients_mean=False sums the ranks' gradients: the single-process equivalent is a loss
     # scaled by the world size.
     ref_losses, ref_state = RUNS[kind](True, 1.0 if mean else float(n))
     losses, state = _distributed(tmp_path, kind, n, mean)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 def _untouched_shard_worker(r, n, port, out):
@@ -146,7 +146,7 @@ def _untouched_shard_worker(r, n, port, out):
         shutdown()
 
 
-def test_a_shard_the_batch_missed_still_counts_the_step(tmp_path):
+def test_a_shard_the_batch_missed_still_counts_the_step(tmp_path, cpu_ranks):
     """LazyAdam's bias correction uses the table's step count: equal on every shard, as in one process."""
     mp.spawn(_untouched_shard_worker, args=(2, _free_port(), str(tmp_path / "steps")), nprocs=2, join=True)
     assert torch.load(tmp_path / "steps.0") == torch.load(tmp_path / "steps.1") == {"t": 3}
@@ -170,6 +170,15 @@ def test_bad_distributed_input_names_value_and_fix(monkeypatch):
     with pytest.raises(ValueError, match="distributed environment incomplete: LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set "
                                          r"\(found RANK, WORLD_SIZE\); launch with `torchrun --nproc-per-node N"):
         init()
+    # NCCL needs one GPU per rank: a second rank on a one-GPU node is refused before any collective.
+    for k, v in dict(LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="1").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"^LOCAL_RANK=1 has no CUDA device: this node has 1 \(torch.cuda.device_count\(\)\); "
+                                         r"start at most 1 process\(es\) per node with `torchrun --nproc-per-node 1`, or "
+                                         r"train on the CPU with gloo by hiding the GPUs \(CUDA_VISIBLE_DEVICES=\)$"):
+        init()
 
 
 def test_world_size_one_is_a_single_process(monkeypatch):
@@ -180,7 +189,7 @@ def test_world_size_one_is_a_single_process(monkeypatch):
     assert data_parallel(model) is model
 
 
-def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tmp_path, ml_dir):
+def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tmp_path, ml_dir, cpu_ranks):
     import subprocess
     import sys
     from pathlib import Path
@@ -202,8 +211,8 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tm
                             "-m", "hetero", "train", *args, "--run-dir", str(tmp_path / "clean_run")],
                            capture_output=True, text=True, env=env, timeout=300)
     assert clean.returncode == 0, clean.stderr[-2000:]
-    a = torch.load(tmp_path / "killed_run" / "checkpoint.pt")
-    b = torch.load(tmp_path / "clean_run" / "checkpoint.pt")
+    a = torch.load(tmp_path / "killed_run" / "checkpoint.pt", map_location="cpu")
+    b = torch.load(tmp_path / "clean_run" / "checkpoint.pt", map_location="cpu")
     assert a["position"] == b["position"] == {"epoch": 2, "batch": 0, "global_step": 30}
     for k in b["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -211,7 +220,7 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tm
 
 
 @pytest.mark.parametrize("layout", [("integrated", "replicated"), ("sharded", "row")], ids=["integrated", "sharded"])
-def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout):
+def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout, cpu_ranks):
     """Integrated: every tensor whole in one file. Sharded: each rank writes its block of the
     row-sharded tables (torch.distributed.checkpoint), and loading at 2 ranks or 1 reshards them.
     The position counts global batches, so both continue under any world size."""
@@ -234,7 +243,7 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout
 
     def final(name):
         if fmt == "integrated":
-            return torch.load(tmp_path / name / "checkpoint.pt")
+            return torch.load(tmp_path / name / "checkpoint.pt", map_location="cpu")  # a GPU run's dense params
         return torch.load(merge(tmp_path / name / "checkpoint.dcp", tmp_path / name / "merged.pt"))
 
     assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0  # the uninterrupted 1-rank run
@@ -252,9 +261,9 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout
         assert state["position"] == reference["position"]
         torch.testing.assert_close(state["losses"], ref_losses, rtol=0, atol=1e-5)
         for k, v in reference["model"].items():
-            torch.testing.assert_close(state["model"][k], v, rtol=0, atol=1e-5, msg=f"{name}: {k}")
+            torch.testing.assert_close(state["model"][k], v, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {k}: {m}")
         for opt, saved in reference["sparse_optimizers"].items():
             for table, tensors in saved["state"].items():
                 for s, v in tensors.items():
                     torch.testing.assert_close(state["sparse_optimizers"][opt]["state"][table][s], v, rtol=0, atol=1e-5,
-                                               msg=f"{name}: {opt} {table} {s}")
+                                               msg=lambda m: f"{name}: {opt} {table} {s}: {m}")

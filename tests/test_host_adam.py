@@ -42,7 +42,7 @@ def test_fp32_trajectory_equals_torch_over_100_steps(host_cls, torch_cls, wd):
     assert len(opt._buckets) > 1
     _train(mine, opt, data)
     for (name, a), b in zip(ref.named_parameters(), mine.parameters()):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert torch.equal(opt.master(b), b)  # fp32 device weights are the masters
 
 

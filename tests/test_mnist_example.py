@@ -24,7 +24,8 @@ def _example():
 def _write_idx(path, array, gz=False):
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
     data = header + array.astype(np.uint8).tobytes()
-    (gzip.open(path, "wb") if gz else open(path, "wb")).write(data)
+    with gzip.open(path, "wb") if gz else open(path, "wb") as f:  # closed: a gzip stream ends on close
+        f.write(data)
 
 
 @pytest.fixture
@@ -91,7 +92,7 @@ def test_init_weights_are_loaded_and_checked(mnist_dir, tmp_path, capsys):
         ex.main([*args[:-1], str(tmp_path / "bad.npz")])
 
 
-def test_torchrun_two_ranks_print_the_single_process_losses(mnist_dir, tmp_path):
+def test_torchrun_two_ranks_print_the_single_process_losses(mnist_dir, tmp_path, cpu_ranks):
     import subprocess
     import sys
 

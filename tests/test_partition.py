@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import hetero
+from conftest import assert_parity
 from hetero.embedding import HostEmbedding, Pooling, TableConfig
 from hetero.placement import PlacementSpec, Target, on, partition, place
 
@@ -74,7 +75,7 @@ def _inputs(model):
 
 def _run(model, inputs):
     out = model(*inputs)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     for t in [m for m in model.modules() if isinstance(m, HostEmbedding)]:
         g = t.pop_sparse_grad()
@@ -110,10 +111,10 @@ def test_every_placement_equals_the_unplaced_model(make):
             assert "which runs no such op" in str(e) and spec_ops
             continue
         out, grads = _run(hm, inputs)
-        assert torch.equal(out, ref_out)
+        assert_parity(out, ref_out)
         assert grads.keys() == ref_grads.keys()
         for k in grads:
-            assert torch.equal(grads[k], ref_grads[k]), k
+            assert_parity(grads[k], ref_grads[k], k)
         tried += 1
     assert tried >= 4
 
@@ -164,7 +165,7 @@ def test_independent_host_and_device_subgraphs_run_concurrently():
     dev_start, dev_thread, dev_end = events["device"]
     ref = SlowBranches()  # the eager reference runs the branches one after the other
     ref.load_state_dict(hm.state_dict())
-    assert torch.equal(out, ref(torch.ones(2, 4)))
+    assert_parity(out, ref(torch.ones(2, 4)))
     assert host_start < dev_end and dev_start < host_end  # the two intervals overlap
     assert host_thread.startswith("hetero-host") and dev_thread == threading.current_thread().name
 
@@ -187,7 +188,8 @@ def test_fallback_to_module_placement_warns_and_stays_exact():
     ref = model(x)
     with pytest.warns(UserWarning, match=r"cannot capture the forward graph of DataDependent \(TraceError: symbolically traced"):
         hm = partition(model)
-    assert torch.equal(hm(x), ref) and torch.equal(hm(-x), x)
+    assert_parity(hm(x), ref)
+    assert_parity(hm(-x), x)
     with pytest.warns(UserWarning):
         assert "no graph captured (TraceError" in str(hetero.explain(model, (x,)))
 
@@ -217,9 +219,16 @@ def test_parameter_pin_overrides_following_its_consumer():
     hm = partition(MLP(), PlacementSpec().param("fc2.weight", "host"))  # fc2's matmul stays on the device
     assert hm.param_targets["fc2.weight"] is Target.HOST and hm.param_targets["fc2.bias"] is Target.DEVICE
     out, grads = _run(hm, _inputs(ref))
-    assert torch.equal(out, ref_out) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    assert_parity(out, ref_out)
+    for k in ref_grads:
+        assert_parity(grads[k], ref_grads[k], k)
     report = hetero.explain(hm, _inputs(ref))
     assert report.param_bytes[Target.HOST] == 8 * 8 * 4 and report.h2d_bytes >= 8 * 8 * 4  # the pinned weight travels
+    # A HostEmbedding placed on the device delivers its lookups there; its table stays on the host.
+    hm = partition(WithEmbedding(), PlacementSpec().module("emb", "device"))
+    assert hm.param_targets["emb.weight"] is Target.HOST and hm.param_targets["mlp.weight"] is Target.DEVICE
+    assert hm.model.emb.weight.device.type == "cpu"
+    assert hm.model.emb.output_device == hetero.placement.resolve_device(Target.DEVICE)
 
 
 class Decorated(nn.Module):

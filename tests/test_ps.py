@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import write_ml100k
+from conftest import CPU_RANKS, write_ml100k
 
 from hetero import ps
 from hetero.cli import main, merge
@@ -25,7 +25,7 @@ from hetero.parallel import env
 from hetero.ps.server import build_shard
 
 ARGS = ["--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8", "--hidden", "16,8", "--dropout", "0"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, **CPU_RANKS}
 
 
 def _torchrun(n, *args, script=("-m", "hetero"), extra_env=None, check=True):
@@ -38,18 +38,18 @@ def _torchrun(n, *args, script=("-m", "hetero"), extra_env=None, check=True):
 
 def _assert_same_training(ref_path, dcp_dir, tmp_path):
     """The parameter-server run's merged checkpoint equals the 1-process integrated one."""
-    ref = torch.load(ref_path)
+    ref = torch.load(ref_path, map_location="cpu")  # a GPU run saves its dense parameters there
     got = torch.load(merge(dcp_dir, tmp_path / "merged.pt"))
     assert got["position"] == ref["position"]
     torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=1e-5)
     for k, v in ref["model"].items():
-        torch.testing.assert_close(got["model"][k], v, rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(got["model"][k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
     for opt, saved in ref["sparse_optimizers"].items():
         assert got["sparse_optimizers"][opt]["steps"] == saved["steps"]
         for table, tensors in saved["state"].items():
             for s, v in tensors.items():
                 torch.testing.assert_close(got["sparse_optimizers"][opt]["state"][table][s], v, rtol=0, atol=1e-5,
-                                           msg=f"{opt} {table} {s}")
+                                           msg=lambda m: f"{opt} {table} {s}: {m}")
 
 
 def test_sync_mode_equals_one_process_with_tables_no_single_server_could_hold(tmp_path, ml_dir):
@@ -102,6 +102,22 @@ def test_async_mode_converges_to_the_auc_of_sync(tmp_path):
     assert sync > 0.85 and abs(asyn - sync) <= 0.01, (sync, asyn)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_worker_beside_a_cpu_server_equals_one_cuda_process(tmp_path, ml_dir):
+    """The CUDA path of a multi-process job: the worker's dense part on the GPU (its data-parallel
+    group NCCL), the server on the CPU (gloo), rows through pinned buffers."""
+    data = ["--data-path", str(ml_dir), *ARGS]
+    assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0  # one process, on the GPU
+    env_ = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "hetero", "train", *data, "--ps-servers", "1", "--run-dir", str(tmp_path / "ps")],
+                         capture_output=True, text=True, env={**env_, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "cuda" in run.stderr  # the worker announced its device
+    _assert_same_training(tmp_path / "one" / "checkpoint.pt", tmp_path / "ps" / "checkpoint.dcp", tmp_path)
+
+
 # ---------------------------------------------------------------------------------- spawned jobs
 def _port():
     with socket.socket() as s:
@@ -150,7 +166,7 @@ def _staleness_job(rank, world, port, out):
     env.shutdown()
 
 
-def test_bounded_staleness_reuses_a_row_for_at_most_k_steps(tmp_path):
+def test_bounded_staleness_reuses_a_row_for_at_most_k_steps(tmp_path, cpu_ranks):
     mp.spawn(_staleness_job, args=(4, _port(), str(tmp_path)), nprocs=4)
     for worker in (0, 1):
         got = json.loads((tmp_path / f"{worker}.json").read_text())
@@ -189,7 +205,7 @@ def _silent_server_job(rank, world, port, out):
     os._exit(0)  # the worker's request is still pending: no orderly shutdown of the group
 
 
-def test_a_server_rejects_an_out_of_range_id_with_the_table_name(tmp_path):
+def test_a_server_rejects_an_out_of_range_id_with_the_table_name(tmp_path, cpu_ranks):
     mp.spawn(_bad_input_job, args=(2, _port(), str(tmp_path)), nprocs=2)
     assert (tmp_path / "index.txt").read_text() == (
         "parameter server rank 1 (shard 0 of 1): table 'items': id 45 is out of range for vocab size 40 (valid ids are "
@@ -197,7 +213,7 @@ def test_a_server_rejects_an_out_of_range_id_with_the_table_name(tmp_path):
     assert (tmp_path / "after.txt").read_text() == "torch.Size([1, 4])"
 
 
-def test_an_unresponsive_server_is_a_timeout_naming_its_rank(tmp_path):
+def test_an_unresponsive_server_is_a_timeout_naming_its_rank(tmp_path, cpu_ranks):
     mp.spawn(_silent_server_job, args=(2, _port(), str(tmp_path)), nprocs=2)
     seconds, message = (tmp_path / "timeout.txt").read_text().split("\n", 1)
     assert 1.5 <= float(seconds) < 5

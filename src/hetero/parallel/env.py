@@ -53,7 +53,13 @@ def init(config: DistConfig = DistConfig()) -> bool:
     _bind_loopback()
     backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        local, gpus = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local >= gpus:  # NCCL needs a GPU of its own per rank
+            raise ValueError(f"LOCAL_RANK={local} has no CUDA device: this node has {gpus} "
+                             f"(torch.cuda.device_count()); start at most {gpus} process(es) per node with "
+                             f"`torchrun --nproc-per-node {gpus}`, or train on the CPU with gloo by hiding the GPUs "
+                             f"(CUDA_VISIBLE_DEVICES=)")
+        torch.cuda.set_device(local)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout_s))
     log.info("hetero: rank %d of %d (%s)", rank(), world_size(), backend)
     return True

@@ -330,12 +330,12 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
             tensor.data = tensor.data.to(resolve_device(targets[node]))
             if id(tensor) in param_names:
                 param_targets[param_names[id(tensor)]] = targets[node]
-        elif node.op == "call_module":  # a leaf module's parameters stay with it
+        elif node.op == "call_module":  # a leaf module runs on its node's target, its tensors with it
             prefix = str(node.target)
-            for n, p in model.get_submodule(prefix).named_parameters():
-                if module_target(model.get_submodule(prefix)) is None:
-                    p.data = p.data.to(resolve_device(targets[node]))
-                param_targets[f"{prefix}.{n}"] = targets[node]
+            for name, m in model.get_submodule(prefix).named_modules(prefix=prefix):
+                _move_own(m, resolve_device(targets[node]))
+                for n, _ in m.named_parameters(recurse=False):
+                    param_targets[f"{name}.{n}"] = Target.HOST if _host_resident(m) else targets[node]
 
     subgraphs = []
     for name, _ in split.named_children():
@@ -351,6 +351,22 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
     hm = HeteroModule(model, split, subgraphs, concurrent)
     hm.param_targets = param_targets
     return hm
+
+
+def _host_resident(m: nn.Module) -> bool:
+    """Whether ``m``'s class keeps its parameters in host memory (``HostEmbedding``'s table)."""
+    return getattr(type(m), "hetero_target", None) is Target.HOST
+
+
+def _move_own(m: nn.Module, device: torch.device, parameters: bool = True) -> None:
+    """Move ``m``'s own parameters and buffers to ``device`` (one copy each, once, at partition
+    time). A host-resident module keeps its parameters on the host; its buffers move, so a
+    ``HostEmbedding`` placed on the device delivers its lookups there (its anchor buffer)."""
+    if parameters and not _host_resident(m):
+        for p in m.parameters(recurse=False):
+            p.data = p.data.to(device)
+    for name, b in m.named_buffers(recurse=False):
+        m._buffers[name] = b.to(device)
 
 
 def _producers(node: fx.Node) -> list[fx.Node]:
@@ -376,7 +392,9 @@ def _fallback(model: nn.Module, spec: PlacementSpec, reason: str) -> HeteroModul
         t = placed[owners[-1]] if owners else spec.default
         for p_name, p in m.named_parameters(recurse=False):
             full = f"{name}.{p_name}" if name else p_name
-            p.data = p.data.to(resolve_device(spec.params.get(full, t)))
+            if not _host_resident(m):
+                p.data = p.data.to(resolve_device(spec.params.get(full, t)))
+        _move_own(m, resolve_device(t), parameters=False)
         if name in placed or not name:
             m.register_forward_pre_hook(lambda mod, args, t=t: tuple(
                 transfer(a, t.value) if isinstance(a, torch.Tensor) else a for a in args))
