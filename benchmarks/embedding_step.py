@@ -4,7 +4,8 @@ One 1M x 16 fp32 table, batches of 4096 x 26 ids drawn uniform and Zipf(1.05) (h
 over the table by a fixed permutation), fresh ids every step. A step is the forward lookup
 ((4096, 26, 16) output), the backward with a fixed upstream gradient, and the optimizer step.
 Same run: the torch baseline (``nn.Embedding(sparse=True)`` + ``SparseAdam`` / ``Adagrad`` /
-``SGD``), raw ``index_select`` rows/s on fresh ids (the memory limit), and a 26-table collection
+``SGD``), raw ``index_select`` rows/s on fresh ids (the memory limit: the best of three
+measurements spread over the run), and a 26-table collection
 (26 x 1M x 16, one table per field, one kernel call per step) with LazyAdam.
 """
 
@@ -111,9 +112,18 @@ def main() -> None:
         result[f"unique_fraction{sfx}"] = float(np.mean([b.unique().numel() / b.numel() for b in batches]))
         table = torch.randn(args.rows, D)
         flat = [b.reshape(-1) for b in batches]
-        result[f"index_select_rows_per_s{sfx}"] = B * F / timed(lambda ids: table.index_select(0, ids), flat, args.warmup)
+        # The memory limit is the best of three index_select measurements spread over the run (one
+        # alone swung 50-100 M rows/s on this shared VM): the fraction reported is conservative.
+        selects = []
+
+        def measure_index_select() -> None:
+            selects.append(B * F / timed(lambda ids: table.index_select(0, ids), flat, args.warmup))
+
+        measure_index_select()
         for kind in SparseOptimizerKind:
             rate = hetero_step_rate(kind, batches, args.rows, args.warmup)
+            if kind in (SparseOptimizerKind.LAZY_ADAM, SparseOptimizerKind.SGD):
+                measure_index_select()
             result[f"{kind.value}_lookups_per_s{sfx}"] = rate
             print(f"{dist:8s} hetero {kind.value:16s} {rate / 1e6:7.2f} M lookups/s", file=sys.stderr)
             if kind in baselines:
@@ -121,6 +131,8 @@ def main() -> None:
                 base = torch_step_rate(make, batches[: args.warmup + 15], args.rows, 2)
                 result[f"{name}_lookups_per_s{sfx}"] = base
                 print(f"{dist:8s} torch  {name:16s} {base / 1e6:7.2f} M lookups/s", file=sys.stderr)
+        result[f"index_select_rows_per_s{sfx}"] = max(selects)
+        result[f"index_select_measurements{sfx}"] = selects
         if dist == "uniform" and not args.no_multi_table:
             result["multi_table_lazy_adam_lookups_per_s"] = multi_table_rate(batches, args.rows, args.warmup)
     result["lazy_adam_speedup_vs_torch"] = result["lazy_adam_lookups_per_s"] / result["torch_sparse_adam_lookups_per_s"]

@@ -20,6 +20,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 AHEAD = 12  # rows of prefetch distance; 8..32 measured equally good
+# dedup does less work per id than a row update, so its marker prefetch runs further ahead:
+# 106k uniform ids over 1M rows with the marker out of cache, 2.15 ms at 12 -> 1.82 ms at 32.
+DEDUP_AHEAD = 32
 
 
 @intrinsic
@@ -64,6 +67,16 @@ def globalize(ids, seg_starts, vocab, row_offset, hashed, out):
 
 
 @njit(cache=True, nogil=True)
+def first_out_of_range(ids, vocab):
+    """Position of the first id outside ``[0, vocab)``, or -1: the check of :func:`globalize`
+    without its copy, for a lookup whose ids are already group rows (one table at row 0)."""
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] >= vocab:
+            return i
+    return -1
+
+
+@njit(cache=True, nogil=True)
 def dedup(ids, marker, stamp, last):
     """Unique ids in first-occurrence order, the inverse map and the occurrence chains.
 
@@ -86,8 +99,8 @@ def dedup(ids, marker, stamp, last):
     tag = np.int64(stamp) << 32
     u = 0
     for i in range(n):
-        if i + AHEAD < n:
-            prefetch(marker, ids[i + AHEAD])
+        if i + DEDUP_AHEAD < n:
+            prefetch(marker, ids[i + DEDUP_AHEAD])
         r = ids[i]
         mk = marker[r]
         nxt[i] = -1

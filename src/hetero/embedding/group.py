@@ -49,7 +49,8 @@ class LookupPlan:
         first: ``(U,)`` int64 position of each unique id's first occurrence; ``next``: ``(N,)``
             int64 position of the next occurrence of the same id, -1 at the last (the
             occurrence chains the optimizer kernels sum per-id gradients along).
-        index: ``(N,)`` int64 group row of each looked-up id (``unique[inverse]``).
+        index: ``(N,)`` int64 group row of each looked-up id (``unique[inverse]``); for a lookup
+            of one table at group row 0, the caller's ids themselves (read-only).
         offsets: ``(num_bags + 1,)`` int64 bag boundaries over the ``N`` ids, or empty when every
             id is its own bag (only per-id lookups).
         scale: ``(N,)`` float32 per-id weight (``1/len(bag)`` for mean pooling), or ``None``.
@@ -151,8 +152,15 @@ class TableGroup:
         ids = flat[0] if len(flat) == 1 else torch.cat(flat)
         seg = np.zeros(len(requests) + 1, np.int64)
         np.cumsum([f.numel() for f in flat], out=seg[1:])
-        rows = np.empty(n, np.int64)
-        bad = K.globalize(ids.numpy(), seg, *self._segment_meta(requests), rows)
+        vocab, row_offset, hashed = self._segment_meta(requests)
+        if len(requests) == 1 and row_offset[0] == 0 and not hashed[0]:
+            # The ids are the group rows already: check them in place (no copy; ``index`` may
+            # then share memory with the caller's ids, read-only).
+            rows = ids.numpy()
+            bad = K.first_out_of_range(rows, vocab[0])
+        else:
+            rows = np.empty(n, np.int64)
+            bad = K.globalize(ids.numpy(), seg, vocab, row_offset, hashed, rows)
         if bad >= 0:
             s = int(np.searchsorted(seg, bad, side="right") - 1)
             requests[s].table.raise_out_of_range(int(ids[bad]))
