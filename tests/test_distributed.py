@@ -171,7 +171,8 @@ def test_bad_distributed_input_names_value_and_fix(monkeypatch):
                                          r"\(found RANK, WORLD_SIZE\); launch with `torchrun --nproc-per-node N"):
         init()
     # NCCL needs one GPU per rank: a second rank on a one-GPU node is refused before any collective.
-    for k, v in dict(LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="1").items():
+    for k, v in dict(LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="1",
+                     GLOO_SOCKET_IFNAME="lo").items():  # the last one keeps init's loopback binding inside this test
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
