@@ -84,6 +84,49 @@ def test_fused_kernels_equal_reference_with_duplicates_empty_and_10k_repeats(kin
     assert opt.steps["t"] == 3
 
 
+@pytest.mark.parametrize("case", ["per_id", "sum", "mean", "repeated", "empty"])
+def test_dedup_beside_pooling_equals_dedup_then_pooling_bitwise(case):
+    from hetero.embedding.kernels import kernels
+
+    K = kernels()
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((500, 8)).astype(np.float32)
+    n = {"empty": 0, "repeated": 10_000}.get(case, 5_000)  # 5,000 ids: several pooling chunks
+    ids = np.full(n, 7) if case == "repeated" else rng.integers(0, 500, n)
+    offsets, scale = np.empty(0, np.int64), np.empty(0, np.float32)
+    if case in ("sum", "mean"):
+        offsets = np.concatenate([[0], np.sort(rng.integers(0, n + 1, 1_500)), [n]])  # empty bags too
+        if case == "mean":
+            lengths = np.diff(offsets)
+            scale = np.repeat(1 / np.maximum(lengths, 1), lengths).astype(np.float32)
+    bags = offsets.shape[0] - 1 if offsets.shape[0] else n
+    want = np.empty((bags, 8), np.float32)
+    marker = np.zeros(500, np.int64)
+    expected = [x.copy() for x in K.dedup(ids, marker, 1, np.empty(n, np.int64))]
+    K.pool_forward(rows, ids, offsets, scale, want)
+    for threads in (1, 2):
+        out = np.full((bags, 8), np.nan, np.float32)
+        got = K.dedup_pool(ids, marker, 1 + threads, np.empty(n, np.int64), rows, offsets, scale, out, threads)
+        for name, a, b in zip(("unique", "inverse", "first", "next"), got, expected):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}, {threads} thread(s)")
+        np.testing.assert_array_equal(out, want, err_msg=f"pooled rows, {threads} thread(s)")
+
+
+def test_host_lookup_dedups_beside_pooling_and_fills_the_plan():
+    from hetero.embedding.group import Request
+
+    torch.manual_seed(0)
+    table = HostEmbedding(TableConfig("t", 100, 4))
+    ids = torch.randint(0, 100, (64, 3), generator=torch.Generator().manual_seed(1))
+    plan = table.group.plan([Request(table, ids)], dedup=False)
+    assert plan.unique is None  # left to the lookup
+    out = table.group.lookup([Request(table, ids)], plan)[0]
+    ref = table.group.plan([Request(table, ids)])
+    for name in ("unique", "inverse", "first", "next"):
+        assert torch.equal(getattr(plan, name), getattr(ref, name)), name
+    assert torch.equal(out, table.weight[ids])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_tables_update_in_fp32_and_round_once(dtype):
     torch.manual_seed(0)

@@ -44,7 +44,9 @@ class LookupPlan:
     """Host-side index work of one lookup; it reads no table values.
 
     Attributes:
-        unique: ``(U,)`` int64 group rows, first-occurrence order.
+        unique: ``(U,)`` int64 group rows, first-occurrence order. ``None`` (and so are
+            ``inverse``, ``first`` and ``next``) in a plan built with ``dedup=False`` until the
+            lookup's pooling kernel has deduplicated alongside (the host-device case).
         inverse: ``(N,)`` int64 position in ``unique`` of each looked-up id.
         first: ``(U,)`` int64 position of each unique id's first occurrence; ``next``: ``(N,)``
             int64 position of the next occurrence of the same id, -1 at the last (the
@@ -58,10 +60,10 @@ class LookupPlan:
         version: the group's update count when the rows were gathered (prefetch).
     """
 
-    unique: Tensor
-    inverse: Tensor
-    first: Tensor
-    next: Tensor
+    unique: Tensor | None
+    inverse: Tensor | None
+    first: Tensor | None
+    next: Tensor | None
     index: Tensor
     offsets: Tensor
     scale: Tensor | None
@@ -122,8 +124,11 @@ class TableGroup:
         return self.storage.shape[0]
 
     # ------------------------------------------------------------------------------ plan
-    def plan(self, requests: list[Request]) -> LookupPlan:
+    def plan(self, requests: list[Request], dedup: bool = True) -> LookupPlan:
         """Check, globalize and dedup the ids of ``requests``; build bags. Reads no table rows.
+
+        ``dedup=False`` leaves the dedup to the lookup, which then runs it beside the pooling
+        (only where the device is the host and the table fp32, see :meth:`lookup`).
 
         Raises:
             IndexError: an out-of-range id of a table that is not ``hashed``, naming the table,
@@ -164,13 +169,11 @@ class TableGroup:
         if bad >= 0:
             s = int(np.searchsorted(seg, bad, side="right") - 1)
             requests[s].table.raise_out_of_range(int(ids[bad]))
+        dedup_out = (None,) * 4
         if self.marker is None:
             unique_t, inverse_t = torch.unique(torch.from_numpy(rows), return_inverse=True)
-            unique, inverse = unique_t.numpy(), inverse_t.numpy()
-            first = nxt = np.empty(0, np.int64)  # no occurrence chains: the gradient arrives coalesced
-        else:
-            with self.lock:
-                unique, inverse, first, nxt = self._dedup(K, rows)
+            no_chain = torch.empty(0, dtype=torch.int64)  # no occurrence chains: the gradient arrives coalesced
+            dedup_out = (unique_t, inverse_t, no_chain, no_chain)
         scale = None
         if singleton:
             all_offsets = torch.empty(0, dtype=torch.int64)
@@ -180,17 +183,38 @@ class TableGroup:
                 per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling is Pooling.MEAN else torch.ones(len(ln)))
                            for r, ln in zip(requests, lengths)]
                 scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
-        return LookupPlan(torch.from_numpy(unique), torch.from_numpy(inverse), torch.from_numpy(first),
-                          torch.from_numpy(nxt), torch.from_numpy(rows), all_offsets, scale, ranges)
+        plan = LookupPlan(*dedup_out, torch.from_numpy(rows), all_offsets, scale, ranges)
+        if dedup and self.marker is not None:
+            self.dedup(plan)
+        return plan
 
-    def _dedup(self, K, rows: np.ndarray):  # noqa: ANN001 - the kernels module
+    def _dedup_scratch(self, n: int) -> tuple[int, np.ndarray]:
+        """A fresh stamp and the ``last`` scratch of :func:`dedup` for ``n`` ids (under the lock)."""
         self.stamp += 1
         if self.stamp >= 1 << 31:  # the stamp lives in the upper 32 bits of the marker
             self.marker[:] = 0
             self.stamp = 1
-        if self._last.shape[0] < rows.shape[0]:
-            self._last = np.empty(max(rows.shape[0], 2 * self._last.shape[0]), np.int64)
-        return K.dedup(rows, self.marker, self.stamp, self._last)
+        if self._last.shape[0] < n:
+            self._last = np.empty(max(n, 2 * self._last.shape[0]), np.int64)
+        return self.stamp, self._last
+
+    def dedup(self, plan: LookupPlan) -> None:
+        """Fill ``unique``, ``inverse``, ``first`` and ``next`` of a plan built with ``dedup=False``."""
+        with self.lock:
+            found = kernels().dedup(plan.index.numpy(), self.marker, *self._dedup_scratch(plan.index.numel()))
+        plan.unique, plan.inverse, plan.first, plan.next = map(torch.from_numpy, found)
+
+    def pool_and_dedup(self, plan: LookupPlan, out: Tensor) -> None:
+        """Pool the table's rows at ``plan.index`` into ``out`` and dedup ``plan.index`` at the
+        same time (one kernel), filling the plan's ``unique``, ``inverse``, ``first`` and ``next``."""
+        K = kernels()
+        scale = plan.scale.numpy() if plan.scale is not None else np.empty(0, np.float32)
+        index = plan.index.numpy()
+        with self.lock:
+            stamp, last = self._dedup_scratch(index.shape[0])
+            found = K.dedup_pool(index, self.marker, stamp, last, self.storage.numpy(), plan.offsets.numpy(), scale,
+                                 out.numpy(), K.num_threads())
+        plan.unique, plan.inverse, plan.first, plan.next = map(torch.from_numpy, found)
 
     def _segment_meta(self, requests: list[Request]):
         vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
@@ -237,8 +261,13 @@ class TableGroup:
             return self.exchange.lookup(self, requests)
         anchor = requests[0].table._device_anchor
         device, dtype = anchor.device, anchor.dtype
+        # The device is the host and the table fp32: the pooling reads the table at the ids and
+        # does not need the dedup, so the kernel runs both at once (the dedup is serial).
+        fused = plan is None and device.type == "cpu" and self.dtype == torch.float32 and self.marker is not None
         if plan is None:
-            plan = self.plan(requests)
+            plan = self.plan(requests, dedup=not fused)
+        elif plan.unique is None and not (device.type == "cpu" and self.dtype == torch.float32):
+            self.dedup(plan)  # a plan built with dedup=False, used where the pooling cannot do it
         if device.type == "cpu":
             # The backward of _HostPool hands the gradient (per id; the optimizer coalesces it as
             # it updates) to this group itself; the zero-size sink only puts the op on the tape.
@@ -350,8 +379,11 @@ class _HostPool(torch.autograd.Function):
     def forward(ctx, rows, index, offsets, scale, sink, group, plan):
         bags = offsets.numel() - 1 if offsets.numel() else index.numel()
         out = torch.empty(bags, rows.shape[1], dtype=torch.float32)
-        scale_np = scale.numpy() if scale is not None else np.empty(0, np.float32)
-        kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
+        if plan.unique is None:  # rows is the fp32 table, index the ids: dedup as it pools
+            group.pool_and_dedup(plan, out)
+        else:
+            scale_np = scale.numpy() if scale is not None else np.empty(0, np.float32)
+            kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
         ctx.group, ctx.plan = group, plan  # index tensors only: nothing autograd needs to version-check
         return out  # fp32 whatever the storage dtype: the backward then receives an fp32 gradient
 

@@ -3,7 +3,8 @@
 Data flow of one training step, for a batch of ids (all on the host until marked):
 
 1. check the ids against the vocab (or hash them into it) and dedup them -> ``U`` unique rows
-   and the inverse map (:meth:`TableGroup.plan`; numba kernels, no table read);
+   and the inverse map (:meth:`TableGroup.plan`; numba kernels, no table read; when the device
+   is the host, the dedup runs inside the pooling kernel of step 3, beside the pooling);
 2. gather the ``U`` unique rows from the host table (one copy, into pinned memory on CUDA) and
    send them to the device (one host->device copy, async on CUDA);
 3. on the device, pool (or expand) the ``U`` rows into the per-id or per-bag output; autograd's
