@@ -125,6 +125,10 @@ def test_host_lookup_dedups_beside_pooling_and_fills_the_plan():
     for name in ("unique", "inverse", "first", "next"):
         assert torch.equal(getattr(plan, name), getattr(ref, name)), name
     assert torch.equal(out, table.weight[ids])
+    with torch.no_grad():  # no backward follows: the lookup pools without deduplicating
+        plan = table.group.plan([Request(table, ids)], dedup=False)
+        assert torch.equal(table.group.lookup([Request(table, ids)], plan)[0], out)
+    assert plan.unique is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -46,7 +46,8 @@ class LookupPlan:
     Attributes:
         unique: ``(U,)`` int64 group rows, first-occurrence order. ``None`` (and so are
             ``inverse``, ``first`` and ``next``) in a plan built with ``dedup=False`` until the
-            lookup's pooling kernel has deduplicated alongside (the host-device case).
+            lookup's pooling kernel has deduplicated alongside (the host-device case; under
+            ``torch.no_grad()`` it stays ``None``: nothing needs the dedup without a backward).
         inverse: ``(N,)`` int64 position in ``unique`` of each looked-up id.
         first: ``(U,)`` int64 position of each unique id's first occurrence; ``next``: ``(N,)``
             int64 position of the next occurrence of the same id, -1 at the last (the
@@ -379,8 +380,8 @@ class _HostPool(torch.autograd.Function):
     def forward(ctx, rows, index, offsets, scale, sink, group, plan):
         bags = offsets.numel() - 1 if offsets.numel() else index.numel()
         out = torch.empty(bags, rows.shape[1], dtype=torch.float32)
-        if plan.unique is None:  # rows is the fp32 table, index the ids: dedup as it pools
-            group.pool_and_dedup(plan, out)
+        if plan.unique is None and sink.requires_grad:  # rows is the fp32 table, index the ids: dedup as it pools
+            group.pool_and_dedup(plan, out)  # (without grad, e.g. evaluation, nothing needs the dedup: pool only)
         else:
             scale_np = scale.numpy() if scale is not None else np.empty(0, np.float32)
             kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
