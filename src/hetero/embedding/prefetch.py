@@ -10,7 +10,7 @@ Read-after-write: rows gathered for batch i+1 may be updated by batch i's optimi
 afterwards. Each group keeps a per-row update version; when batch i+1 is consumed, rows updated
 after their gather are gathered again (and re-sent), so a lookup never sees a stale row unless
 ``max_staleness`` allows it. On a CPU-only machine fp32 tables are read in place at compute time
-and cannot be stale; there only the plans are prefetched.
+and cannot be stale; there only the id checks are prefetched (the dedup runs beside the pooling).
 """
 
 from __future__ import annotations
@@ -77,12 +77,15 @@ class Prefetcher:
         for c in self.collections:
             plans = []
             for group, reqs in zip(c.groups, c.requests(feats)):
-                plan = group.plan(reqs)
-                plan.max_staleness = self.config.max_staleness
                 device = reqs[0].table.output_device
+                in_place = device.type == "cpu" and group.dtype == torch.float32  # pooled from the table itself
                 gather = self.config.gather_rows
                 if gather is None:
-                    gather = device.type != "cpu" or group.dtype != torch.float32
+                    gather = not in_place
+                # Rows read in place are deduplicated beside their pooling, on the training thread
+                # (no extra pass there); a dedup here would only compete with it for the cores.
+                plan = group.plan(reqs, dedup=gather or not in_place)
+                plan.max_staleness = self.config.max_staleness
                 if gather:
                     group.gather(plan, pin=device.type == "cuda")
                     if self.stream is not None and device.type == "cuda":
