@@ -68,3 +68,37 @@ def make_dataset(n=600, seed=0):
              Feature("a_x_b", 50 * 30, role=FeatureRole.WIDE))
     feats = {"a": a, "b": b, "c": Jagged.from_lists(bags), "a_x_b": a * 30 + b}
     return TabularDataset(feats, dense, label, specs)
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(r, n, port, fn, args, out):
+    import os
+
+    from hetero.parallel import init, shutdown
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
+    torch.set_num_threads(1)
+    assert init()
+    try:
+        result = fn(*args)
+        if r == 0:
+            torch.save(result, out)
+    finally:
+        shutdown()
+
+
+def run_ranks(tmp_path, n, fn, *args):
+    """Run ``fn(*args)`` on ``n`` gloo ranks (spawned processes; ``fn`` importable at module
+    level) and return rank 0's result: the N-ranks side of an "N ranks equal 1 process" test."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / f"rank0_{fn.__name__}_{n}.pt"
+    mp.spawn(_rank_main, args=(n, free_port(), fn, args, str(out)), nprocs=n, join=True)
+    return torch.load(out, map_location="cpu", weights_only=False)

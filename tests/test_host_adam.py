@@ -120,14 +120,14 @@ def test_fp16_loss_scaling_skips_an_overflow_and_recovers():
     x, y = data[0]
     _train(model, opt, [(x, y)], scale=opt.loss_scale)
     masters = {n: opt.master(p).clone() for n, p in model.named_parameters()}
-    steps = [opt._slots[id(p)].step for p in model.parameters()]
+    steps = [opt._slots[p].step for p in model.parameters()]
     # inject an inf into one gradient
     handle = model[2].weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     _train(model, opt, [(x, y)], scale=opt.loss_scale)
     handle.remove()
     assert opt.skipped_steps == 1 and scaler.scale == 2.0**9
     assert all(torch.equal(opt.master(p), masters[n]) for n, p in model.named_parameters())
-    assert [opt._slots[id(p)].step for p in model.parameters()] == steps
+    assert [opt._slots[p].step for p in model.parameters()] == steps
     for xb, yb in data[1:4]:  # three good steps: the scale grows back
         _train(model, opt, [(xb, yb)], scale=opt.loss_scale)
     assert scaler.scale == 2.0**10 and not torch.equal(opt.master(model[2].weight), masters["2.weight"])
@@ -202,3 +202,82 @@ def test_cuda_trajectory_and_accounting():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     report = device_memory_report(mine, opt)
     assert report["params"] + report["grads"] <= torch.cuda.max_memory_allocated()
+
+
+class _Branchy(nn.Module):
+    """``extra`` is used only by batches with a sample whose first feature exceeds 1 (data-dependent:
+    some ranks' shards use it, others not); ``unused`` never takes part."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.extra, self.unused, self.head = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        hit = x[:, 0] > 1.0
+        if hit.any():
+            h = h + torch.zeros_like(h).index_add(0, hit.nonzero().squeeze(1), self.extra(x[hit]))
+        return self.head(h)
+
+
+def _branchy_run(host: bool, config: HostOffloadConfig = FP32, steps: int = 8, clip: float | None = None):
+    """Train ``_Branchy`` on this rank's interleaved share of 32-sample global batches (the loss
+    weighted to its share of the global mean); return the global loss per step and the weights."""
+    from hetero.parallel import global_batch_mean, global_mean, rank, world_size
+
+    model = _Branchy()
+    opt = (HostAdamW(model.named_parameters(), lr=1e-2, weight_decay=0.05, config=config) if host
+           else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05))
+    losses = []
+    for x, y in _data(steps):
+        x, y = x[rank()::world_size()], y[rank()::world_size()]
+        opt.zero_grad()
+        loss = global_batch_mean(((model(x) - y) ** 2).mean(1).sum(), 32)
+        loss.backward()
+        if clip is not None and not host:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(global_mean(loss))
+    return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_parameter_without_gradient_does_not_stop_its_bucket():
+    # One bucket holds every parameter (the default 32 MiB); ``unused`` never gets a gradient and
+    # ``extra`` only on some steps: the others must update exactly as torch's AdamW, the unused
+    # one not at all (torch skips a None gradient).
+    for config in (HostOffloadConfig(device_dtype=torch.float32), FP32):
+        ref_losses, ref = _branchy_run(False)
+        losses, got = _branchy_run(True, config)
+        start = _Branchy().state_dict()
+        assert torch.equal(got["unused.weight"], start["unused.weight"])
+        assert not torch.equal(got["extra.weight"], start["extra.weight"])
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_second_backward_before_step_raises():
+    model = _model()
+    opt = HostAdamW(model.named_parameters(), config=FP32)
+    x, y = _data(1)[0]
+    ((model(x) - y) ** 2).mean().backward()
+    with pytest.raises(RuntimeError, match="second gradient before step"):
+        ((model(x) - y) ** 2).mean().backward()
+    opt.zero_grad()  # a failed backward leaves nothing applied
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["overlap", "clipped"])
+def test_data_parallel_equals_one_process(tmp_path, n, clip, cpu_ranks):
+    # N ranks x 32/N samples equal one process x 32 with torch's AdamW, including a parameter
+    # that only some ranks' shards use on some steps.
+    from conftest import run_ranks
+
+    config = HostOffloadConfig(device_dtype=torch.float32, bucket_bytes=256, max_grad_norm=clip)
+    ref_losses, ref = _branchy_run(False, clip=clip)
+    losses, got = run_ranks(tmp_path, n, _branchy_run, True, config, 8, clip)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")

@@ -11,7 +11,10 @@ Data flow per step, per bucket of parameters (in the order backward produces the
    CUDA; an event marks its end) and frees the device gradient at once. With bf16 device weights
    the buffer is bf16, as the gradient is: half the PCIe bytes and 2 fewer bytes per parameter
    for the host update to read; the kernel widens it to fp32 exactly. Otherwise it is fp32;
-2. when a bucket's last gradient has arrived, a worker thread waits for the copies and runs the
+2. a worker thread takes the buckets in order: it waits until a bucket's last gradient has
+   arrived (or, for a bucket with a parameter that got no gradient, until ``step()``), waits for
+   the copies, averages the bucket's host gradients over the data-parallel ranks (an all-reduce
+   on a gloo group of its own; nothing at world size 1) and runs the
    fused kernel (:mod:`hetero.optim._adam_kernels`) over the bucket: the fp32 master and moments
    are updated and, in the same pass, the new device weight is written over the gradient it came
    from (no extra buffer, no extra memory traffic); that buffer is uploaded on a side stream
@@ -19,24 +22,34 @@ Data flow per step, per bucket of parameters (in the order backward produces the
    receives the next gradient (a swap, no copy). fp16 weights go through an fp16 staging copy;
 3. ``step()`` waits for all of it.
 
-Backward of the remaining layers runs meanwhile. Global gradient-norm clipping and fp16 dynamic
+Backward of the remaining layers runs meanwhile. A parameter that got no gradient on any rank is
+skipped, as torch's optimizers skip a ``None`` gradient; one that got a gradient on some rank is
+updated everywhere (the others contribute zeros), as one process on the global batch would. Global gradient-norm clipping and fp16 dynamic
 loss scaling need every gradient before any update (the clip factor; a skipped step must touch
 nothing): with either, the copies still overlap backward, and the updates run in ``step()``.
 Gradient accumulation over several backward passes is not supported with streaming (one backward
-per ``step()``).
+per ``step()``): a second gradient for a parameter before ``step()`` raises.
+
+Data parallel: every rank streams its local gradient and the worker all-reduces it, so N ranks with
+B/N samples each equal one process with B. Do not also wrap these parameters in DDP: its
+post-backward hooks run after HostAdamW has taken the gradient, so they would reduce nothing but
+zeros (a warning says so once).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
+import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from hetero._numba import load, num_threads
@@ -94,36 +107,45 @@ class HostAdamW(torch.optim.Optimizer):
             ``model.named_parameters()`` (names key the ``state_dict``), or param-group dicts.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         config: :class:`HostOffloadConfig`.
+        process_group: the data-parallel ranks whose gradients are averaged before every update
+            (``None``: the default group when ``torch.distributed`` is initialised, else none).
+            Every process of the job must build this optimizer (a collective: it creates a gloo
+            group for the host all-reduces).
 
     The parameters' data are replaced by ``config.device_dtype`` copies; the fp32 values live on
     as master weights (``optimizer.master(param)``). Works with LR schedulers and param groups.
 
+    Thread contract: the post-accumulate-grad hooks run on autograd's thread and only copy; the
+    updates and the host all-reduces run on one worker thread, which ``step()`` and
+    ``zero_grad()`` join before they return.
+
     Raises:
         ValueError: a parameter given twice, or a device dtype other than bf16/fp16/fp32.
+        RuntimeError: (from backward) a parameter that receives a second gradient before ``step()``.
     """
 
     decoupled = True
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, config: HostOffloadConfig = HostOffloadConfig()) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, config: HostOffloadConfig = HostOffloadConfig(),
+                 process_group: dist.ProcessGroup | None = None) -> None:
         if config.device_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"device_dtype must be bfloat16, float16 or float32, got {config.device_dtype}")
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        names: dict[int, str] = {}
+        named: list[tuple[str, Tensor]] = []
         for gi, g in enumerate(groups):
-            plain = []
-            for j, item in enumerate(g["params"]):
-                name, p = item if isinstance(item, tuple) else (f"group{gi}.param{j}", item)
-                names[id(p)] = name
-                plain.append(p)
-            g["params"] = plain
+            items = [item if isinstance(item, tuple) else (f"group{gi}.param{j}", item) for j, item in enumerate(g["params"])]
+            named += items
+            g["params"] = [p for _, p in items]
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.config = config
         self.loss_scaler = config.loss_scaler
+        self._group, self._world = _host_all_reduce_group(process_group)
         cuda = torch.cuda.is_available()
-        self._slots: dict[int, _Slot] = {}
+        names = dict((p, n) for n, p in reversed(named))  # keyed by the tensor itself, as torch.optim's state
+        self._slots: dict[Tensor, _Slot] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 master = _host_buffer(p.numel(), torch.float32, cuda)
@@ -134,9 +156,9 @@ class HostAdamW(torch.optim.Optimizer):
                 grad_dtype = torch.bfloat16 if config.device_dtype == torch.bfloat16 else torch.float32
                 fp16_upload = config.device_dtype == torch.float16 and not on_host
                 staging = torch.empty(master.numel(), dtype=torch.float16, pin_memory=cuda) if fp16_upload else None
-                slot = _Slot(names[id(p)], p, group, master, host(), host(), host(grad_dtype), staging)
-                self._slots[id(p)] = slot
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                slot = _Slot(names[p], p, group, master, host(), host(), host(grad_dtype), staging)
+                self._slots[p] = slot
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, slot))
         # Buckets in reverse registration order: backward produces the last layers' gradients first.
         self._buckets: list[list[_Slot]] = [[]]
         size = 0
@@ -148,15 +170,23 @@ class HostAdamW(torch.optim.Optimizer):
             self._buckets[-1].append(slot)
             size += slot.master.numel() * 4
         self._pending = [0] * len(self._buckets)
-        self._futures: list[Future] = []
+        self._ready = [threading.Event() for _ in self._buckets]  # a bucket may be reduced and updated
+        self._loop: Future | None = None  # the worker's pass over this step's buckets
+        self._abort = False
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._upload_stream = torch.cuda.Stream() if cuda else None
+        self._warned_ddp = False
+        self.skipped_steps = 0  # steps skipped by the loss scaler (non-finite gradients)
+        self.last_grad_norm: float | None = None  # global gradient norm of the last clipped step
         self.peak_device_grad_bytes = 0  # largest device gradient alive at once (accounting)
 
     # ------------------------------------------------------------------------- streaming
-    def _on_grad(self, p: Tensor) -> None:
-        slot = self._slots[id(p)]
+    def _on_grad(self, slot: _Slot, p: Tensor) -> None:
+        if slot.arrived:
+            raise RuntimeError(f"{type(self).__name__}: parameter {slot.name!r} received a second gradient before "
+                               f"step(); gradients stream to the host as backward produces them, so accumulation over "
+                               f"several backward passes is not supported: call step() after every backward")
         self.peak_device_grad_bytes = max(self.peak_device_grad_bytes, p.grad.numel() * p.grad.element_size())
         # device -> host into the pinned buffer (fp16 is widened to fp32 by the copy); async on CUDA
         slot.grad.copy_(p.grad.reshape(-1), non_blocking=True)
@@ -167,9 +197,10 @@ class HostAdamW(torch.optim.Optimizer):
         slot.arrived = True
         with self._lock:
             self._pending[slot.bucket] += 1
-            complete = self._pending[slot.bucket] == len(self._buckets[slot.bucket])
-        if complete and self._can_overlap():
-            self._futures.append(self._worker().submit(self._update_bucket, slot.bucket, 1.0))
+            if self._pending[slot.bucket] == len(self._buckets[slot.bucket]):
+                self._ready[slot.bucket].set()
+            if self._loop is None and self._can_overlap():
+                self._loop = self._worker().submit(self._run_buckets)
 
     def _can_overlap(self) -> bool:
         return self.config.overlap and self.config.max_grad_norm is None and self.loss_scaler is None
@@ -178,6 +209,38 @@ class HostAdamW(torch.optim.Optimizer):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-host-adam")
         return self._pool
+
+    def _run_buckets(self) -> None:
+        # Buckets in a fixed order on every rank, so the ranks' all-reduces pair up even when a
+        # parameter is unused on some rank (its bucket then waits for step()).
+        for b in range(len(self._buckets)):
+            self._ready[b].wait()  # sync point: the bucket's gradients have all arrived, or backward is over
+            if self._abort:
+                return
+            self._reduce(b)
+            self._update_bucket(b, 1.0 / self._world)
+
+    def _reduce(self, bucket: int) -> None:
+        """Wait for the bucket's gradient copies; sum its gradients over the data-parallel ranks.
+
+        A parameter that got no gradient here contributes zeros; it counts as arrived when it got
+        one on any rank (one process on the global batch would have seen that gradient)."""
+        slots = self._buckets[bucket]
+        for s in slots:
+            if s.copied is not None:
+                s.copied.synchronize()  # sync point: the host reads the streamed gradient
+                s.copied = None
+        if self._world == 1:
+            return
+        arrived = torch.tensor([s.arrived for s in slots], dtype=torch.int32)
+        for s in slots:
+            if not s.arrived:
+                s.grad.zero_()  # holds the last step's gradient or (host-only) the old weights
+        dist.all_reduce(arrived, group=self._group)
+        for s in slots:
+            dist.all_reduce(s.grad, group=self._group)  # host tensors on the optimizer's own gloo group
+        for s, n in zip(slots, arrived.tolist()):
+            s.arrived = n > 0
 
     @property
     def loss_scale(self) -> float:
@@ -188,10 +251,8 @@ class HostAdamW(torch.optim.Optimizer):
     def _update_bucket(self, bucket: int, grad_scale: float) -> None:
         K = _kernels()
         for slot in self._buckets[bucket]:
-            if not slot.arrived:  # no gradient this step (unused parameter): skip, as torch does
+            if not slot.arrived:  # no gradient this step on any rank (unused parameter): skip, as torch does
                 continue
-            if slot.copied is not None:
-                slot.copied.synchronize()  # sync point: the host reads the streamed gradient
             g = slot.group
             slot.step += 1
             beta1, beta2 = g["betas"]
@@ -240,31 +301,50 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for f in self._futures:
-            f.result()  # sync point: wait for the updates that overlapped backward
-        self._futures = []
-        if not self._can_overlap():
+        self._check_no_late_gradients()
+        if self._can_overlap():
+            for ready in self._ready:
+                ready.set()  # backward is over: buckets with an unused parameter are complete too
+            if self._loop is not None:
+                self._loop.result()  # sync point: wait for the updates that overlapped backward
+            else:  # no gradient arrived here during backward; the other ranks' all-reduces still need ours
+                self._run_buckets()
+        else:
             self._finish_global()
+        self._new_step()
         if self._upload_stream is not None:
             torch.cuda.current_stream().wait_stream(self._upload_stream)  # device waits, not the host
-        self._pending = [0] * len(self._buckets)
         return loss
+
+    def _new_step(self) -> None:
+        self._loop = None
+        self._pending = [0] * len(self._buckets)
+        for ready in self._ready:
+            ready.clear()
+
+    def _check_no_late_gradients(self) -> None:
+        late = [s.name for s in self._slots.values() if s.param.grad is not None]
+        if late and not self._warned_ddp:
+            self._warned_ddp = True
+            warnings.warn(f"{type(self).__name__}: parameters {late[:3]} got a gradient after HostAdamW took theirs "
+                          f"(is the model wrapped in DistributedDataParallel?). HostAdamW averages gradients over the "
+                          f"ranks itself and ignores these; leave its parameters out of DDP to save that all-reduce",
+                          stacklevel=3)
 
     def _finish_global(self) -> None:
         K = _kernels()
+        for b in range(len(self._buckets)):
+            self._reduce(b)  # in bucket order on every rank
         arrived = [s for s in self._slots.values() if s.arrived]
-        for s in arrived:
-            if s.copied is not None:
-                s.copied.synchronize()  # sync point: all gradients on the host
         total, finite = 0.0, True
         for s in arrived:
             sq, ok = K.sum_of_squares(_np(s.grad), _chunks(s.grad.numel()))
             total, finite = total + sq, finite and ok
-        scale = self.loss_scale
+        scale = self.loss_scale * self._world  # the reduced gradients are sums over the ranks
         if self.loss_scaler is not None:
-            self.loss_scaler.update(finite)
+            self.loss_scaler.update(finite)  # the same verdict on every rank: the sums are non-finite everywhere
             if not finite:
-                self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+                self.skipped_steps += 1
                 for s in arrived:
                     s.arrived = False
                 return
@@ -283,10 +363,12 @@ class HostAdamW(torch.optim.Optimizer):
         for slot in self._slots.values():
             slot.arrived = True
         if self._can_overlap():
-            for b in range(len(self._buckets)):
-                self._update_bucket(b, 1.0)
+            for ready in self._ready:
+                ready.set()
+            self._run_buckets()
         else:
             self._finish_global()
+        self._new_step()
         if self._upload_stream is not None:
             torch.cuda.current_stream().wait_stream(self._upload_stream)
 
@@ -294,22 +376,32 @@ class HostAdamW(torch.optim.Optimizer):
         """The host buffer ``param``'s next gradient streams into (flat; bf16 with bf16 device
         weights, else fp32). On a host-only machine it changes after every update (a swap with
         the parameter's storage): look it up again each step."""
-        return self._slots[id(param)].grad
+        return self._slots[param].grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop this step's gradients (after a failed backward, too: an update loop still waiting
+        for them is stopped, so nothing is applied)."""
+        if self._loop is not None:
+            self._abort = True
+            for ready in self._ready:
+                ready.set()
+            try:
+                self._loop.result()
+            finally:
+                self._abort = False
         # Device gradients are freed as they stream to the host; only a stray one can remain.
         for slot in self._slots.values():
             slot.param.grad = None
             slot.arrived = False
-        self._pending = [0] * len(self._buckets)
+        self._new_step()
 
     # ------------------------------------------------------------------------- state
     def master(self, param: Tensor) -> Tensor:
         """The fp32 master weight of ``param`` (host, shaped like ``param``)."""
-        return self._slots[id(param)].master.view(param.shape)
+        return self._slots[param].master.view(param.shape)
 
     def state_dict(self) -> dict[str, Any]:
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self._slots[id(p)].name for p in g["params"]]}
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self._slots[p].name for p in g["params"]]}
                   for g in self.param_groups]
         state = {s.name: {"step": s.step, "master": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
                  for s in self._slots.values()}
@@ -354,8 +446,22 @@ class HostAdam(HostAdamW):
     decoupled = False
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, config: HostOffloadConfig = HostOffloadConfig()) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, config=config)
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, config: HostOffloadConfig = HostOffloadConfig(),
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group)
+
+
+def _host_all_reduce_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
+    """A gloo group over ``group``'s ranks for the host all-reduces, and its size (``None``, 1
+    without a process group of more than one rank). A group of its own: the worker thread's
+    collectives must not interleave with the training thread's (DDP, loss averaging) on a
+    shared group. Collective: every rank of ``group`` calls it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 1
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if len(ranks) == 1:
+        return None, 1
+    return dist.new_group(ranks, backend="gloo"), len(ranks)
 
 
 def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> Tensor:

@@ -14,7 +14,7 @@ from hetero.parallel.data_parallel import (
     local_model_state,
 )
 from hetero.parallel.row_sharded import gather_rows, shard_rows, sharded_tables
-from hetero.parallel.env import DistConfig, active, barrier, global_mean, init, local_rank, rank, shutdown, world_size
+from hetero.parallel.env import DistConfig, active, barrier, global_batch_mean, global_mean, init, local_rank, rank, shutdown, world_size
 
 __all__ = [
     "DataParallelConfig",
@@ -26,6 +26,7 @@ __all__ = [
     "data_parallel",
     "full_model_state",
     "gather_rows",
+    "global_batch_mean",
     "global_mean",
     "global_shapes",
     "local_model_state",

@@ -145,6 +145,27 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item()
 
 
+def global_batch_mean(local_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
+    """This rank's share of the global batch's mean loss, for data parallel with averaged gradients.
+
+    Args:
+        local_sum: the loss summed over this rank's samples (any device; a scalar).
+        global_batch_size: the number of samples of the global batch over all ranks (the last
+            batch of an epoch may be short, and ranks may hold unequal or empty shares of it).
+
+    Returns ``local_sum * world_size / global_batch_size``: DDP's (and the sparse exchange's)
+    average over the ranks of these values is ``sum of all losses / global_batch_size``, the
+    mean one process computes on the whole batch, however unequal the shares; an empty share
+    contributes 0, not NaN. At world size 1 it is the plain mean.
+
+    Raises:
+        ValueError: ``global_batch_size`` is not positive.
+    """
+    if global_batch_size <= 0:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    return local_sum * (world_size() / global_batch_size)
+
+
 def barrier() -> None:
     if active():
         dist.barrier(group=data_parallel_group())
