@@ -20,6 +20,7 @@ from hetero.parallel import (
     check_replicas,
     data_parallel,
     full_model_state,
+    global_batch_mean,
     init,
     rank,
     shard_rows,
@@ -61,9 +62,9 @@ def _mlp_run(mean: bool, scale: float):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _wide_deep_run(mean: bool, scale: float, sharded: bool = False):
+def _wide_deep_run(mean: bool, scale: float, sharded: bool = False, samples: int = STEPS * BATCH, batch_size: int = BATCH):
     torch.manual_seed(0)
-    data = make_dataset(STEPS * BATCH)
+    data = make_dataset(samples)
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, deep=f.role is not FeatureRole.WIDE) for f in data.specs]
     model = WideDeep(slots, data.num_dense, WideDeepConfig(embedding_dim=4, hidden=(8,)))
     if sharded:
@@ -74,12 +75,17 @@ def _wide_deep_run(mean: bool, scale: float, sharded: bool = False):
     sparse = [DistributedSparse(FTRL({k: t for k, t in tables.items() if k.startswith("wide.")}), DataParallelConfig(gradients_mean=mean)),
               DistributedSparse(LazyAdam({k: t for k, t in tables.items() if k.startswith("deep.")}), DataParallelConfig(gradients_mean=mean))]
     dense = torch.optim.Adam(dense_parameters(model), lr=1e-2)
-    batches = Batches(data, BatchConfig(batch_size=BATCH, shuffle=True, seed=3, rank=rank(), world_size=world_size()))
+    batches = Batches(data, BatchConfig(batch_size=batch_size, shuffle=True, seed=3, rank=rank(), world_size=world_size()))
     losses = []
     for batch in batches.epoch(0):
         for o in (*sparse, dense):
             o.zero_grad()
-        loss = nn.functional.binary_cross_entropy_with_logits(net(batch.features, batch.dense), batch.label)
+        logits = net(batch.features, batch.dense)
+        if world_size() == 1:  # the reference: torch's plain batch mean
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.label)
+        else:
+            loss = global_batch_mean(nn.functional.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum"),
+                                     batch.global_size)
         (loss * scale).backward()
         for o in (*sparse, dense):
             o.step()
@@ -93,7 +99,10 @@ def _wide_deep_run(mean: bool, scale: float, sharded: bool = False):
 
 
 RUNS = {"mlp": _mlp_run, "wide_deep": _wide_deep_run,
-        "wide_deep_sharded": lambda mean, scale: _wide_deep_run(mean, scale, sharded=True)}
+        "wide_deep_sharded": lambda mean, scale: _wide_deep_run(mean, scale, sharded=True),
+        # 97 samples in batches of 16: the last batch has 1 sample, so at 4 ranks three shares are empty
+        "wide_deep_uneven": lambda mean, scale: _wide_deep_run(mean, scale, samples=97, batch_size=16),
+        "wide_deep_sharded_uneven": lambda mean, scale: _wide_deep_run(mean, scale, sharded=True, samples=97, batch_size=16)}
 
 
 def _worker(r, n, port, kind, mean, out):
@@ -115,7 +124,7 @@ def _distributed(tmp_path, kind, n, mean):
 
 
 @pytest.mark.parametrize("kind,n", [("mlp", 2), ("wide_deep", 2), ("wide_deep", 4), ("wide_deep_sharded", 2),
-                                    ("wide_deep_sharded", 4)])
+                                    ("wide_deep_sharded", 4), ("wide_deep_uneven", 4), ("wide_deep_sharded_uneven", 4)])
 @pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
 def test_n_ranks_equal_one_process(tmp_path, kind, n, mean, cpu_ranks):
     # gradients_mean=False sums the ranks' gradients: the single-process equivalent is a loss

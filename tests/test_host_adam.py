@@ -233,7 +233,8 @@ def _branchy_run(host: bool, config: HostOffloadConfig = FP32, steps: int = 8, c
     for x, y in _data(steps):
         x, y = x[rank()::world_size()], y[rank()::world_size()]
         opt.zero_grad()
-        loss = global_batch_mean(((model(x) - y) ** 2).mean(1).sum(), 32)
+        per_sample = ((model(x) - y) ** 2).mean(1)
+        loss = global_batch_mean(per_sample.sum(), 32) if host else per_sample.mean()  # reference: torch's plain mean
         loss.backward()
         if clip is not None and not host:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

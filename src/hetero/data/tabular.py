@@ -75,11 +75,19 @@ class Batch:
         features: feature name -> int64 ``(B,)`` ids, or :class:`Jagged` bags for multi-hot features.
         dense: float32 ``(B, K)`` dense features (``K`` may be 0).
         label: float32 ``(B,)`` binary labels.
+        global_size: samples in the global batch this batch is a rank's share of (``B`` when
+            it is not a share); the divisor of the global batch's mean loss, see
+            :func:`hetero.parallel.global_batch_mean`.
     """
 
     features: dict[str, Tensor | Jagged]
     dense: Tensor
     label: Tensor
+    global_size: int = -1
+
+    def __post_init__(self) -> None:
+        if self.global_size < 0:
+            self.global_size = self.label.numel()
 
     def __len__(self) -> int:
         return self.label.numel()
@@ -131,7 +139,9 @@ class BatchConfig:
     """``batch_size`` is the global batch; with ``world_size`` ranks each rank gets
     ``batch_size / world_size`` of it, interleaved: sample ``i`` of the epoch's order goes to rank
     ``i mod world_size`` (the reference design's ``num_shards``/``shard_id``). ``drop_last`` drops
-    the final partial batch (``drop_remainder``)."""
+    the final partial batch (``drop_remainder``); kept, its shares are unequal and may be empty
+    (97 samples, batch 16, 4 ranks: 1, 0, 0, 0), so losses must be weighted by the global batch
+    (``Batch.global_size``, :func:`hetero.parallel.global_batch_mean`), never averaged per rank."""
 
     batch_size: int = 256
     shuffle: bool = True
@@ -174,4 +184,7 @@ class Batches:
         """This rank's part of global batches ``start, start + 1, ...`` of ``epoch``."""
         order, b, c = self.order(epoch), self.config.batch_size, self.config
         for i in range(start, len(self)):
-            yield self.dataset.select(order[i * b : (i + 1) * b][c.rank :: c.world_size])
+            samples = order[i * b : (i + 1) * b]
+            batch = self.dataset.select(samples[c.rank :: c.world_size])
+            batch.global_size = samples.numel()
+            yield batch

@@ -34,6 +34,7 @@ from hetero.parallel import (
     check_replicas,
     data_parallel,
     full_model_state,
+    global_batch_mean,
     global_mean,
     global_shapes,
     local_model_state,
@@ -211,7 +212,10 @@ class Trainer:
             opt.zero_grad()
         self.dense_optimizer.zero_grad(set_to_none=True)
         logits = self.net(batch.features, batch.dense)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device))
+        # Weighted by the global batch, not averaged per rank: the last batch's shares are unequal
+        # or empty, and N ranks must still equal one process (an empty share adds 0, not NaN).
+        loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device), reduction="sum")
+        loss = global_batch_mean(loss_sum, batch.global_size)
         loss.backward()
         value = global_mean(loss)  # sync point: the host needs the global loss to decide whether to step
         if not math.isfinite(value):
