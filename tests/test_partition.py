@@ -248,3 +248,57 @@ def test_function_marker_places_the_ops_of_a_method():
     hm = partition(Decorated())
     assert [(s.target, [k for k, _ in s.ops]) for s in hm.subgraphs] == [
         (Target.HOST, ["matmul", "add", "tanh"]), (Target.DEVICE, ["relu", "mul"])]
+
+
+class Linears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_pin_on_a_parameter_of_nn_linear_is_honoured():
+    # nn.Linear is a leaf for torch.fx: its pinned weight must still live on the host, travel to
+    # its consumer, and get its gradient back, exactly as the unplaced model's.
+    torch.manual_seed(0)
+    ref = Linears()
+    x = torch.randn(5, 8)
+    ref(x).square().sum().backward()
+    torch.manual_seed(0)
+    model = Linears()
+    hm = partition(model, PlacementSpec().param("fc2.weight", "host"))
+    assert hm.param_targets["fc2.weight"] is Target.HOST and hm.param_targets["fc2.bias"] is Target.DEVICE
+    assert hm.param_targets["fc1.weight"] is Target.DEVICE
+    out = hm(x)
+    out.square().sum().backward()
+    assert_parity(out, ref(x))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_parity(p.grad, q.grad, name)
+    report = hetero.explain(hm, (x,))
+    assert report.param_bytes[Target.HOST] == 4 * 8 * 4  # fc2.weight alone
+    assert report.h2d_bytes >= 4 * 8 * 4  # it travels to the op that consumes it
+    # The README's example: an op rule by the op type of nn.Linear
+    hm = partition(Linears(), PlacementSpec().op("fc1", "linear", "host"))
+    assert [(s.target, [k for k, _ in s.ops]) for s in hm.subgraphs][0] == (Target.HOST, ["linear"])
+
+
+def test_a_pin_that_cannot_be_honoured_is_refused():
+    model = Linears()
+    hetero.placement.place(model.fc2, "device")  # fc2 runs as one op of its own
+    with pytest.raises(ValueError, match=r"pins parameter 'fc2.weight' to host, but module 'fc2' \(Linear\) runs as one op"):
+        partition(model, PlacementSpec().param("fc2.weight", "host"))
+
+
+def test_explain_a_model_with_a_host_table_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = WithEmbedding()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, ids, offsets = torch.randn(4, 6), torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 2, 4, 5])
+    report = hetero.explain(model, (x, ids, offsets), PlacementSpec().module("mlp", "host"))
+    assert report.param_bytes[Target.HOST] >= 30 * 6 * 4  # the table is counted on the host
+    assert report.subgraphs and report.fallback_reason is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert model.emb.group.tables == [model.emb]  # the original's group is untouched

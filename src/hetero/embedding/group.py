@@ -89,7 +89,6 @@ class TableGroup:
         assert len(dims) == 1, f"a group holds one width and dtype, got {dims}"
         self.dim, self.dtype = dims.pop()
         self.tables = list(tables)
-        self.row_offset: dict[int, int] = {}
         total = sum(t.config.num_embeddings for t in tables)
         deferred = any(t.weight.is_meta for t in tables)  # rows held elsewhere (hetero.ps)
         if len(tables) == 1:
@@ -104,7 +103,7 @@ class TableGroup:
             if storage is not t.weight.data:
                 storage[start : start + v].copy_(t.weight.data)
                 t.weight.data = storage[start : start + v]  # the table's parameter becomes a view
-            self.row_offset[id(t)] = start
+            t.group_row = start  # the table's first row in the group's storage
             t.group = self
             start += v
         self.storage = storage
@@ -219,7 +218,7 @@ class TableGroup:
 
     def _segment_meta(self, requests: list[Request]):
         vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
-        offset = np.array([self.row_offset[id(r.table)] for r in requests], np.int64)
+        offset = np.array([r.table.group_row for r in requests], np.int64)
         hashed = np.array([r.table.config.hashed for r in requests], np.bool_)
         return vocab, offset, hashed
 

@@ -143,6 +143,7 @@ class HostEmbedding(nn.Module):
     """
 
     group: TableGroup
+    group_row: int  # this table's first row in its group's storage
     hetero_target = Target.HOST  # the lookup is a host op: the placement system keeps it there
 
     def __init__(self, config: TableConfig) -> None:

@@ -154,7 +154,7 @@ class SparseOptimizer(abc.ABC):
         """Per-table views of the state: ``{table name: {state name: (V, D) or (V,) tensor}}``."""
         out = {}
         for name, t in self.tables.items():
-            a = t.group.row_offset[id(t)]
+            a = t.group_row
             out[name] = {s: x[a : a + t.weight.shape[0]] for s, x in self.group_state[id(t.group)].items()}
         return out
 

@@ -149,7 +149,7 @@ def shard_rows(module: nn.Module) -> int:
         shard = host_empty((hi - lo, group.dim), group.dtype)
         shard.copy_(group.storage[lo:hi])
         for t in group.tables:
-            start = group.row_offset[id(t)]
+            start = t.group_row
             a, b = min(max(start, lo), hi), min(max(start + t.config.num_embeddings, lo), hi)
             t.weight.data = shard[a - lo : b - lo]  # the table's rows on this rank (possibly none)
         group.storage = shard  # ids and row offsets stay global: the exchange maps them to ranks
@@ -177,14 +177,14 @@ def gather_rows(shard: Tensor, global_rows: int) -> Tensor:
 
 def table_rows(t: nn.Module, full_group: Tensor) -> Tensor:
     """Table ``t``'s rows within a full (gathered) group tensor."""
-    start = t.group.row_offset[id(t)]
+    start = t.group_row
     return full_group[start : start + t.config.num_embeddings]
 
 
 def local_table_rows(t: nn.Module, full_table: Tensor) -> Tensor:
     """This rank's rows of a full table tensor (the inverse of gathering)."""
     g = t.group
-    start = g.row_offset[id(t)]
+    start = t.group_row
     lo, hi = block_range(g.exchange.global_rows, rank(), world_size())
     a, b = min(max(start, lo), hi), min(max(start + t.config.num_embeddings, lo), hi)
     return full_table[a - start : b - start]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hetero.placement.annotate import PlacementSpec
-from hetero.placement.partitioner import HeteroModule, Subgraph, _recorder, partition
+from hetero.placement.partitioner import HeteroModule, Subgraph, _host_resident, _recorder, partition
 from hetero.placement.target import Target
 
 
@@ -60,7 +60,7 @@ def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSp
     Raises:
         ValueError: as :func:`partition`.
     """
-    hm = model if isinstance(model, HeteroModule) else partition(copy.deepcopy(model), spec)
+    hm = model if isinstance(model, HeteroModule) else partition(_copy_sharing_host_state(model), spec)
     if hm.split is None:
         return Explanation([], {}, 0, 0, [], hm.fallback_reason)
     _recorder.active = {"host": 0, "device": 0}
@@ -76,6 +76,22 @@ def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSp
         p = params[name]
         param_bytes[target] = param_bytes.get(target, 0) + p.numel() * p.element_size()
     return Explanation(hm.subgraphs, param_bytes, moved["device"], moved["host"], _independent(hm.subgraphs))
+
+
+def _copy_sharing_host_state(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` to partition without moving the caller's parameters. Host-resident
+    modules (``HostEmbedding``) share their parameters and non-module state with the original:
+    their tables can be hundreds of GB, and the group that holds their storage owns locks that
+    cannot be copied. Their buffers are copied, so the partition of the copy moves only its own."""
+    memo: dict[int, object] = {}
+    for m in model.modules():
+        if _host_resident(m):
+            for p in m.parameters(recurse=False):
+                memo[id(p)] = p  # deepcopy's memo protocol: keyed by id, maps an object to its copy
+            for key, value in vars(m).items():
+                if key not in ("_parameters", "_buffers", "_modules"):
+                    memo[id(value)] = value
+    return copy.deepcopy(model, memo)
 
 
 def _independent(subgraphs: list[Subgraph]) -> list[tuple[str, str]]:

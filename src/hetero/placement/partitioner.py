@@ -65,10 +65,20 @@ _recorder = _Recorder()
 
 
 class _Tracer(fx.Tracer):
-    """Keeps modules with a placement of their own as single ops; records ``on()`` regions."""
+    """Keeps modules with a placement of their own as single ops; records ``on()`` regions.
+
+    A module with a pinned parameter (``PlacementSpec.param``) is traced through even when torch
+    keeps it whole (``nn.Linear`` becomes ``linear`` on ``get_attr`` nodes), so the pin can put
+    that parameter apart from the op that consumes it."""
+
+    def __init__(self, trace_through: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.trace_through = trace_through
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return module_target(m) is not None or super().is_leaf_module(m, qualname)
+        if module_target(m) is not None:
+            return True
+        return qualname not in self.trace_through and super().is_leaf_module(m, qualname)
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
@@ -276,6 +286,22 @@ def _assign(model: nn.Module, spec: PlacementSpec, graph: fx.Graph) -> dict[fx.N
     return targets
 
 
+def _check_pins_honoured(model: nn.Module, spec: PlacementSpec, graph: fx.Graph, targets: dict[fx.Node, Target]) -> None:
+    """A pinned parameter of a module that still runs as one op (it has a placement of its own)
+    cannot live apart from that op: refuse a pin that differs, rather than ignore it."""
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        prefix = str(node.target)
+        for name, _ in model.get_submodule(prefix).named_parameters(prefix=prefix):
+            pin = spec.params.get(name)
+            if pin is not None and pin is not targets[node] and not _host_resident(model.get_submodule(name.rpartition(".")[0])):
+                raise ValueError(f"placement pins parameter {name!r} to {pin.value}, but module {prefix!r} "
+                                 f"({type(model.get_submodule(prefix)).__name__}) runs as one op on {targets[node].value} "
+                                 f"(it has a placement of its own); place the module instead "
+                                 f"(PlacementSpec().module({prefix!r}, {pin.value!r})) or drop the pin")
+
+
 def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: bool = True) -> HeteroModule:
     """Split ``model`` into host and device subgraphs per ``spec`` and the marks in the model.
 
@@ -288,13 +314,14 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
     """
     spec = spec or PlacementSpec()
     try:
-        tracer = _Tracer()
+        tracer = _Tracer(frozenset(name.rpartition(".")[0] for name in spec.params))
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - any failure of symbolic tracing means: no graph
         return _fallback(model, spec, f"{type(e).__name__}: {e}")
     _check_names(model, spec, graph)
     gm = fx.GraphModule(model, graph)
     targets = _assign(model, spec, gm.graph)
+    _check_pins_honoured(model, spec, gm.graph, targets)
 
     # (2) transfers on every edge whose ends differ in target
     for node in list(gm.graph.nodes):

@@ -51,7 +51,7 @@ def build_shard(group: TableGroup, shard: int, servers: int) -> Tensor:
     would be, one seeded block of rows at a time (peak extra memory: one block)."""
     out = host_empty((shard_rows_count(group.num_rows, shard, servers), group.dim), group.dtype)
     for t in group.tables:
-        start, vocab = group.row_offset[id(t)], t.config.num_embeddings
+        start, vocab = t.group_row, t.config.num_embeddings
         for lo in range(0, vocab, INIT_CHUNK):
             hi = min(lo + INIT_CHUNK, vocab)
             first = lo + (shard - start - lo) % servers  # first table row of this block on this shard
@@ -148,9 +148,9 @@ class ParameterServer:
         if not bool(bad.any()):
             return None
         row = int(ids[int(bad.nonzero()[0])])
-        starts = [group.row_offset[id(t)] for t in group.tables]
+        starts = [t.group_row for t in group.tables]
         t = group.tables[max(0, int(np.searchsorted(starts, row, side="right")) - 1)]
-        tid, vocab = row - group.row_offset[id(t)], t.config.num_embeddings
+        tid, vocab = row - t.group_row, t.config.num_embeddings
         where = f"parameter server rank {dist.get_rank()} (shard {self.shard} of {self.servers})"
         if not 0 <= tid < vocab:
             return Status.INDEX_ERROR, (f"{where}: table {t.name!r}: id {tid} is out of range for vocab size {vocab} "

@@ -74,7 +74,7 @@ def sharded_state(trainer: "Trainer", blob: bool = True) -> dict[str, Any]:
     names = {id(t): q for q, t in tables.items()}
     out_tables, layout = {}, {"groups": {}, "sparse": {}, "ps": {}}
     for key, group in table_groups(model).items():
-        layout["groups"][key] = [(names[id(t)], group.row_offset[id(t)], t.config.num_embeddings) for t in group.tables]
+        layout["groups"][key] = [(names[id(t)], t.group_row, t.config.num_embeddings) for t in group.tables]
         if getattr(group.exchange, "remote", False):  # on parameter servers: they write these rows
             layout["ps"][key] = len(group.exchange.servers)
             continue
