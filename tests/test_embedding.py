@@ -109,6 +109,21 @@ def test_bad_offsets_and_dtype_raise_value_error():
         host(torch.tensor([1.0]))
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_decreasing_offsets_are_refused_before_any_kernel_reads_ids(grad):
+    # These read past the end of ``ids`` in the pooling kernels (a segfault for [0, 1000, 3]).
+    host, _ = _pair(pooling=Pooling.SUM)
+    ids = torch.tensor([1, 2, 3])
+    with torch.set_grad_enabled(grad):
+        for offsets, msg in (([0, 1000, 3], r"offsets\[1\] = 1000 > offsets\[2\] = 3"),
+                             ([0, 2, 1, 3], r"offsets\[1\] = 2 > offsets\[2\] = 1")):
+            with pytest.raises(ValueError, match=r"table 't': offsets must be non-decreasing .*" + msg):
+                host(ids, torch.tensor(offsets))
+        coll = HostEmbeddingCollection([TableConfig("t", 100, 4, pooling=Pooling.SUM)])
+        with pytest.raises(ValueError, match="offsets must be non-decreasing"):
+            coll({"t": (ids, torch.tensor([0, 1000, 3]))})
+
+
 def test_to_and_dtype_casts_leave_table_on_host_in_fp32():
     model = nn.Module()
     model.emb = HostEmbedding(TableConfig("t", 20, 4))

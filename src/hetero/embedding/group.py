@@ -358,6 +358,13 @@ def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:
                 f"table {cfg.name!r}: offsets must be 1-D of length B + 1 with offsets[0] == 0 and "
                 f"offsets[-1] == len(ids) == {n}, got {off.tolist()[:8]}"
             )
+        # The kernels index ``ids`` by these bounds without checks: a decreasing pair would read
+        # outside ``ids`` (wrong values or a crash). One vectorized pass over B + 1 values.
+        down = off[1:] < off[:-1]
+        if bool(down.any()):
+            b = int(down.nonzero()[0])
+            raise ValueError(f"table {cfg.name!r}: offsets must be non-decreasing (bag b is ids[offsets[b]:offsets[b + 1]]), "
+                             f"got offsets[{b}] = {int(off[b])} > offsets[{b + 1}] = {int(off[b + 1])}")
         return off, (off.numel() - 1,)
     if cfg.pooling is Pooling.NONE:
         return torch.arange(n + 1), tuple(r.ids.shape)
