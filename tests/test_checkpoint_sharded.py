@@ -66,7 +66,7 @@ def _assert_same(a, b, where="state"):
 def test_per_rank_shards_merge_into_the_integrated_checkpoint_bitwise(two_rank_run, tmp_path):
     run, _ = two_rank_run
     shards = sorted(p.name for p in (run / "checkpoint.dcp").iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its part
+    assert shards == [".checksums.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its part
     merge(run / "checkpoint.dcp", tmp_path / "merged.pt")
     _assert_same(load_checkpoint(tmp_path / "merged.pt"), load_checkpoint(run / "integrated.pt"))
 
@@ -119,3 +119,54 @@ def test_an_interrupted_swap_falls_back_to_the_previous_checkpoint(two_rank_run,
     (tmp_path / "checkpoint.dcp.tmp").mkdir()  # a half-written new one
     assert resolve(d) == d.with_name("checkpoint.dcp.old")
     merge(d, tmp_path / "merged.pt")
+
+
+class _Payload:
+    """A pickle that runs a shell command when unpickled (what a crafted .metadata holds)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_metadata_pickle_runs_no_code_on_merge_or_resume(two_rank_run, tmp_path, capsys):
+    import pickle
+
+    run, ml = two_rank_run
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    marker = tmp_path / "pwned"
+    (bad / "checkpoint.dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"unreadable \.metadata \(refused global posix\.system"):
+        merge(bad / "checkpoint.dcp", tmp_path / "merged.pt")
+    assert main(["train", "--data-path", str(ml), *ARGS, "--checkpoint-format", "sharded", "--resume",
+                 "--run-dir", str(bad)]) == 1
+    assert "refused global posix.system" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def _flip_4k(path):
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
+
+
+def test_a_corrupted_shard_or_file_is_detected_naming_it(two_rank_run, tmp_path, capsys):
+    run, ml = two_rank_run
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    _flip_4k(bad / "checkpoint.dcp" / "__1_0.distcp")
+    expected = (f"sharded checkpoint {bad / 'checkpoint.dcp'}: __1_0.distcp is corrupted (its SHA-256 differs from the "
+                f"one written with it); resume from another checkpoint")
+    with pytest.raises(CheckpointError) as e:
+        merge(bad / "checkpoint.dcp", tmp_path / "merged.pt")
+    assert str(e.value) == expected
+    assert main(["train", "--data-path", str(ml), *ARGS, "--checkpoint-format", "sharded", "--resume",
+                 "--run-dir", str(bad)]) == 1
+    assert expected in capsys.readouterr().err
+    # the integrated format: the zip archive's CRC-32 per record
+    _flip_4k(bad / "integrated.pt")
+    with pytest.raises(CheckpointError, match=r"integrated.pt is corrupted: record .* fails its CRC-32 check"):
+        load_checkpoint(bad / "integrated.pt")

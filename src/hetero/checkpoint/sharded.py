@@ -71,10 +71,22 @@ def save_sharded(state: Mapping[str, Any], path: str | Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
     _barrier()
+    from hetero.checkpoint.integrity import sha256_file, write_checksums
+
     with _single_process_quiet():
         dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=not _distributed())
     _barrier()  # every rank's shard is on disk
+    # Each rank hashes the files it wrote; rank 0 writes them all down before the swap, so a
+    # checkpoint under its final name always has its checksums.
+    mine = {f.name: sha256_file(f) for f in sorted(tmp.glob(f"__{_rank()}_*.distcp"))}
+    gathered = [mine]
+    if _distributed():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
     if _rank() == 0:
+        digests = {k: v for d in gathered for k, v in d.items()}
+        digests[".metadata"] = sha256_file(tmp / ".metadata")
+        write_checksums(tmp, digests)
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
@@ -95,20 +107,22 @@ def resolve(path: str | Path) -> Path:
     raise CheckpointError(f"no sharded checkpoint at {path} (no {path / '.metadata'})")
 
 
-def validate(path: str | Path):  # noqa: ANN201 - DCP's Metadata
-    """Check that every shard file the metadata refers to exists and is long enough.
+def validate(path: str | Path, part: tuple[int, int] = (0, 1)):  # noqa: ANN201 - DCP's Metadata
+    """Check that every shard file the metadata refers to exists, is long enough and has the
+    checksum it was written with; the metadata is read without unpickling anything but DCP's
+    own classes (:mod:`hetero.checkpoint.integrity`).
+
+    ``part=(i, n)``: verify the checksums of every n-th file from the i-th only (the ranks of a
+    job share the reading; the others are checked by the other ranks).
 
     Returns DCP's ``Metadata``. Raises:
-        CheckpointError: naming the missing or truncated shard file and what to do; nothing is
-            read into any model before this check passes.
+        CheckpointError: naming the missing, truncated or corrupted file and what to do; nothing
+            is read into any model before this check passes.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from hetero.checkpoint.integrity import read_metadata, verify_checksums
 
     path = resolve(path)
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a torn or foreign .metadata
-        raise CheckpointError(f"sharded checkpoint {path}: unreadable .metadata ({e}); resume from another checkpoint") from e
+    metadata = read_metadata(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -120,6 +134,8 @@ def validate(path: str | Path):  # noqa: ANN201 - DCP's Metadata
         if f.stat().st_size < size:
             raise CheckpointError(f"sharded checkpoint {path}: shard file {name} is truncated ({f.stat().st_size} bytes, "
                                   f"{size} expected); resume from another checkpoint")
+    files = [".metadata", *sorted(needed)]
+    verify_checksums(path, files[part[0] :: part[1]])
     return metadata
 
 
@@ -152,9 +168,11 @@ def load_sharded(template: dict[str, Any], path: str | Path) -> Path:
             error = CheckpointError(first)
     if error is not None:
         raise error
+    from hetero.checkpoint.integrity import SafeFileSystemReader
+
     try:
         with _single_process_quiet():
-            dcp.load(template, checkpoint_id=str(path), no_dist=not _distributed())
+            dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), no_dist=not _distributed())
     except Exception as e:
         raise CheckpointError(f"sharded checkpoint {path} could not be loaded: {e}") from e
     return path
@@ -164,7 +182,8 @@ def _check_template(template: dict[str, Any], path: str | Path) -> Path:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = resolve(path)
-    saved = validate(path).state_dict_metadata
+    part = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    saved = validate(path, part).state_dict_metadata
     for key, value in _flatten(template):
         if key not in saved:
             raise CheckpointError(f"sharded checkpoint {path} has no {key!r}: it was saved from another model, optimizer "
@@ -183,17 +202,20 @@ def read_full(path: str | Path) -> dict[str, Any]:
 
     For merging and inspection; needs memory for the whole checkpoint.
     """
-    import tempfile
+    # DCP's own dcp_to_torch_save, in memory and with the safe reader: nothing is unpickled
+    # beyond the checked metadata (tensors: torch.load(weights_only=True); bytes: raw).
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from hetero.checkpoint.integrity import SafeFileSystemReader
 
     path = resolve(path)
     validate(path)
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "full.pt"
-        with _single_process_quiet():
-            dcp_to_torch_save(str(path), str(out))
-        return torch.load(out, map_location="cpu", weights_only=False)  # our own file, just written
+    state: dict[str, Any] = {}
+    with _single_process_quiet():
+        _load_state_dict(state, storage_reader=SafeFileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    return state
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
