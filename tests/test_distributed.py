@@ -277,3 +277,32 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout
                 for s, v in tensors.items():
                     torch.testing.assert_close(state["sparse_optimizers"][opt]["state"][table][s], v, rtol=0, atol=1e-5,
                                                msg=lambda m: f"{name}: {opt} {table} {s}: {m}")
+
+
+OFF_NETWORK = "unshare --net --map-root-user -- sh -c 'ip link set lo up && exec \"$@\"' sh"
+
+
+def test_the_documented_single_host_launch_listens_on_no_network_interface(cpu_ranks):
+    # torchrun's agent binds its stores to every interface whatever the host it is given
+    # (pytorch/pytorch#173909); the README's single-host launch runs the job in a network
+    # namespace of its own, where only loopback exists. Seen from this host: no listener at all.
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert OFF_NETWORK in (root / "README.md").read_text()
+    if shutil.which("unshare") is None or subprocess.run(shlex.split(OFF_NETWORK) + ["true"]).returncode != 0:
+        pytest.skip("no network namespaces here (unshare --net is not permitted)")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    job = subprocess.Popen(shlex.split(OFF_NETWORK) + [torchrun, "--standalone", "--nproc-per-node", "2",
+                                                        str(root / "tests" / "helpers" / "hold_group.py")])
+    try:
+        time.sleep(3)  # the agent's stores and gloo's sockets are up
+        listeners = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+        assert "pt_elastic" not in listeners and f"pid={job.pid}," not in listeners, listeners
+    finally:
+        assert job.wait(timeout=60) == 0
