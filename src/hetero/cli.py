@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -158,6 +159,29 @@ def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer | None:
     return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir, on_step=on_step)
 
 
+def report_error(e: BaseException) -> None:
+    """One line for an error hetero raised itself (bad input, a bad checkpoint, a NaN loss: the
+    message names the thing and the fix); the full traceback for anything else (a CUDA or NCCL
+    failure, a bug), which a one-liner would hide."""
+    if _raised_by_hetero(e):
+        print(f"hetero: error: {e}", file=sys.stderr)
+    else:
+        traceback.print_exception(e, file=sys.stderr)
+
+
+def _raised_by_hetero(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e``'s traceback is hetero's own code (its ``raise``)."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
 def main(argv: list[str] | None = None, on_step=None) -> int:
     """Run the command line; ``on_step`` (see :class:`Trainer`) is for embedding callers."""
     args = build_parser().parse_args(argv)
@@ -165,8 +189,8 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
     if args.command == "checkpoint":
         try:
             out = merge(args.source, args.output)
-        except CheckpointError as e:
-            print(f"hetero: error: {e}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed
+            report_error(e)
             return 1
         print(json.dumps({"merged": str(args.source), "checkpoint": str(out)}))
         return 0
@@ -189,8 +213,8 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
             trainer.resume()
         metrics = trainer.fit()
         failed = False
-    except (FloatingPointError, CheckpointError, ValueError, IndexError, RuntimeError, OSError) as e:
-        print(f"hetero: error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed
+        report_error(e)
         return 1  # under torchrun --max-restarts, a failed rank makes the job restart from the checkpoint
     finally:
         trainer = None  # release the DDP wrapper before its process group goes (see parallel.shutdown)

