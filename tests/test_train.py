@@ -79,7 +79,7 @@ def test_truncated_checkpoint_is_reported_and_atomic_save_keeps_the_old_one(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "torn.pt"]  # no temp file left behind
 
 
-def _trainer(data, run_dir, **config):
+def _trainer(data, run_dir, held_out=None, **config):
     torch.manual_seed(0)
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=True, deep=f.role is not FeatureRole.WIDE) for f in data.specs]
     model = WideDeep(slots, data.num_dense, WideDeepConfig(embedding_dim=4, hidden=(8,), dropout=0.2))
@@ -88,7 +88,19 @@ def _trainer(data, run_dir, **config):
               "deep": LazyAdam({k: t for k, t in tables.items() if k.startswith("deep.")})}
     dense = torch.optim.Adam(dense_parameters(model), lr=1e-2)
     batches = Batches(data, BatchConfig(batch_size=50, shuffle=False))
-    return Trainer(model, dense, sparse, batches, data, data, TrainConfig(progress=False, **config), run_dir)
+    held_out = data if held_out is None else held_out
+    return Trainer(model, dense, sparse, batches, held_out, held_out, TrainConfig(progress=False, **config), run_dir)
+
+
+def _assert_states_equal(got, want, where="state"):
+    if isinstance(want, dict):
+        assert set(got) == set(want), f"{where}: keys differ"
+        for k in want:
+            _assert_states_equal(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    else:
+        assert got == want, where
 
 
 def test_nan_loss_stops_before_the_update_and_keeps_last_good_checkpoint(tmp_path):
@@ -97,7 +109,9 @@ def test_nan_loss_stops_before_the_update_and_keeps_last_good_checkpoint(tmp_pat
     trainer = _trainer(data, tmp_path / "nan", checkpoint_every=2)
     with pytest.raises(FloatingPointError) as err:
         trainer.fit()
-    assert str(err.value).startswith("loss is nan at epoch 0, batch 5 (step 6); training stopped before applying this step.")
+    assert str(err.value) == (f"loss is nan at epoch 0, batch 5 (step 6); training stopped before applying this step; "
+                              f"the last checkpoint {tmp_path / 'nan' / 'checkpoint.pt'} is intact: lower the learning "
+                              f"rates or check the input, then --resume")
     saved = load_checkpoint(tmp_path / "nan" / "checkpoint.pt")
     assert saved["position"]["global_step"] == 4
 
@@ -111,11 +125,27 @@ def test_nan_loss_stops_before_the_update_and_keeps_last_good_checkpoint(tmp_pat
         for table, state in opt["state"].items():
             for s, t in state.items():
                 assert torch.equal(t, saved["sparse_optimizers"][name]["state"][table][s])
+    # In memory: the model and every optimizer as after step 5, nothing of step 6 applied.
+    after_5 = _trainer(make_dataset(600), tmp_path / "ref5", max_steps=5)
+    after_5.fit()
+    got, want = trainer.state_dict(), after_5.state_dict()
+    for key in ("model", "dense_optimizer", "sparse_optimizers"):
+        _assert_states_equal(got[key], want[key], key)
+
+
+def test_nan_loss_before_any_checkpoint_says_there_is_none(tmp_path):
+    data = make_dataset(600)
+    data.dense[260, 0] = float("nan")
+    with pytest.raises(FloatingPointError) as err:
+        _trainer(data, tmp_path / "nan").fit()
+    assert str(err.value).endswith("training stopped before applying this step; no checkpoint was written yet: lower "
+                                   "the learning rates or check the input and start again")
+    assert not (tmp_path / "nan").exists()
 
 
 def test_training_learns_the_synthetic_signal(tmp_path):
-    data = make_dataset(2000)
-    trainer = _trainer(data, tmp_path / "learn", epochs=8)
+    train, held_out = make_dataset(2400).split((2000 / 2400, 400 / 2400), seed=1)  # scored on samples it never saw
+    trainer = _trainer(train, tmp_path / "learn", held_out=held_out, epochs=8)
     metrics = trainer.fit()
     assert metrics["test_auc"] > 0.75
     assert trainer.losses[-1] < trainer.losses[0]
@@ -141,3 +171,47 @@ def test_cli_errors_of_hetero_are_one_line_and_others_keep_their_traceback(ml_di
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "in broken" in err
     assert err.rstrip().endswith("RuntimeError: CUDA error: an illegal memory access was encountered")
+    # a failing torch builtin called from hetero's own line (no Python frame of its own): the traceback too
+    monkeypatch.setattr(torch.nn.functional, "binary_cross_entropy_with_logits", torch.cat)
+    assert _cli(ml_dir, tmp_path / "c") == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "trainer.py" in err
+
+
+def _criteo_lines(n, label=None, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        y = label if label is not None else rng.randint(0, 1)
+        ints = [str(rng.randint(0, 50)) if rng.random() > 0.2 else "" for _ in range(13)]
+        cats = [f"{rng.randint(0, 30):08x}" if rng.random() > 0.1 else "" for _ in range(26)]
+        rows.append("\t".join([str(y), *ints, *cats]))
+    return "\n".join(rows) + ("\n" if rows else "")
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+def test_an_empty_or_tiny_file_is_a_clear_error_before_the_model_is_built(tmp_path, capsys, rows):
+    path = tmp_path / "small.tsv"
+    path.write_text(_criteo_lines(rows))
+    assert main(["train", "--data", "criteo", "--data-path", str(path), "--run-dir", str(tmp_path / "run"),
+                 "--no-progress"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"hetero: error: {path} has {rows} samples: the 80/10/10 train/validation/test split needs at least 10; "
+        f"use a larger file")
+
+
+def test_a_single_class_evaluation_writes_valid_json_with_null(tmp_path, capsys):
+    path = tmp_path / "negatives.tsv"
+    path.write_text(_criteo_lines(60, label=0))
+    assert main(["train", "--data", "criteo", "--data-path", str(path), "--run-dir", str(tmp_path / "run"),
+                 "--no-progress", "--epochs", "1", "--batch-size", "16"]) == 0
+
+    def no_nan(token):
+        raise AssertionError(f"{token} in JSON")
+
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1], parse_constant=no_nan)
+    assert last["test_auc"] is None and last["test_logloss"] >= 0
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text(), parse_constant=no_nan)
+    assert saved["history"]["valid_auc"] == [None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import linecache
 import logging
 import sys
 import traceback
@@ -121,6 +122,10 @@ def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer | None:
         if args.data_path is None:
             raise ValueError("--data criteo needs --data-path FILE.tsv (Criteo Kaggle/Terabyte TSV format)")
         data = read_criteo_tsv(args.data_path, CriteoConfig(hash_buckets=args.hash_buckets))
+    source = args.data_path or args.data
+    if len(data) < 10:  # 80/10/10 needs one sample in each of validation and test, and a training batch
+        raise ValueError(f"{source} has {len(data)} samples: the 80/10/10 train/validation/test split needs at least "
+                         f"10; use a larger file")
     train, valid, test = data.split((0.8, 0.1, 0.1), seed=args.seed)
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
                          deep=f.role is not FeatureRole.WIDE) for f in data.specs]
@@ -170,13 +175,18 @@ def report_error(e: BaseException) -> None:
 
 
 def _raised_by_hetero(e: BaseException) -> bool:
-    """Whether the innermost frame of ``e``'s traceback is hetero's own code (its ``raise``)."""
+    """Whether ``e`` comes from a ``raise`` statement in hetero's own code: the innermost frame of
+    its traceback is in this package, at a ``raise`` (a failing torch call made from hetero's
+    code has its innermost Python frame there too, but at the call)."""
     tb = e.__traceback__
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+    filename = tb.tb_frame.f_code.co_filename
+    if not Path(filename).resolve().is_relative_to(_PACKAGE):
+        return False
+    return linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise")
 
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         ps.shutdown(clean=not failed)  # a parameter-server worker: tell the servers it is done
         parallel.shutdown(clean=not failed)
     if rank == 0:
-        print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
+        print(json.dumps({k: v for k, v in metrics.items() if k != "history"}, allow_nan=False))  # null, never NaN
     return 0
 
 

@@ -7,15 +7,22 @@ from pathlib import Path
 import numpy as np
 
 
-def binary_metrics(label: np.ndarray, prob: np.ndarray) -> dict[str, float]:
-    """ROC AUC and log loss of predicted probabilities ``prob`` for binary ``label`` (both ``(N,)``)."""
+def binary_metrics(label: np.ndarray, prob: np.ndarray) -> dict[str, float | None]:
+    """ROC AUC and log loss of predicted probabilities ``prob`` for binary ``label`` (both ``(N,)``).
+
+    A metric that is undefined is ``None`` (JSON ``null``), never NaN: AUC when ``label`` holds one
+    class only, both when there are no samples.
+    """
     from sklearn.metrics import log_loss, roc_auc_score
 
+    if label.size == 0:
+        return {"auc": None, "logloss": None}
     prob = np.clip(prob.astype(np.float64), 1e-7, 1 - 1e-7)
-    return {"auc": float(roc_auc_score(label, prob)), "logloss": float(log_loss(label, prob, labels=[0, 1]))}
+    auc = float(roc_auc_score(label, prob)) if np.unique(label).size == 2 else None
+    return {"auc": auc, "logloss": float(log_loss(label, prob, labels=[0, 1]))}
 
 
-def plot_curves(losses: list[float], epochs: list[int], valid_auc: list[float], path: Path) -> Path:
+def plot_curves(losses: list[float], epochs: list[int], valid_auc: list[float | None], path: Path) -> Path:
     """Write a PNG with the training loss per step (and its moving average) and validation AUC per epoch."""
     import matplotlib
 
@@ -30,7 +37,7 @@ def plot_curves(losses: list[float], epochs: list[int], valid_auc: list[float], 
         ax_loss.plot(steps[w - 1 :], np.convolve(losses, np.ones(w) / w, mode="valid"), lw=1.5, label=f"mean of {w}")
     ax_loss.set(xlabel="step", ylabel="training log loss", title="Training loss")
     ax_loss.legend()
-    ax_auc.plot(epochs, valid_auc, marker="o")
+    ax_auc.plot(epochs, [np.nan if a is None else a for a in valid_auc], marker="o")  # undefined AUC: a gap
     ax_auc.set(xlabel="epoch", ylabel="AUC", title="Validation AUC")
     ax_auc.grid(alpha=0.3)
     fig.tight_layout()

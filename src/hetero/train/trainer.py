@@ -219,10 +219,12 @@ class Trainer:
         loss.backward()
         value = global_mean(loss)  # sync point: the host needs the global loss to decide whether to step
         if not math.isfinite(value):
+            where = (f"the last checkpoint {self.checkpoint_path} is intact: lower the learning rates or check the "
+                     f"input, then --resume" if self.has_checkpoint() else
+                     "no checkpoint was written yet: lower the learning rates or check the input and start again")
             raise FloatingPointError(
                 f"loss is {value} at epoch {self.epoch}, batch {self.batch} (step {self.global_step + 1}); "
-                f"training stopped before applying this step. The last good checkpoint "
-                f"{self.checkpoint_path} is intact: lower the learning rates or check the input, then --resume"
+                f"training stopped before applying this step; {where}"
             )
         self.dense_optimizer.step()
         for opt in self.sparse_optimizers.values():
@@ -274,8 +276,8 @@ class Trainer:
                 self.history["valid_auc"].append(metrics["auc"])
                 self.history["valid_logloss"].append(metrics["logloss"])
                 rate = f"{self.train_samples / self.train_seconds:.0f} samples/s" if self.train_seconds else "rate after warm-up"
-                log.info("hetero: epoch %d valid auc %.4f logloss %.4f (%s)", self.epoch + 1,
-                         metrics["auc"], metrics["logloss"], rate)
+                log.info("hetero: epoch %d valid auc %s logloss %s (%s)", self.epoch + 1,
+                         _fmt(metrics["auc"]), _fmt(metrics["logloss"]), rate)
                 self.epoch, self.batch = self.epoch + 1, 0
             self.save()
         return self._finish(time.perf_counter() - start)
@@ -301,7 +303,8 @@ class Trainer:
         metrics = {
             "test_auc": test["auc"],
             "test_logloss": test["logloss"],
-            "samples_per_s": self.train_samples / max(self.train_seconds, 1e-9),  # steady state, see warmup_steps
+            # steady state (see warmup_steps); null when the run was too short to measure one
+            "samples_per_s": self.train_samples / self.train_seconds if self.train_seconds else None,
             "wall_time_s": wall_seconds,  # of this invocation (a resumed run counts from its restart)
             "steps": self.global_step,
             "epochs": self.epoch,
@@ -311,5 +314,9 @@ class Trainer:
             "plot": str(plot),
             "history": self.history,
         }
-        (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
         return metrics
+
+
+def _fmt(metric: float | None) -> str:
+    return "undefined" if metric is None else f"{metric:.4f}"
