@@ -149,7 +149,7 @@ def test_low_precision_tables_update_in_fp32_and_round_once(dtype):
             opt.step()
     assert low.weight.dtype == dtype
     # the loss is linear in the rows, so the fp32 state is the same bit for bit
-    assert torch.equal(opts[0].state["t"]["exp_avg_sq"], opts[1].state["t"]["exp_avg_sq"])
+    assert torch.equal(opts[0].table_state["t"]["exp_avg_sq"], opts[1].table_state["t"]["exp_avg_sq"])
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(low.weight.float(), ref.weight, rtol=5 * eps, atol=5 * eps)
 
@@ -195,7 +195,7 @@ def test_collection_groups_tables_and_equals_standalone_tables_bitwise():
     for n in alone:
         assert torch.equal(coll.tables[n].weight, alone[n].weight), n
         for s in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(opt_c.state[n][s], opt_a.state[n][s])
+            assert torch.equal(opt_c.table_state[n][s], opt_a.table_state[n][s])
 
 
 def test_out_of_range_id_in_any_table_fails_before_anything_changes():

@@ -111,13 +111,13 @@ def test_lazy_adam_leaves_untouched_rows_and_their_state_alone():
     (table(torch.tensor([0, 1])) * 1.0).sum().backward()
     opt.step()
     w_before = table.weight.detach().clone()
-    m_before, v_before = opt.state["t"]["exp_avg"].clone(), opt.state["t"]["exp_avg_sq"].clone()
+    m_before, v_before = opt.table_state["t"]["exp_avg"].clone(), opt.table_state["t"]["exp_avg_sq"].clone()
     table(torch.tensor([1, 2])).sum().backward()  # row 0 has state now but is not in this batch
     opt.step()
     for rows in ([0], list(range(3, VOCAB))):
         assert torch.equal(table.weight[rows], w_before[rows])
-        assert torch.equal(opt.state["t"]["exp_avg"][rows], m_before[rows])
-        assert torch.equal(opt.state["t"]["exp_avg_sq"][rows], v_before[rows])
+        assert torch.equal(opt.table_state["t"]["exp_avg"][rows], m_before[rows])
+        assert torch.equal(opt.table_state["t"]["exp_avg_sq"][rows], v_before[rows])
     assert not torch.equal(table.weight[[1, 2]], w_before[[1, 2]])
 
 
@@ -146,8 +146,9 @@ def test_state_dict_round_trip_and_mismatch_errors():
     _, table, opt = _run_hetero(LazyAdam, LazyAdamConfig(lr=0.05))
     fresh = LazyAdam([table])
     fresh.load_state_dict(opt.state_dict())
-    assert fresh.steps == opt.steps and fresh.config == opt.config
-    assert torch.equal(fresh.state["t"]["exp_avg_sq"], opt.state["t"]["exp_avg_sq"])
+    assert fresh.steps == opt.steps and fresh.state_dict()["config"] == opt.state_dict()["config"]
+    assert fresh.hyper["lr"] == 0.05
+    assert torch.equal(fresh.table_state["t"]["exp_avg_sq"], opt.table_state["t"]["exp_avg_sq"])
     with pytest.raises(ValueError, match="sparse optimizer state is for LazyAdam, not Adagrad"):
         Adagrad([table]).load_state_dict(opt.state_dict())
     other = LazyAdam([HostEmbedding(TableConfig("t", VOCAB + 1, DIM))])
@@ -163,3 +164,41 @@ def test_empty_batch_is_a_no_op():
     table(torch.tensor([], dtype=torch.int64), torch.tensor([0, 0])).sum().backward()
     opt.step()
     assert torch.equal(table.weight, w) and opt.steps["t"] == 0
+
+
+def test_an_lr_schedule_acts_on_a_sparse_optimizer_as_on_torch_sgd():
+    # torch's StepLR on hetero's SGD equals torch's StepLR on torch's SGD over a dense copy of the table.
+    torch.manual_seed(0)
+    table = HostEmbedding(TableConfig("t", VOCAB, DIM, init_std=1.0))
+    ref = nn.Parameter(table.weight.detach().clone())
+    opt = SGD([table], SGDConfig(lr=0.5))
+    ref_opt = torch.optim.SGD([ref], lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        ids = torch.randint(0, VOCAB, (7,), generator=g)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        table(ids).square().sum().backward()
+        nn.functional.embedding(ids, ref).square().sum().backward()
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+    assert opt.hyper["lr"] == pytest.approx(0.5 * 0.1**2)
+    torch.testing.assert_close(table.weight, ref.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("lr", [-0.1, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_learning_rate_is_refused(lr):
+    table = HostEmbedding(TableConfig("t", VOCAB, DIM))
+    with pytest.raises(ValueError, match=r"LazyAdam: learning rate must be a finite number >= 0, got"):
+        LazyAdam([table], LazyAdamConfig(lr=lr))
+    opt = LazyAdam([table])
+    before = table.weight.detach().clone()
+    table(torch.tensor([1, 2])).sum().backward()
+    opt.hyper["lr"] = lr  # what a broken schedule would set
+    with pytest.raises(ValueError, match="learning rate must be a finite number >= 0"):
+        opt.step()
+    assert torch.equal(table.weight, before)

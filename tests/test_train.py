@@ -215,3 +215,54 @@ def test_a_single_class_evaluation_writes_valid_json_with_null(tmp_path, capsys)
     assert last["test_auc"] is None and last["test_logloss"] >= 0
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text(), parse_constant=no_nan)
     assert saved["history"]["valid_auc"] == [None]
+
+
+@pytest.mark.parametrize("flag,saved,other", [("--seed", "0", "1"), ("--batch-size", "64", "32")])
+def test_resume_refuses_a_change_that_moves_the_data_position(ml_dir, tmp_path, capsys, flag, saved, other):
+    # Another seed draws another split (old test samples would train); another batch size would
+    # reinterpret the saved batch index. Refused, naming the flag; nothing changes.
+    run = tmp_path / "run"
+    assert _cli(ml_dir, run, "--max-steps", "7") == 0
+    before = (run / "checkpoint.pt").read_bytes()
+    assert _cli(ml_dir, run, "--resume", flag, other) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"hetero: error: checkpoint {run / 'checkpoint.pt'} was saved with ")
+    assert f"this run has {other} ({flag})" in err and err.endswith(f"resume with {flag} {saved}")
+    assert (run / "checkpoint.pt").read_bytes() == before
+
+
+def test_resume_applies_new_learning_rates_and_logs_them(ml_dir, tmp_path, caplog):
+    import logging
+
+    run = tmp_path / "run"
+    assert _cli(ml_dir, run, "--max-steps", "7") == 0
+    with caplog.at_level(logging.INFO, logger="hetero"):
+        assert _cli(ml_dir, run, "--resume", "--deep-lr", "0.0001", "--dense-lr", "0.0002") == 0
+    msgs = [r.getMessage() for r in caplog.records if "resume:" in r.getMessage()]
+    assert any(m.startswith("hetero: resume: sparse optimizer 'deep' lr = 0.0001 (this run's; the checkpoint had ")
+               for m in msgs), msgs
+    assert any(m.startswith("hetero: resume: dense_optimizer group 0 lr = 0.0002") for m in msgs), msgs
+    saved = load_checkpoint(run / "checkpoint.pt")
+    assert saved["sparse_optimizers"]["deep"]["config"]["lr"] == 0.0001
+    assert saved["dense_optimizer"]["param_groups"][0]["lr"] == 0.0002
+
+
+def test_a_failed_resume_changes_nothing_in_the_trainer(tmp_path):
+    # The sparse optimizers are checked before the model and the dense optimizer are loaded.
+    data = make_dataset(300)
+    first = _trainer(data, tmp_path / "a", max_steps=3)
+    first.fit()
+    other = _trainer(data, tmp_path / "a")
+    from hetero.optim import Adagrad
+
+    tables = host_tables(other.model)
+    adagrad = Adagrad({k: t for k, t in tables.items() if k.startswith("deep.")})
+    other = Trainer(other.model, other.dense_optimizer, {"wide": other._sparse_local["wide"], "deep": adagrad},
+                    other.train, data, data, other.config, tmp_path / "a")
+    model_before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    dense_before = {k: v for k, v in other.dense_optimizer.state_dict().items()}
+    with pytest.raises(CheckpointError, match="sparse optimizer state is for LazyAdam, not Adagrad"):
+        other.resume()
+    for k, v in other.model.state_dict().items():
+        assert torch.equal(v, model_before[k]), k
+    assert other.dense_optimizer.state_dict() == dense_before and other.global_step == 0

@@ -90,7 +90,7 @@ class SGDConfig:
     lr: float = 0.01
 
 
-class SparseOptimizer(abc.ABC):
+class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base class: owns host tables, their per-row state, and a step count per table group.
 
     Args:
@@ -101,9 +101,14 @@ class SparseOptimizer(abc.ABC):
         config: the optimizer's hyper-parameters (its ``Config`` dataclass); default if ``None``.
 
     Use like ``torch.optim``: ``zero_grad()`` before the forward, ``loss.backward()``, ``step()``.
+    It is a ``torch.optim.Optimizer`` with one param group (the tables' weights) that carries the
+    config's hyper-parameters: ``torch.optim.lr_scheduler`` schedules act on it, and every step
+    reads the group's current values. ``state[table.weight]`` (torch's per-parameter state) and
+    :attr:`table_state` (by table name) are views of the per-row state.
 
     Raises:
-        ValueError: no tables, or only part of a table group.
+        ValueError: no tables, only part of a table group, or a learning rate that is negative or
+            not finite (also from ``step()``, when a schedule produced one).
         TypeError: a config of another optimizer.
     """
 
@@ -120,6 +125,8 @@ class SparseOptimizer(abc.ABC):
         if not isinstance(self.config, self.Config):
             raise TypeError(f"{type(self).__name__} takes a {self.Config.__name__}, got {type(self.config).__name__}")
         self.tables: dict[str, HostEmbedding] = dict(tables)
+        super().__init__([t.weight for t in self.tables.values()], dataclasses.asdict(self.config))
+        self._check_lr()
         owned = {id(t) for t in self.tables.values()}
         self.groups: list[TableGroup] = []
         for t in self.tables.values():
@@ -137,6 +144,18 @@ class SparseOptimizer(abc.ABC):
         self.group_state: dict[int, dict[str, Tensor]] = {
             id(g): {s: self._initial_state(s, g) for s in self.state_names} for g in self.groups
         }
+        for name, views in self.table_state.items():
+            self.state[self.tables[name].weight] = views
+
+    @property
+    def hyper(self) -> dict[str, Any]:
+        """The hyper-parameters the next step uses: the param group (a schedule may change them)."""
+        return self.param_groups[0]
+
+    def _check_lr(self) -> None:
+        lr = self.hyper["lr"]
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"{type(self).__name__}: learning rate must be a finite number >= 0, got {lr!r}")
 
     def _initial_state(self, name: str, group: TableGroup) -> Tensor:
         shape = (group.num_rows,) if self.rowwise_state else (group.num_rows, group.dim)
@@ -150,7 +169,7 @@ class SparseOptimizer(abc.ABC):
         return {name: self._group_steps[id(t.group)] for name, t in self.tables.items()}
 
     @property
-    def state(self) -> dict[str, dict[str, Tensor]]:
+    def table_state(self) -> dict[str, dict[str, Tensor]]:
         """Per-table views of the state: ``{table name: {state name: (V, D) or (V,) tensor}}``."""
         out = {}
         for name, t in self.tables.items():
@@ -164,13 +183,16 @@ class SparseOptimizer(abc.ABC):
         per-table step ``t`` (its bias correction) the same on every shard."""
         self._group_steps[id(group)] += 1
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - torch.optim's signature
         for group in self.groups:
             group.pending = []
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None) -> None:  # noqa: ANN001 - torch.optim's signature; no closure support
         """Apply the pending sparse gradient of every table group; groups without one are skipped."""
+        if closure is not None:
+            raise ValueError(f"{type(self).__name__}.step() takes no closure")
+        self._check_lr()
         for group in self.groups:
             grad = group.pop_sparse_grad()
             if grad is None or grad.ids.numel() == 0:
@@ -203,11 +225,34 @@ class SparseOptimizer(abc.ABC):
         """
 
     def state_dict(self, include_state: bool = True) -> dict[str, Any]:
-        """Type, config, steps per table and (``include_state``) the per-table row state views."""
-        out = {"optimizer": type(self).__name__, "config": dataclasses.asdict(self.config), "steps": self.steps}
+        """Type, hyper-parameters (``config``: the param group's current values), steps per table
+        and (``include_state``) the per-table row state views."""
+        config = {k: self.hyper[k] for k in dataclasses.asdict(self.config)}
+        out = {"optimizer": type(self).__name__, "config": config, "steps": self.steps}
         if include_state:
-            out["state"] = self.state
+            out["state"] = self.table_state
         return out
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Check, without changing anything, that a :meth:`state_dict` of whole tables (any world
+        size) fits this optimizer: its type, its tables and each state's global shape.
+
+        Raises:
+            ValueError: naming the first difference.
+        """
+        kind = type(self).__name__
+        if state_dict["optimizer"] != kind:
+            raise ValueError(f"sparse optimizer state is for {state_dict['optimizer']}, not {kind}")
+        saved, ours = set(state_dict["steps"]), set(self.tables)
+        if saved != ours:
+            raise ValueError(f"{kind} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
+        for name, tensors in state_dict.get("state", {}).items():
+            t = self.tables[name]
+            for s, x in tensors.items():
+                want = (t.config.num_embeddings,) if self.rowwise_state else (t.config.num_embeddings, t.config.embedding_dim)
+                if tuple(x.shape) != want:
+                    raise ValueError(f"{kind} state {s!r} of table {name!r} has shape {tuple(x.shape)} in the checkpoint "
+                                     f"and {want} here")
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore state saved by :meth:`state_dict`. Without ``"state"``, only the configuration
@@ -225,7 +270,7 @@ class SparseOptimizer(abc.ABC):
         saved, ours = set(state_dict["state"]), set(self.tables)
         if saved != ours:
             raise ValueError(f"{kind} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
-        views = self.state
+        views = self.table_state
         for name, tensors in state_dict["state"].items():
             for s, t in tensors.items():
                 mine = views[name][s]
@@ -243,7 +288,7 @@ class SparseOptimizer(abc.ABC):
             raise ValueError(f"{type(self).__name__} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
         for name, t in self.tables.items():
             self._group_steps[id(t.group)] = int(state_dict["steps"][name])
-        self.config = self.Config(**state_dict["config"])
+        self.hyper.update(state_dict["config"])
 
 
 class LazyAdam(SparseOptimizer):
@@ -251,9 +296,9 @@ class LazyAdam(SparseOptimizer):
     state_names = ("exp_avg", "exp_avg_sq")
 
     def _update(self, w, widx, state, ids, grad, step):
-        c = self.config
-        step_size = c.lr * math.sqrt(1 - c.beta2**step) / (1 - c.beta1**step)
-        kernels().lazy_adam(w, widx, *state, ids, *grad, f32(step_size), f32(c.beta1), f32(c.beta2), f32(c.eps))
+        c = self.hyper
+        step_size = c["lr"] * math.sqrt(1 - c["beta2"] ** step) / (1 - c["beta1"] ** step)
+        kernels().lazy_adam(w, widx, *state, ids, *grad, f32(step_size), f32(c["beta1"]), f32(c["beta2"]), f32(c["eps"]))
 
 
 class FTRL(SparseOptimizer):
@@ -265,8 +310,8 @@ class FTRL(SparseOptimizer):
         return x.fill_(self.config.initial_accumulator) if name == "accumulator" else x
 
     def _update(self, w, widx, state, ids, grad, step):
-        c = self.config
-        kernels().ftrl(w, widx, *state, ids, *grad, f32(c.lr), f32(c.l1), f32(c.l2), f32(c.beta))
+        c = self.hyper
+        kernels().ftrl(w, widx, *state, ids, *grad, f32(c["lr"]), f32(c["l1"]), f32(c["l2"]), f32(c["beta"]))
 
 
 class Adagrad(SparseOptimizer):
@@ -277,7 +322,7 @@ class Adagrad(SparseOptimizer):
         return super()._initial_state(name, group).fill_(self.config.initial_accumulator)
 
     def _update(self, w, widx, state, ids, grad, step):
-        kernels().adagrad(w, widx, *state, ids, *grad, f32(self.config.lr), f32(self.config.eps))
+        kernels().adagrad(w, widx, *state, ids, *grad, f32(self.hyper["lr"]), f32(self.hyper["eps"]))
 
 
 class RowWiseAdagrad(Adagrad):
@@ -285,14 +330,14 @@ class RowWiseAdagrad(Adagrad):
     rowwise_state = True
 
     def _update(self, w, widx, state, ids, grad, step):
-        kernels().rowwise_adagrad(w, widx, *state, ids, *grad, f32(self.config.lr), f32(self.config.eps))
+        kernels().rowwise_adagrad(w, widx, *state, ids, *grad, f32(self.hyper["lr"]), f32(self.hyper["eps"]))
 
 
 class SGD(SparseOptimizer):
     Config = SGDConfig
 
     def _update(self, w, widx, state, ids, grad, step):
-        kernels().sgd(w, widx, ids, *grad, f32(self.config.lr))
+        kernels().sgd(w, widx, ids, *grad, f32(self.hyper["lr"]))
 
 
 class SparseOptimizerKind(enum.Enum):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import io
 import json
 import logging
 import math
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from torch import nn
 from hetero import ps
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
 from hetero.checkpoint.sharded import load_sharded, resolve, save_sharded
-from hetero.data import Batch, Batches, TabularDataset
+from hetero.data import Batch, Batches, Jagged, TabularDataset
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.parallel import (
@@ -111,6 +113,7 @@ class Trainer:
                              "checkpoint_format=CheckpointFormat.SHARDED (--checkpoint-format sharded)")
         self.sparse_optimizers = {k: ps.PSSparse(o) if self.remote else DistributedSparse(o) if active() else o
                                   for k, o in sparse_optimizers.items()}
+        self._sparse_local = dict(sparse_optimizers)  # the optimizers themselves, for checks and hyper-parameters
         self.train, self.valid, self.test, self.config = train, valid, test, config
         self.run_dir = Path(run_dir)
         self.checkpoint_path = self.run_dir / config.checkpoint_format.file_name
@@ -120,6 +123,7 @@ class Trainer:
         self.history: dict[str, list] = {"epoch": [], "valid_auc": [], "valid_logloss": []}
         self.train_seconds, self.train_samples = 0.0, 0
         self.on_step = on_step
+        self._train_crc = _dataset_crc(train.dataset)
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self, tables: bool = True) -> dict[str, Any]:
@@ -131,7 +135,7 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        state = {"format_version": FORMAT_VERSION}
+        state = {"format_version": FORMAT_VERSION, "run": self.run_identity()}
         if tables:
             state["model"] = full_model_state(self.model)  # row-sharded tables gathered whole (collective)
         state.update({
@@ -145,15 +149,82 @@ class Trainer:
         })
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
-        """Restore a :meth:`state_dict`; without ``"model"`` (the sharded layout) the tables and
-        the model were loaded in place already."""
+    def run_identity(self) -> dict[str, Any]:
+        """What names the samples behind a data position: the batching config and the training
+        data (size and CRC-32). Saved in checkpoints; a resume that differs is refused."""
+        c = self.train.config
+        return {"batch_size": c.batch_size, "seed": c.seed, "shuffle": c.shuffle, "drop_last": c.drop_last,
+                "train_samples": len(self.train.dataset), "train_crc": self._train_crc}
+
+    def check_resumable(self, state: Mapping[str, Any], path: Path) -> None:
+        """Check, changing nothing, that ``state`` (a :meth:`state_dict`) continues this run.
+
+        Raises:
+            CheckpointError: another batching or training data (naming the setting, both values and
+                the fix), another model, or optimizers that do not fit.
+        """
+        saved, ours = state.get("run"), self.run_identity()
+        if saved is None:
+            raise CheckpointError(f"checkpoint {path} holds no run configuration (written before hetero saved one); "
+                                  f"its data position cannot be checked: start a new run")
+        names = {"batch_size": ("global batch size", "--batch-size"), "seed": ("seed", "--seed"),
+                 "shuffle": ("shuffle", "the batching config"), "drop_last": ("drop_last", "the batching config")}
+        for key, (what, flag) in names.items():
+            if saved[key] != ours[key]:
+                raise CheckpointError(
+                    f"checkpoint {path} was saved with {what} {saved[key]} and this run has {ours[key]} ({flag}): its "
+                    f"data position (epoch {state['position']['epoch']}, batch {state['position']['batch']}) would name "
+                    f"other samples{' and the seed draws another data split' if key == 'seed' else ''}; resume with "
+                    f"{flag} {saved[key]}")
+        if (saved["train_samples"], saved["train_crc"]) != (ours["train_samples"], ours["train_crc"]):
+            raise CheckpointError(
+                f"checkpoint {path} was trained on other data ({saved['train_samples']} training samples, CRC-32 "
+                f"{saved['train_crc']:08x}; this run has {ours['train_samples']}, {ours['train_crc']:08x}): another data "
+                f"file, vocabulary or split; resume with the data it was saved with")
         if "model" in state:
             check_model_compatible(global_shapes(self.model), state["model"], path)
+        groups, saved_groups = self.dense_optimizer.param_groups, state["dense_optimizer"]["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in saved_groups]:
+            raise CheckpointError(f"checkpoint {path}: the dense optimizer's parameter groups differ from this run's")
+        for k, opt in self._sparse_local.items():
+            if k not in state["sparse_optimizers"]:
+                raise CheckpointError(f"checkpoint {path} has no sparse optimizer {k!r}")
+            try:
+                opt.check_state_dict(state["sparse_optimizers"][k])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {path}: {e}") from e
+
+    def _hyper_parameters(self) -> dict[str, dict[str, Any]]:
+        out = {f"dense_optimizer group {i}": {k: v for k, v in g.items() if k != "params"}
+               for i, g in enumerate(self.dense_optimizer.param_groups)}
+        out.update({f"sparse optimizer {k!r}": dict(o.hyper) for k, o in self._sparse_local.items()})
+        return out
+
+    def _restore_hyper_parameters(self, ours: dict[str, dict[str, Any]]) -> None:
+        """After a load: this run's hyper-parameters win over the checkpoint's (a resume with lower
+        learning rates is the fix for a diverged run), each change logged once."""
+        targets = {f"dense_optimizer group {i}": g for i, g in enumerate(self.dense_optimizer.param_groups)}
+        targets.update({f"sparse optimizer {k!r}": o.hyper for k, o in self._sparse_local.items()})
+        for where, values in ours.items():
+            group = targets[where]
+            for key, value in values.items():
+                if group.get(key) != value:
+                    log.info("hetero: resume: %s %s = %r (this run's; the checkpoint had %r)", where, key, value,
+                             group.get(key))
+                    group[key] = value
+
+    def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
+        """Restore a :meth:`state_dict` after :meth:`check_resumable` (nothing is changed when
+        that raises); without ``"model"`` (the sharded layout) the tables and the model were
+        loaded in place already. This run's hyper-parameters are kept (logged where they differ)."""
+        self.check_resumable(state, path)
+        ours = self._hyper_parameters()
+        if "model" in state:
             self.model.load_state_dict(local_model_state(self.model, state["model"]))  # this rank's rows of sharded tables
         self.dense_optimizer.load_state_dict(state["dense_optimizer"])
         for k, opt in self.sparse_optimizers.items():
             opt.load_state_dict(state["sparse_optimizers"][k])
+        self._restore_hyper_parameters(ours)
         pos = state["position"]
         self.epoch, self.batch, self.global_step = pos["epoch"], pos["batch"], pos["global_step"]
         torch.set_rng_state(state["rng"]["torch"])
@@ -195,10 +266,14 @@ class Trainer:
                 config; nothing is changed then.
         """
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
+            # Validate before touching anything: the run's record first (a small read), then
+            # load_sharded checks shards and shapes before it writes into the model.
+            head = {"extra": io.BytesIO()}
+            load_sharded(head, self.checkpoint_path)
+            self.check_resumable(read_extra(head), self.checkpoint_path)
             template = sharded_state(self, blob=False)
             if self.remote:
                 ps.request_checkpoint(save=False, path=self.checkpoint_path)  # the servers load their shards
-            # Validate before touching anything: load_sharded checks shards and shapes first.
             load_sharded(template, self.checkpoint_path)
             self.load_state_dict(read_extra(template), self.checkpoint_path)
         else:
@@ -320,3 +395,16 @@ class Trainer:
 
 def _fmt(metric: float | None) -> str:
     return "undefined" if metric is None else f"{metric:.4f}"
+
+
+def _dataset_crc(data: TabularDataset) -> int:
+    """CRC-32 of a dataset's labels, dense features and ids (columns in name order): another file,
+    vocabulary or split gives another value. One pass over the data at start."""
+    crc = 0
+    columns = [data.label, data.dense]
+    for name in sorted(data.features):
+        col = data.features[name]
+        columns += [col.values, col.offsets] if isinstance(col, Jagged) else [col]
+    for c in columns:
+        crc = zlib.crc32(memoryview(c.contiguous().numpy()).cast("B"), crc)  # read in place, no copy
+    return crc
