@@ -218,7 +218,7 @@ def test_optimizer_must_own_whole_groups():
         LazyAdam([coll.tables["a"]])
 
 
-def _train(threads, prefetch=None, steps=6):
+def _train(threads, prefetch=None, steps=6, rebuild=False, skip=None):
     set_num_threads(threads)
     try:
         coll = _collection()
@@ -230,11 +230,16 @@ def _train(threads, prefetch=None, steps=6):
             f = _features(g)
             f["a"][:, 0] = torch.arange(32) % 10
             batches.append(f)
-        it = batches if prefetch is None else Prefetcher(coll, batches, prefetch, features=lambda b: b)
+        # rebuild: a new mapping around the same tensors, for the prefetcher and again for the model
+        it = batches if prefetch is None else Prefetcher(coll, batches, prefetch,
+                                                         features=(lambda b: dict(b)) if rebuild else (lambda b: b))
         outs = []
-        for feats in it:
+        for i, feats in enumerate(it):
+            if i == skip:  # the model is called with another batch than the one prepared
+                feats = _features(torch.Generator().manual_seed(99))
             opt.zero_grad()
-            out = coll(feats)
+            out = coll(dict(feats) if rebuild else feats)
+            assert len(coll._prepared) <= 1
             outs.append({n: o.detach().clone() for n, o in out.items()})
             sum((o * (k + 1)).sum() for k, o in enumerate(out.values())).backward()
             opt.step()
@@ -283,7 +288,25 @@ def test_prefetch_without_early_gather_is_exact_and_cleans_up():
     ref, ref_outs, _, _ = _train(2)
     pre, pre_outs, _, _ = _train(2, PrefetchConfig())
     assert all(torch.equal(a[n], b[n]) for a, b in zip(ref_outs, pre_outs) for n in a)
-    assert pre._prepared == {}
+    assert len(pre._prepared) == 0
+
+
+def test_prefetch_plans_match_a_feature_mapping_rebuilt_per_batch():
+    # The plans follow the ids, not the mapping object: a mapping rebuilt per batch (as a data
+    # loader or a model's forward does) uses every prepared plan, and nothing accumulates.
+    ref, ref_outs, _, _ = _train(2)
+    pre, pre_outs, prefetcher, _ = _train(2, PrefetchConfig(gather_rows=True, worker=False), rebuild=True)
+    assert pre.mismatched_plans == 0 and prefetcher.refreshed_rows > 0  # the prepared rows were used
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(ref_outs, pre_outs) for n in a)
+
+
+def test_a_prepared_plan_for_other_ids_is_never_used():
+    ref, ref_outs, _, _ = _train(2, skip=2)
+    pre, pre_outs, _, _ = _train(2, PrefetchConfig(gather_rows=True, worker=False), skip=2)
+    assert pre.mismatched_plans == 1
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(ref_outs, pre_outs) for n in a)
+    for n in ref.tables:
+        assert torch.equal(ref.tables[n].weight, pre.tables[n].weight)
 
 
 def test_import_hetero_does_not_load_numba():

@@ -302,3 +302,19 @@ def test_explain_a_model_with_a_host_table_leaves_the_model_as_it_was():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert model.emb.group.tables == [model.emb]  # the original's group is untouched
+
+
+def test_host_subgraphs_on_the_worker_thread_run_under_the_callers_autocast():
+    # autocast (like grad mode, the CUDA device and stream) is per thread: the worker that runs
+    # host subgraphs must take the caller's, or its matmuls run in fp32.
+    torch.manual_seed(0)
+    ref = TwoBranch()
+    x = _inputs(ref)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x)
+    hm = partition(TwoBranch(), PlacementSpec().module("a", "host"), concurrent=True)
+    hm.model.load_state_dict(ref.state_dict())
+    assert any(s.target is Target.HOST for s in hm.subgraphs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = hm(x)
+    assert_parity(got, want)  # the host branch's matmul in bf16 too (in fp32 its values differ)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 
 from hetero.embedding.group import LookupPlan, Request, TableGroup
@@ -35,8 +37,9 @@ class HostEmbeddingCollection(nn.Module):
         for t in self.tables.values():
             by_kind.setdefault((t.config.embedding_dim, t.config.dtype), []).append(t)
         self.groups = [TableGroup(ts) for ts in by_kind.values()]
-        # id(features) -> (features, plans); holding ``features`` keeps its id from being reused
-        self._prepared: dict[int, tuple[Mapping, list[LookupPlan]]] = {}
+        # Plans handed over by a prefetcher, in batch order, with the requests they were built for.
+        self._prepared: collections.deque[tuple[list[list[Request]], list[LookupPlan]]] = collections.deque()
+        self.mismatched_plans = 0  # prepared plans dropped because the lookup asked for other ids
 
     def requests(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> list[list[Request]]:
         """The lookup requests of ``features``, one list per group."""
@@ -54,14 +57,38 @@ class HostEmbeddingCollection(nn.Module):
         return out
 
     def prepare(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]], plans: list[LookupPlan]) -> None:
-        """Hand over plans built ahead of time (by a prefetcher) for the lookup of ``features``."""
-        self._prepared[id(features)] = (features, plans)
+        """Queue plans built ahead of time (by a prefetcher) for the next lookup, of ``features``."""
+        self._prepared.append((self.requests(features), plans))
+
+    def drop_prepared(self) -> None:
+        """Forget queued plans (a prefetcher stopped early)."""
+        self._prepared.clear()
 
     def forward(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
-        entry = self._prepared.pop(id(features), None)
-        plans = entry[1] if entry is not None and entry[0] is features else None
+        requests = self.requests(features)
+        plans = None
+        if self._prepared:
+            prepared, plans = self._prepared.popleft()
+            if not _same_requests(prepared, requests):
+                # The model was called with other ids than the prefetcher prepared (a batch skipped,
+                # or features changed between them): the plans do not apply; look up afresh.
+                self.mismatched_plans += 1
+                self._prepared.clear()
+                plans = None
         out = {}
-        for i, (group, reqs) in enumerate(zip(self.groups, self.requests(features))):
+        for i, (group, reqs) in enumerate(zip(self.groups, requests)):
             for r, y in zip(reqs, group.lookup(reqs, None if plans is None else plans[i])):
                 out[r.table.name] = y
         return {name: out[name] for name in self.tables}
+
+
+def _same_requests(a: list[list[Request]], b: list[list[Request]]) -> bool:
+    """Whether two lookups ask for the same ids and bags: the same tensors (a feature mapping
+    rebuilt around them), or equal ones (one pass over the ids when they are copies)."""
+    for ra, rb in zip((r for g in a for r in g), (r for g in b for r in g)):
+        for x, y in ((ra.ids, rb.ids), (ra.offsets, rb.offsets)):
+            if x is y:
+                continue
+            if x is None or y is None or x.shape != y.shape or x.device != y.device or not torch.equal(x, y):
+                return False
+    return True

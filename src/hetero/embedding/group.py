@@ -240,6 +240,9 @@ class TableGroup:
         """
         if plan.copy_done is not None:
             torch.cuda.current_stream().wait_event(plan.copy_done)  # device waits for the prefetch copy, not the host
+            # Allocated on the side stream, used on this one: keep the allocator from handing the
+            # memory to the side stream again before this stream's kernels that read it have run.
+            plan.rows_device.record_stream(torch.cuda.current_stream())
             plan.copy_done = None
         if self.row_version is None or self.version - plan.version <= plan.max_staleness:
             return 0

@@ -26,6 +26,7 @@ from torch import nn
 
 from hetero.embedding.collection import HostEmbeddingCollection
 from hetero.embedding.group import LookupPlan
+from hetero.placement.threads import ThreadContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +43,9 @@ class Prefetcher:
     Args:
         model: the module whose :class:`HostEmbeddingCollection` s look up ``features(batch)``.
         batches: any iterable of batches.
-        features: maps a batch to the feature mapping the collections receive (the same object
-            must then be passed to the model: plans are matched by identity).
+        features: maps a batch to the feature mapping the collections receive. The model may
+            receive another mapping around the same tensors; a lookup whose ids differ from the
+            prepared ones (a batch skipped) is looked up afresh, never from the wrong plan.
 
     Raises:
         ValueError: ``depth < 1``, or a row-sharded table (its lookup is a collective).
@@ -69,9 +71,13 @@ class Prefetcher:
         cuda = any(c.tables and next(iter(c.tables.values())).output_device.type == "cuda" for c in self.collections)
         self.stream = torch.cuda.Stream() if cuda else None
 
-    def _prepare(self, batch: Any) -> list[list[LookupPlan]]:
+    def _prepare(self, batch: Any, context: ThreadContext) -> list[list[LookupPlan]]:
         # Runs on the worker thread: only serial numba kernels (plan) and torch ops (gather) here.
         # numba's default threading layer does not allow two threads to launch parallel kernels.
+        with context.applied():  # the training thread's CUDA device (the side stream is ours)
+            return self._prepare_batch(batch)
+
+    def _prepare_batch(self, batch: Any) -> list[list[LookupPlan]]:
         feats = self.features(batch)
         out = []
         for c in self.collections:
@@ -107,7 +113,7 @@ class Prefetcher:
                     batch = next(it, None)
                     if batch is None:
                         return
-                    pending.append((batch, pool.submit(self._prepare, batch)))
+                    pending.append((batch, pool.submit(self._prepare, batch, ThreadContext.capture())))
 
             try:
                 refill()
@@ -122,7 +128,7 @@ class Prefetcher:
                     self.refreshed_rows += sum(p.refreshed for ps in plans for p in ps)
             finally:  # stopped early (max_steps, an error): drop plans nobody will consume
                 for c in self.collections:
-                    c._prepared.clear()
+                    c.drop_prepared()
 
 
 class _Inline(Executor):

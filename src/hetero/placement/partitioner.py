@@ -34,6 +34,7 @@ from torch import nn
 from torch.fx.passes.split_module import split_module
 
 from hetero.placement.annotate import PlacementSpec, current_region, module_target
+from hetero.placement.threads import ThreadContext
 from hetero.placement.target import Target, copy_to, resolve_device
 
 
@@ -163,7 +164,7 @@ class HeteroModule(nn.Module):
             return self.model(*args)
         env: dict[fx.Node, Any] = {}
         inputs = iter(args)
-        grad = torch.is_grad_enabled()
+        context = ThreadContext.capture()  # grad mode, CUDA device and stream, autocast: per thread
 
         def resolve(a):
             return fx.node.map_aggregate(fx.node.map_arg(a, lambda n: env[n]), _value)
@@ -174,7 +175,7 @@ class HeteroModule(nn.Module):
             elif node.op == "call_module":
                 sub = self.split.get_submodule(str(node.target))
                 if self.concurrent and self._targets.get(str(node.target)) is Target.HOST:
-                    env[node] = self._worker().submit(_run, sub, node.args, node.kwargs, env.copy(), grad)
+                    env[node] = self._worker().submit(_run, sub, node.args, node.kwargs, env.copy(), context)
                 else:
                     env[node] = sub(*resolve(node.args), **resolve(node.kwargs))
             elif node.op == "get_attr":  # a parameter handed to a subgraph as an input
@@ -229,8 +230,8 @@ def _schedule(graph: fx.Graph, targets: dict[str, Target]) -> list[fx.Node]:
     return order
 
 
-def _run(sub: nn.Module, args, kwargs, env, grad: bool):
-    with torch.set_grad_enabled(grad):  # grad mode is per thread: mirror the caller's
+def _run(sub: nn.Module, args, kwargs, env, context: ThreadContext):
+    with context.applied():  # the caller's grad mode, device, stream and autocast, on this worker
         res = lambda a: fx.node.map_aggregate(fx.node.map_arg(a, lambda n: env[n]), _value)  # noqa: E731
         return sub(*res(args), **res(kwargs))
 
