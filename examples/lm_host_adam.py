@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero.cli import report_error
 from hetero.optim import DynamicLossScaler, HostAdamW, HostOffloadConfig, device_memory_report
 from hetero.placement import Target, resolve_device
 
@@ -75,7 +76,7 @@ def batch(data: torch.Tensor, size: int, context: int, gen: torch.Generator) -> 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -124,8 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
         opt.step()
         losses.append(loss.item())  # sync point: the log needs the value
         if step % args.log_every == 0 or step == args.steps:
-            print(f"step {step}: train loss {sum(losses[-args.log_every:]) / len(losses[-args.log_every:]):.4f} "
-                  f"({math.log2(math.e) * losses[-1]:.3f} bits/byte)", flush=True)
+            window = losses[-args.log_every:]
+            mean = sum(window) / len(window)  # loss and bits/byte of the same steps
+            print(f"step {step}: train loss {mean:.4f} ({math.log2(math.e) * mean:.3f} bits/byte, mean of the last "
+                  f"{len(window)} steps)", flush=True)
     seconds = time.perf_counter() - t0
     model.eval()
     with torch.no_grad():
@@ -144,4 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - one line for hetero's own errors, the traceback otherwise
+        report_error(e, Path(__file__))
+        sys.exit(1)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hetero
+from hetero.cli import report_error
 from hetero.data.mnist import load_mnist, normalize
 from hetero import parallel
 from hetero.placement import PlacementSpec, Target
@@ -87,7 +88,7 @@ def load_weights(net: Net, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> float:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--epochs", type=int, default=1)
@@ -147,4 +148,8 @@ def main(argv: list[str] | None = None) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - one line for hetero's own errors, the traceback otherwise
+        report_error(e, Path(__file__))
+        sys.exit(1)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero.cli import report_error
 from hetero import parallel
 from hetero.data import load_cifar10
 from hetero.placement import Target, copy_to, resolve_device
@@ -86,7 +87,7 @@ def augment(images: torch.Tensor, generator: torch.Generator, size: int) -> torc
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data-dir", type=Path, required=True, help="cifar-10-batches-bin (binary version)")
     p.add_argument("--batch-size", type=int, default=32, help="per rank, as in the seed")
     p.add_argument("--epochs", type=int, default=1)
@@ -148,4 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - one line for hetero's own errors, the traceback otherwise
+        report_error(e, Path(__file__))
+        sys.exit(1)

@@ -79,3 +79,11 @@ def test_resnet50_example_trains_data_parallel(tmp_path, ranks, cpu_ranks):
     result = json.loads(lines[-1])
     assert result["steps"] == 2 and result["world_size"] == ranks and np.isfinite(result["last_loss"])
     assert 0.0 <= result["test_accuracy"] <= 1.0
+
+
+def test_resnet50_example_without_data_is_one_line_naming_the_fix(tmp_path):
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--data-dir", str(tmp_path / "nowhere")], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        f"hetero: error: {tmp_path / 'nowhere' / 'data_batch_1.bin'} not found: pass the cifar-10-batches-bin directory")

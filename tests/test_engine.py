@@ -1,5 +1,6 @@
 """The fused host engine: kernels, table groups, determinism, prefetch hazards, lazy import."""
 
+import os
 import subprocess
 import sys
 
@@ -218,7 +219,7 @@ def test_optimizer_must_own_whole_groups():
         LazyAdam([coll.tables["a"]])
 
 
-def _train(threads, prefetch=None, steps=6, rebuild=False, skip=None):
+def _train(threads, prefetch=None, steps=6, rebuild=False, skip=None, on_step=None):
     set_num_threads(threads)
     try:
         coll = _collection()
@@ -243,14 +244,22 @@ def _train(threads, prefetch=None, steps=6, rebuild=False, skip=None):
             outs.append({n: o.detach().clone() for n, o in out.items()})
             sum((o * (k + 1)).sum() for k, o in enumerate(out.values())).backward()
             opt.step()
+            if on_step is not None:
+                on_step()
         return coll, outs, it, batches
     finally:
         set_num_threads(None)
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    one = _train(1)[0]
-    two = _train(2)[0]
+    from hetero.embedding.kernels import num_threads
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: there is no second thread count to compare")
+    counts = []
+    one = _train(1, on_step=lambda: counts.append(num_threads()))[0]
+    two = _train(2, on_step=lambda: counts.append(num_threads()))[0]
+    assert set(counts[:6]) == {1} and set(counts[6:]) == {2}  # the kernels really ran with 1, then 2 threads
     for n in one.tables:
         assert torch.equal(one.tables[n].weight, two.tables[n].weight), n
 

@@ -183,6 +183,8 @@ def test_lm_example_trains_on_stdlib_text_with_bf16_device_weights(capsys):
                       "--steps", "30", "--log-every", "10", "--corpus-bytes", "300000", "--lr", "3e-3"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
     first, last = (float(ln.split("train loss ")[1].split()[0]) for ln in (lines[0], lines[-1]))
+    bits = float(lines[-1].split("(")[1].split()[0])
+    assert bits == pytest.approx(last * 1.4426950408889634, abs=1e-3)  # the same steps' mean, in bits per byte
     assert result["weights_dtype"] == "bfloat16" and last < first
     assert result["device_bytes_per_param"] <= 2.5
 
@@ -262,6 +264,7 @@ def test_a_second_backward_before_step_raises():
     opt = HostAdamW(model.named_parameters(), config=FP32)
     x, y = _data(1)[0]
     ((model(x) - y) ** 2).mean().backward()
+    opt._loop.result()  # the overlapped updates have run (and cleared their arrivals) before the second backward
     with pytest.raises(RuntimeError, match="second gradient before step"):
         ((model(x) - y) ** 2).mean().backward()
     opt.zero_grad()  # a failed backward leaves nothing applied

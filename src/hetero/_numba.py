@@ -26,7 +26,9 @@ def _numba() -> ModuleType:
     # (measured: parameter-server pulls 3x slower with 3 processes on 2 cores). numba reads the
     # size from the environment, at import and again whenever it compiles, so the variable stays
     # set (processes started from this one inherit it unless they set their own).
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(max(_threads or torch.get_num_threads(), 1)))
+    # A smaller set_num_threads() in effect at the first call does not shrink the pool: a later
+    # larger one would be capped for the life of the process.
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(max(_threads or 1, torch.get_num_threads(), 1)))
     import numba
 
     if "NUMBA_THREADING_LAYER" not in os.environ:
@@ -53,7 +55,8 @@ def set_num_threads(n: int | None) -> None:
     """Threads for hetero's host kernels; ``None`` restores the default (``torch.get_num_threads()``).
 
     numba's thread pool is sized by the first kernel call (``NUMBA_NUM_THREADS``, default the
-    thread count then in effect); later calls use at most that many threads.
+    larger of ``torch.get_num_threads()`` and the count set then); later calls use at most that
+    many threads.
 
     Raises:
         ValueError: ``n < 1``.

@@ -38,7 +38,8 @@ def _ints(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train Wide & Deep with host-resident embedding tables")
+    defaults = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
+    t = sub.add_parser("train", help="train Wide & Deep with host-resident embedding tables", formatter_class=defaults)
     g = t.add_argument_group("data")
     g.add_argument("--data", choices=["movielens-100k", "criteo"], default="movielens-100k")
     g.add_argument("--data-path", type=Path, help="ml-100k atomic-file dir, or the Criteo TSV file")
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ps-timeout", type=float, default=60.0, help="seconds a worker waits for a server's answer")
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True)
-    m = csub.add_parser("merge", help="merge a sharded checkpoint (a checkpoint.dcp directory) into one integrated file")
+    m = csub.add_parser("merge", help="merge a sharded checkpoint (a checkpoint.dcp directory) into one integrated file",
+                        formatter_class=defaults)
     m.add_argument("source", type=Path, help="the checkpoint.dcp directory")
     m.add_argument("output", type=Path, help="the integrated checkpoint file to write (atomically)")
     return p
@@ -164,27 +166,29 @@ def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer | None:
     return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir, on_step=on_step)
 
 
-def report_error(e: BaseException) -> None:
+def report_error(e: BaseException, *own: Path) -> None:
     """One line for an error hetero raised itself (bad input, a bad checkpoint, a NaN loss: the
     message names the thing and the fix); the full traceback for anything else (a CUDA or NCCL
-    failure, a bug), which a one-liner would hide."""
-    if _raised_by_hetero(e):
+    failure, a bug), which a one-liner would hide. ``own``: more source files or directories
+    whose ``raise`` statements count as hetero's (an example script's)."""
+    if _raised_by(e, (_PACKAGE, *(p.resolve() for p in own))):
         print(f"hetero: error: {e}", file=sys.stderr)
     else:
         traceback.print_exception(e, file=sys.stderr)
 
 
-def _raised_by_hetero(e: BaseException) -> bool:
-    """Whether ``e`` comes from a ``raise`` statement in hetero's own code: the innermost frame of
-    its traceback is in this package, at a ``raise`` (a failing torch call made from hetero's
-    code has its innermost Python frame there too, but at the call)."""
+def _raised_by(e: BaseException, sources: tuple[Path, ...]) -> bool:
+    """Whether ``e`` comes from a ``raise`` statement in ``sources``: the innermost frame of its
+    traceback is there, at a ``raise`` (a failing torch call made from hetero's code has its
+    innermost Python frame there too, but at the call)."""
     tb = e.__traceback__
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
     filename = tb.tb_frame.f_code.co_filename
-    if not Path(filename).resolve().is_relative_to(_PACKAGE):
+    where = Path(filename).resolve()
+    if not any(where == src or where.is_relative_to(src) for src in sources):
         return False
     return linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise")
 

@@ -94,7 +94,8 @@ class _Slot:
     staging: Tensor | None  # fp16 device weights on CUDA: the host fp16 copy for the upload
     bucket: int = 0
     step: int = 0
-    arrived: bool = False
+    arrived: bool = False  # a gradient waits for the update (cleared by the update)
+    seen: bool = False  # a gradient came in this step (cleared by step() and zero_grad())
     copied: Any = None  # CUDA event of the device->host gradient copy
     uploaded: Any = None  # CUDA event of the last host->device upload (it reads ``grad`` or ``staging``)
 
@@ -183,7 +184,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- streaming
     def _on_grad(self, slot: _Slot, p: Tensor) -> None:
-        if slot.arrived:
+        if slot.seen:  # (``arrived`` is cleared by the update, which may already have run)
             raise RuntimeError(f"{type(self).__name__}: parameter {slot.name!r} received a second gradient before "
                                f"step(); gradients stream to the host as backward produces them, so accumulation over "
                                f"several backward passes is not supported: call step() after every backward")
@@ -194,7 +195,7 @@ class HostAdamW(torch.optim.Optimizer):
             slot.copied = torch.cuda.Event()
             slot.copied.record()
         p.grad = None  # free the device gradient now, not at zero_grad()
-        slot.arrived = True
+        slot.arrived = slot.seen = True
         with self._lock:
             self._pending[slot.bucket] += 1
             if self._pending[slot.bucket] == len(self._buckets[slot.bucket]):
@@ -317,6 +318,8 @@ class HostAdamW(torch.optim.Optimizer):
         return loss
 
     def _new_step(self) -> None:
+        for slot in self._slots.values():
+            slot.seen = False
         self._loop = None
         self._pending = [0] * len(self._buckets)
         for ready in self._ready:
