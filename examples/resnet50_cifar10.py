@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -72,6 +73,15 @@ class ResNet50(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
 
+def weights_crc(model: nn.Module) -> int:
+    """CRC-32 of every parameter, in order (host copies). Buffers are left out: batch norm's
+    running statistics follow each rank's own batches between DDP's broadcasts."""
+    crc = 0
+    for t in model.parameters():
+        crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
 def augment(images: torch.Tensor, generator: torch.Generator, size: int) -> torch.Tensor:
     """uint8 ``(B, 3, 32, 32)`` -> normalised float ``(B, 3, size, size)``: random crop (padding 4),
     random horizontal flip, rescale to [0, 1], normalise."""
@@ -113,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = ResNet50().to(device)
     net = parallel.data_parallel(model)
+    initial_crc = weights_crc(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     aug = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own augmentation stream
     steps, loss_value = 0, float("nan")
@@ -141,7 +152,13 @@ def main(argv: list[str] | None = None) -> dict:
             if args.image_size != 32:
                 x = F.interpolate(x, size=(args.image_size,) * 2, mode="bilinear", align_corners=False)
             correct += int((model(copy_to(x, device)).argmax(1).cpu() == test_y[i : min(i + 256, n_eval)]).sum())
-    result = {"steps": steps, "last_loss": loss_value, "test_accuracy": correct / max(n_eval, 1), "world_size": world}
+    # Every rank's weights after training: DDP keeps the replicas identical (a check that can fail).
+    crcs = [weights_crc(model)]
+    if world > 1:
+        crcs = [None] * world
+        torch.distributed.all_gather_object(crcs, weights_crc(model))
+    result = {"steps": steps, "last_loss": loss_value, "test_accuracy": correct / max(n_eval, 1), "world_size": world,
+              "initial_weights_crc": initial_crc, "weights_crc_per_rank": crcs}
     if rank == 0:
         print(json.dumps(result))
     parallel.shutdown()

@@ -78,6 +78,9 @@ def test_resnet50_example_trains_data_parallel(tmp_path, ranks, cpu_ranks):
     assert [ln.split(",")[1] for ln in lines if ln.startswith("epoch: 0")] == [" step: 0", " step: 1"]  # rank 0 prints
     result = json.loads(lines[-1])
     assert result["steps"] == 2 and result["world_size"] == ranks and np.isfinite(result["last_loss"])
+    crcs = result["weights_crc_per_rank"]
+    assert len(crcs) == ranks and len(set(crcs)) == 1  # the replicas stayed identical (DDP)
+    assert crcs[0] != result["initial_weights_crc"]  # and they trained
     assert 0.0 <= result["test_accuracy"] <= 1.0
 
 

@@ -29,10 +29,19 @@ def test_batches_are_deterministic_and_resume_mid_epoch():
 
 def test_split_is_seeded_disjoint_and_covering():
     data = make_dataset(100)
+    data.dense[:, 0] = torch.arange(100, dtype=torch.float32)  # a sample's identity travels with its row
     parts = data.split((0.8, 0.1, 0.1), seed=1)
     assert [len(p) for p in parts] == [80, 10, 10]
+    ids = [set(p.dense[:, 0].long().tolist()) for p in parts]
+    assert ids[0] | ids[1] | ids[2] == set(range(100))  # covering
+    assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])  # disjoint
+    for p in parts:  # every column moved with its sample (the bags too)
+        rows = p.dense[:, 0].long()
+        assert torch.equal(p.label, data.label[rows]) and torch.equal(p.features["a"], data.features["a"][rows])
+        assert torch.equal(p.features["c"].values, data.features["c"].select(rows).values)
     again = data.split((0.8, 0.1, 0.1), seed=1)
-    assert torch.equal(parts[1].features["a"], again[1].features["a"])
+    assert all(torch.equal(a.dense, b.dense) for a, b in zip(parts, again))  # seeded
+    assert not torch.equal(data.split((0.8, 0.1, 0.1), seed=2)[1].dense, parts[1].dense)
 
 
 def test_movielens_features_from_atomic_files(ml_dir):

@@ -159,16 +159,26 @@ def _deep(seed=0):
     return nn.Sequential(nn.Linear(8, 64), *[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(12)], nn.Linear(64, 4))
 
 
-def test_device_bytes_per_parameter():
-    model = _deep()
-    opt = HostAdamW(model.named_parameters(), lr=1e-2)  # bf16 device weights; gradients stream away
-    _train(model, opt, _data(2))
-    report = device_memory_report(model, opt)
-    assert report["optimizer_state"] == 0 and report["bytes_per_param"] <= 2.5
-    ref = _deep()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    _train(ref, ref_opt, _data(2))
-    assert device_memory_report(ref, ref_opt)["bytes_per_param"] == 16  # fp32 weights, grads, two moments
+def test_device_memory_is_counted_from_live_tensors_and_matches_the_process_growth():
+    # Independent reference: the growth of the process's resident memory (the kernel's count of
+    # its pages), measured in a fresh process.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "helpers" / "memory_growth.py"
+    out = json.loads(subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True,
+                                    timeout=300).stdout.strip().splitlines()[-1])
+    adamw, host = out["adamw"], out["host"]
+    n = adamw["num_params"]
+    assert adamw["bytes_per_param"] == pytest.approx(16, abs=1e-3)  # fp32 weights, grads, two moments
+    assert out["adamw_grew"] == pytest.approx(adamw["grads"] + adamw["optimizer_state"], rel=0.1)
+    # HostAdamW on a host-only machine: the host is the device, so its masters and moments are
+    # there too (measured, not assumed zero); they appear when the optimizer is built.
+    assert host["optimizer_state"] == 14 * n  # fp32 master and two moments, the bf16 gradient buffer
+    assert out["host_grew"] == pytest.approx(host["optimizer_state"], rel=0.1)
+    assert host["params"] == 2 * n and host["grads"] == 2 * 2048 * 4096  # the largest gradient, bf16
 
 
 def test_lm_example_trains_on_stdlib_text_with_bf16_device_weights(capsys):
@@ -186,7 +196,6 @@ def test_lm_example_trains_on_stdlib_text_with_bf16_device_weights(capsys):
     bits = float(lines[-1].split("(")[1].split()[0])
     assert bits == pytest.approx(last * 1.4426950408889634, abs=1e-3)  # the same steps' mean, in bits per byte
     assert result["weights_dtype"] == "bfloat16" and last < first
-    assert result["device_bytes_per_param"] <= 2.5
 
 
 @pytest.mark.cuda

@@ -318,3 +318,18 @@ def test_host_subgraphs_on_the_worker_thread_run_under_the_callers_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = hm(x)
     assert_parity(got, want)  # the host branch's matmul in bf16 too (in fp32 its values differ)
+
+
+def test_the_readme_placement_example_runs_as_written(capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("```python\nimport torch\nimport hetero\nfrom hetero.placement import PlacementSpec")
+    code = readme[start + len("```python\n") : readme.index("```", start + 10)]
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the project's own README
+    report = capsys.readouterr().out
+    assert "linear@fc1" in report and "parameters: " in report
+    hm = scope["model"]
+    assert hm.param_targets["fc2.weight"] is Target.HOST and hm.param_targets["fc1.weight"] is Target.HOST
+    assert hm(scope["example_batch"]).shape == (8, 1)

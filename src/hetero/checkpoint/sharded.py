@@ -16,10 +16,11 @@ either the old checkpoint (under its name or, between the two renames, as ``.old
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,31 @@ def save_sharded(state: Mapping[str, Any], path: str | Path) -> Path:
     return path
 
 
+def _check_files(path: Path, metadata, holds: Callable[[str], bool], part: tuple[int, int] = (0, 1)) -> None:  # noqa: ANN001
+    """Every file present and long enough (a stat each); the checksums of ``.metadata`` and of
+    the files holding the values whose key ``holds`` accepts (of those, every ``part[1]``-th
+    from the ``part[0]``-th: the ranks of a job share the reading)."""
+    from hetero.checkpoint.integrity import verify_checksums
+
+    needed: dict[str, int] = {}
+    holders: set[str] = set()
+    for index, info in (metadata.storage_data or {}).items():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+        if holds(index.fqn):
+            holders.add(name)
+    for name, size in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"sharded checkpoint {path}: shard file {name} is missing; the checkpoint is incomplete "
+                                  f"(copy every __<rank>_0.distcp file of it, or resume from another checkpoint)")
+        if f.stat().st_size < size:
+            raise CheckpointError(f"sharded checkpoint {path}: shard file {name} is truncated ({f.stat().st_size} bytes, "
+                                  f"{size} expected); resume from another checkpoint")
+    files = [".metadata", *sorted(holders)]
+    verify_checksums(path, files[part[0] :: part[1]])
+
+
 def resolve(path: str | Path) -> Path:
     """The checkpoint directory to read: ``path``, or ``path.old`` after a crash between the swap's
     two renames. Raises :class:`CheckpointError` if neither exists."""
@@ -119,23 +145,11 @@ def validate(path: str | Path, part: tuple[int, int] = (0, 1)):  # noqa: ANN201 
         CheckpointError: naming the missing, truncated or corrupted file and what to do; nothing
             is read into any model before this check passes.
     """
-    from hetero.checkpoint.integrity import read_metadata, verify_checksums
+    from hetero.checkpoint.integrity import read_metadata
 
     path = resolve(path)
     metadata = read_metadata(path)
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"sharded checkpoint {path}: shard file {name} is missing; the checkpoint is incomplete "
-                                  f"(copy every __<rank>_0.distcp file of it, or resume from another checkpoint)")
-        if f.stat().st_size < size:
-            raise CheckpointError(f"sharded checkpoint {path}: shard file {name} is truncated ({f.stat().st_size} bytes, "
-                                  f"{size} expected); resume from another checkpoint")
-    files = [".metadata", *sorted(needed)]
-    verify_checksums(path, files[part[0] :: part[1]])
+    _check_files(path, metadata, lambda fqn: True, part)
     return metadata
 
 
@@ -176,6 +190,32 @@ def load_sharded(template: dict[str, Any], path: str | Path) -> Path:
     except Exception as e:
         raise CheckpointError(f"sharded checkpoint {path} could not be loaded: {e}") from e
     return path
+
+
+def read_bytes(path: str | Path, key: str) -> io.BytesIO:
+    """The ``io.BytesIO`` value ``key`` of a sharded checkpoint, read by this process alone (no
+    collective: any subset of a job's ranks may call it), after the checksums of the metadata
+    and of the files that hold it are verified.
+
+    Raises:
+        CheckpointError: no such value, or a missing, truncated or corrupted file.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from hetero.checkpoint.integrity import SafeFileSystemReader, read_metadata
+
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve(path)
+    metadata = read_metadata(path)
+    if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
+        raise CheckpointError(f"sharded checkpoint {path} has no {key!r}: it was not written by this trainer")
+    _check_files(path, metadata, lambda fqn: fqn == key)
+
+    state = {key: io.BytesIO()}
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+    return state[key]
 
 
 def _check_template(template: dict[str, Any], path: str | Path) -> Path:

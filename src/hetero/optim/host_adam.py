@@ -437,10 +437,18 @@ class HostAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- accounting
     def device_bytes(self) -> dict[str, int]:
-        """Bytes this optimizer's parameters hold on the device: weights, gradients (the peak of
-        streamed gradients alive at once), optimizer state (none: it is on the host)."""
-        weights = sum(s.param.numel() * s.param.element_size() for s in self._slots.values())
-        return {"params": weights, "grads": self.peak_device_grad_bytes, "optimizer_state": 0}
+        """Bytes this optimizer's parameters hold on their device, counted from the live tensors
+        (each storage once): weights; gradients (the largest gradient alive at once: each is
+        freed by its hook as it streams away); optimizer state: every buffer of this optimizer
+        (masters, moments, gradient and staging buffers) that is on the parameters' device - none
+        on a machine with an accelerator (they are in host memory), all of them on a host-only
+        machine, where the host is the device."""
+        weights = _storage_bytes(s.param for s in self._slots.values())
+        buffers = [t for s in self._slots.values() for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.staging)
+                   if t is not None and t.device == s.param.device]
+        params = {s.param.untyped_storage().data_ptr() for s in self._slots.values()}
+        state = _storage_bytes(t for t in buffers if t.untyped_storage().data_ptr() not in params)
+        return {"params": weights, "grads": self.peak_device_grad_bytes, "optimizer_state": state}
 
 
 class HostAdam(HostAdamW):
@@ -488,24 +496,31 @@ def _kernels():
 
 
 def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
-    """Bytes held on the device by ``model``'s parameters, their gradients and optimizer state,
-    and their sum per parameter. On a host-only machine "device" means the model's parameters'
-    own device; host-side optimizer state (HostAdamW) counts zero.
+    """Bytes held on the device by ``model``'s parameters, their gradients and the optimizer's
+    state, counted from the live tensors (each storage once), and their sum per parameter.
 
-    For ``HostAdamW`` the gradients are the peak of streamed gradients alive at once; for other
-    optimizers, the gradients present now and every state tensor on a parameter's device.
+    "Device" is the parameters' own device: on a host-only machine that is the host, and host-side
+    state (HostAdamW's masters and moments) counts there. For ``HostAdamW`` the gradients are the
+    largest one alive at once (they stream away during backward); for other optimizers, the
+    gradients present now and every state tensor on a parameter's device.
     """
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     if isinstance(optimizer, HostAdamW):
         b = optimizer.device_bytes()
     else:
-        b = {"params": sum(p.numel() * p.element_size() for p in params),
-             "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-             "optimizer_state": 0}
-        if optimizer is not None:
-            for p, st in optimizer.state.items():
-                b["optimizer_state"] += sum(t.numel() * t.element_size() for t in st.values()
-                                            if isinstance(t, Tensor) and t.device == p.device and t.dim() > 0)
+        state = [t for p, st in (optimizer.state.items() if optimizer is not None else ())
+                 for t in st.values() if isinstance(t, Tensor) and t.device == p.device]
+        b = {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
+             "optimizer_state": _storage_bytes(state)}
     total = b["params"] + b["grads"] + b["optimizer_state"]
     return {**b, "total": total, "num_params": n, "bytes_per_param": total / max(n, 1)}
+
+
+def _storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view or a shared buffer counts once)."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[(t.device, st.data_ptr())] = st.nbytes()
+    return sum(seen.values())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import io
 import json
 import logging
 import math
@@ -25,7 +24,7 @@ from torch import nn
 
 from hetero import ps
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
-from hetero.checkpoint.sharded import load_sharded, resolve, save_sharded
+from hetero.checkpoint.sharded import load_sharded, read_bytes, resolve, save_sharded
 from hetero.data import Batch, Batches, Jagged, TabularDataset
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
@@ -268,9 +267,9 @@ class Trainer:
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
             # Validate before touching anything: the run's record first (a small read), then
             # load_sharded checks shards and shapes before it writes into the model.
-            head = {"extra": io.BytesIO()}
-            load_sharded(head, self.checkpoint_path)
-            self.check_resumable(read_extra(head), self.checkpoint_path)
+            # (Each rank reads the record alone: in a parameter-server job the servers are not
+            # loading yet, so no collective may run here.)
+            self.check_resumable(read_extra({"extra": read_bytes(self.checkpoint_path, "extra")}), self.checkpoint_path)
             template = sharded_state(self, blob=False)
             if self.remote:
                 ps.request_checkpoint(save=False, path=self.checkpoint_path)  # the servers load their shards
