@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
 from hetero import ps  # noqa: E402
-from hetero.embedding import HostEmbedding, SparseGrad, TableConfig  # noqa: E402
+from hetero.embedding import HostEmbedding, RowSpace, SparseGrad, TableConfig  # noqa: E402
 from hetero.optim import LazyAdam  # noqa: E402
 from hetero.parallel.env import shutdown  # noqa: E402
 
@@ -62,7 +62,7 @@ def local_rate(steps: int, warmup: int) -> float:
 
     def step(ids):
         table.group.storage.index_select(0, ids)  # what a pull reads
-        table.group.pending = [SparseGrad(ids, grad[: ids.numel()])]
+        table.group.pending.set(SparseGrad(ids, grad[: ids.numel()], RowSpace.GROUP))
         opt.step()
 
     return median_rate(step, batches(steps + warmup), warmup)
@@ -83,7 +83,7 @@ def _rank(rank: int, world: int, port: int, steps: int, warmup: int, out: str) -
 
         def step(ids):
             client.pull(ids)
-            client.pending = [[ids, grad[: ids.numel()]]]
+            client.lookups = [[ids, grad[: ids.numel()]]]
             client.push()
 
         rate = median_rate(step, batches(steps + warmup), warmup)

@@ -11,7 +11,7 @@ from torch import nn
 from conftest import make_dataset
 
 from hetero.data import BatchConfig, Batches, FeatureRole
-from hetero.embedding import dense_parameters, host_tables
+from hetero.embedding import RowPlacement, dense_parameters, host_tables
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRL, LazyAdam
 from hetero.parallel import (
@@ -93,7 +93,7 @@ def _wide_deep_run(mean: bool, scale: float, sharded: bool = False, samples: int
     if sharded and world_size() > 1:  # each rank holds a 1/N block of every group's rows
         for name, t in host_tables(model).items():
             g = t.group
-            assert g.exchange is not None and g.storage.shape[0] <= -(-g.exchange.global_rows // world_size()), name
+            assert g.exchange.placement is RowPlacement.ROW_SHARDED and g.storage.shape[0] <= -(-g.exchange.global_rows // world_size()), name
     state = full_model_state(model)  # sharded tables gathered whole
     return losses, {k: v.detach().clone() for k, v in state.items()}
 

@@ -257,7 +257,7 @@ def test_a_failed_resume_changes_nothing_in_the_trainer(tmp_path):
 
     tables = host_tables(other.model)
     adagrad = Adagrad({k: t for k, t in tables.items() if k.startswith("deep.")})
-    other = Trainer(other.model, other.dense_optimizer, {"wide": other._sparse_local["wide"], "deep": adagrad},
+    other = Trainer(other.model, other.dense_optimizer, {"wide": other.sparse_optimizer_objects["wide"], "deep": adagrad},
                     other.train, data, data, other.config, tmp_path / "a")
     model_before = {k: v.clone() for k, v in other.model.state_dict().items()}
     dense_before = {k: v for k, v in other.dense_optimizer.state_dict().items()}

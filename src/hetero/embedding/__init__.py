@@ -5,13 +5,14 @@ trained by the sparse optimizers in :mod:`hetero.optim`.
 """
 
 from hetero.embedding.collection import HostEmbeddingCollection
+from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement, RowSpace
+from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import set_num_threads
 from hetero.embedding.prefetch import PrefetchConfig, Prefetcher
 from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.table import (
     INIT_CHUNK,
     HostEmbedding,
-    SparseGrad,
     defer_tables,
     dense_parameters,
     host_tables,
@@ -23,9 +24,14 @@ __all__ = [
     "INIT_CHUNK",
     "HostEmbedding",
     "HostEmbeddingCollection",
+    "LocalRows",
+    "PendingGrads",
     "Pooling",
     "PrefetchConfig",
     "Prefetcher",
+    "RowExchange",
+    "RowPlacement",
+    "RowSpace",
     "SparseGrad",
     "TableConfig",
     "defer_tables",

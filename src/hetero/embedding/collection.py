@@ -8,7 +8,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from hetero.embedding.group import LookupPlan, Request, TableGroup
+from hetero.embedding.group import TableGroup
+from hetero.embedding.plan import LookupPlan, Request
 from hetero.embedding.table import HostEmbedding, TableConfig
 
 

@@ -2,8 +2,11 @@
 
 A :class:`TableGroup` owns one host storage of shape ``(sum of vocab sizes, D)``; each table's
 ``weight`` is a view of its row range (FBGEMM's "table-batched embedding" layout). A lookup of
-any number of the group's tables is one :class:`LookupPlan` - one id check, one dedup, one gather,
-one host->device copy, one pooling op - and the optimizer updates the group in one kernel call.
+any number of the group's tables is one :class:`~hetero.embedding.plan.LookupPlan` (built by
+:mod:`hetero.embedding.plan`) - one id check, one dedup, one gather, one host->device copy, one
+pooling op - its gradient is captured by :mod:`hetero.embedding.capture` into ``pending``, and the
+optimizer updates the group in one kernel call. Where the rows live is the group's ``exchange``
+(:mod:`hetero.embedding.exchange`). This module holds the storage and the local lookup.
 
 Separate weight and state arrays were kept over an interleaved ``[w | m | v]`` row: on this
 project's 2-core benchmark machine interleaving gained about 10% on the LazyAdam update but would
@@ -13,7 +16,6 @@ tie the table's memory layout to its optimizer (and put optimizer state into eve
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import TYPE_CHECKING
 
@@ -22,59 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hetero.embedding.config import Pooling
+from hetero.embedding.capture import HostPool, capture_device_grad
+from hetero.embedding.exchange import LocalRows, RowExchange
+from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import kernels
+from hetero.embedding.plan import LookupPlan, Request, build_plan
 from hetero.placement import copy_to, host_empty
 
 if TYPE_CHECKING:
-    from hetero.embedding.table import HostEmbedding, SparseGrad
-
-
-@dataclasses.dataclass
-class Request:
-    """One table's part of a lookup: its ids, optional bag offsets, and the output shape."""
-
-    table: "HostEmbedding"
-    ids: Tensor
-    offsets: Tensor | None = None
-
-
-@dataclasses.dataclass
-class LookupPlan:
-    """Host-side index work of one lookup; it reads no table values.
-
-    Attributes:
-        unique: ``(U,)`` int64 group rows, first-occurrence order. ``None`` (and so are
-            ``inverse``, ``first`` and ``next``) in a plan built with ``dedup=False`` until the
-            lookup's pooling kernel has deduplicated alongside (the host-device case; under
-            ``torch.no_grad()`` it stays ``None``: nothing needs the dedup without a backward).
-        inverse: ``(N,)`` int64 position in ``unique`` of each looked-up id.
-        first: ``(U,)`` int64 position of each unique id's first occurrence; ``next``: ``(N,)``
-            int64 position of the next occurrence of the same id, -1 at the last (the
-            occurrence chains the optimizer kernels sum per-id gradients along).
-        index: ``(N,)`` int64 group row of each looked-up id (``unique[inverse]``); for a lookup
-            of one table at group row 0, the caller's ids themselves (read-only).
-        offsets: ``(num_bags + 1,)`` int64 bag boundaries over the ``N`` ids, or empty when every
-            id is its own bag (only per-id lookups).
-        scale: ``(N,)`` float32 per-id weight (``1/len(bag)`` for mean pooling), or ``None``.
-        bag_ranges: per request, its ``[start, end)`` range of bags and output shape.
-        version: the group's update count when the rows were gathered (prefetch).
-    """
-
-    unique: Tensor | None
-    inverse: Tensor | None
-    first: Tensor | None
-    next: Tensor | None
-    index: Tensor
-    offsets: Tensor
-    scale: Tensor | None
-    bag_ranges: list[tuple[int, int, tuple[int, ...]]]
-    version: int = -1
-    rows: Tensor | None = None  # gathered rows (host, pinned on CUDA) once gather() ran
-    rows_device: Tensor | None = None  # their device copy, when prefetched
-    copy_done: "torch.cuda.Event | None" = None  # end of the prefetch host->device copy
-    max_staleness: int = 0  # optimizer steps the gathered rows may lag behind
-    refreshed: int = 0  # rows gathered again because an update overtook the prefetch
+    from hetero.embedding.table import HostEmbedding
 
 
 class TableGroup:
@@ -110,12 +68,12 @@ class TableGroup:
         # dedup scratch: 8 bytes per row; None for a row-sharded group (``torch.unique`` instead:
         # a marker over the global row space on every rank would not shrink with more ranks)
         self.marker: np.ndarray | None = None if deferred else np.zeros(total, np.int64)
-        # set by hetero.parallel.shard_rows or hetero.ps.shard_tables: the lookup talks to other ranks
-        self.exchange = None
+        # where the rows live: replaced by hetero.parallel.shard_rows or hetero.ps.shard_tables
+        self.exchange: RowExchange = LocalRows(total)
         self.stamp = 0
         self._last = np.empty(0, np.int64)  # dedup scratch, reused (under the lock)
         self.lock = threading.Lock()  # the marker is shared by every lookup of the group
-        self.pending: list["SparseGrad"] = []
+        self.pending = PendingGrads()  # gradients of this step's lookups, until the optimizer steps
         self.version = 0  # optimizer updates applied so far
         self.row_version: np.ndarray | None = None  # per-row update version, while prefetching
 
@@ -123,70 +81,14 @@ class TableGroup:
     def num_rows(self) -> int:
         return self.storage.shape[0]
 
-    # ------------------------------------------------------------------------------ plan
     def plan(self, requests: list[Request], dedup: bool = True) -> LookupPlan:
-        """Check, globalize and dedup the ids of ``requests``; build bags. Reads no table rows.
+        """:func:`~hetero.embedding.plan.build_plan` for this group (reads no table rows)."""
+        return build_plan(self, requests, dedup)
 
-        ``dedup=False`` leaves the dedup to the lookup, which then runs it beside the pooling
-        (only where the device is the host and the table fp32, see :meth:`lookup`).
-
-        Raises:
-            IndexError: an out-of-range id of a table that is not ``hashed``, naming the table,
-                the id and the vocab size; raised before any state changes.
-            ValueError: bad dtype or offsets.
-        """
-        K = kernels()
-        flat, offsets, lengths, ranges = [], [], [], []
-        n = bags = 0
-        singleton = all(r.offsets is None and r.table.config.pooling is Pooling.NONE for r in requests)
-        for r in requests:
-            cfg = r.table.config
-            if r.ids.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"table {cfg.name!r}: ids must be int64 or int32, got {r.ids.dtype}")
-            ids = r.ids.to("cpu", torch.int64).reshape(-1)  # sync point if ids live on the device
-            if singleton:  # per-id lookups: bag i is id i, no offsets needed
-                ranges.append((n, n + ids.numel(), tuple(r.ids.shape)))
-            else:
-                off, shape = _bags(r, ids.numel())
-                lengths.append(off[1:] - off[:-1])
-                offsets.append(off[:-1] + n)
-                ranges.append((bags, bags + len(lengths[-1]), shape))
-                bags += len(lengths[-1])
-            flat.append(ids)
-            n += ids.numel()
-        ids = flat[0] if len(flat) == 1 else torch.cat(flat)
-        seg = np.zeros(len(requests) + 1, np.int64)
-        np.cumsum([f.numel() for f in flat], out=seg[1:])
-        vocab, row_offset, hashed = self._segment_meta(requests)
-        if len(requests) == 1 and row_offset[0] == 0 and not hashed[0]:
-            # The ids are the group rows already: check them in place (no copy; ``index`` may
-            # then share memory with the caller's ids, read-only).
-            rows = ids.numpy()
-            bad = K.first_out_of_range(rows, vocab[0])
-        else:
-            rows = np.empty(n, np.int64)
-            bad = K.globalize(ids.numpy(), seg, vocab, row_offset, hashed, rows)
-        if bad >= 0:
-            s = int(np.searchsorted(seg, bad, side="right") - 1)
-            requests[s].table.raise_out_of_range(int(ids[bad]))
-        dedup_out = (None,) * 4
-        if self.marker is None:
-            unique_t, inverse_t = torch.unique(torch.from_numpy(rows), return_inverse=True)
-            no_chain = torch.empty(0, dtype=torch.int64)  # no occurrence chains: the gradient arrives coalesced
-            dedup_out = (unique_t, inverse_t, no_chain, no_chain)
-        scale = None
-        if singleton:
-            all_offsets = torch.empty(0, dtype=torch.int64)
-        else:
-            all_offsets = torch.cat([*offsets, torch.tensor([n])])
-            if any(r.table.config.pooling is Pooling.MEAN for r in requests):
-                per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling is Pooling.MEAN else torch.ones(len(ln)))
-                           for r, ln in zip(requests, lengths)]
-                scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
-        plan = LookupPlan(*dedup_out, torch.from_numpy(rows), all_offsets, scale, ranges)
-        if dedup and self.marker is not None:
-            self.dedup(plan)
-        return plan
+    def lookup(self, requests: list[Request], plan: LookupPlan | None = None) -> list[Tensor]:
+        """Outputs of ``requests`` on the device of the first table's anchor (autograd-aware),
+        wherever the rows live (``exchange``); ``plan``: one a prefetcher built."""
+        return self.exchange.lookup(self, requests, plan)
 
     def _dedup_scratch(self, n: int) -> tuple[int, np.ndarray]:
         """A fresh stamp and the ``last`` scratch of :func:`dedup` for ``n`` ids (under the lock)."""
@@ -215,12 +117,6 @@ class TableGroup:
             found = K.dedup_pool(index, self.marker, stamp, last, self.storage.numpy(), plan.offsets.numpy(), scale,
                                  out.numpy(), K.num_threads())
         plan.unique, plan.inverse, plan.first, plan.next = map(torch.from_numpy, found)
-
-    def _segment_meta(self, requests: list[Request]):
-        vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
-        offset = np.array([r.table.group_row for r in requests], np.int64)
-        hashed = np.array([r.table.config.hashed for r in requests], np.bool_)
-        return vocab, offset, hashed
 
     # ------------------------------------------------------------------------------ rows
     def gather(self, plan: LookupPlan, pin: bool) -> Tensor:
@@ -258,10 +154,8 @@ class TableGroup:
         plan.refreshed += stale.numel()
         return stale.numel()
 
-    def lookup(self, requests: list[Request], plan: LookupPlan | None = None) -> list[Tensor]:
-        """Outputs of ``requests`` on the device of the first table's anchor (autograd-aware)."""
-        if self.exchange is not None:
-            return self.exchange.lookup(self, requests)
+    def lookup_local(self, requests: list[Request], plan: LookupPlan | None = None) -> list[Tensor]:
+        """:meth:`lookup` when every row is in this process's storage (:class:`LocalRows`)."""
         anchor = requests[0].table._device_anchor
         device, dtype = anchor.device, anchor.dtype
         # The device is the host and the table fp32: the pooling reads the table at the ids and
@@ -282,7 +176,7 @@ class TableGroup:
             else:
                 rows, index = (self.gather(plan, pin=False) if plan.rows is None else plan.rows), plan.inverse
                 self.refresh_stale(plan)
-            pooled = _HostPool.apply(rows, index, plan.offsets, plan.scale, sink, self, plan).to(dtype)
+            pooled = HostPool.apply(rows, index, plan.offsets, plan.scale, sink, self, plan).to(dtype)
         else:
             if plan.rows is None:
                 self.gather(plan, pin=True)
@@ -292,7 +186,7 @@ class TableGroup:
             rows = rows.to(dtype)
             if torch.is_grad_enabled():
                 rows.requires_grad_(True)
-                rows.register_hook(lambda grad, unique=plan.unique: self._capture_grad(unique, grad))
+                rows.register_hook(lambda grad, unique=plan.unique: capture_device_grad(self, unique, grad))
             return self.pool(rows, plan)
         return self.split_outputs(pooled, plan)
 
@@ -317,26 +211,9 @@ class TableGroup:
         return [p.reshape(*shape, self.dim) for p, (_, _, shape) in zip(parts, plan.bag_ranges)]
 
     # ------------------------------------------------------------------------------ grads
-    def _capture_grad(self, unique: Tensor, grad: Tensor) -> None:
-        from hetero.embedding.table import SparseGrad
-
-        # Runs inside backward; ``grad`` is coalesced per unique row already.
-        if grad.device.type == "cuda":
-            rows = torch.empty(grad.shape, dtype=torch.float32, pin_memory=True)
-            rows.copy_(grad, non_blocking=True)  # device -> host into pinned memory, async
-            ready = torch.cuda.Event()
-            ready.record()
-            self.pending.append(SparseGrad(unique, rows, ready))
-        else:
-            self.pending.append(SparseGrad(unique, grad.detach().to(torch.float32)))
-
-    def pop_sparse_grad(self) -> "SparseGrad | None":
-        from hetero.embedding.table import SparseGrad
-
-        if not self.pending:
-            return None
-        grads, self.pending = self.pending, []
-        return SparseGrad.coalesce(grads)
+    def pop_sparse_grad(self) -> SparseGrad | None:
+        """The sum of the gradients pending since the last call (``None`` if none)."""
+        return self.pending.take()
 
     def note_update(self, rows: Tensor) -> None:
         """Called by optimizers after updating ``rows``: advances the version for prefetch checks."""
@@ -347,64 +224,3 @@ class TableGroup:
     def track_row_versions(self) -> None:
         if self.row_version is None:
             self.row_version = np.zeros(self.num_rows, np.int64)
-
-
-def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:
-    """Bag offsets ``(bags + 1,)`` of one request and the shape of its output (without ``D``)."""
-    cfg = r.table.config
-    if r.offsets is not None:
-        if cfg.pooling is Pooling.NONE:
-            raise ValueError(f"table {cfg.name!r}: offsets given but pooling is 'none'; use SUM or MEAN")
-        off = r.offsets.to("cpu", torch.int64)
-        if off.dim() != 1 or off.numel() < 1 or int(off[0]) != 0 or int(off[-1]) != n:
-            raise ValueError(
-                f"table {cfg.name!r}: offsets must be 1-D of length B + 1 with offsets[0] == 0 and "
-                f"offsets[-1] == len(ids) == {n}, got {off.tolist()[:8]}"
-            )
-        # The kernels index ``ids`` by these bounds without checks: a decreasing pair would read
-        # outside ``ids`` (wrong values or a crash). One vectorized pass over B + 1 values.
-        down = off[1:] < off[:-1]
-        if bool(down.any()):
-            b = int(down.nonzero()[0])
-            raise ValueError(f"table {cfg.name!r}: offsets must be non-decreasing (bag b is ids[offsets[b]:offsets[b + 1]]), "
-                             f"got offsets[{b}] = {int(off[b])} > offsets[{b + 1}] = {int(off[b + 1])}")
-        return off, (off.numel() - 1,)
-    if cfg.pooling is Pooling.NONE:
-        return torch.arange(n + 1), tuple(r.ids.shape)
-    if r.ids.dim() != 2:
-        raise ValueError(f"table {cfg.name!r}: pooled lookup without offsets needs 2-D ids (B, L), got {tuple(r.ids.shape)}")
-    b, length = r.ids.shape
-    return torch.arange(0, b * length + 1, max(length, 1)) if length else torch.zeros(b + 1, dtype=torch.int64), (b,)
-
-
-class _HostPool(torch.autograd.Function):
-    """Pool (or expand) unique rows into bags on the CPU with the numba kernels.
-
-    The backward hands the group a :class:`SparseGrad` that keeps the gradient per id; the
-    optimizer coalesces it into one row per unique id as it updates (no gradient flows to
-    ``rows``, which is a copy). On CUDA, ``F.embedding_bag``'s backward coalesces on the device.
-    """
-
-    @staticmethod
-    def forward(ctx, rows, index, offsets, scale, sink, group, plan):
-        bags = offsets.numel() - 1 if offsets.numel() else index.numel()
-        out = torch.empty(bags, rows.shape[1], dtype=torch.float32)
-        if plan.unique is None and sink.requires_grad:  # rows is the fp32 table, index the ids: dedup as it pools
-            group.pool_and_dedup(plan, out)  # (without grad, e.g. evaluation, nothing needs the dedup: pool only)
-        else:
-            scale_np = scale.numpy() if scale is not None else np.empty(0, np.float32)
-            kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
-        ctx.group, ctx.plan = group, plan  # index tensors only: nothing autograd needs to version-check
-        return out  # fp32 whatever the storage dtype: the backward then receives an fp32 gradient
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        from hetero.embedding.table import SparseGrad
-
-        plan = ctx.plan
-        # Keep the gradient per id: the optimizer coalesces it and updates in one pass.
-        src = grad_out.detach().float().contiguous()
-        scale = plan.scale if plan.scale is not None else torch.empty(0)
-        ctx.group.pending.append(SparseGrad(plan.unique, None, per_id=(src, plan.inverse, plan.offsets, scale),
-                                            chain=(plan.first, plan.next)))
-        return None, None, None, None, torch.empty(0), None, None

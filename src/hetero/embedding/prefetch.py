@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from hetero.embedding.collection import HostEmbeddingCollection
-from hetero.embedding.group import LookupPlan
+from hetero.embedding.exchange import RowPlacement
+from hetero.embedding.plan import LookupPlan
 from hetero.placement.threads import ThreadContext
 
 
@@ -62,9 +63,9 @@ class Prefetcher:
         self.collections = [m for m in model.modules() if isinstance(m, HostEmbeddingCollection)]
         for c in self.collections:
             for g in c.groups:
-                if g.exchange is not None:
-                    raise ValueError(f"tables {[t.name for t in g.tables]} are row-sharded across ranks: their lookup "
-                                     f"is a collective and cannot be prefetched; prefetch replicated tables only")
+                if g.exchange.placement is not RowPlacement.LOCAL:
+                    raise ValueError(f"tables {[t.name for t in g.tables]} are {g.exchange.placement.value}: their lookup "
+                                     f"talks to other ranks and cannot be prefetched; prefetch replicated tables only")
                 g.track_row_versions()
         self.batches = batches
         self.refreshed_rows = 0  # rows re-gathered because an update overtook their prefetch

@@ -24,62 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from hetero.embedding.config import Pooling, TableConfig
-from hetero.embedding.group import Request, TableGroup
+from hetero.embedding.grad import SparseGrad
+from hetero.embedding.group import TableGroup
+from hetero.embedding.plan import Request
 from hetero.placement import Target, host_empty
-
-
-class SparseGrad:
-    """Gradient of a table group for one step: only the rows the batch touched.
-
-    Attributes:
-        ids: ``(U,)`` int64, host, unique rows of the group's storage (for a standalone table:
-            its ids), in first-occurrence order.
-        rows: ``(U, D)`` float32, host, the coalesced gradient of each of those rows. On the CPU
-            it is computed on first access: until then the gradient is kept per id (``per_id``:
-            the output gradient, the inverse map, bag offsets and scales) so that the optimizer
-            can coalesce and update in one pass; ``chain`` holds the occurrence chains
-            (``first``, ``next``; see :class:`~hetero.embedding.group.LookupPlan`).
-        ready: on CUDA, the event recorded after the async device->host copy of ``rows``;
-            :meth:`wait` blocks on it before the host reads ``rows``. ``None`` on CPU.
-    """
-
-    def __init__(self, ids: Tensor, rows: Tensor | None, ready: "torch.cuda.Event | None" = None,
-                 per_id: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
-                 chain: tuple[Tensor, Tensor] | None = None) -> None:
-        assert rows is not None or per_id is not None
-        self.ids, self._rows, self.ready, self.per_id, self.chain = ids, rows, ready, per_id, chain
-
-    @property
-    def rows(self) -> Tensor:
-        if self._rows is None:
-            from hetero.embedding.kernels import kernels
-
-            K = kernels()
-            src, inverse, offsets, scale = (t.numpy() for t in self.per_id)
-            self._rows = torch.from_numpy(K.pool_backward(src, inverse, offsets, scale, self.ids.numel(), K.num_threads()))
-        return self._rows
-
-    @property
-    def is_coalesced(self) -> bool:
-        return self._rows is not None
-
-    def wait(self) -> "SparseGrad":
-        if self.ready is not None:
-            self.ready.synchronize()  # sync point: host waits for the device->host gradient copy
-            self.ready = None
-        return self
-
-    @staticmethod
-    def coalesce(grads: list["SparseGrad"]) -> "SparseGrad":
-        """Sum several sparse gradients of one group (gradient accumulation over micro-batches)."""
-        if len(grads) == 1:
-            return grads[0].wait()
-        for g in grads:
-            g.wait()
-        ids, inverse = torch.unique(torch.cat([g.ids for g in grads]), return_inverse=True)
-        rows = torch.zeros(ids.numel(), grads[0].rows.shape[1], dtype=torch.float32)
-        rows.index_add_(0, inverse, torch.cat([g.rows for g in grads]))
-        return SparseGrad(ids, rows)
 
 
 INIT_CHUNK = 4096  # rows per independently seeded block of the initialisation
@@ -201,12 +149,13 @@ class HostEmbedding(nn.Module):
     def pop_sparse_grad(self) -> SparseGrad | None:
         """Take the group's sparse gradient accumulated since the last call (``None`` if none).
 
-        For a table in a multi-table group the ids are group rows (see :class:`SparseGrad`).
+        Its ids are group rows (``RowSpace.GROUP``): for a table in a multi-table group, offset by
+        the table's ``group_row``.
         """
         return self.group.pop_sparse_grad()
 
     def zero_grad_sparse(self) -> None:
-        self.group.pending = []
+        self.group.pending.clear()
 
 
 def host_tables(module: nn.Module) -> dict[str, HostEmbedding]:
@@ -218,14 +167,14 @@ def table_groups(module: nn.Module) -> dict[str, TableGroup]:
     """The table groups of ``module`` in model order, keyed by their tables' qualified names
     (comma-joined): the stable key of a group's storage in checkpoints and parameter servers."""
     tables = host_tables(module)
-    names = {id(t): q for q, t in tables.items()}
+    names = {t: q for q, t in tables.items()}  # modules hash by identity
     out: dict[str, TableGroup] = {}
     for t in tables.values():
-        out.setdefault(",".join(names[id(x)] for x in t.group.tables), t.group)
+        out.setdefault(",".join(names[x] for x in t.group.tables), t.group)
     return out
 
 
 def dense_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
     """Trainable parameters of ``module`` that are not host tables: what a dense optimizer takes."""
-    table_ids = {id(t.weight) for t in host_tables(module).values()}
-    return (p for p in module.parameters() if p.requires_grad and id(p) not in table_ids)
+    tables = {t.weight for t in host_tables(module).values()}  # parameters hash by identity
+    return (p for p in module.parameters() if p.requires_grad and p not in tables)

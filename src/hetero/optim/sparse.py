@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from hetero.embedding import HostEmbedding
+from hetero.embedding.exchange import RowSpace
 from hetero.embedding.group import TableGroup
 from hetero.embedding.kernels import kernels
 from hetero.placement import host_empty
@@ -127,22 +128,22 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         self.tables: dict[str, HostEmbedding] = dict(tables)
         super().__init__([t.weight for t in self.tables.values()], dataclasses.asdict(self.config))
         self._check_lr()
-        owned = {id(t) for t in self.tables.values()}
+        owned = set(self.tables.values())  # modules hash by identity
         self.groups: list[TableGroup] = []
         for t in self.tables.values():
             if any(g is t.group for g in self.groups):
                 continue
-            others = [o.name for o in t.group.tables if id(o) not in owned]
+            others = [o.name for o in t.group.tables if o not in owned]
             if others:
                 raise ValueError(
                     f"{type(self).__name__}: table {t.name!r} shares storage with tables {others} (same "
                     f"collection, dim and dtype), which this optimizer was not given; give all of them to one optimizer"
                 )
             self.groups.append(t.group)
-        self._group_steps: dict[int, int] = {id(g): 0 for g in self.groups}
+        self._group_steps: dict[TableGroup, int] = {g: 0 for g in self.groups}  # groups hash by identity
         # State beside the table: same rows, host memory, fp32.
-        self.group_state: dict[int, dict[str, Tensor]] = {
-            id(g): {s: self._initial_state(s, g) for s in self.state_names} for g in self.groups
+        self.group_state: dict[TableGroup, dict[str, Tensor]] = {
+            g: {s: self._initial_state(s, g) for s in self.state_names} for g in self.groups
         }
         for name, views in self.table_state.items():
             self.state[self.tables[name].weight] = views
@@ -166,7 +167,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
     @property
     def steps(self) -> dict[str, int]:
         """Steps applied per table (tables of one group share the count; LazyAdam's ``t``)."""
-        return {name: self._group_steps[id(t.group)] for name, t in self.tables.items()}
+        return {name: self._group_steps[t.group] for name, t in self.tables.items()}
 
     @property
     def table_state(self) -> dict[str, dict[str, Tensor]]:
@@ -174,18 +175,19 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         out = {}
         for name, t in self.tables.items():
             a = t.group_row
-            out[name] = {s: x[a : a + t.weight.shape[0]] for s, x in self.group_state[id(t.group)].items()}
+            out[name] = {s: x[a : a + t.weight.shape[0]] for s, x in self.group_state[t.group].items()}
         return out
 
     def count_step(self, group: TableGroup) -> None:
         """Count a step of ``group`` that changed none of its rows here: a parameter-server shard
         whose rows the batch missed while the table's other shards were updated. Keeps LazyAdam's
         per-table step ``t`` (its bias correction) the same on every shard."""
-        self._group_steps[id(group)] += 1
+        self._group_steps[group] += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - torch.optim's signature
         for group in self.groups:
-            group.pending = []
+            group.pending.clear()
+            group.exchange.clear()
 
     @torch.no_grad()
     def step(self, closure=None) -> None:  # noqa: ANN001 - torch.optim's signature; no closure support
@@ -194,11 +196,13 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
             raise ValueError(f"{type(self).__name__}.step() takes no closure")
         self._check_lr()
         for group in self.groups:
-            grad = group.pop_sparse_grad()
+            grad = group.pending.take()
             if grad is None or grad.ids.numel() == 0:
                 continue
-            self._group_steps[id(group)] += 1
-            step = self._group_steps[id(group)]
+            # The kernels index this process's storage: group rows only where they are the same.
+            assert grad.space is RowSpace.LOCAL or group.exchange.placement.rows_here, (grad.space, group.exchange)
+            self._group_steps[group] += 1
+            step = self._group_steps[group]
             ids = grad.ids.numpy()
             K = kernels()
             src, _, offsets, scale = grad.per_id if grad.per_id is not None else (None,) * 4
@@ -208,7 +212,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
             else:  # per-id gradient: the kernel sums each row's occurrences as it updates the row
                 first, nxt = (t.numpy() for t in grad.chain)
                 g = (_NO_ROWS, src.numpy(), first, nxt, scale.numpy(), K.num_threads())
-            state = [x.numpy() for x in self.group_state[id(group)].values()]
+            state = [x.numpy() for x in self.group_state[group].values()]
             if group.dtype == torch.float32:
                 self._update(group.storage.numpy(), ids, state, ids, g, step)
             else:  # low-precision storage: update an fp32 copy of the rows, write back rounded
@@ -287,7 +291,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         if saved != ours:
             raise ValueError(f"{type(self).__name__} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
         for name, t in self.tables.items():
-            self._group_steps[id(t.group)] = int(state_dict["steps"][name])
+            self._group_steps[t.group] = int(state_dict["steps"][name])
         self.hyper.update(state_dict["config"])
 
 

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetero.embedding import SparseGrad, host_tables
+from hetero.embedding import RowPlacement, RowSpace, SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
 from hetero.parallel.env import active, data_parallel_group, host_group, world_size
-from hetero.parallel.row_sharded import gather_rows, local_table_rows, sharded_tables, table_rows
+from hetero.embedding.group import TableGroup
+from hetero.parallel.row_sharded import RowSharding, gather_rows, local_table_rows, sharded_tables, table_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +64,12 @@ def _sum_hook(group, bucket):  # noqa: ANN001 - DDP comm hook signature (state: 
 def check_replicas(model: nn.Module) -> None:
     """Raise ``ValueError`` if a replicated host table differs between ranks (a CRC-32 of its
     bytes, read in place block by block: no copy of a table, which may be most of host memory).
-    Row-sharded tables are left out: their shards differ by design. Collective."""
+    Tables whose rows are not all here (row-sharded, on parameter servers) are left out: their
+    parts differ by design. Collective."""
     if not active():
         return
-    sharded = sharded_tables(model)
-    names = [name for name in host_tables(model) if name not in sharded]
     tables = host_tables(model)
+    names = [name for name, t in tables.items() if t.group.exchange.placement is RowPlacement.LOCAL]
     local = torch.tensor([_table_crc(tables[name].weight.detach()) for name in names], dtype=torch.int64)
     both = torch.cat([local, -local])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=host_group())  # max == min on every rank iff all equal
@@ -107,16 +108,16 @@ class DistributedSparse:
     def step(self) -> None:
         if active():
             for group in self.optimizer.groups:
-                if group.exchange is not None:
-                    grad = group.exchange.reduce_gradients(group.dim, self.config.gradients_mean)
-                    if grad.ids.numel() == 0 and group.exchange.touched:
+                exchange = group.exchange
+                if isinstance(exchange, RowSharding):
+                    grad = exchange.reduce_gradients(group.dim, self.config.gradients_mean)
+                    if grad.ids.numel() == 0 and exchange.touched:
                         self.optimizer.count_step(group)  # the table's other shards step: keep the count equal
-                    group.pending = [grad]
+                    group.pending.set(grad)
                     continue
-                grad = group.pop_sparse_grad()
-                if grad is None:
-                    grad = SparseGrad(torch.empty(0, dtype=torch.int64), torch.empty(0, group.dim))
-                group.pending = [self._all_reduce(grad, group.dim)]
+                assert exchange.placement is RowPlacement.LOCAL, exchange
+                grad = group.pending.take() or SparseGrad.empty(group.dim, RowSpace.GROUP)
+                group.pending.set(self._all_reduce(grad, group.dim))
         self.optimizer.step()
 
     def _all_reduce(self, grad: SparseGrad, dim: int) -> SparseGrad:
@@ -139,7 +140,7 @@ class DistributedSparse:
         summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, rows)  # same order on every rank
         if self.config.gradients_mean:
             summed /= n
-        return SparseGrad(unique, summed)
+        return SparseGrad(unique, summed, RowSpace.GROUP)
 
     def state_dict(self, include_state: bool = True):
         state = self.optimizer.state_dict(include_state)
@@ -147,9 +148,9 @@ class DistributedSparse:
             return state
         opt = self.optimizer
         for group in opt.groups:
-            if group.exchange is None:
+            if not isinstance(group.exchange, RowSharding):
                 continue
-            for s, x in opt.group_state[id(group)].items():
+            for s, x in opt.group_state[group].items():
                 full = gather_rows(x, group.exchange.global_rows)
                 for name, t in opt.tables.items():
                     if t.group is group:
@@ -163,7 +164,7 @@ class DistributedSparse:
             return
         local = {name: dict(tensors) for name, tensors in state["state"].items()}
         for name, t in opt.tables.items():
-            if t.group.exchange is not None and name in local:
+            if isinstance(t.group.exchange, RowSharding) and name in local:
                 local[name] = {s: local_table_rows(t, x) for s, x in local[name].items()}
         self.optimizer.load_state_dict({**state, "state": local})
 
@@ -171,12 +172,12 @@ class DistributedSparse:
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every row-sharded table gathered whole (a collective)."""
     state = model.state_dict()
-    done: dict[int, torch.Tensor] = {}
+    done: dict[TableGroup, torch.Tensor] = {}  # groups hash by identity
     for name, t in sharded_tables(model).items():
         g = t.group
-        if id(g) not in done:
-            done[id(g)] = gather_rows(g.storage, g.exchange.global_rows)
-        state[f"{name}.weight"] = table_rows(t, done[id(g)])
+        if g not in done:
+            done[g] = gather_rows(g.storage, g.exchange.global_rows)
+        state[f"{name}.weight"] = table_rows(t, done[g])
     return state
 
 

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hetero.embedding import SparseGrad, host_tables
-from hetero.embedding.group import Request, TableGroup
+from hetero.embedding import RowExchange, RowPlacement, RowSpace, SparseGrad, host_tables
+from hetero.embedding.group import TableGroup
+from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import copy_to, host_empty
 from hetero.parallel.env import active, host_group, rank, world_size
 
@@ -58,19 +59,33 @@ class _Routed:
     grad: Tensor | None = None  # (U, D) coalesced gradient of the unique rows, once backward ran
 
 
-class RowSharding:
-    """The exchange of one row-sharded table group (``group.exchange``); see the module docstring."""
+class RowSharding(RowExchange):
+    """The exchange of one row-sharded table group (``group.exchange``); see the module docstring.
+
+    Its ``routes`` are this step's lookups awaiting their gradient; :meth:`reduce_gradients` sends
+    the gradients to their owners and returns this shard's (``RowSpace.LOCAL`` rows).
+    """
+
+    placement = RowPlacement.ROW_SHARDED
 
     def __init__(self, group: TableGroup, global_rows: int) -> None:
         self.rank, self.world = rank(), world_size()
-        self.global_rows = global_rows
+        self._global_rows = global_rows
         self.block = -(-global_rows // self.world)  # rows per rank (the last may hold fewer)
         self.lo, self.hi = block_range(global_rows, self.rank, self.world)
-        self.pending: list[_Routed] = []
+        self.routes: list[_Routed] = []
         self.touched = False  # whether the last reduce_gradients saw rows of this group on any rank
         self.group = host_group()  # the rows and ids are host tensors: gloo even when NCCL is the default
 
-    def lookup(self, group: TableGroup, requests: list[Request]) -> list[Tensor]:
+    @property
+    def global_rows(self) -> int:
+        return self._global_rows
+
+    def clear(self) -> None:
+        self.routes = []
+
+    def lookup(self, group: TableGroup, requests: list[Request], plan: LookupPlan | None) -> list[Tensor]:
+        assert plan is None, "a row-sharded lookup is a collective: it is never prefetched"
         anchor = requests[0].table._device_anchor
         plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
         unique, n = plan.unique, self.world
@@ -93,7 +108,7 @@ class RowSharding:
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, routed=routed: self._capture(routed, grad))
-            self.pending.append(routed)
+            self.routes.append(routed)
         return group.pool(rows, plan)
 
     @staticmethod
@@ -106,27 +121,27 @@ class RowSharding:
         gradient (local rows). Every rank must call it, with the same number of pending lookups."""
         # Whether any rank looked up this group: a shard that got no rows still counts the step,
         # as one process would (LazyAdam's bias correction uses the table's step count).
-        touched = torch.tensor([sum(r.order.numel() for r in self.pending)])
+        touched = torch.tensor([sum(r.order.numel() for r in self.routes)])
         dist.all_reduce(touched, group=self.group)
         self.touched = bool(touched)
         ids, rows = [], []
-        for routed in self.pending:
+        for routed in self.routes:
             grad = routed.grad if routed.grad is not None else torch.zeros(routed.order.numel(), dim)
             received = torch.empty(sum(routed.recv_counts), dim)
             dist.all_to_all_single(received, grad[routed.order].contiguous(), routed.recv_counts, routed.send_counts,
                                    group=self.group)
             ids.append(routed.local_rows)
             rows.append(received)
-        self.pending = []
+        self.routes = []
         if not ids:
-            return SparseGrad(torch.empty(0, dtype=torch.int64), torch.empty(0, dim))
+            return SparseGrad.empty(dim, RowSpace.LOCAL)
         unique, inverse = torch.unique(torch.cat(ids), return_inverse=True)
         # index_add_ on the CPU accumulates in index order: the received rows are ordered by
         # source rank, so the sum is the same on every run.
         summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, torch.cat(rows))
         if mean:
             summed /= self.world
-        return SparseGrad(unique, summed)
+        return SparseGrad(unique, summed, RowSpace.LOCAL)
 
 
 def shard_rows(module: nn.Module) -> int:
@@ -140,9 +155,9 @@ def shard_rows(module: nn.Module) -> int:
     if not active():
         return 0
     r, n = rank(), world_size()
-    groups = {id(t.group): t.group for t in host_tables(module).values()}
-    for group in groups.values():
-        if group.exchange is not None:
+    groups = list(dict.fromkeys(t.group for t in host_tables(module).values()))  # in model order, each once
+    for group in groups:
+        if group.exchange.placement is not RowPlacement.LOCAL:
             continue
         total = group.num_rows
         lo, hi = block_range(total, r, n)
@@ -160,7 +175,7 @@ def shard_rows(module: nn.Module) -> int:
 
 def sharded_tables(module: nn.Module) -> dict[str, "torch.nn.Module"]:
     """Host tables of ``module`` whose rows are sharded across the ranks, by qualified name."""
-    return {k: t for k, t in host_tables(module).items() if t.group.exchange is not None}
+    return {k: t for k, t in host_tables(module).items() if t.group.exchange.placement is RowPlacement.ROW_SHARDED}
 
 
 def gather_rows(shard: Tensor, global_rows: int) -> Tensor:

@@ -349,15 +349,15 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
     split = split_module(gm, model, lambda n: index[(stage[n], targets[n].value)])  # topologically sorted
 
     # parameters and buffers to their targets
-    param_names = {id(p): n for n, p in model.named_parameters()}
+    param_names = {p: n for n, p in model.named_parameters()}  # tensors hash by identity
     param_targets: dict[str, Target] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             owner_name, _, attr = str(node.target).rpartition(".")
             tensor = getattr(model.get_submodule(owner_name), attr)
             tensor.data = tensor.data.to(resolve_device(targets[node]))
-            if id(tensor) in param_names:
-                param_targets[param_names[id(tensor)]] = targets[node]
+            if tensor in param_names:
+                param_targets[param_names[tensor]] = targets[node]
         elif node.op == "call_module":  # a leaf module runs on its node's target, its tensors with it
             prefix = str(node.target)
             for name, m in model.get_submodule(prefix).named_modules(prefix=prefix):

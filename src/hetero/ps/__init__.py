@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetero.embedding import defer_tables, table_groups
+from hetero.embedding import RowPlacement, defer_tables, table_groups
 from hetero.parallel.env import set_data_parallel_group
 from hetero.ps.client import PSClient, PSSparse, RowCache, broadcast
 from hetero.ps.config import PSConfig, PSMode, Role
@@ -145,7 +145,7 @@ def shard_tables(model: nn.Module) -> int:
     groups = table_groups(model)
     n = len(job.servers)
     for index, group in enumerate(groups.values()):
-        if group.exchange is not None:
+        if group.exchange.placement is not RowPlacement.LOCAL:
             continue
         if job.role is Role.SERVER:
             s = job.servers.index(dist.get_rank())
@@ -177,8 +177,8 @@ def start(model: nn.Module, sparse_optimizers: dict[str, Any]) -> None:
     if job.role is Role.SERVER:
         groups = table_groups(model)
         s = job.servers.index(dist.get_rank())
-        if any(not isinstance(g.exchange, ServerShard) for g in groups.values()):
-            rows = [g.exchange.global_rows if isinstance(g.exchange, ServerShard) else g.num_rows for g in groups.values()]
+        if any(g.exchange.placement is not RowPlacement.SERVER_SHARD for g in groups.values()):
+            rows = [g.exchange.global_rows for g in groups.values()]
             need = sum(shard_rows_count(r, s, len(job.servers)) * g.dim * g.storage.element_size()
                        for r, g in zip(rows, groups.values()))
             problem = f"its table rows alone need {_mib(need)}"
@@ -223,7 +223,7 @@ def _server_checkpoint(op: Op, path: str) -> None:
 
 def remote_tables(model: nn.Module) -> bool:
     """Whether ``model``'s tables live on parameter servers (this process is a worker)."""
-    return any(isinstance(g.exchange, PSClient) for g in table_groups(model).values())
+    return any(g.exchange.placement is RowPlacement.PARAMETER_SERVER for g in table_groups(model).values())
 
 
 def request_checkpoint(save: bool, path: str) -> None:

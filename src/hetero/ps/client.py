@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hetero.embedding.group import Request, TableGroup
+from hetero.embedding import RowExchange, RowPlacement
+from hetero.embedding.group import TableGroup
+from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import copy_to
 from hetero.ps.transport import Channel, Op, Status, encode
 
@@ -70,8 +72,11 @@ class RowCache:
         self.rows = (rows if self.rows is None else torch.cat([self.rows, rows]))[order]
 
 
-class PSClient:
+class PSClient(RowExchange):
     """``group.exchange`` on a worker: the group's rows live on ``len(servers)`` servers.
+
+    Its ``lookups`` are this step's lookups awaiting their gradient (``[group rows, gradient]``,
+    the gradient ``None`` until backward); :meth:`push` sends them.
 
     Args:
         index: the group's position in the model's table groups (its name in requests).
@@ -79,25 +84,33 @@ class PSClient:
         cache_staleness: ``None``: no cache (``SYNC``/``ASYNC``); else :class:`RowCache`'s bound.
     """
 
-    remote = True  # the rows are not in this process
+    placement = RowPlacement.PARAMETER_SERVER
 
     def __init__(self, group: TableGroup, index: int, servers: list[int], channel: Channel,
                  cache_staleness: int | None) -> None:
         self.group, self.index, self.servers, self.channel = group, index, servers, channel
-        self.global_rows = group.num_rows
+        self._global_rows = group.num_rows
         self.name = ",".join(t.name for t in group.tables)
         self.step = 0  # pushes so far: the sequence number servers order this worker's requests by
-        self.pending: list[list[Any]] = []  # [unique ids, their gradient (or None until backward)]
+        self.lookups: list[list[Any]] = []  # [unique group rows, their gradient (or None until backward)]
         self.cache = RowCache(cache_staleness) if cache_staleness is not None else None
 
     def reset(self) -> None:
         """Forget the step count and cached rows (after a checkpoint load)."""
-        self.step, self.pending = 0, []
+        self.step, self.lookups = 0, []
         if self.cache is not None:
             self.cache = RowCache(self.cache.staleness)
 
+    @property
+    def global_rows(self) -> int:
+        return self._global_rows
+
+    def clear(self) -> None:
+        self.lookups = []
+
     # ------------------------------------------------------------------------------ pull
-    def lookup(self, group: TableGroup, requests: list[Request]) -> list[Tensor]:
+    def lookup(self, group: TableGroup, requests: list[Request], plan: LookupPlan | None) -> list[Tensor]:
+        assert plan is None, "a parameter-server lookup pulls rows: it is never prefetched"
         anchor = requests[0].table._device_anchor
         plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
         pin = anchor.device.type == "cuda"  # received straight into pinned memory: the upload is an async DMA
@@ -108,7 +121,7 @@ class PSClient:
             # Runs inside backward: keep the coalesced gradient; the push runs in the optimizer step.
             # device -> host copy (a sync point on CUDA)
             rows.register_hook(lambda grad, entry=entry: entry.__setitem__(1, grad.detach().to("cpu", torch.float32)))
-            self.pending.append(entry)
+            self.lookups.append(entry)
         return group.pool(rows, plan)
 
     def fetch(self, unique: Tensor, pin: bool = False) -> Tensor:
@@ -165,8 +178,8 @@ class PSClient:
     # ------------------------------------------------------------------------------ push
     def push(self) -> None:
         """Send this step's gradient rows to their owners (every server gets a message)."""
-        done = [e for e in self.pending if e[1] is not None]  # lookups without a gradient changed nothing
-        self.pending = []
+        done = [e for e in self.lookups if e[1] is not None]  # lookups without a gradient changed nothing
+        self.lookups = []
         if len(done) == 1:
             ids, rows = done[0]
         elif done:  # several lookups this step (micro-batches): one row per id
@@ -207,7 +220,7 @@ class PSSparse:
 
     def zero_grad(self) -> None:
         for c in self.clients:
-            c.pending = []
+            c.clear()
 
     def step(self) -> None:
         for c in self.clients:

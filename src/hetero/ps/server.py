@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hetero.embedding import INIT_CHUNK, SparseGrad, init_rows
+from hetero.embedding import INIT_CHUNK, RowExchange, RowPlacement, RowSpace, SparseGrad, init_rows
 from hetero.embedding.group import TableGroup
+from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import host_empty
 from hetero.ps.config import PSMode
 from hetero.ps.transport import HEADER, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, Op, Status, decode, encode, header
@@ -30,15 +31,20 @@ from hetero.ps.transport import HEADER, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, Op,
 log = logging.getLogger("hetero")
 
 
-class ServerShard:
-    """``group.exchange`` on a server: marks the group's storage as shard ``shard`` of ``servers``."""
+class ServerShard(RowExchange):
+    """``group.exchange`` on a server: the group's storage is hash shard ``shard`` of ``servers``
+    (group row ``g`` at local row ``g // servers``)."""
 
-    remote = False  # the rows are here
+    placement = RowPlacement.SERVER_SHARD
 
     def __init__(self, global_rows: int, shard: int, servers: int) -> None:
-        self.global_rows, self.shard, self.servers = global_rows, shard, servers
+        self._global_rows, self.shard, self.servers = global_rows, shard, servers
 
-    def lookup(self, group: TableGroup, requests: list) -> list[Tensor]:
+    @property
+    def global_rows(self) -> int:
+        return self._global_rows
+
+    def lookup(self, group: TableGroup, requests: list[Request], plan: LookupPlan | None) -> list[Tensor]:
         raise RuntimeError("a parameter server does not run the model; only workers look up rows")
 
 
@@ -75,10 +81,10 @@ class ParameterServer:
     def __init__(self, groups: dict[str, TableGroup], optimizers: dict[str, Any], shard: int, servers: int,
                  workers: list[int], pg, mode: PSMode, gradients_mean: bool) -> None:  # noqa: ANN001 - ProcessGroup
         self.keys, self.groups = list(groups), list(groups.values())
-        self.owner = {}
+        self.owner: dict[TableGroup, tuple[str, Any]] = {}  # groups hash by identity
         for name, opt in optimizers.items():
             for g in opt.groups:
-                self.owner[id(g)] = (name, opt)
+                self.owner[g] = (name, opt)
         self.optimizers = optimizers
         self.shard, self.servers, self.workers, self.pg = shard, servers, list(workers), pg
         self.mode, self.mean = mode, gradients_mean
@@ -198,7 +204,7 @@ class ParameterServer:
     def _apply(self, g: int, parts: list[tuple[Tensor, Tensor, int]], scale: float) -> None:
         """One optimizer step of group ``g`` from the pushes ``parts`` (summed in the given order)."""
         group = self.groups[g]
-        name, opt = self.owner[id(group)]
+        name, opt = self.owner[group]
         ids = torch.cat([p[0] for p in parts])
         if ids.numel() == 0:
             if any(p[2] for p in parts):  # the table got rows elsewhere this step: count it here too
@@ -212,7 +218,7 @@ class ParameterServer:
             summed = torch.zeros(unique.numel(), group.dim).index_add_(0, inverse, torch.cat([p[1] for p in parts]))
         if scale != 1.0:
             summed *= scale
-        group.pending = [SparseGrad(unique // self.servers, summed)]
+        group.pending.set(SparseGrad(unique // self.servers, summed, RowSpace.LOCAL))
         opt.step()  # only this group has a pending gradient
         self.updated_rows += unique.numel()
 
@@ -223,8 +229,8 @@ class ParameterServer:
         tables = {}
         for key, group in zip(self.keys, self.groups):
             entry = {"weight": group.storage}
-            name, opt = self.owner[id(group)]
-            for s, x in opt.group_state[id(group)].items():
+            name, opt = self.owner[group]
+            for s, x in opt.group_state[group].items():
                 entry[f"{name}.{s}"] = x
             tables[key] = {f"shard{self.shard}": entry}
         return {"ps": tables, "ps_meta": {f"shard{self.shard}": io.BytesIO()}}

@@ -32,16 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.embedding import host_tables, table_groups
+from hetero.embedding import RowPlacement, host_tables, table_groups
+from hetero.embedding.group import TableGroup
 from hetero.parallel import active, world_size
 from hetero.parallel.env import host_group
 
 if TYPE_CHECKING:
     from hetero.train.trainer import Trainer
-
-
-def _sparse(opt):  # noqa: ANN001, ANN202 - a SparseOptimizer, possibly wrapped (DistributedSparse, PSSparse)
-    return getattr(opt, "optimizer", opt)
 
 
 def _mesh():  # noqa: ANN202 - a DeviceMesh over the host group
@@ -53,9 +50,9 @@ def _mesh():  # noqa: ANN202 - a DeviceMesh over the host group
     return DeviceMesh.from_group(group, "cpu")
 
 
-def _wrap(x: torch.Tensor, group, mesh) -> torch.Tensor:  # noqa: ANN001
+def _wrap(x: torch.Tensor, group: TableGroup, mesh) -> torch.Tensor:  # noqa: ANN001 - a DeviceMesh
     """A row-sharded group's local block as a DTensor (no copy: loads write into ``x``)."""
-    if group.exchange is None:
+    if group.exchange.placement is not RowPlacement.ROW_SHARDED:
         return x
     from torch.distributed.tensor import DTensor, Shard
 
@@ -70,21 +67,22 @@ def sharded_state(trainer: "Trainer", blob: bool = True) -> dict[str, Any]:
     model = trainer.model
     tables = host_tables(model)
     table_keys = {f"{q}.weight" for q in tables}
-    mesh = _mesh() if active() and any(t.group.exchange is not None for t in tables.values()) else None
-    names = {id(t): q for q, t in tables.items()}
+    mesh = _mesh() if active() and any(t.group.exchange.placement is RowPlacement.ROW_SHARDED
+                                       for t in tables.values()) else None
+    names = {t: q for q, t in tables.items()}  # modules hash by identity
     out_tables, layout = {}, {"groups": {}, "sparse": {}, "ps": {}}
     for key, group in table_groups(model).items():
-        layout["groups"][key] = [(names[id(t)], t.group_row, t.config.num_embeddings) for t in group.tables]
-        if getattr(group.exchange, "remote", False):  # on parameter servers: they write these rows
+        layout["groups"][key] = [(names[t], t.group_row, t.config.num_embeddings) for t in group.tables]
+        if group.exchange.placement is RowPlacement.PARAMETER_SERVER:  # the servers write these rows
             layout["ps"][key] = len(group.exchange.servers)
             continue
         entry = {"weight": _wrap(group.storage, group, mesh)}
-        for opt_key, opt in trainer.sparse_optimizers.items():
-            for s, x in _sparse(opt).group_state.get(id(group), {}).items():
+        for opt_key, opt in trainer.sparse_optimizer_objects.items():
+            for s, x in opt.group_state.get(group, {}).items():
                 entry[f"{opt_key}.{s}"] = _wrap(x, group, mesh)
         out_tables[key] = entry
-    for opt_key, opt in trainer.sparse_optimizers.items():
-        layout["sparse"][opt_key] = {name: names[id(t)] for name, t in _sparse(opt).tables.items()}
+    for opt_key, opt in trainer.sparse_optimizer_objects.items():
+        layout["sparse"][opt_key] = {name: names[t] for name, t in opt.tables.items()}
     state: dict[str, Any] = {  # tables first: a table that does not fit is the first error reported
         "tables": out_tables,
         "model": {k: v for k, v in model.state_dict().items() if k not in table_keys},

@@ -112,7 +112,8 @@ class Trainer:
                              "checkpoint_format=CheckpointFormat.SHARDED (--checkpoint-format sharded)")
         self.sparse_optimizers = {k: ps.PSSparse(o) if self.remote else DistributedSparse(o) if active() else o
                                   for k, o in sparse_optimizers.items()}
-        self._sparse_local = dict(sparse_optimizers)  # the optimizers themselves, for checks and hyper-parameters
+        # The optimizers themselves (unwrapped): their state, checks and hyper-parameters.
+        self.sparse_optimizer_objects: dict[str, SparseOptimizer] = dict(sparse_optimizers)
         self.train, self.valid, self.test, self.config = train, valid, test, config
         self.run_dir = Path(run_dir)
         self.checkpoint_path = self.run_dir / config.checkpoint_format.file_name
@@ -185,7 +186,7 @@ class Trainer:
         groups, saved_groups = self.dense_optimizer.param_groups, state["dense_optimizer"]["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in saved_groups]:
             raise CheckpointError(f"checkpoint {path}: the dense optimizer's parameter groups differ from this run's")
-        for k, opt in self._sparse_local.items():
+        for k, opt in self.sparse_optimizer_objects.items():
             if k not in state["sparse_optimizers"]:
                 raise CheckpointError(f"checkpoint {path} has no sparse optimizer {k!r}")
             try:
@@ -196,14 +197,14 @@ class Trainer:
     def _hyper_parameters(self) -> dict[str, dict[str, Any]]:
         out = {f"dense_optimizer group {i}": {k: v for k, v in g.items() if k != "params"}
                for i, g in enumerate(self.dense_optimizer.param_groups)}
-        out.update({f"sparse optimizer {k!r}": dict(o.hyper) for k, o in self._sparse_local.items()})
+        out.update({f"sparse optimizer {k!r}": dict(o.hyper) for k, o in self.sparse_optimizer_objects.items()})
         return out
 
     def _restore_hyper_parameters(self, ours: dict[str, dict[str, Any]]) -> None:
         """After a load: this run's hyper-parameters win over the checkpoint's (a resume with lower
         learning rates is the fix for a diverged run), each change logged once."""
         targets = {f"dense_optimizer group {i}": g for i, g in enumerate(self.dense_optimizer.param_groups)}
-        targets.update({f"sparse optimizer {k!r}": o.hyper for k, o in self._sparse_local.items()})
+        targets.update({f"sparse optimizer {k!r}": o.hyper for k, o in self.sparse_optimizer_objects.items()})
         for where, values in ours.items():
             group = targets[where]
             for key, value in values.items():

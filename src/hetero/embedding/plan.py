@@ -1,0 +1,171 @@
+"""Lookup plans: the host-side index work of one lookup of a table group, which reads no rows.
+
+A :class:`LookupPlan` of any number of a group's tables is one id check (or hash), one
+globalization into the group's row space, one dedup and the bag layout (FBGEMM's "table-batched
+embedding" lookup). :func:`build_plan` makes one; a prefetcher builds them a batch ahead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hetero.embedding.config import Pooling
+from hetero.embedding.kernels import kernels
+
+if TYPE_CHECKING:
+    from hetero.embedding.group import TableGroup
+    from hetero.embedding.table import HostEmbedding
+
+
+@dataclasses.dataclass
+class Request:
+    """One table's part of a lookup: its ids, optional bag offsets, and the output shape."""
+
+    table: "HostEmbedding"
+    ids: Tensor
+    offsets: Tensor | None = None
+
+
+@dataclasses.dataclass
+class LookupPlan:
+    """Host-side index work of one lookup; it reads no table values.
+
+    Attributes:
+        unique: ``(U,)`` int64 group rows, first-occurrence order. ``None`` (and so are
+            ``inverse``, ``first`` and ``next``) in a plan built with ``dedup=False`` until the
+            lookup's pooling kernel has deduplicated alongside (the host-device case; under
+            ``torch.no_grad()`` it stays ``None``: nothing needs the dedup without a backward).
+        inverse: ``(N,)`` int64 position in ``unique`` of each looked-up id.
+        first: ``(U,)`` int64 position of each unique id's first occurrence; ``next``: ``(N,)``
+            int64 position of the next occurrence of the same id, -1 at the last (the
+            occurrence chains the optimizer kernels sum per-id gradients along).
+        index: ``(N,)`` int64 group row of each looked-up id (``unique[inverse]``); for a lookup
+            of one table at group row 0, the caller's ids themselves (read-only).
+        offsets: ``(num_bags + 1,)`` int64 bag boundaries over the ``N`` ids, or empty when every
+            id is its own bag (only per-id lookups).
+        scale: ``(N,)`` float32 per-id weight (``1/len(bag)`` for mean pooling), or ``None``.
+        bag_ranges: per request, its ``[start, end)`` range of bags and output shape.
+        version: the group's update count when the rows were gathered (prefetch).
+    """
+
+    unique: Tensor | None
+    inverse: Tensor | None
+    first: Tensor | None
+    next: Tensor | None
+    index: Tensor
+    offsets: Tensor
+    scale: Tensor | None
+    bag_ranges: list[tuple[int, int, tuple[int, ...]]]
+    version: int = -1
+    rows: Tensor | None = None  # gathered rows (host, pinned on CUDA) once gather() ran
+    rows_device: Tensor | None = None  # their device copy, when prefetched
+    copy_done: "torch.cuda.Event | None" = None  # end of the prefetch host->device copy
+    max_staleness: int = 0  # optimizer steps the gathered rows may lag behind
+    refreshed: int = 0  # rows gathered again because an update overtook the prefetch
+
+
+
+def build_plan(group: "TableGroup", requests: list[Request], dedup: bool = True) -> LookupPlan:
+    """Check, globalize and dedup the ids of ``requests``; build bags. Reads no table rows.
+
+    ``dedup=False`` leaves the dedup to the lookup, which then runs it beside the pooling
+    (only where the device is the host and the table fp32, see :meth:`TableGroup.lookup_local`).
+
+    Raises:
+        IndexError: an out-of-range id of a table that is not ``hashed``, naming the table,
+            the id and the vocab size; raised before any state changes.
+        ValueError: bad dtype or offsets.
+    """
+    K = kernels()
+    flat, offsets, lengths, ranges = [], [], [], []
+    n = bags = 0
+    singleton = all(r.offsets is None and r.table.config.pooling is Pooling.NONE for r in requests)
+    for r in requests:
+        cfg = r.table.config
+        if r.ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"table {cfg.name!r}: ids must be int64 or int32, got {r.ids.dtype}")
+        ids = r.ids.to("cpu", torch.int64).reshape(-1)  # sync point if ids live on the device
+        if singleton:  # per-id lookups: bag i is id i, no offsets needed
+            ranges.append((n, n + ids.numel(), tuple(r.ids.shape)))
+        else:
+            off, shape = _bags(r, ids.numel())
+            lengths.append(off[1:] - off[:-1])
+            offsets.append(off[:-1] + n)
+            ranges.append((bags, bags + len(lengths[-1]), shape))
+            bags += len(lengths[-1])
+        flat.append(ids)
+        n += ids.numel()
+    ids = flat[0] if len(flat) == 1 else torch.cat(flat)
+    seg = np.zeros(len(requests) + 1, np.int64)
+    np.cumsum([f.numel() for f in flat], out=seg[1:])
+    vocab, row_offset, hashed = _segment_meta(requests)
+    if len(requests) == 1 and row_offset[0] == 0 and not hashed[0]:
+        # The ids are the group rows already: check them in place (no copy; ``index`` may
+        # then share memory with the caller's ids, read-only).
+        rows = ids.numpy()
+        bad = K.first_out_of_range(rows, vocab[0])
+    else:
+        rows = np.empty(n, np.int64)
+        bad = K.globalize(ids.numpy(), seg, vocab, row_offset, hashed, rows)
+    if bad >= 0:
+        s = int(np.searchsorted(seg, bad, side="right") - 1)
+        requests[s].table.raise_out_of_range(int(ids[bad]))
+    dedup_out = (None,) * 4
+    if group.marker is None:
+        unique_t, inverse_t = torch.unique(torch.from_numpy(rows), return_inverse=True)
+        no_chain = torch.empty(0, dtype=torch.int64)  # no occurrence chains: the gradient arrives coalesced
+        dedup_out = (unique_t, inverse_t, no_chain, no_chain)
+    scale = None
+    if singleton:
+        all_offsets = torch.empty(0, dtype=torch.int64)
+    else:
+        all_offsets = torch.cat([*offsets, torch.tensor([n])])
+        if any(r.table.config.pooling is Pooling.MEAN for r in requests):
+            per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling is Pooling.MEAN else torch.ones(len(ln)))
+                       for r, ln in zip(requests, lengths)]
+            scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
+    plan = LookupPlan(*dedup_out, torch.from_numpy(rows), all_offsets, scale, ranges)
+    if dedup and group.marker is not None:
+        group.dedup(plan)
+    return plan
+
+
+def _segment_meta(requests: list[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
+    offset = np.array([r.table.group_row for r in requests], np.int64)
+    hashed = np.array([r.table.config.hashed for r in requests], np.bool_)
+    return vocab, offset, hashed
+
+
+def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:
+    """Bag offsets ``(bags + 1,)`` of one request and the shape of its output (without ``D``)."""
+    cfg = r.table.config
+    if r.offsets is not None:
+        if cfg.pooling is Pooling.NONE:
+            raise ValueError(f"table {cfg.name!r}: offsets given but pooling is 'none'; use SUM or MEAN")
+        off = r.offsets.to("cpu", torch.int64)
+        if off.dim() != 1 or off.numel() < 1 or int(off[0]) != 0 or int(off[-1]) != n:
+            raise ValueError(
+                f"table {cfg.name!r}: offsets must be 1-D of length B + 1 with offsets[0] == 0 and "
+                f"offsets[-1] == len(ids) == {n}, got {off.tolist()[:8]}"
+            )
+        # The kernels index ``ids`` by these bounds without checks: a decreasing pair would read
+        # outside ``ids`` (wrong values or a crash). One vectorized pass over B + 1 values.
+        down = off[1:] < off[:-1]
+        if bool(down.any()):
+            b = int(down.nonzero()[0])
+            raise ValueError(f"table {cfg.name!r}: offsets must be non-decreasing (bag b is ids[offsets[b]:offsets[b + 1]]), "
+                             f"got offsets[{b}] = {int(off[b])} > offsets[{b + 1}] = {int(off[b + 1])}")
+        return off, (off.numel() - 1,)
+    if cfg.pooling is Pooling.NONE:
+        return torch.arange(n + 1), tuple(r.ids.shape)
+    if r.ids.dim() != 2:
+        raise ValueError(f"table {cfg.name!r}: pooled lookup without offsets needs 2-D ids (B, L), got {tuple(r.ids.shape)}")
+    b, length = r.ids.shape
+    return torch.arange(0, b * length + 1, max(length, 1)) if length else torch.zeros(b + 1, dtype=torch.int64), (b,)
+
