@@ -8,7 +8,6 @@ The last line printed to stdout is the run's metrics as one JSON object.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import linecache
 import logging
@@ -19,7 +18,6 @@ from pathlib import Path
 import torch
 
 from hetero import parallel, ps
-from hetero.checkpoint import CheckpointError
 from hetero.data import BatchConfig, Batches, CriteoConfig, FeatureRole, load_movielens_100k, read_criteo_tsv
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig

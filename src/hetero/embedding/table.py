@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from hetero.embedding.config import Pooling, TableConfig
+from hetero.embedding.config import TableConfig
 from hetero.embedding.grad import SparseGrad
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import Request

@@ -5,7 +5,8 @@ Dense (device) parameters use any ``torch.optim`` optimizer on
 ``hetero.embedding.dense_parameters(model)``.
 """
 
-from hetero.optim.host_adam import HostAdam, HostAdamW, HostOffloadConfig, device_memory_report
+from hetero.optim.accounting import device_memory_report
+from hetero.optim.host_adam import HostAdam, HostAdamW, HostOffloadConfig
 from hetero.optim.loss_scale import DynamicLossScaler
 from hetero.optim.sparse import (
     FTRL,

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from hetero._numba import load, num_threads
 from hetero.optim.loss_scale import DynamicLossScaler
@@ -443,11 +443,13 @@ class HostAdamW(torch.optim.Optimizer):
         (masters, moments, gradient and staging buffers) that is on the parameters' device - none
         on a machine with an accelerator (they are in host memory), all of them on a host-only
         machine, where the host is the device."""
-        weights = _storage_bytes(s.param for s in self._slots.values())
+        from hetero.optim.accounting import storage_bytes  # (that module builds on this one)
+
+        weights = storage_bytes(s.param for s in self._slots.values())
         buffers = [t for s in self._slots.values() for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.staging)
                    if t is not None and t.device == s.param.device]
         params = {s.param.untyped_storage().data_ptr() for s in self._slots.values()}
-        state = _storage_bytes(t for t in buffers if t.untyped_storage().data_ptr() not in params)
+        state = storage_bytes(t for t in buffers if t.untyped_storage().data_ptr() not in params)
         return {"params": weights, "grads": self.peak_device_grad_bytes, "optimizer_state": state}
 
 
@@ -493,34 +495,3 @@ def _chunks(n: int) -> int:
 
 def _kernels():
     return load("hetero.optim._adam_kernels")
-
-
-def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
-    """Bytes held on the device by ``model``'s parameters, their gradients and the optimizer's
-    state, counted from the live tensors (each storage once), and their sum per parameter.
-
-    "Device" is the parameters' own device: on a host-only machine that is the host, and host-side
-    state (HostAdamW's masters and moments) counts there. For ``HostAdamW`` the gradients are the
-    largest one alive at once (they stream away during backward); for other optimizers, the
-    gradients present now and every state tensor on a parameter's device.
-    """
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    if isinstance(optimizer, HostAdamW):
-        b = optimizer.device_bytes()
-    else:
-        state = [t for p, st in (optimizer.state.items() if optimizer is not None else ())
-                 for t in st.values() if isinstance(t, Tensor) and t.device == p.device]
-        b = {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
-             "optimizer_state": _storage_bytes(state)}
-    total = b["params"] + b["grads"] + b["optimizer_state"]
-    return {**b, "total": total, "num_params": n, "bytes_per_param": total / max(n, 1)}
-
-
-def _storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view or a shared buffer counts once)."""
-    seen: dict[tuple[torch.device, int], int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[(t.device, st.data_ptr())] = st.nbytes()
-    return sum(seen.values())

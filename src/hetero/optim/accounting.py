@@ -1,0 +1,42 @@
+"""Device memory accounting: what a model and its optimizer hold on the device, counted from
+the live tensors (each storage once), not computed from formulas."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from hetero.optim.host_adam import HostAdamW
+
+
+def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+    """Bytes held on the device by ``model``'s parameters, their gradients and the optimizer's
+    state, counted from the live tensors (each storage once), and their sum per parameter.
+
+    "Device" is the parameters' own device: on a host-only machine that is the host, and host-side
+    state (HostAdamW's masters and moments) counts there. For ``HostAdamW`` the gradients are the
+    largest one alive at once (they stream away during backward); for other optimizers, the
+    gradients present now and every state tensor on a parameter's device.
+    """
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    if isinstance(optimizer, HostAdamW):
+        b = optimizer.device_bytes()
+    else:
+        state = [t for p, st in (optimizer.state.items() if optimizer is not None else ())
+                 for t in st.values() if isinstance(t, Tensor) and t.device == p.device]
+        b = {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params if p.grad is not None),
+             "optimizer_state": storage_bytes(state)}
+    total = b["params"] + b["grads"] + b["optimizer_state"]
+    return {**b, "total": total, "num_params": n, "bytes_per_param": total / max(n, 1)}
+
+
+def storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view or a shared buffer counts once)."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[(t.device, st.data_ptr())] = st.nbytes()
+    return sum(seen.values())
