@@ -1,5 +1,5 @@
-"""Distributed training on torch.distributed: the process group, data parallelism, row-sharded
-host tables.
+"""Distributed training on torch.distributed: the process group, the device mesh, data
+parallelism, row-sharded host tables, operator-level sharding on DTensor.
 
 ``hetero.distributed`` is the same module under the name the docs use.
 """
@@ -13,6 +13,8 @@ from hetero.parallel.data_parallel import (
     global_shapes,
     local_model_state,
 )
+from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh
+from hetero.parallel.operator import shard
 from hetero.parallel.row_sharded import gather_rows, shard_rows, sharded_tables
 from hetero.parallel.env import DistConfig, active, barrier, global_batch_mean, global_mean, init, local_rank, rank, shutdown, world_size
 
@@ -20,8 +22,11 @@ __all__ = [
     "DataParallelConfig",
     "DistConfig",
     "DistributedSparse",
+    "MeshConfig",
+    "MeshDim",
     "active",
     "barrier",
+    "build_mesh",
     "check_replicas",
     "data_parallel",
     "full_model_state",
@@ -33,6 +38,7 @@ __all__ = [
     "init",
     "local_rank",
     "rank",
+    "shard",
     "shard_rows",
     "sharded_tables",
     "shutdown",

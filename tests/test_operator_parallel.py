@@ -1,0 +1,218 @@
+"""Operator-level parallelism: sharded operators on DTensor equal the unsharded ones (gloo ranks)."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_ranks
+
+from hetero.parallel.mesh import MeshConfig, build_mesh
+from hetero.parallel.operator import shard
+
+
+class SemiAutoNet(nn.Module):
+    """The reference design's semi-auto example: a Mul and an Equal with weights, each sharded."""
+
+    def __init__(self, mesh=None, strategy=None, strategy2=None):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.mul_weight = nn.Parameter(torch.randn(8, 16, generator=g))
+        self.equal_weight = nn.Parameter(torch.full((8, 16), 0.1))
+        self.mul, self.equal = torch.mul, torch.eq
+        if strategy is not None:
+            self.mul = shard(torch.mul, strategy, mesh=mesh, name="mul")
+            self.equal = shard(torch.eq, strategy2, mesh=mesh, name="equal")
+
+    def forward(self, x):
+        y = self.mul(x, self.mul_weight)
+        return y, self.equal(y, self.equal_weight)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, generator=g)
+    x[0, :4] = 0.1 / SemiAutoNet().mul_weight.detach()[0, :4]  # some products equal the Equal's weight
+    return x
+
+
+def _semi_auto(tp, strategy):
+    mesh = build_mesh(MeshConfig(tp=tp))
+    y, eq = SemiAutoNet(mesh, strategy, strategy)(_inputs())
+    assert any(type(p).__name__ == "Shard" for p in y.placements), y.placements  # computed in shards
+    return y.full_tensor(), eq.full_tensor()
+
+
+@pytest.mark.parametrize("n,tp,strategy", [(2, 2, ((1, 2), (1, 2))), (2, 2, ((2, 1), (2, 1))),
+                                           (4, 2, ((2, 2), (2, 2)))])
+def test_the_reference_semi_auto_network_equals_one_process(tmp_path, cpu_ranks, n, tp, strategy):
+    want_y, want_eq = SemiAutoNet()(_inputs())
+    y, eq = run_ranks(tmp_path, n, _semi_auto, tp, strategy)
+    torch.testing.assert_close(y, want_y.detach(), rtol=0, atol=0)
+    assert torch.equal(eq, want_eq) and eq.any()
+
+
+def _matmul(tp, strategy):
+    mesh = build_mesh(MeshConfig(tp=tp))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 12, generator=g, requires_grad=True)
+    w = torch.randn(12, 6, generator=g, requires_grad=True)
+    out = shard(torch.matmul, strategy, mesh=mesh, signature="matmul")(x, w)
+    placements = [type(p).__name__ for p in out.placements]
+    full = out.full_tensor()
+    (full * torch.arange(full.numel()).view_as(full)).sum().backward()
+    return full.detach(), x.grad, w.grad, placements
+
+
+@pytest.mark.parametrize("n,tp,strategy", [
+    (2, 2, ((2, 1), (1, 1))),  # rows of x
+    (2, 2, ((1, 2), (2, 1))),  # the contraction: partial sums, reduced when gathered
+    (2, 2, ((1, 1), (1, 2))),  # columns of w
+    (4, 2, ((2, 2), (2, 1))),  # rows on dp, the contraction on tp
+    (4, 2, ((2, 1), (1, 2))),  # rows on dp, columns on tp
+])
+def test_a_matmul_sharded_on_each_dimension_equals_one_process(tmp_path, cpu_ranks, n, tp, strategy):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 12, generator=g, requires_grad=True)
+    w = torch.randn(12, 6, generator=g, requires_grad=True)
+    want = x @ w
+    (want * torch.arange(want.numel()).view_as(want)).sum().backward()
+    out, gx, gw, placements = run_ranks(tmp_path, n, _matmul, tp, strategy)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-5)
+    assert set(placements) != {"Replicate"}  # the work was really split (no replicated compute)
+    if strategy[0][1] > 1:
+        assert "Partial" in placements  # the contraction: partial sums on each rank
+
+
+def _bad_inputs():
+    mesh = build_mesh(MeshConfig(tp=2))
+    x, w = torch.randn(6, 5), torch.randn(5, 4)
+    errors = []
+    for strategy, sig in ((((1, 2), (2, 1)), "matmul"),   # 5 does not divide in 2
+                          (((2, 1),), "matmul"),            # one strategy for two inputs
+                          (((2, 1, 1), (1, 1)), "matmul"),  # three slice counts for two dimensions
+                          (((1, 1), (1, 1)), "matmul"),     # a device matrix of 1 on 2 ranks
+                          (((3, 1), (1, 1)), "matmul")):    # 3 slices: no mesh dimension of 3
+        try:
+            shard(torch.matmul, strategy, mesh=mesh, signature=sig, name="fc.matmul")(x, w)
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        shard(torch.mul, ((2, 1), (1, 1)), mesh=mesh, name="mul")(torch.randn(4, 4), torch.randn(4, 4))
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_bad_strategies_name_the_op_input_dimension_and_the_valid_choices(tmp_path, cpu_ranks):
+    errors = run_ranks(tmp_path, 2, _bad_inputs)
+    assert errors == [
+        "sharding strategy of fc.matmul: input 0 dimension 1 (size 5) cannot be cut in 2 slices; valid slice counts "
+        "are the divisors of 5: [1, 5]",
+        "sharding strategy of fc.matmul: 1 input strategies for 2 tensor inputs; give one tuple per input",
+        "sharding strategy of fc.matmul: input 0 has 2 dimensions (6, 5), its strategy (2, 1, 1) has 3; give one "
+        "slice count per dimension",
+        "sharding strategy of fc.matmul: the device matrix (1, 1, 1) multiplies to 1, the mesh's dp x tp part has 2 "
+        "ranks ({'dp': 1, 'tp': 2}); the slice counts must multiply to 2",
+        "sharding strategy of fc.matmul: the device matrix (3, 1, 1) multiplies to 3, the mesh's dp x tp part has 2 "
+        "ranks ({'dp': 1, 'tp': 2}); the slice counts must multiply to 2",
+        "sharding strategy of mul: input 1 dimension 0 is cut in 1 slices, but another input cuts the same dimension "
+        "('a' of the elementwise op) in 2; give both the same slice count",
+    ]
+
+
+def test_a_mesh_that_does_not_divide_the_world_names_the_choices():
+    with pytest.raises(ValueError, match=r"a mesh of pp=1 x tp=3 does not divide the world size 4; choose pp \* tp "
+                                         r"among the divisors of 4: \[1, 2, 4\]"):
+        MeshConfig(tp=3).shape(4)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def _mlp_data():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(5)]
+
+
+def _mlp_train(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in _mlp_data():
+        opt.zero_grad()
+        out = model(x)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        loss = nn.functional.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+    return losses, state
+
+
+def _mlp_sharded(tp, plan_args, strategy_file=None):
+    from hetero.parallel.operator_plan import ShardingPlan, apply_sharding, load_strategy, save_strategy
+
+    mesh = build_mesh(MeshConfig(tp=tp))
+    model = _mlp()
+    plan = ShardingPlan()
+    for name, strategy, out in plan_args:
+        plan.module(name, strategy, out)
+    layout = apply_sharding(model, plan, mesh)
+    local = {k: tuple(p.to_local().shape) for k, p in model.named_parameters()}
+    if strategy_file is not None:
+        save_strategy(strategy_file, mesh, layout)
+        load_strategy(strategy_file, mesh, layout)  # the same model: no difference
+    return (*_mlp_train(model), local)
+
+
+@pytest.mark.parametrize("n,tp,plan", [
+    # column-parallel then row-parallel (Megatron's MLP): one all-reduce of the output
+    (2, 2, [("0", ((1, 1), (1, 2)), None), ("2", ((1, 2), (2, 1)), (1, 1))]),
+    # the same with the batch cut over the data-parallel dimension of a 2 x 2 mesh
+    (4, 2, [("0", ((2, 1), (1, 2)), None), ("2", ((2, 2), (2, 1)), (2, 1))]),
+])
+def test_a_column_then_row_parallel_mlp_trains_as_one_process(tmp_path, cpu_ranks, n, tp, plan):
+    ref_losses, ref_state = _mlp_train(_mlp())
+    losses, state, local = run_ranks(tmp_path, n, _mlp_sharded, tp, plan, str(tmp_path / "strategy.json"))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert local["0.weight"] == (16, 16) and local["2.weight"] == (8, 16)  # each rank stores half of each weight
+    import json
+
+    doc = json.loads((tmp_path / "strategy.json").read_text())
+    assert doc["layout"]["0.weight"] == (["R", "R", "S(0)"]) and doc["layout"]["2.weight"] == ["R", "R", "S(1)"]
+
+
+def _strategy_files(path):
+    from hetero.parallel.operator_plan import ShardingPlan, apply_sharding, load_strategy, save_strategy
+
+    mesh = build_mesh(MeshConfig(tp=2))
+    layout = apply_sharding(_mlp(), ShardingPlan().module("0", ((1, 1), (1, 2))).module("2", ((1, 2), (2, 1))), mesh)
+    first = save_strategy(f"{path}/a.json", mesh, layout).read_bytes()
+    again = save_strategy(f"{path}/b.json", mesh, load_strategy(f"{path}/a.json", mesh)).read_bytes()
+    other = apply_sharding(_mlp(), ShardingPlan().module("0", ((1, 1), (1, 2))).module("2", ((1, 1), (1, 2))), mesh)
+    errors = []
+    for bad in (lambda: load_strategy(f"{path}/a.json", mesh, other),
+                lambda: apply_sharding(_mlp(), ShardingPlan().module("fc9", ((1, 1), (1, 2))), mesh),
+                lambda: apply_sharding(_mlp(), ShardingPlan().module("1", ((1, 1), (1, 2))), mesh)):
+        try:
+            bad()
+        except ValueError as e:
+            errors.append(str(e))
+    return first, again, errors
+
+
+def test_a_strategy_file_round_trips_bitwise_and_a_mismatch_names_the_first_name(tmp_path, cpu_ranks):
+    first, again, errors = run_ranks(tmp_path, 2, _strategy_files, str(tmp_path))
+    assert first == again
+    assert errors == [
+        f"strategy file {tmp_path}/a.json differs from the model at '2.bias': ['R', 'R', 'R'] in the file, ['R', 'R', 'S(0)'] "
+        f"in the model",
+        "sharding plan names module 'fc9', which Sequential does not have; its modules are ['0', '1', '2']",
+        "sharding plan names module '1', a ReLU; operator strategies apply to nn.Linear modules",
+    ]
