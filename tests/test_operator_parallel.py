@@ -216,3 +216,36 @@ def test_a_strategy_file_round_trips_bitwise_and_a_mismatch_names_the_first_name
         "sharding plan names module 'fc9', which Sequential does not have; its modules are ['0', '1', '2']",
         "sharding plan names module '1', a ReLU; operator strategies apply to nn.Linear modules",
     ]
+
+
+def _loss_parallel(tp):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
+
+    mesh = build_mesh(MeshConfig(tp=tp))
+    torch.manual_seed(0)
+    head = nn.Linear(16, 10)
+    apply_sharding(head, ShardingPlan().module("", ((1, 1), (1, 2))), mesh)  # column-parallel: classes cut on tp
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    logits = head(x)
+    kept = [type(p).__name__ + str(getattr(p, "dim", "")) for p in logits.placements]
+    with loss_parallel():  # cross-entropy on the class shards: no rank gathers the logits
+        # (torch's loss_parallel takes the mean on 1-D meshes only: the sum over a batch of 8 here)
+        loss = nn.functional.cross_entropy(logits, y, reduction="sum") / 8
+        loss.backward()
+    return loss.full_tensor().item(), head.weight.grad.full_tensor(), kept
+
+
+def test_cross_entropy_over_class_sharded_logits_equals_one_process(tmp_path, cpu_ranks):
+    torch.manual_seed(0)
+    head = nn.Linear(16, 10)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    want = nn.functional.cross_entropy(head(x), y)
+    want.backward()
+    loss, grad, kept = run_ranks(tmp_path, 2, _loss_parallel, 2)
+    assert kept[-1] == "Shard1"  # the logits stayed cut along the classes
+    assert loss == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(grad, head.weight.grad, rtol=1e-5, atol=1e-6)
