@@ -249,3 +249,44 @@ def test_cross_entropy_over_class_sharded_logits_equals_one_process(tmp_path, cp
     assert kept[-1] == "Shard1"  # the logits stayed cut along the classes
     assert loss == pytest.approx(want.item(), rel=1e-6)
     torch.testing.assert_close(grad, head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def _train_and_save(path):
+    from hetero.parallel.operator_plan import ShardingPlan, apply_sharding, save_distributed_checkpoint
+
+    mesh = build_mesh(MeshConfig(tp=2))  # 4 ranks: dp 2 x tp 2
+    model = _mlp()
+    apply_sharding(model, ShardingPlan().module("0", ((2, 1), (1, 2))).module("2", ((2, 2), (2, 1)), (2, 1)), mesh)
+    _mlp_train(model)
+    save_distributed_checkpoint(model, path)
+    probe = torch.randn(5, 16, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        return model(torch.cat([probe, probe[:3]])).full_tensor()[:5]  # 8 rows: the batch is cut over dp
+
+
+def _load_and_predict(path, tp):
+    from hetero.parallel.operator_plan import (ShardingPlan, apply_sharding, infer_predict_layout,
+                                               load_distributed_checkpoint)
+
+    model = _mlp()
+    torch.manual_seed(123)
+    for p in model.parameters():  # nothing of the initial weights may survive the load
+        p.data.normal_()
+    probe = torch.randn(5, 16, generator=torch.Generator().manual_seed(9))
+    if tp > 1:  # operator-parallel only (dp 1 x tp 2): another layout than the one trained
+        mesh = build_mesh(MeshConfig(tp=tp))
+        apply_sharding(model, ShardingPlan().module("0", ((1, 1), (1, 2))).module("2", ((1, 2), (2, 1)), (1, 1)), mesh)
+    layout = infer_predict_layout(model, probe)
+    load_distributed_checkpoint(model, path, layout)
+    with torch.no_grad():
+        out = model(probe)
+    return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+
+def test_a_checkpoint_trained_at_2x2_predicts_the_same_at_1_rank_and_at_2_operator_parallel(tmp_path, cpu_ranks):
+    ckpt = tmp_path / "mlp.dcp"
+    want = run_ranks(tmp_path, 4, _train_and_save, str(ckpt))
+    one = _load_and_predict(str(ckpt), 1)
+    torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
+    two = run_ranks(tmp_path, 2, _load_and_predict, str(ckpt), 2)
+    torch.testing.assert_close(two, want, rtol=1e-5, atol=1e-5)

@@ -15,6 +15,15 @@ from hetero.parallel.data_parallel import (
 )
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.operator import shard
+from hetero.parallel.operator_plan import (
+    ShardingPlan,
+    apply_sharding,
+    infer_predict_layout,
+    load_distributed_checkpoint,
+    load_strategy,
+    save_distributed_checkpoint,
+    save_strategy,
+)
 from hetero.parallel.row_sharded import gather_rows, shard_rows, sharded_tables
 from hetero.parallel.env import DistConfig, active, barrier, global_batch_mean, global_mean, init, local_rank, rank, shutdown, world_size
 
@@ -24,7 +33,9 @@ __all__ = [
     "DistributedSparse",
     "MeshConfig",
     "MeshDim",
+    "ShardingPlan",
     "active",
+    "apply_sharding",
     "barrier",
     "build_mesh",
     "check_replicas",
@@ -34,10 +45,15 @@ __all__ = [
     "global_batch_mean",
     "global_mean",
     "global_shapes",
+    "infer_predict_layout",
+    "load_distributed_checkpoint",
+    "load_strategy",
     "local_model_state",
     "init",
     "local_rank",
     "rank",
+    "save_distributed_checkpoint",
+    "save_strategy",
     "shard",
     "shard_rows",
     "sharded_tables",

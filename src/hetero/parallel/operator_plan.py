@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -165,3 +166,46 @@ def load_strategy(path: str | Path, mesh: DeviceMesh, layout: dict[str, list[Pla
                                  f"{'absent' if a is None else placement_names(a)} in the file, "
                                  f"{'absent' if b is None else placement_names(b)} in the model")
     return saved
+
+
+def infer_predict_layout(model: nn.Module, *inputs: Any) -> dict[str, list[Placement]]:
+    """The layout a predict run of ``model`` (already sharded for it, or not) uses: qualified
+    parameter name -> placements (``[]`` for a plain, unsharded tensor). With ``inputs``, one
+    forward pass without gradients first checks that the layout runs on them."""
+    if inputs:
+        with torch.no_grad():
+            model(*inputs)
+    return {name: list(p.placements) if isinstance(p, DTensor) else [] for name, p in model.named_parameters()}
+
+
+def save_distributed_checkpoint(model: nn.Module, path: str | Path) -> Path:
+    """Write ``model``'s state as a sharded DCP checkpoint (every rank writes its shards; atomic,
+    with checksums: :func:`hetero.checkpoint.sharded.save_sharded`). Collective."""
+    from hetero.checkpoint.sharded import save_sharded
+
+    return save_sharded({"model": model.state_dict()}, path)
+
+
+def load_distributed_checkpoint(model: nn.Module, path: str | Path,
+                                layout: dict[str, list[Placement]] | None = None) -> Path:
+    """Load a checkpoint saved by :func:`save_distributed_checkpoint` at any world size and layout
+    into ``model`` as it is sharded now (DCP reshards: a 2 x 2 run loads into 1 rank or into
+    another operator layout). With ``layout`` (from :func:`infer_predict_layout`), the model's
+    layout is checked against it first. Collective.
+
+    Raises:
+        ValueError: ``model``'s layout differs from ``layout`` (naming the first parameter).
+        hetero.checkpoint.CheckpointError: a missing, corrupted or other-model checkpoint;
+            nothing is loaded then.
+    """
+    from hetero.checkpoint.sharded import load_sharded
+
+    if layout is not None:
+        ours = infer_predict_layout(model)
+        for name in sorted(set(ours) | set(layout)):
+            a, b = layout.get(name), ours.get(name)
+            if a is None or b is None or placement_names(a) != placement_names(b):
+                raise ValueError(f"model's layout differs from the predict layout at {name!r}: "
+                                 f"{'absent' if a is None else placement_names(a)} asked, "
+                                 f"{'absent' if b is None else placement_names(b)} in the model")
+    return load_sharded({"model": model.state_dict()}, path)
