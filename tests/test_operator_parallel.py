@@ -290,3 +290,36 @@ def test_a_checkpoint_trained_at_2x2_predicts_the_same_at_1_rank_and_at_2_operat
     torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
     two = run_ranks(tmp_path, 2, _load_and_predict, str(ckpt), 2)
     torch.testing.assert_close(two, want, rtol=1e-5, atol=1e-5)
+
+
+def _dataset(strategy):
+    from hetero.parallel.dataset import DatasetStrategy, shard_batch
+
+    mesh = build_mesh(MeshConfig(tp=1))  # 2 ranks: dp 2
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(8, 6, generator=g), torch.randn(6, 3, generator=g)
+    strategy = DatasetStrategy(strategy) if isinstance(strategy, str) else strategy
+    (dx,) = shard_batch([x], strategy, mesh)
+    out = shard(torch.matmul, ((2, 1), (1, 1)), mesh=mesh, signature="matmul")(dx, w)
+    errors = []
+    for bad in (((2, 2),), ((3, 1),)):
+        try:
+            shard_batch([x], bad, mesh)
+        except ValueError as e:
+            errors.append(str(e))
+    return tuple(dx.to_local().shape), out.full_tensor(), errors
+
+
+@pytest.mark.parametrize("strategy,local", [("full_batch", (8, 6)), ("data_parallel", (4, 6)), (((2, 1),), (4, 6))])
+def test_dataset_strategies_feed_the_data_dimension(tmp_path, cpu_ranks, strategy, local):
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(8, 6, generator=g), torch.randn(6, 3, generator=g)
+    got_local, out, errors = run_ranks(tmp_path, 2, _dataset, strategy)
+    assert got_local == local  # what each rank holds of the batch
+    torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-6)
+    assert errors == [
+        "dataset strategy: input 0 is sliced in dimensions [0, 1]; an input is sliced in at most one dimension "
+        "(valid: one slice count from [2], the others 1)",
+        "dataset strategy: input 0 dimension 0 (size 8) cannot be cut in 3; valid slice counts are the data-parallel "
+        "sizes [1, 2] that divide 8",
+    ]

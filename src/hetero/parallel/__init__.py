@@ -13,6 +13,7 @@ from hetero.parallel.data_parallel import (
     global_shapes,
     local_model_state,
 )
+from hetero.parallel.dataset import DatasetStrategy, shard_batch
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.operator import shard
 from hetero.parallel.operator_plan import (
@@ -29,6 +30,7 @@ from hetero.parallel.env import DistConfig, active, barrier, global_batch_mean, 
 
 __all__ = [
     "DataParallelConfig",
+    "DatasetStrategy",
     "DistConfig",
     "DistributedSparse",
     "MeshConfig",
@@ -55,6 +57,7 @@ __all__ = [
     "save_distributed_checkpoint",
     "save_strategy",
     "shard",
+    "shard_batch",
     "shard_rows",
     "sharded_tables",
     "shutdown",
