@@ -277,6 +277,9 @@ def _load_and_predict(path, tp):
         mesh = build_mesh(MeshConfig(tp=tp))
         apply_sharding(model, ShardingPlan().module("0", ((1, 1), (1, 2))).module("2", ((1, 2), (2, 1)), (1, 1)), mesh)
     layout = infer_predict_layout(model, probe)
+    if tp > 1:  # a layout that is not the model's is refused before anything loads
+        with pytest.raises(ValueError, match=r"model's layout differs from the predict layout at '0.bias': \[\] asked, "):
+            load_distributed_checkpoint(model, path, {**layout, "0.bias": []})
     load_distributed_checkpoint(model, path, layout)
     with torch.no_grad():
         out = model(probe)

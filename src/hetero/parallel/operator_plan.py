@@ -158,14 +158,20 @@ def load_strategy(path: str | Path, mesh: DeviceMesh, layout: dict[str, list[Pla
         raise ValueError(f"strategy file {path} is for mesh {doc['mesh']}, this job's is "
                          f"{ {'shape': list(mesh.shape), 'dim_names': list(mesh.mesh_dim_names)} }")
     saved = {k: [_parse_placement(p) for p in v] for k, v in doc["layout"].items()}
-    if layout is not None:
-        for name in sorted(set(saved) | set(layout)):
-            a, b = saved.get(name), layout.get(name)
-            if a is None or b is None or placement_names(a) != placement_names(b):
-                raise ValueError(f"strategy file {path} differs from the model at {name!r}: "
-                                 f"{'absent' if a is None else placement_names(a)} in the file, "
-                                 f"{'absent' if b is None else placement_names(b)} in the model")
+    diff = None if layout is None else _first_difference(saved, layout)
+    if diff is not None:
+        name, a, b = diff
+        raise ValueError(f"strategy file {path} differs from the model at {name!r}: {a} in the file, {b} in the model")
     return saved
+
+
+def _first_difference(a: dict[str, list[Placement]], b: dict[str, list[Placement]]) -> tuple[str, str, str] | None:
+    """The first name (sorted) whose placements differ between two layouts, with both as text."""
+    for name in sorted(set(a) | set(b)):
+        x, y = (placement_names(v[name]) if name in v else "absent" for v in (a, b))
+        if x != y:
+            return name, str(x), str(y)
+    return None
 
 
 def infer_predict_layout(model: nn.Module, *inputs: Any) -> dict[str, list[Placement]]:
@@ -200,12 +206,8 @@ def load_distributed_checkpoint(model: nn.Module, path: str | Path,
     """
     from hetero.checkpoint.sharded import load_sharded
 
-    if layout is not None:
-        ours = infer_predict_layout(model)
-        for name in sorted(set(ours) | set(layout)):
-            a, b = layout.get(name), ours.get(name)
-            if a is None or b is None or placement_names(a) != placement_names(b):
-                raise ValueError(f"model's layout differs from the predict layout at {name!r}: "
-                                 f"{'absent' if a is None else placement_names(a)} asked, "
-                                 f"{'absent' if b is None else placement_names(b)} in the model")
+    diff = None if layout is None else _first_difference(layout, infer_predict_layout(model))
+    if diff is not None:
+        name, a, b = diff
+        raise ValueError(f"model's layout differs from the predict layout at {name!r}: {a} asked, {b} in the model")
     return load_sharded({"model": model.state_dict()}, path)
