@@ -1,0 +1,226 @@
+"""Sharding propagation: layouts for the operators a plan leaves unannotated.
+
+Over the forward graph (torch.fx, the partitioner's capture), every operator with a known
+signature gets a layout: which mesh dimension cuts which of its iteration letters (each mesh
+dimension of size > 1 cuts one letter: every operator uses every rank, the reference design's
+device-matrix rule). An annotated operator's layout is fixed by its strategy; the others are
+chosen to minimise the bytes the redistributions between producers and consumers move. The cost
+of an edge is, per mesh dimension of size ``n`` and a tensor of ``S`` bytes (per rank):
+Replicate->Shard 0 (a local slice), Shard->Replicate ``S (n-1)/n`` (all-gather),
+Shard(a)->Shard(b) ``S (n-1)/n^2`` (all-to-all), Partial->Replicate ``2 S (n-1)/n`` (all-reduce),
+Partial->Shard ``S (n-1)/n`` (reduce-scatter). The search is dynamic programming over the graph in
+topological order: exact where every value has one consumer (chains, in-trees); with fan-out a
+shared producer's cost is counted per consumer (an upper bound). Reference: the reference
+design's sharding propagation; Alpa's intra-operator ILP (Zheng et al. 2022) and GSPMD
+(Xu et al. 2021) for the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from hetero.parallel.operator import OpSignature, Strategy
+
+ELEMENTWISE = {operator.add, operator.mul, operator.sub, operator.truediv, torch.add, torch.mul, torch.sub,
+               torch.relu, torch.tanh, torch.sigmoid, nn.functional.relu, nn.functional.gelu}
+ELEMENTWISE_MODULES = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU)
+MATMUL = {torch.matmul, operator.matmul}
+
+# A placement per mesh dimension: ("R",), ("S", dim) or ("P",)
+Place = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class OpLayout:
+    """One operator's layout: the letter each mesh dimension cuts (``None``: not cut)."""
+
+    cuts: tuple[str | None, ...]
+
+
+@dataclasses.dataclass
+class _Op:
+    node: fx.Node
+    inputs: tuple[str, ...]  # letters of each tensor input that is itself an op's output or a graph input
+    output: str
+    args: list[fx.Node]  # the producers of those inputs, in order
+    strategy_letters: tuple[str, ...]  # the letters of each input of a strategy (nn.Linear: the input and its weight)
+
+
+@dataclasses.dataclass
+class Propagation:
+    """The result: every operator's layout, its output placements, and the redistributions.
+
+    Attributes:
+        layouts: node name -> :class:`OpLayout`.
+        output_placements: node name -> placement per mesh dimension of its output.
+        redistributions: ``(producer, consumer, from, to, bytes)`` per edge that moves data.
+        total_bytes: their sum, per rank and step.
+    """
+
+    layouts: dict[str, OpLayout]
+    output_placements: dict[str, tuple[Place, ...]]
+    redistributions: list[tuple[str, str, tuple[Place, ...], tuple[Place, ...], float]]
+    total_bytes: float
+
+
+def signature_of(node: fx.Node, root: nn.Module) -> OpSignature | None:
+    """The einsum signature of a node, or ``None`` for an operator propagation does not model."""
+    if node.op == "call_function" and node.target in MATMUL:
+        return OpSignature.parse("mk,kn->mn")
+    if node.op == "call_function" and node.target in ELEMENTWISE:
+        return OpSignature(None, None)
+    if node.op == "call_method" and node.target in ("relu", "tanh", "sigmoid", "add", "mul"):
+        return OpSignature(None, None)
+    if node.op == "call_module":
+        m = root.get_submodule(str(node.target))
+        if isinstance(m, nn.Linear):
+            return OpSignature.parse("mk->mn")  # the weight is the module's: its layout follows the cut
+        if isinstance(m, ELEMENTWISE_MODULES):
+            return OpSignature(None, None)
+    return None
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    meta = getattr(node, "meta", {}).get("tensor_meta") if isinstance(node, fx.Node) else None
+    return tuple(meta.shape) if meta is not None else None
+
+
+def _ops(gm: fx.GraphModule) -> list[_Op]:
+    out = []
+    for node in gm.graph.nodes:
+        sig = signature_of(node, gm)
+        if sig is None or _shape(node) is None:
+            continue
+        producers = [a for a in node.args if isinstance(a, fx.Node) and _shape(a) is not None]
+        ranks = [len(_shape(a)) for a in producers]
+        letters, out_letters = sig.letters(ranks)
+        if len(letters) != len(producers):
+            continue
+        linear = node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear)
+        out.append(_Op(node, tuple(letters), out_letters, producers, ("mk", "kn") if linear else tuple(letters)))
+    return out
+
+
+def candidates(op: _Op, mesh_dims: Sequence[int]) -> list[OpLayout]:
+    """Every layout of ``op``: each mesh dimension cuts a distinct letter of the operator."""
+    letters = sorted(set("".join(op.strategy_letters) + op.output))
+    return [OpLayout(tuple(c)) for c in itertools.permutations(letters, len(mesh_dims))]
+
+
+def output_place(op: _Op, layout: OpLayout) -> tuple[Place, ...]:
+    out = []
+    for letter in layout.cuts:
+        if letter in op.output:
+            out.append(("S", op.output.index(letter)))
+        elif any(letter in ins for ins in op.strategy_letters):
+            out.append(("P",))  # a contraction letter: partial sums
+        else:
+            out.append(("R",))
+    return tuple(out)
+
+
+def input_place(letters: str, layout: OpLayout) -> tuple[Place, ...]:
+    return tuple(("S", letters.index(c)) if c in letters else ("R",) for c in layout.cuts)
+
+
+def edge_bytes(src: tuple[Place, ...], dst: tuple[Place, ...], nbytes: float, sizes: Sequence[int]) -> float:
+    """Bytes per rank to turn a tensor of ``nbytes`` from placements ``src`` into ``dst``."""
+    total = 0.0
+    for d, (a, b, n) in enumerate(zip(src, dst, sizes)):
+        if a == b or n == 1 or (a[0] == "R" and b[0] == "S"):
+            continue
+        others = math.prod(sizes[e] for e in range(len(sizes)) if e != d and src[e][0] == "S" and dst[e][0] == "S")
+        s = nbytes / others
+        if a[0] == "S" and b[0] == "R":
+            total += s * (n - 1) / n
+        elif a[0] == "S" and b[0] == "S":
+            total += s * (n - 1) / n**2
+        elif a[0] == "P" and b[0] == "R":
+            total += 2 * s * (n - 1) / n
+        elif a[0] == "P" and b[0] == "S":
+            total += s * (n - 1) / n
+    return total
+
+
+def layout_of_strategy(op: _Op, strategy: Strategy, sizes: Sequence[int], mesh_dims: Sequence[int]) -> OpLayout:
+    """The layout an annotated operator's strategy implies (letters cut in order onto the mesh
+    dimensions of their slice counts, as :func:`hetero.parallel.operator.assign_mesh` does)."""
+    cut: dict[int, str] = {}
+    for letters, slices in zip(op.strategy_letters, strategy):
+        for c, k in zip(letters, slices):
+            if k > 1 and c not in cut.values():
+                d = next(d for d in mesh_dims if sizes[d] == k and d not in cut)
+                cut[d] = c
+    return OpLayout(tuple(cut[d] for d in mesh_dims))
+
+
+def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequence[int], itemsize: int = 4) -> Propagation:
+    """Choose every modelled operator's layout (see the module docstring).
+
+    Args:
+        gm: a traced module whose nodes carry ``tensor_meta`` (``ShapeProp`` on example inputs).
+        strategies: node name -> strategy of the annotated operators.
+        sizes: the mesh's dimension sizes (all of them; those of size 1 cut nothing).
+        itemsize: bytes per element.
+    """
+    mesh_dims = [d for d, n in enumerate(sizes) if n > 1]
+    ops = _ops(gm)
+    by_node = {op.node: op for op in ops}
+    best: dict[fx.Node, dict[OpLayout, tuple[float, dict[fx.Node, OpLayout]]]] = {}
+    for op in ops:
+        name = op.node.name
+        cands = [layout_of_strategy(op, strategies[name], sizes, mesh_dims)] if name in strategies else candidates(op, mesh_dims)
+        table = {}
+        for c in cands:
+            cost, choice = 0.0, {op.node: c}
+            for letters, prod in zip(op.inputs, op.args):
+                need = _expand(input_place(letters, c), sizes, mesh_dims)
+                nbytes = math.prod(_shape(prod)) * itemsize
+                if prod not in by_node:
+                    continue  # a graph input: whole on every rank, sliced locally
+                options = [(sub + edge_bytes(_expand(output_place(by_node[prod], pc), sizes, mesh_dims), need, nbytes, sizes),
+                            picks) for pc, (sub, picks) in best[prod].items()]
+                sub, picks = min(options, key=lambda o: o[0])
+                cost += sub
+                choice = {**picks, **choice}
+            table[c] = (cost, choice)
+        best[op.node] = table
+    sinks = [op for op in ops if not any(u in by_node for u in op.node.users)]
+    layouts: dict[fx.Node, OpLayout] = {}
+    for op in sinks:
+        _, choice = min(best[op.node].values(), key=lambda v: v[0])
+        layouts.update(choice)
+    return _report(ops, by_node, layouts, sizes, mesh_dims, itemsize)
+
+
+def _expand(places: tuple[Place, ...], sizes: Sequence[int], mesh_dims: Sequence[int]) -> tuple[Place, ...]:
+    """Placements over every mesh dimension (those of size 1 replicate) from those over ``mesh_dims``."""
+    out = [("R",)] * len(sizes)
+    for d, p in zip(mesh_dims, places):
+        out[d] = p
+    return tuple(out)
+
+
+def _report(ops, by_node, layouts, sizes, mesh_dims, itemsize) -> Propagation:  # noqa: ANN001
+    out_places = {op.node.name: _expand(output_place(op, layouts[op.node]), sizes, mesh_dims) for op in ops}
+    moves, total = [], 0.0
+    for op in ops:
+        for letters, prod in zip(op.inputs, op.args):
+            if prod not in by_node:
+                continue
+            src = out_places[prod.name]
+            dst = _expand(input_place(letters, layouts[op.node]), sizes, mesh_dims)
+            b = edge_bytes(src, dst, math.prod(_shape(prod)) * itemsize, sizes)
+            if b:
+                moves.append((prod.name, op.node.name, src, dst, b))
+                total += b
+    return Propagation({op.node.name: layouts[op.node] for op in ops}, out_places, moves, total)
