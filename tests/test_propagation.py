@@ -69,3 +69,11 @@ def test_the_annotation_is_what_the_propagation_works_around():
     assert found.output_placements["relu"] == (("R",), ("R",), ("S", 1))  # elementwise: no move
     # fc2 takes fc1's cut as its contraction: row-parallel, no redistribution between them
     assert not any(m[0] in ("fc1", "relu") for m in found.redistributions)
+
+
+def test_the_report_lists_layouts_and_every_redistribution_with_its_bytes():
+    found = propagate(_graph(), {"fc1": ((2, 1), (1, 2))}, (1, 2, 2))
+    text = str(found).splitlines()
+    assert text[0] == "fc1: output [R, S(0), S(1)]"
+    assert len([ln for ln in text if ln.startswith("redistribute ")]) == len(found.redistributions)
+    assert text[-1] == f"per step: {found.total_bytes:.0f} B redistributed per rank"

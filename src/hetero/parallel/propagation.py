@@ -71,6 +71,16 @@ class Propagation:
     redistributions: list[tuple[str, str, tuple[Place, ...], tuple[Place, ...], float]]
     total_bytes: float
 
+    def __str__(self) -> str:
+        def text(places: tuple[Place, ...]) -> str:
+            return "[" + ", ".join("R" if p[0] == "R" else "P" if p[0] == "P" else f"S({p[1]})" for p in places) + "]"
+
+        lines = [f"{name}: output {text(self.output_placements[name])}" for name in self.layouts]
+        lines += [f"redistribute {a} -> {b}: {text(x)} -> {text(y)}, {n:.0f} B per rank" for a, b, x, y, n in
+                  self.redistributions]
+        lines.append(f"per step: {self.total_bytes:.0f} B redistributed per rank")
+        return "\n".join(lines)
+
 
 def signature_of(node: fx.Node, root: nn.Module) -> OpSignature | None:
     """The einsum signature of a node, or ``None`` for an operator propagation does not model."""
