@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero.cli import report_error
+from hetero.cli import run_main
 from hetero.optim import DynamicLossScaler, HostAdamW, HostOffloadConfig, device_memory_report
 from hetero.placement import Target, resolve_device
 
@@ -147,8 +147,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001 - one line for hetero's own errors, the traceback otherwise
-        report_error(e, Path(__file__))
-        sys.exit(1)
+    run_main(main, __file__)  # one line for hetero's and this script's own errors, the traceback otherwise

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hetero
-from hetero.cli import report_error
+from hetero.cli import run_main
 from hetero.data.mnist import load_mnist, normalize
 from hetero import parallel
 from hetero.placement import PlacementSpec, Target
@@ -148,8 +148,4 @@ def main(argv: list[str] | None = None) -> float:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001 - one line for hetero's own errors, the traceback otherwise
-        report_error(e, Path(__file__))
-        sys.exit(1)
+    run_main(main, __file__)  # one line for hetero's and this script's own errors, the traceback otherwise

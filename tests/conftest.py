@@ -86,12 +86,14 @@ def _rank_main(r, n, port, fn, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
     torch.set_num_threads(1)
     assert init()
+    ok = False
     try:
         result = fn(*args)
         if r == 0:
             torch.save(result, out)
+        ok = True
     finally:
-        shutdown()
+        shutdown(clean=ok)  # a failed rank skips the final barrier: mp.spawn then stops the others at once
 
 
 def run_ranks(tmp_path, n, fn, *args):

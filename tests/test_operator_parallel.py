@@ -10,34 +10,24 @@ from hetero.parallel.mesh import MeshConfig, build_mesh
 from hetero.parallel.operator import shard
 
 
-class SemiAutoNet(nn.Module):
-    """The reference design's semi-auto example: a Mul and an Equal with weights, each sharded."""
+def _example():
+    import importlib.util
+    from pathlib import Path
 
-    def __init__(self, mesh=None, strategy=None, strategy2=None):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.mul_weight = nn.Parameter(torch.randn(8, 16, generator=g))
-        self.equal_weight = nn.Parameter(torch.full((8, 16), 0.1))
-        self.mul, self.equal = torch.mul, torch.eq
-        if strategy is not None:
-            self.mul = shard(torch.mul, strategy, mesh=mesh, name="mul")
-            self.equal = shard(torch.eq, strategy2, mesh=mesh, name="equal")
-
-    def forward(self, x):
-        y = self.mul(x, self.mul_weight)
-        return y, self.equal(y, self.equal_weight)
+    path = Path(__file__).resolve().parents[1] / "examples" / "semi_auto_parallel.py"
+    spec = importlib.util.spec_from_file_location("semi_auto_parallel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 16, generator=g)
-    x[0, :4] = 0.1 / SemiAutoNet().mul_weight.detach()[0, :4]  # some products equal the Equal's weight
-    return x
+SemiAutoNet = _example().SemiAutoNet  # the reference design's network, as the example defines it
+_inputs = _example().inputs
 
 
 def _semi_auto(tp, strategy):
     mesh = build_mesh(MeshConfig(tp=tp))
-    y, eq = SemiAutoNet(mesh, strategy, strategy)(_inputs())
+    y, eq = SemiAutoNet(mesh, strategy)(_inputs())
     assert any(type(p).__name__ == "Shard" for p in y.placements), y.placements  # computed in shards
     return y.full_tensor(), eq.full_tensor()
 
@@ -326,3 +316,21 @@ def test_dataset_strategies_feed_the_data_dimension(tmp_path, cpu_ranks, strateg
         "dataset strategy: input 0 dimension 0 (size 8) cannot be cut in 3; valid slice counts are the data-parallel "
         "sizes [1, 2] that divide 8",
     ]
+
+
+@pytest.mark.parametrize("n,strategy", [(2, "1,2"), (4, "2,2")])
+def test_the_semi_auto_example_under_torchrun_equals_one_process(cpu_ranks, n, strategy):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "semi_auto_parallel.py"
+    one = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=True)
+    many = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                           str(example), "--tp", "2", "--strategy", strategy], capture_output=True, text=True,
+                          timeout=300)
+    assert many.returncode == 0, many.stderr[-2000:]
+    want, got = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(many.stdout.strip().splitlines()[-1])
+    assert got["world_size"] == n and want["equal_true"] == got["equal_true"] > 0
+    assert (got["mul_crc"], got["equal_crc"]) == (want["mul_crc"], want["equal_crc"])  # bitwise

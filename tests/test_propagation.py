@@ -8,7 +8,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from hetero.parallel.propagation import _expand, _ops, _report, candidates, layout_of_strategy, propagate
+from hetero.parallel.propagation import _ops, _report, candidates, layout_of_strategy, propagate
 
 
 class Chain(nn.Module):

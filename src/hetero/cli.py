@@ -13,6 +13,7 @@ import linecache
 import logging
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -173,6 +174,16 @@ def report_error(e: BaseException, *own: Path) -> None:
         print(f"hetero: error: {e}", file=sys.stderr)
     else:
         traceback.print_exception(e, file=sys.stderr)
+
+
+def run_main(main: Callable[[], object], script: str) -> None:
+    """Run a script's ``main()`` (the examples'): on an error, :func:`report_error` (the script's
+    own ``raise`` statements count as hetero's) and exit with status 1."""
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 - reported, then the exit status says it failed
+        report_error(e, Path(script))
+        sys.exit(1)
 
 
 def _raised_by(e: BaseException, sources: tuple[Path, ...]) -> bool:

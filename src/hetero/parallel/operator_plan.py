@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -137,11 +139,18 @@ def _parse_placement(text: str) -> Placement:
 
 
 def save_strategy(path: str | Path, mesh: DeviceMesh, layout: dict[str, list[Placement]]) -> Path:
-    """Write the resolved layout as JSON: mesh shape and dimension names, name -> placements."""
+    """Write the resolved layout as JSON: mesh shape and dimension names, name -> placements.
+
+    Rank 0 writes (a temporary file renamed into place); every rank returns once it is there.
+    Collective: every rank calls it."""
     path = Path(path)
     doc = {"mesh": {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
            "layout": {k: placement_names(v) for k, v in sorted(layout.items())}}
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    if dist.get_rank() == 0:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
+    dist.barrier()  # the other ranks may read it next
     return path
 
 
