@@ -13,10 +13,14 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # hetero.explain / hetero.partition load torch.fx machinery on first use only.
-    if name in ("explain", "partition"):
-        import hetero.placement as placement
+    if name == "explain":
+        from hetero.report import explain
 
-        return getattr(placement, name)
+        return explain
+    if name == "partition":
+        from hetero.placement.partitioner import partition
+
+        return partition
     raise AttributeError(f"module 'hetero' has no attribute {name!r}")
 
 __all__ = [

@@ -108,14 +108,18 @@ def assign_mesh(op: str, matrix: dict[str, int], mesh: DeviceMesh, exact: bool =
             or a slice count matches no mesh dimension.
     """
     dims = [mesh.mesh_dim_names.index(d.value) for d in (MeshDim.DP, MeshDim.TP)]
-    sizes = {i: mesh.size(i) for i in dims}
+    return assign_sizes(op, matrix, {i: mesh.size(i) for i in dims}, exact)
+
+
+def assign_sizes(op: str, matrix: dict[str, int], sizes: dict[int, int], exact: bool = True) -> dict[str, int]:
+    """:func:`assign_mesh` over mesh dimension index -> size (no mesh needed: planning, explain)."""
     total = math.prod(sizes.values())
     sliced = {name: k for name, k in matrix.items() if k > 1}
     if (math.prod(sliced.values()) != total) if exact else (total % math.prod(sliced.values())):
         raise _fail(op, f"the device matrix {tuple(matrix.values())} multiplies to {math.prod(sliced.values())}, the mesh's "
                         f"dp x tp part has {total} ranks ({dict(zip(('dp', 'tp'), sizes.values()))}); the slice counts "
                         f"must multiply to {total}")
-    free, out = list(dims), {}
+    free, out = list(sizes), {}
     for name, k in sliced.items():
         match = next((i for i in free if sizes[i] == k), None)
         if match is None:

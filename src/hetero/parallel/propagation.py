@@ -5,10 +5,10 @@ signature gets a layout: which mesh dimension cuts which of its iteration letter
 dimension of size > 1 cuts one letter: every operator uses every rank, the reference design's
 device-matrix rule). An annotated operator's layout is fixed by its strategy; the others are
 chosen to minimise the bytes the redistributions between producers and consumers move. The cost
-of an edge is, per mesh dimension of size ``n`` and a tensor of ``S`` bytes (per rank):
-Replicate->Shard 0 (a local slice), Shard->Replicate ``S (n-1)/n`` (all-gather),
-Shard(a)->Shard(b) ``S (n-1)/n^2`` (all-to-all), Partial->Replicate ``2 S (n-1)/n`` (all-reduce),
-Partial->Shard ``S (n-1)/n`` (reduce-scatter). The search is dynamic programming over the graph in
+of an edge is the bytes per rank of the collectives DTensor issues for it (:func:`edge_bytes`,
+priced by :func:`hetero.parallel.comm.collective_bytes`): Replicate->Shard is a local slice,
+Shard->Replicate an all-gather, Partial->Replicate an all-reduce, Partial->Shard a
+reduce-scatter, Shard(a)->Shard(b) an all-to-all. The search is dynamic programming over the graph in
 topological order: exact where every value has one consumer (chains, in-trees); with fan-out a
 shared producer's cost is counted per consumer (an upper bound). Reference: the reference
 design's sharding propagation; Alpa's intra-operator ILP (Zheng et al. 2022) and GSPMD
@@ -28,7 +28,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from hetero.parallel.operator import OpSignature, Strategy
+from hetero.parallel.comm import Collective, collective_bytes
+from hetero.parallel.operator import OpSignature, Strategy, assign_sizes
 
 ELEMENTWISE = {operator.add, operator.mul, operator.sub, operator.truediv, torch.add, torch.mul, torch.sub,
                torch.relu, torch.tanh, torch.sigmoid, nn.functional.relu, nn.functional.gelu}
@@ -62,13 +63,14 @@ class Propagation:
     Attributes:
         layouts: node name -> :class:`OpLayout`.
         output_placements: node name -> placement per mesh dimension of its output.
-        redistributions: ``(producer, consumer, from, to, bytes)`` per edge that moves data.
+        redistributions: ``(producer, consumer, from, to, bytes, collectives)`` per edge that
+            moves data (collectives in the order DTensor issues them).
         total_bytes: their sum, per rank and step.
     """
 
     layouts: dict[str, OpLayout]
     output_placements: dict[str, tuple[Place, ...]]
-    redistributions: list[tuple[str, str, tuple[Place, ...], tuple[Place, ...], float]]
+    redistributions: list[tuple[str, str, tuple[Place, ...], tuple[Place, ...], float, tuple[Collective, ...]]]
     total_bytes: float
 
     def __str__(self) -> str:
@@ -76,8 +78,8 @@ class Propagation:
             return "[" + ", ".join("R" if p[0] == "R" else "P" if p[0] == "P" else f"S({p[1]})" for p in places) + "]"
 
         lines = [f"{name}: output {text(self.output_placements[name])}" for name in self.layouts]
-        lines += [f"redistribute {a} -> {b}: {text(x)} -> {text(y)}, {n:.0f} B per rank" for a, b, x, y, n in
-                  self.redistributions]
+        lines += [f"redistribute {a} -> {b}: {text(x)} -> {text(y)} by {' + '.join(c.value for c in calls)}, "
+                  f"{n:.0f} B per rank" for a, b, x, y, n, calls in self.redistributions]
         lines.append(f"per step: {self.total_bytes:.0f} B redistributed per rank")
         return "\n".join(lines)
 
@@ -104,6 +106,11 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return tuple(meta.shape) if meta is not None else None
 
 
+def _bytes(node: fx.Node) -> float:
+    meta = node.meta["tensor_meta"]
+    return math.prod(meta.shape) * meta.dtype.itemsize
+
+
 def _ops(gm: fx.GraphModule) -> list[_Op]:
     out = []
     for node in gm.graph.nodes:
@@ -113,8 +120,8 @@ def _ops(gm: fx.GraphModule) -> list[_Op]:
         producers = [a for a in node.args if isinstance(a, fx.Node) and _shape(a) is not None]
         ranks = [len(_shape(a)) for a in producers]
         letters, out_letters = sig.letters(ranks)
-        if len(letters) != len(producers):
-            continue
+        if len(letters) != len(producers) or any(len(a) != r for a, r in zip(letters, ranks)):
+            continue  # e.g. nn.Linear on a 3-D input: not modelled, DTensor decides at run time
         linear = node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear)
         out.append(_Op(node, tuple(letters), out_letters, producers, ("mk", "kn") if linear else tuple(letters)))
     return out
@@ -142,45 +149,79 @@ def input_place(letters: str, layout: OpLayout) -> tuple[Place, ...]:
     return tuple(("S", letters.index(c)) if c in letters else ("R",) for c in layout.cuts)
 
 
-def edge_bytes(src: tuple[Place, ...], dst: tuple[Place, ...], nbytes: float, sizes: Sequence[int]) -> float:
-    """Bytes per rank to turn a tensor of ``nbytes`` from placements ``src`` into ``dst``."""
-    total = 0.0
-    for d, (a, b, n) in enumerate(zip(src, dst, sizes)):
-        if a == b or n == 1 or (a[0] == "R" and b[0] == "S"):
+def edge_bytes(src: tuple[Place, ...], dst: tuple[Place, ...], nbytes: float, sizes: Sequence[int],
+               all_to_all: bool = True) -> float:
+    """Bytes per rank to turn a tensor of ``nbytes`` (global) from placements ``src`` into ``dst``
+    (the sum over :func:`edge_collectives`)."""
+    return sum(b for _, _, b in edge_collectives(src, dst, nbytes, sizes, all_to_all))
+
+
+def edge_collectives(src: tuple[Place, ...], dst: tuple[Place, ...], nbytes: float, sizes: Sequence[int],
+                     all_to_all: bool = True) -> list[tuple[int, Collective, float]]:
+    """The collectives (mesh dimension, kind, bytes per rank) that turn a tensor of ``nbytes``
+    (global) from placements ``src`` into ``dst``.
+
+    The mesh dimensions change one at a time, as DTensor's ``redistribute`` does them (torch
+    2.13, measured): from the innermost mesh dimension out, each collective on the local tensor
+    of that moment (a gather of an inner dimension moves less while outer dimensions still cut
+    the tensor; an outer reduction after an inner gather reduces the gathered tensor).
+    ``Shard(a) -> Shard(b)`` is an all-to-all, or with ``all_to_all=False`` (gloo, which has
+    none) an all-gather and a local slice; when several mesh dimensions change their sharded
+    dimension at once, DTensor gathers them all first. Replicate -> Shard is a local slice.
+    """
+    place = list(src)
+    n_dims = len(sizes)
+
+    def local() -> float:
+        return nbytes / math.prod(sizes[e] for e in range(n_dims) if place[e][0] == "S")
+
+    out: list[tuple[int, Collective, float]] = []
+    swaps = [d for d in range(n_dims) if sizes[d] > 1 and src[d][0] == dst[d][0] == "S" and src[d] != dst[d]]
+    if len(swaps) > 1:
+        for d in reversed(swaps):
+            out.append((d, Collective.ALL_GATHER, collective_bytes(Collective.ALL_GATHER, local(), sizes[d])))
+            place[d] = ("R",)
+    for d in reversed(range(n_dims)):
+        a, b, n = place[d], dst[d], sizes[d]
+        if a == b or n == 1:
             continue
-        others = math.prod(sizes[e] for e in range(len(sizes)) if e != d and src[e][0] == "S" and dst[e][0] == "S")
-        s = nbytes / others
-        if a[0] == "S" and b[0] == "R":
-            total += s * (n - 1) / n
-        elif a[0] == "S" and b[0] == "S":
-            total += s * (n - 1) / n**2
-        elif a[0] == "P" and b[0] == "R":
-            total += 2 * s * (n - 1) / n
-        elif a[0] == "P" and b[0] == "S":
-            total += s * (n - 1) / n
-    return total
+        if a[0] == "S" and b[0] == "S":
+            kind = Collective.ALL_TO_ALL if all_to_all else Collective.ALL_GATHER
+        elif a[0] == "S" and b[0] == "R":
+            kind = Collective.ALL_GATHER
+        elif a[0] == "P":
+            kind = Collective.ALL_REDUCE if b[0] == "R" else Collective.REDUCE_SCATTER
+        else:
+            kind = None  # Replicate -> Shard: a local slice
+        if kind is not None:
+            out.append((d, kind, collective_bytes(kind, local(), n)))
+        place[d] = b
+    return out
 
 
 def layout_of_strategy(op: _Op, strategy: Strategy, sizes: Sequence[int], mesh_dims: Sequence[int]) -> OpLayout:
     """The layout an annotated operator's strategy implies (letters cut in order onto the mesh
-    dimensions of their slice counts, as :func:`hetero.parallel.operator.assign_mesh` does)."""
-    cut: dict[int, str] = {}
+    dimensions of their slice counts, as :func:`hetero.parallel.operator.assign_mesh` does).
+
+    Raises:
+        ValueError: slice counts that do not fit the mesh (see :func:`assign_sizes`)."""
+    matrix: dict[str, int] = {}
     for letters, slices in zip(op.strategy_letters, strategy):
         for c, k in zip(letters, slices):
-            if k > 1 and c not in cut.values():
-                d = next(d for d in mesh_dims if sizes[d] == k and d not in cut)
-                cut[d] = c
-    return OpLayout(tuple(cut[d] for d in mesh_dims))
+            matrix.setdefault(c, k)
+    assignment = assign_sizes(op.node.name, matrix, {d: sizes[d] for d in mesh_dims})
+    return OpLayout(tuple(next(c for c, dim in assignment.items() if dim == d) for d in mesh_dims))
 
 
-def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequence[int], itemsize: int = 4) -> Propagation:
+def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequence[int], all_to_all: bool = True
+              ) -> Propagation:
     """Choose every modelled operator's layout (see the module docstring).
 
     Args:
         gm: a traced module whose nodes carry ``tensor_meta`` (``ShapeProp`` on example inputs).
         strategies: node name -> strategy of the annotated operators.
         sizes: the mesh's dimension sizes (all of them; those of size 1 cut nothing).
-        itemsize: bytes per element.
+        all_to_all: whether the backend has all-to-all (NCCL); gloo has not (see :func:`edge_bytes`).
     """
     mesh_dims = [d for d, n in enumerate(sizes) if n > 1]
     ops = _ops(gm)
@@ -194,10 +235,10 @@ def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequen
             cost, choice = 0.0, {op.node: c}
             for letters, prod in zip(op.inputs, op.args):
                 need = _expand(input_place(letters, c), sizes, mesh_dims)
-                nbytes = math.prod(_shape(prod)) * itemsize
+                nbytes = _bytes(prod)
                 if prod not in by_node:
                     continue  # a graph input: whole on every rank, sliced locally
-                options = [(sub + edge_bytes(_expand(output_place(by_node[prod], pc), sizes, mesh_dims), need, nbytes, sizes),
+                options = [(sub + edge_bytes(_expand(output_place(by_node[prod], pc), sizes, mesh_dims), need, nbytes, sizes, all_to_all),
                             picks) for pc, (sub, picks) in best[prod].items()]
                 sub, picks = min(options, key=lambda o: o[0])
                 cost += sub
@@ -209,7 +250,7 @@ def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequen
     for op in sinks:
         _, choice = min(best[op.node].values(), key=lambda v: v[0])
         layouts.update(choice)
-    return _report(ops, by_node, layouts, sizes, mesh_dims, itemsize)
+    return _report(ops, by_node, layouts, sizes, mesh_dims, all_to_all)
 
 
 def _expand(places: tuple[Place, ...], sizes: Sequence[int], mesh_dims: Sequence[int]) -> tuple[Place, ...]:
@@ -220,7 +261,7 @@ def _expand(places: tuple[Place, ...], sizes: Sequence[int], mesh_dims: Sequence
     return tuple(out)
 
 
-def _report(ops, by_node, layouts, sizes, mesh_dims, itemsize) -> Propagation:  # noqa: ANN001
+def _report(ops, by_node, layouts, sizes, mesh_dims, all_to_all=True) -> Propagation:  # noqa: ANN001
     out_places = {op.node.name: _expand(output_place(op, layouts[op.node]), sizes, mesh_dims) for op in ops}
     moves, total = [], 0.0
     for op in ops:
@@ -229,8 +270,9 @@ def _report(ops, by_node, layouts, sizes, mesh_dims, itemsize) -> Propagation:  
                 continue
             src = out_places[prod.name]
             dst = _expand(input_place(letters, layouts[op.node]), sizes, mesh_dims)
-            b = edge_bytes(src, dst, math.prod(_shape(prod)) * itemsize, sizes)
+            calls = edge_collectives(src, dst, _bytes(prod), sizes, all_to_all)
+            b = sum(c[2] for c in calls)
             if b:
-                moves.append((prod.name, op.node.name, src, dst, b))
+                moves.append((prod.name, op.node.name, src, dst, b, tuple(c[1] for c in calls)))
                 total += b
     return Propagation({op.node.name: layouts[op.node] for op in ops}, out_places, moves, total)

@@ -27,6 +27,8 @@ class Explanation:
         concurrent: pairs of host and device subgraphs with no dependency path between them,
             which run at the same time.
         fallback_reason: set when the graph could not be captured.
+        operator_parallel: the operator-sharding section when ``hetero.explain`` was given a
+            sharding plan (a ``hetero.parallel.sharding_graph.ShardingReport``); printed last.
     """
 
     subgraphs: list[Subgraph]
@@ -35,8 +37,13 @@ class Explanation:
     d2h_bytes: int
     concurrent: list[tuple[str, str]]
     fallback_reason: str | None = None
+    operator_parallel: object | None = None
 
     def __str__(self) -> str:
+        text = self._placement_text()
+        return text if self.operator_parallel is None else f"{text}\n{self.operator_parallel}"
+
+    def _placement_text(self) -> str:
         if self.fallback_reason:
             return f"no graph captured ({self.fallback_reason}); module-level placement with hooks"
         lines = [f"{len(self.subgraphs)} subgraphs"]

@@ -87,6 +87,17 @@ class _Tracer(fx.Tracer):
         return node
 
 
+def capture(model: nn.Module) -> fx.GraphModule:
+    """``model``'s forward graph as the partitioner captures it: modules with a placement of their
+    own (host tables) are single ``call_module`` nodes; ``nn.Linear`` and other leaf modules too.
+
+    Raises:
+        torch.fx.proxy.TraceError: (and what symbolic tracing raises) a forward with
+            data-dependent control flow.
+    """
+    return fx.GraphModule(model, _Tracer().trace(model))
+
+
 def op_type(node: fx.Node, root: nn.Module) -> str:
     """The op type of a node as op rules name it (``matmul``, ``add``, ``relu``, ``linear``...)."""
     if node.op == "call_function":

@@ -1,0 +1,41 @@
+"""``hetero.explain``: the host/device partition of a model and, given a sharding plan, its
+operator-parallel layouts - one report over both packages (placement knows nothing of parallel)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from hetero.parallel.mesh import MeshDim
+from hetero.parallel.operator_plan import ShardingPlan
+from hetero.parallel.sharding_graph import explain_sharding
+from hetero.placement.annotate import PlacementSpec
+from hetero.placement.explainer import Explanation
+from hetero.placement.explainer import explain as explain_placement
+
+
+def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSpec | None = None, *,
+            sharding: ShardingPlan | None = None, mesh: Mapping[MeshDim, int] | None = None,
+            all_to_all: bool = True) -> Explanation:
+    """Describe what hetero makes of ``model`` on ``example_inputs``, without changing it.
+
+    Args:
+        spec: host/device placement (see :func:`hetero.placement.explainer.explain`).
+        sharding: operator strategies by module name; with it the report adds each operator's
+            layout, every redistribution (collective, bytes per rank and forward pass) and the
+            parameter bytes per rank, planned for ``mesh`` (no process group needed).
+        mesh: mesh dimension -> size, e.g. ``{MeshDim.DP: 2, MeshDim.TP: 2}``.
+        all_to_all: the backend has all-to-all (NCCL); gloo has not (gathers instead).
+
+    Raises:
+        ValueError: as :func:`hetero.placement.explainer.explain` and
+            :func:`hetero.parallel.sharding_graph.explain_sharding`, or a plan without ``mesh``.
+    """
+    report = explain_placement(model, example_inputs, spec)
+    if sharding is not None:
+        if not mesh:
+            raise ValueError("hetero.explain(sharding=...) needs the mesh it plans for: pass mesh={MeshDim.TP: 2, ...}")
+        report.operator_parallel = explain_sharding(model, example_inputs, sharding, mesh, all_to_all)
+    return report
