@@ -22,14 +22,28 @@ import math
 import sys
 import sysconfig
 import time
+from collections.abc import Iterable
 from pathlib import Path
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from hetero.cli import run_main
 from hetero.optim import DynamicLossScaler, HostAdamW, HostOffloadConfig, device_memory_report
+from hetero import parallel
+from hetero.parallel import MeshConfig, MeshDim, build_mesh
 from hetero.placement import Target, resolve_device
 
 
@@ -50,22 +64,91 @@ def stdlib_corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
 
 
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q, k, v projections, so column-parallel q,
+    k, v give each rank whole heads (a packed qkv weight would cut across q, k and v)."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = d_model // heads
+        # no bias on k: its gradient is zero in exact arithmetic (softmax ignores a shift shared by
+        # all keys), so Adam would step on rounding noise; none on q and v alike (as LLaMA, PaLM)
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model, bias=False) for _ in range(3))
+        self.o = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1: the heads this rank holds (all, or heads / tp when q, k, v are column-parallel)
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block: attention and a GELU MLP, each in a residual branch."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, heads)
+        self.fc, self.proj = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
 class Decoder(nn.Module):
     def __init__(self, vocab: int, d_model: int, layers: int, heads: int, context: int) -> None:
         super().__init__()
+        if d_model % heads:
+            raise ValueError(f"--d-model {d_model} is not a multiple of --heads {heads}")
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(context, d_model)
-        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
-        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
-        mask = self.causal[:t, :t].to(h.dtype)
-        return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def tensor_parallel(model: Decoder, mesh: DeviceMesh, heads: int) -> Decoder:
+    """Megatron-style operator parallelism over ``mesh`` (1-D, the ``tp`` ranks), in place: q, k,
+    v and the MLP's first matmul column-parallel (each rank computes heads / tp heads and 4d / tp
+    hidden units), the attention output and the MLP's second matmul row-parallel (one all-reduce
+    per branch), the head column-parallel with class-sharded logits for loss parallel. Embeddings
+    and norms stay replicated. Reference: Shoeybi et al. 2019 (Megatron-LM); torch's
+    ``parallelize_module``."""
+    tp = mesh.size()
+    if heads % tp:
+        raise ValueError(f"--heads {heads} cannot be split over --tp {tp} ranks; choose --tp among the divisors of "
+                         f"{heads}: {[d for d in range(1, heads + 1) if heads % d == 0]}")
+    for block in model.blocks:
+        tensor_parallel_block(block, mesh)
+    # the logits stay cut by class: cross-entropy under loss_parallel never gathers them
+    parallelize_module(model, mesh, {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    return model
+
+
+def tensor_parallel_block(block: Block, mesh: DeviceMesh) -> Block:
+    """One block's part of :func:`tensor_parallel`, in place."""
+    # attn's input becomes one replicated DTensor shared by q, k and v: their input gradients are
+    # summed as partial sums and all-reduced once in backward (three times if each converted it)
+    block_plan = {"attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                             use_local_output=False),
+                  "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                  "attn.o": RowwiseParallel(), "fc": ColwiseParallel(), "proj": RowwiseParallel()}
+    return parallelize_module(block, mesh, block_plan)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy per byte; class-sharded logits (a DTensor) under ``loss_parallel``. The
+    backward pass must run under ``loss_parallel`` too: call ``.backward()`` inside it."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def batch(data: torch.Tensor, size: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,50 +173,66 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--memory-fraction", type=float, help="CUDA: cap this process's device memory")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="operator-parallel ranks (under torchrun --nproc-per-node TP)")
     args = p.parse_args(argv)
 
+    if args.tp > 1 and args.optimizer == "host":
+        raise ValueError("--tp > 1 trains with --optimizer adamw: HostAdamW keeps whole (unsharded) master weights; "
+                         "add --optimizer adamw")
+    parallel.init()  # under torchrun: join the job's process group
     device = resolve_device(Target.DEVICE)
     if args.memory_fraction and device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     data = stdlib_corpus(args.corpus_bytes)
     split = int(0.95 * len(data))
     train, valid = data[:split], data[split:]
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # every tp rank builds the same full model, then keeps its shards
     model = Decoder(256, args.d_model, args.layers, args.heads, args.context).to(device)
     n_params = sum(p.numel() for p in model.parameters())
+    rank = 0
+    if args.tp > 1 or torch.distributed.is_initialized():
+        mesh = build_mesh(MeshConfig(tp=args.tp))
+        if mesh.size() != args.tp:
+            raise ValueError(f"examples/lm_host_adam.py runs operator parallel only: start it on --tp ranks "
+                             f"(torchrun --nproc-per-node {args.tp}), not {mesh.size()}")
+        tensor_parallel(model, mesh[MeshDim.TP.value], args.heads)
+        rank = torch.distributed.get_rank()
     if args.optimizer == "host":
         dtype = torch.bfloat16 if args.device_dtype == "bf16" else torch.float16
         scaler = DynamicLossScaler() if dtype is torch.float16 else None
         opt = HostAdamW(model.named_parameters(), lr=args.lr, weight_decay=0.1,
                         config=HostOffloadConfig(device_dtype=dtype, max_grad_norm=1.0, loss_scaler=scaler))
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    print(f"{n_params / 1e6:.2f} M parameters on {device}, optimizer {args.optimizer}", file=sys.stderr)
+        # foreach=False: the parameter list mixes DTensor shards and replicated plain tensors
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=args.tp == 1)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"{n_params / 1e6:.2f} M parameters on {device}, optimizer {args.optimizer}, tp {args.tp}", file=sys.stderr)
+    sharded = contextlib.nullcontext if args.tp == 1 else loss_parallel
 
     gen = torch.Generator().manual_seed(args.seed)
     wdtype = next(model.parameters()).dtype
     t0, losses = time.perf_counter(), []
     for step in range(1, args.steps + 1):
-        x, y = (t.to(device) for t in batch(train, args.batch_size, args.context, gen))
+        x, y = (t.to(device) for t in batch(train, args.batch_size, args.context, gen))  # the same batch on every tp rank
         opt.zero_grad()
-        logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
-        scale = opt.loss_scale if isinstance(opt, HostAdamW) else 1.0
-        (loss * scale).backward()
+        with sharded():
+            loss = lm_loss(model(x), y)
+            scale = opt.loss_scale if isinstance(opt, HostAdamW) else 1.0
+            (loss * scale).backward()
         if not isinstance(opt, HostAdamW):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip_grad_norm(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())  # sync point: the log needs the value
+        losses.append(_value(loss))  # sync point: the log needs the value
         if step % args.log_every == 0 or step == args.steps:
             window = losses[-args.log_every:]
             mean = sum(window) / len(window)  # loss and bits/byte of the same steps
-            print(f"step {step}: train loss {mean:.4f} ({math.log2(math.e) * mean:.3f} bits/byte, mean of the last "
-                  f"{len(window)} steps)", flush=True)
+            log(f"step {step}: train loss {mean:.4f} ({math.log2(math.e) * mean:.3f} bits/byte, mean of the last "
+                f"{len(window)} steps)", flush=True)
     seconds = time.perf_counter() - t0
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), sharded():
         vx, vy = (t.to(device) for t in batch(valid, 32, args.context, torch.Generator().manual_seed(1)))
-        val = F.cross_entropy(model(vx).float().reshape(-1, 256), vy.reshape(-1)).item()
+        val = _value(lm_loss(model(vx), vy))
     report = device_memory_report(model, opt)
     result = {
         "params": n_params, "optimizer": args.optimizer, "weights_dtype": str(wdtype).replace("torch.", ""),
@@ -142,8 +241,33 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if device.type == "cuda":
         result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
-    print(json.dumps(result))
+    if args.tp > 1:
+        result["tp"] = args.tp
+        result["param_bytes_per_rank"] = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    log(json.dumps(result))
     return result
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _value(loss: torch.Tensor) -> float:
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Clip the global L2 norm of the gradients to ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``)
+    over a mix of DTensor shards and replicated plain tensors: a shard's squares are summed over
+    its mesh (``full_tensor`` of the norm), a replicated gradient counts once. Returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = [g.float().pow(2).sum() for g in grads]
+    total = sum((s.full_tensor() if isinstance(s, DTensor) else s) for s in squares)  # all-reduce of the shard parts
+    norm = total.sqrt()
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(factor)
+    return norm.item()
 
 
 if __name__ == "__main__":

@@ -334,3 +334,80 @@ def test_the_semi_auto_example_under_torchrun_equals_one_process(cpu_ranks, n, s
     want, got = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(many.stdout.strip().splitlines()[-1])
     assert got["world_size"] == n and want["equal_true"] == got["equal_true"] > 0
     assert (got["mul_crc"], got["equal_crc"]) == (want["mul_crc"], want["equal_crc"])  # bitwise
+
+
+def _lm_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lm_host_adam.py"
+    spec = importlib.util.spec_from_file_location("lm_host_adam", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpt_batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)) for _ in range(5)]
+
+
+def _gpt_model(lm):
+    torch.manual_seed(0)
+    return lm.Decoder(64, 32, 2, 4, 16)
+
+
+def _gpt_reference():
+    """One process, torch's own pieces: plain cross-entropy, clip_grad_norm_, AdamW."""
+    lm = _lm_example()
+    model = _gpt_model(lm)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    losses, grads = [], None
+    for x, y in _gpt_batches():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 64), y.reshape(-1))
+        loss.backward()
+        grads = grads or {k: p.grad.clone() for k, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _gpt_tensor_parallel(tp):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    lm = _lm_example()
+    mesh = build_mesh(MeshConfig(tp=tp))
+    model = lm.tensor_parallel(_gpt_model(lm), mesh["tp"], heads=4)
+    sharded = sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < p.numel())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    losses, grads = [], None
+    for x, y in _gpt_batches():
+        opt.zero_grad()
+        with loss_parallel():
+            logits = model(x)
+            assert isinstance(logits, DTensor) and logits.placements[0].is_shard(2)  # never gathered
+            loss = lm.lm_loss(logits, y)
+            loss.backward()
+        grads = grads or {k: full(p.grad).clone() for k, p in model.named_parameters()}
+        lm.clip_grad_norm(model.parameters(), 0.5)
+        opt.step()
+        losses.append(full(loss).item())
+    return losses, grads, {k: full(v).detach().clone() for k, v in model.state_dict().items()}, sharded
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_gpt_example_tensor_parallel_trains_as_one_process(tmp_path, cpu_ranks, tp):
+    want_losses, want_grads, want_state = _gpt_reference()
+    losses, grads, state, sharded = run_ranks(tmp_path, tp, _gpt_tensor_parallel, tp)
+    # column-parallel q, k, v, fc and head, row-parallel o and proj: their weights are cut
+    assert {"blocks.0.attn.q.weight", "blocks.0.attn.o.weight", "blocks.1.fc.weight", "blocks.1.proj.weight",
+            "head.weight"} <= set(sharded)
+    assert losses == pytest.approx(want_losses, abs=1e-5)
+    for k in want_grads:
+        torch.testing.assert_close(grads[k], want_grads[k], rtol=1e-5, atol=1e-5, msg=k)
+    for k in want_state:
+        torch.testing.assert_close(state[k], want_state[k], rtol=1e-5, atol=1e-5, msg=k)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from hetero.optim.host_adam import HostAdamW
 
@@ -18,10 +19,11 @@ def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | No
     "Device" is the parameters' own device: on a host-only machine that is the host, and host-side
     state (HostAdamW's masters and moments) counts there. For ``HostAdamW`` the gradients are the
     largest one alive at once (they stream away during backward); for other optimizers, the
-    gradients present now and every state tensor on a parameter's device.
+    gradients present now and every state tensor on a parameter's device. DTensors (operator
+    parallel) count this rank's shards.
     """
     params = list(model.parameters())
-    n = sum(p.numel() for p in params)
+    n = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)  # this rank's share
     if isinstance(optimizer, HostAdamW):
         b = optimizer.device_bytes()
     else:
@@ -34,9 +36,10 @@ def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | No
 
 
 def storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view or a shared buffer counts once)."""
+    """Bytes of the distinct storages behind ``tensors`` (a view or a shared buffer counts once).
+    A DTensor counts its local shard: what this rank holds."""
     seen: dict[tuple[torch.device, int], int] = {}
     for t in tensors:
-        st = t.untyped_storage()
+        st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
         seen[(t.device, st.data_ptr())] = st.nbytes()
     return sum(seen.values())

@@ -119,11 +119,15 @@ def _ops(gm: fx.GraphModule) -> list[_Op]:
             continue
         producers = [a for a in node.args if isinstance(a, fx.Node) and _shape(a) is not None]
         ranks = [len(_shape(a)) for a in producers]
+        linear = node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear)
+        if linear and len(ranks) == 1 and ranks[0] >= 2:
+            batch = "abcdefgh"[: ranks[0] - 2] + "m"  # (..., m, k): every leading dimension is a batch letter
+            out.append(_Op(node, (batch + "k",), batch + "n", producers, (batch + "k", "kn")))
+            continue
         letters, out_letters = sig.letters(ranks)
         if len(letters) != len(producers) or any(len(a) != r for a, r in zip(letters, ranks)):
-            continue  # e.g. nn.Linear on a 3-D input: not modelled, DTensor decides at run time
-        linear = node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear)
-        out.append(_Op(node, tuple(letters), out_letters, producers, ("mk", "kn") if linear else tuple(letters)))
+            continue  # not modelled: DTensor decides at run time
+        out.append(_Op(node, tuple(letters), out_letters, producers, tuple(letters)))
     return out
 
 

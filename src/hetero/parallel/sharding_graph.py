@@ -26,8 +26,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.fx.passes.shape_prop import ShapeProp
 
 from hetero.parallel.mesh import MeshDim
-from hetero.parallel.operator import Strategy, device_matrix, to_dtensor
-from hetero.parallel.operator_plan import _LINEAR, ShardingPlan
+from hetero.parallel.operator import OpSignature, Strategy, device_matrix, to_dtensor
+from hetero.parallel.operator_plan import ShardingPlan
 from hetero.parallel.propagation import OpLayout, Place, Propagation, _expand, _ops, input_place, propagate
 from hetero.placement.partitioner import capture
 
@@ -54,9 +54,10 @@ def capture_for_sharding(model: nn.Module, example_inputs: tuple[Any, ...], plan
         if not isinstance(m, nn.Linear):
             raise ValueError(f"sharding plan names module {name!r}, a {type(m).__name__}; operator strategies apply "
                              f"to nn.Linear modules")
-        x = called[name].args[0].meta["tensor_meta"].shape
-        rows = math.prod(x[:-1])
-        device_matrix(f"{name} (Linear)", _LINEAR, strategy.in_strategy, [(rows, m.in_features), (m.in_features, m.out_features)])
+        x = tuple(called[name].args[0].meta["tensor_meta"].shape)
+        batch = "abcdefgh"[: len(x) - 2] + "m"
+        device_matrix(f"{name} (Linear)", OpSignature((batch + "k", "kn"), batch + "n"), strategy.in_strategy,
+                      [x, (m.in_features, m.out_features)])
         strategies[called[name].name] = strategy.in_strategy
     return gm, strategies
 
