@@ -336,3 +336,74 @@ def test_replica_check_reads_tables_in_place_and_finds_one_changed_value(tmp_pat
     assert error is None and grew < 32 << 20, f"peak memory grew by {grew / 2**20:.0f} MiB"
     error, _ = run_ranks(tmp_path, 2, _replica_check, 1000, True)
     assert error == "host table 'table' differs between ranks; build the model with the same seed on every rank"
+
+
+@pytest.mark.parametrize("fmt", ["integrated", "sharded"])
+def test_wide_deep_with_an_operator_parallel_mlp_trains_and_resumes_as_one_process(tmp_path, ml_dir, fmt, cpu_ranks):
+    """``hetero train --tp 2``: the deep MLP column/row-parallel over 2 ranks, the host tables
+    replicated. Stopped mid-epoch, resumed at tp 2 and in one process (another layout), each ends
+    where one uninterrupted process ends."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from hetero.cli import main, merge
+
+    args = ["--data-path", str(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
+            "--hidden", "16,8", "--dropout", "0", "--checkpoint-format", fmt]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(*extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "hetero",
+               "train", *args, "--tp", "2", *extra]
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run
+
+    def final(name):
+        if fmt == "integrated":
+            return torch.load(tmp_path / name / "checkpoint.pt", map_location="cpu")
+        return torch.load(merge(tmp_path / name / "checkpoint.dcp", tmp_path / name / "merged.pt"))
+
+    assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0
+    run = torchrun("--max-steps", "7", "--run-dir", str(tmp_path / "tp"))  # mid-epoch 1
+    # 16,8 hidden over w inputs: mlp.0 (weight, bias) column-parallel, mlp.2's weight row-parallel;
+    # mlp.2's bias and mlp.4 (8 -> 1) whole. The bytes are the ranks' live local shards.
+    line = next(ln for ln in run.stderr.splitlines() if "deep MLP operator-parallel" in ln)
+    local, whole = (int(x) for x in line.split("sharded, ")[1].split(" bytes")[0].split(" of "))
+    w = (whole // 4 - (16 + 8 * 16 + 8 + 8 + 1)) // 16
+    assert whole == 4 * (16 * w + 16 + 8 * 16 + 8 + 8 + 1)
+    assert "over 2 ranks: 3 parameters sharded" in line and local == 4 * (16 * w // 2 + 8 + 8 * 16 // 2 + 8 + 8 + 1)
+    strategy = json.loads((tmp_path / "tp" / "strategy.json").read_text())
+    assert strategy["mesh"] == {"shape": [1, 1, 2], "dim_names": ["pp", "dp", "tp"]}
+    assert strategy["layout"]["mlp.0.weight"] == ["R", "R", "S(0)"] and strategy["layout"]["mlp.2.weight"] == ["R", "R", "S(1)"]
+    shutil.copytree(tmp_path / "tp", tmp_path / "tp_resumed")
+    torchrun("--resume", "--run-dir", str(tmp_path / "tp_resumed"))
+    shutil.copytree(tmp_path / "tp", tmp_path / "single")
+    assert main(["train", *args, "--resume", "--run-dir", str(tmp_path / "single")]) == 0
+    reference = final("one")
+    for name in ("tp_resumed", "single"):
+        state = final(name)
+        assert state["position"] == reference["position"]
+        torch.testing.assert_close(state["losses"], reference["losses"], rtol=0, atol=1e-5)
+        for k, v in reference["model"].items():
+            assert type(state["model"][k]) is torch.Tensor and state["model"][k].shape == v.shape, k
+            torch.testing.assert_close(state["model"][k], v, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {k}: {m}")
+        for i, st in reference["dense_optimizer"]["state"].items():
+            for s, v in st.items():
+                torch.testing.assert_close(state["dense_optimizer"]["state"][i][s], v, rtol=0, atol=1e-5)
+
+
+def test_tp_without_its_ranks_or_with_sharded_tables_is_refused_naming_the_fix(tmp_path, ml_dir, capsys):
+    from hetero.cli import main
+
+    base = ["train", "--data-path", str(ml_dir), "--epochs", "1", "--no-progress", "--run-dir", str(tmp_path)]
+    assert main([*base, "--tp", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hetero: error: --tp 2 runs every rank operator-parallel: start torchrun --nproc-per-node 2 (this job has 1 "
+        "ranks); data x operator parallel (a 2-D mesh) is hetero.parallel's (apply_sharding with batch slices), not "
+        "yet hetero train's")
+    assert main([*base, "--tp", "2", "--table-sharding", "row"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hetero: error: --tp works with replicated host tables: drop --ps-servers, --table-sharding row and --prefetch")

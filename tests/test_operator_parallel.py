@@ -241,48 +241,104 @@ def test_cross_entropy_over_class_sharded_logits_equals_one_process(tmp_path, cp
     torch.testing.assert_close(grad, head.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+class _TableMLP(nn.Module):
+    """A host table looked up by ids, then the MLP: a checkpoint holds both, and LazyAdam's rows."""
+
+    def __init__(self):
+        super().__init__()
+        from hetero.embedding import HostEmbedding, TableConfig
+
+        self.mlp = _mlp()
+        self.table = HostEmbedding(TableConfig("t", 40, 16, init_std=0.5))
+
+    def forward(self, ids):
+        return self.mlp(self.table(ids))
+
+
+def _table_mlp_train(model):
+    from hetero.optim import LazyAdam, LazyAdamConfig
+
+    dense = torch.optim.SGD(model.mlp.parameters(), lr=0.1)
+    sparse = LazyAdam([model.table], LazyAdamConfig(lr=0.05))
+    g = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        ids, y = torch.randint(0, 40, (8,), generator=g), torch.randn(8, 8, generator=g)
+        dense.zero_grad()
+        out = model(ids)
+        loss = nn.functional.mse_loss(out.full_tensor() if hasattr(out, "full_tensor") else out, y)
+        loss.backward()
+        dense.step()
+        sparse.step()
+    return sparse
+
+
+def _probe():
+    return torch.arange(0, 40, 5)  # 8 ids, all of them trained rows or not alike
+
+
 def _train_and_save(path):
-    from hetero.parallel.operator_plan import ShardingPlan, apply_sharding, save_distributed_checkpoint
+    from hetero.parallel import save_distributed_checkpoint
+    from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 
     mesh = build_mesh(MeshConfig(tp=2))  # 4 ranks: dp 2 x tp 2
-    model = _mlp()
-    apply_sharding(model, ShardingPlan().module("0", ((2, 1), (1, 2))).module("2", ((2, 2), (2, 1)), (2, 1)), mesh)
-    _mlp_train(model)
-    save_distributed_checkpoint(model, path)
-    probe = torch.randn(5, 16, generator=torch.Generator().manual_seed(9))
+    model = _TableMLP()
+    apply_sharding(model, ShardingPlan().module("mlp.0", ((2, 1), (1, 2))).module("mlp.2", ((2, 2), (2, 1)), (2, 1)), mesh)
+    sparse = _table_mlp_train(model)
+    save_distributed_checkpoint(model, path, {"deep": sparse})
     with torch.no_grad():
-        return model(torch.cat([probe, probe[:3]])).full_tensor()[:5]  # 8 rows: the batch is cut over dp
+        out = model(_probe()).full_tensor()
+    return out, {k: v.clone() for k, v in sparse.table_state["t"].items()}, dict(sparse.steps)
 
 
 def _load_and_predict(path, tp):
-    from hetero.parallel.operator_plan import (ShardingPlan, apply_sharding, infer_predict_layout,
-                                               load_distributed_checkpoint)
+    from hetero.optim import LazyAdam, LazyAdamConfig
+    from hetero.parallel import infer_predict_layout, load_distributed_checkpoint
+    from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 
-    model = _mlp()
+    model = _TableMLP()
     torch.manual_seed(123)
     for p in model.parameters():  # nothing of the initial weights may survive the load
         p.data.normal_()
-    probe = torch.randn(5, 16, generator=torch.Generator().manual_seed(9))
+    sparse = LazyAdam([model.table], LazyAdamConfig(lr=0.05))
     if tp > 1:  # operator-parallel only (dp 1 x tp 2): another layout than the one trained
         mesh = build_mesh(MeshConfig(tp=tp))
-        apply_sharding(model, ShardingPlan().module("0", ((1, 1), (1, 2))).module("2", ((1, 2), (2, 1)), (1, 1)), mesh)
-    layout = infer_predict_layout(model, probe)
+        apply_sharding(model, ShardingPlan().module("mlp.0", ((1, 1), (1, 2))).module("mlp.2", ((1, 2), (2, 1)), (1, 1)), mesh)
+    layout = infer_predict_layout(model, _probe())
     if tp > 1:  # a layout that is not the model's is refused before anything loads
-        with pytest.raises(ValueError, match=r"model's layout differs from the predict layout at '0.bias': \[\] asked, "):
-            load_distributed_checkpoint(model, path, {**layout, "0.bias": []})
-    load_distributed_checkpoint(model, path, layout)
+        with pytest.raises(ValueError, match=r"model's layout differs from the predict layout at 'mlp.0.bias': \[\] asked, "):
+            load_distributed_checkpoint(model, path, {**layout, "mlp.0.bias": []})
+    load_distributed_checkpoint(model, path, layout, {"deep": sparse})
     with torch.no_grad():
-        out = model(probe)
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
+        out = model(_probe())
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    return out, {k: v.clone() for k, v in sparse.table_state["t"].items()}, dict(sparse.steps)
 
 
 def test_a_checkpoint_trained_at_2x2_predicts_the_same_at_1_rank_and_at_2_operator_parallel(tmp_path, cpu_ranks):
     ckpt = tmp_path / "mlp.dcp"
-    want = run_ranks(tmp_path, 4, _train_and_save, str(ckpt))
-    one = _load_and_predict(str(ckpt), 1)
-    torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
-    two = run_ranks(tmp_path, 2, _load_and_predict, str(ckpt), 2)
-    torch.testing.assert_close(two, want, rtol=1e-5, atol=1e-5)
+    want, want_state, want_steps = run_ranks(tmp_path, 4, _train_and_save, str(ckpt))
+    assert want_steps == {"t": 5} and want_state["exp_avg"].abs().sum() > 0
+    for got, state, steps in (_load_and_predict(str(ckpt), 1), run_ranks(tmp_path, 2, _load_and_predict, str(ckpt), 2)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the table's rows and the MLP's shards
+        assert steps == want_steps  # LazyAdam's step count, and its moments row by row
+        for k in want_state:
+            torch.testing.assert_close(state[k], want_state[k], rtol=0, atol=0)
+
+
+def test_checkpoint_merge_writes_dtensor_shards_and_tables_whole(tmp_path, cpu_ranks):
+    from hetero.checkpoint import load_checkpoint
+    from hetero.cli import merge
+
+    ckpt = tmp_path / "mlp.dcp"
+    want, want_state, want_steps = run_ranks(tmp_path, 4, _train_and_save, str(ckpt))
+    merged = load_checkpoint(merge(ckpt, tmp_path / "mlp.pt"))
+    model = _TableMLP()
+    model.load_state_dict(merged["model"])  # plain tensors, whole: no process group needed
+    with torch.no_grad():
+        torch.testing.assert_close(model(_probe()), want, rtol=1e-5, atol=1e-5)
+    deep = merged["sparse_optimizers"]["deep"]
+    assert deep["steps"] == want_steps
+    torch.testing.assert_close(deep["state"]["t"]["exp_avg"], want_state["exp_avg"], rtol=0, atol=0)
 
 
 def _dataset(strategy):

@@ -21,8 +21,10 @@ import torch
 from hetero import parallel, ps
 from hetero.data import BatchConfig, Batches, CriteoConfig, FeatureRole, load_movielens_100k, read_criteo_tsv
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
-from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
+from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig, mlp_sharding_plan
 from hetero.optim import FTRLConfig, SparseOptimizerKind
+from hetero.optim.accounting import storage_bytes
+from hetero.parallel.env import set_data_parallel_group
 from hetero.placement import Target, resolve_device
 from hetero.ps import PSConfig, PSMode
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
@@ -73,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--prefetch", action="store_true", help="prepare the next batch's lookups on a worker thread")
     g.add_argument("--threads", type=int, help="threads of the host embedding kernels (default: torch's)")
+    g.add_argument("--tp", type=int, default=1, help="operator-parallel ranks for the deep MLP (under torchrun "
+                   "--nproc-per-node TP; the tables stay replicated on each host)")
     g.add_argument("--table-sharding", choices=["replicated", "row"], default="replicated",
                    help="under torchrun: every rank holds whole tables, or a 1/N block of each table's rows")
     g = t.add_argument_group("parameter server (under torchrun: the last N processes serve the tables)")
@@ -113,9 +117,27 @@ def _sparse_optimizer(kind: str, tables, lr: float, args):
     return kind.optimizer(tables, kind.optimizer.Config(lr=lr))
 
 
-def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer | None:
+def _operator_parallel_mesh(args: argparse.Namespace):  # noqa: ANN202 - a DeviceMesh or None
+    """With ``--tp N`` > 1: the job's mesh, every rank operator-parallel (the data-parallel
+    dimension is 1: each rank reads the whole batch, as ``DatasetStrategy.FULL_BATCH``)."""
+    if args.tp == 1:
+        return None
+    if args.ps_servers or args.table_sharding == "row" or args.prefetch:
+        raise ValueError("--tp works with replicated host tables: drop --ps-servers, --table-sharding row and --prefetch")
+    if parallel.world_size() != args.tp:
+        raise ValueError(f"--tp {args.tp} runs every rank operator-parallel: start torchrun --nproc-per-node {args.tp} "
+                         f"(this job has {parallel.world_size()} ranks); data x operator parallel (a 2-D mesh) is "
+                         f"hetero.parallel's (apply_sharding with batch slices), not yet hetero train's")
+    mesh = parallel.build_mesh(parallel.MeshConfig(tp=args.tp))
+    # The data-parallel group is this rank alone: no DDP, no sparse-gradient exchange, every rank
+    # the whole batch; the tables stay identical because every rank applies the same updates.
+    set_data_parallel_group(mesh[parallel.MeshDim.DP.value].get_group())
+    return mesh
+
+
+def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer | None:  # noqa: ANN001 - a DeviceMesh
     """The trainer of this process; ``None`` on a parameter server, which has served the job by
-    the time this returns."""
+    the time this returns. With ``mesh`` (``--tp``), the deep MLP is operator-parallel on it."""
     torch.manual_seed(args.seed)
     if args.data == "movielens-100k":
         data = load_movielens_100k(args.data_path, args.cache_dir)
@@ -150,7 +172,16 @@ def build_trainer(args: argparse.Namespace, on_step=None) -> Trainer | None:
         ps.start(model, sparse)  # memory budgets checked on every rank; a server serves here until the workers stop
         if ps.role() is ps.Role.SERVER:
             return None
-    dense = torch.optim.Adam(dense_parameters(model), lr=args.dense_lr)
+    if mesh is not None:
+        layout = parallel.apply_sharding(model, mlp_sharding_plan(model, args.tp), mesh)
+        local = storage_bytes(model.mlp.parameters())  # DTensors count their local shards
+        whole = sum(p.numel() * p.element_size() for p in model.mlp.parameters())
+        log.info("hetero: deep MLP operator-parallel over %d ranks: %d parameters sharded, %d of %d bytes per rank",
+                 args.tp, sum(any(not pl.is_replicate() for pl in v) for v in layout.values()), local, whole)
+        args.run_dir.mkdir(parents=True, exist_ok=True)
+        parallel.save_strategy(args.run_dir / "strategy.json", mesh, layout)  # the resolved layout, for predict runs
+    # foreach=False under --tp: the parameters mix DTensor shards and plain tensors
+    dense = torch.optim.Adam(dense_parameters(model), lr=args.dense_lr, foreach=None if mesh is None else False)
     n_rows = sum(t.config.num_embeddings for t in tables.values())
     where = f"on {args.ps_servers} parameter servers" if args.ps_servers else f"on this host ({args.table_sharding})"
     log.info("hetero: %d samples (%d train); %d host tables, %d rows, %.1f MB %s; MLP on %s",
@@ -225,10 +256,11 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         if args.ps_servers:
             ps.init(PSConfig(num_servers=args.ps_servers, mode=PSMode(args.ps_mode), staleness=args.ps_staleness,
                              server_memory_bytes=int(args.ps_server_memory_mb * 2**20), timeout_s=args.ps_timeout))
-        rank = parallel.rank()
+        mesh = _operator_parallel_mesh(args)
+        rank = parallel.global_rank()
         if rank != 0:  # one voice per job: the other ranks only warn
             logging.getLogger("hetero").setLevel(logging.WARNING)
-        trainer = build_trainer(args, on_step)
+        trainer = build_trainer(args, on_step, mesh)
         if trainer is None:  # a parameter server: the workers are done
             failed = False
             return 0

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from hetero.embedding import HostEmbeddingCollection, Pooling, TableConfig
+from hetero.parallel.operator_plan import ShardingPlan
 from hetero.placement import copy_to
 
 
@@ -87,3 +88,21 @@ class WideDeep(nn.Module):
             wide = wide + self.wide_dense(dense).squeeze(1)
         deep_in = torch.cat([*self.deep(features).values(), dense], dim=1)
         return wide + self.mlp(deep_in).squeeze(1)
+
+
+def mlp_sharding_plan(model: WideDeep, tp: int) -> ShardingPlan:
+    """The deep MLP operator-parallel over ``tp`` ranks, Megatron-style: its Linear layers in
+    pairs, the first of a pair column-parallel (output units cut), the second row-parallel
+    (its contraction cut; the partial sums all-reduced once) handing the next module the whole,
+    replicated output; an unpaired last layer (the 1-unit output) stays whole. The host tables
+    are untouched. Reference: Shoeybi et al. 2019 (Megatron-LM).
+
+    Raises:
+        ValueError: (when applied) a layer width that ``tp`` does not divide, naming the layer.
+    """
+    linears = [name for name, m in model.mlp.named_children() if isinstance(m, nn.Linear)]
+    plan = ShardingPlan()
+    for column, row in zip(linears[0::2], linears[1::2]):
+        plan.module(f"mlp.{column}", ((1, 1), (1, tp)))
+        plan.module(f"mlp.{row}", ((1, tp), (tp, 1)), (1, 1), use_local_output=True)
+    return plan

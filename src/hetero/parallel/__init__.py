@@ -10,6 +10,8 @@ from hetero.parallel.data_parallel import (
     check_replicas,
     data_parallel,
     full_model_state,
+    full_optimizer_state,
+    load_full_optimizer_state,
     global_shapes,
     local_model_state,
 )
@@ -20,13 +22,24 @@ from hetero.parallel.operator_plan import (
     ShardingPlan,
     apply_sharding,
     infer_predict_layout,
-    load_distributed_checkpoint,
     load_strategy,
-    save_distributed_checkpoint,
     save_strategy,
 )
+from hetero.parallel.checkpoint_state import load_distributed_checkpoint, save_distributed_checkpoint
 from hetero.parallel.row_sharded import gather_rows, shard_rows, sharded_tables
-from hetero.parallel.env import DistConfig, active, barrier, global_batch_mean, global_mean, init, local_rank, rank, shutdown, world_size
+from hetero.parallel.env import (
+    DistConfig,
+    active,
+    barrier,
+    global_batch_mean,
+    global_mean,
+    global_rank,
+    init,
+    local_rank,
+    rank,
+    shutdown,
+    world_size,
+)
 
 __all__ = [
     "DataParallelConfig",
@@ -43,9 +56,12 @@ __all__ = [
     "check_replicas",
     "data_parallel",
     "full_model_state",
+    "full_optimizer_state",
+    "load_full_optimizer_state",
     "gather_rows",
     "global_batch_mean",
     "global_mean",
+    "global_rank",
     "global_shapes",
     "infer_predict_layout",
     "load_distributed_checkpoint",

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hetero.embedding import RowPlacement, RowSpace, SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
 from hetero.parallel.env import active, data_parallel_group, host_group, world_size
+from hetero.parallel.operator import to_dtensor
 from hetero.embedding.group import TableGroup
 from hetero.parallel.row_sharded import RowSharding, gather_rows, local_table_rows, sharded_tables, table_rows
 
@@ -170,8 +173,9 @@ class DistributedSparse:
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every row-sharded table gathered whole (a collective)."""
-    state = model.state_dict()
+    """``model.state_dict()`` with every row-sharded table and every DTensor (operator-parallel)
+    parameter gathered whole (collectives: every rank calls it)."""
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     done: dict[TableGroup, torch.Tensor] = {}  # groups hash by identity
     for name, t in sharded_tables(model).items():
         g = t.group
@@ -182,13 +186,40 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def local_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A full model state (from :func:`full_model_state`, any world size) cut to this rank's rows."""
+    """A full model state (from :func:`full_model_state`, any world size and layout) cut to this
+    rank's rows and to the shards of its DTensor parameters (local slices, no communication)."""
     state = dict(state)
+    for key, v in model.state_dict().items():
+        if isinstance(v, DTensor) and key in state:
+            state[key] = to_dtensor(state[key], v.device_mesh, v.placements)
     for name, t in sharded_tables(model).items():
         key = f"{name}.weight"
         if key in state:
             state[key] = local_table_rows(t, state[key])
     return state
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with the state of DTensor (operator-parallel) parameters
+    gathered whole (collectives: every rank calls it); the same on every rank."""
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
+                   for i, st in sd["state"].items()}
+    return sd
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a :func:`full_optimizer_state` (any world size and layout) into ``optimizer``: the
+    state of a DTensor parameter is cut to its shards first (a local slice); torch's own
+    ``load_state_dict`` then checks the groups and casts to the parameters' devices."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {**state, "state": dict(state["state"])}
+    for i, st in state["state"].items():
+        p = params[i] if i < len(params) else None
+        if isinstance(p, DTensor):
+            state["state"][i] = {k: to_dtensor(v, p.device_mesh, p.placements) if isinstance(v, torch.Tensor)
+                                 and v.shape == p.shape else v for k, v in st.items()}
+    optimizer.load_state_dict(state)
 
 
 def global_shapes(model: nn.Module) -> dict[str, torch.Tensor]:

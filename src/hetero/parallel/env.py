@@ -110,6 +110,13 @@ def rank() -> int:
     return dist.get_rank(data_parallel_group()) if active() else 0
 
 
+def global_rank() -> int:
+    """This process's rank in the whole job (0 without a process group): the one that writes
+    the job's files is global rank 0 (the first worker of a parameter-server job, the first
+    operator-parallel rank of the first data-parallel replica)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def world_size() -> int:
     return dist.get_world_size(data_parallel_group()) if active() else 1
 

@@ -37,10 +37,14 @@ class OpStrategy:
         in_strategy: slices per dimension of each operator input: for ``nn.Linear`` the input
             ``(..., in)`` and the weight as the reference's MatMul takes it, ``(in, out)``.
         out_strategy: slices per dimension of the output (``None``: as computed).
+        use_local_output: hand the next module this rank's local tensor instead of the DTensor
+            (as torch's ``ParallelStyle``): with an ``out_strategy`` of all ones, the whole,
+            replicated output, so unsharded modules after it take plain tensors.
     """
 
     in_strategy: Strategy
     out_strategy: tuple[int, ...] | None = None
+    use_local_output: bool = False
 
 
 class ShardingPlan:
@@ -53,8 +57,10 @@ class ShardingPlan:
     def __init__(self) -> None:
         self.modules: dict[str, OpStrategy] = {}
 
-    def module(self, name: str, in_strategy: Strategy, out_strategy: tuple[int, ...] | None = None) -> "ShardingPlan":
-        new = OpStrategy(tuple(tuple(s) for s in in_strategy), None if out_strategy is None else tuple(out_strategy))
+    def module(self, name: str, in_strategy: Strategy, out_strategy: tuple[int, ...] | None = None,
+               use_local_output: bool = False) -> "ShardingPlan":
+        new = OpStrategy(tuple(tuple(s) for s in in_strategy), None if out_strategy is None else tuple(out_strategy),
+                         use_local_output)
         if self.modules.setdefault(name, new) != new:
             raise ValueError(f"conflicting sharding strategies for module {name!r}: {self.modules[name]} and {new}")
         return self
@@ -112,8 +118,9 @@ def _shard_linear(name: str, m: nn.Linear, strategy: OpStrategy, mesh: DeviceMes
     def shard_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return (to_dtensor(args[0], mesh, x_place), *args[1:])
 
-    def lay_out_output(module: nn.Module, args: tuple[Any, ...], y: DTensor) -> DTensor:
-        return y if out_place is None else y.redistribute(mesh, out_place)
+    def lay_out_output(module: nn.Module, args: tuple[Any, ...], y: DTensor) -> torch.Tensor:
+        y = y if out_place is None else y.redistribute(mesh, out_place)
+        return y.to_local() if strategy.use_local_output else y
 
     m.register_forward_pre_hook(shard_input)
     m.register_forward_hook(lay_out_output)
@@ -167,14 +174,14 @@ def load_strategy(path: str | Path, mesh: DeviceMesh, layout: dict[str, list[Pla
         raise ValueError(f"strategy file {path} is for mesh {doc['mesh']}, this job's is "
                          f"{ {'shape': list(mesh.shape), 'dim_names': list(mesh.mesh_dim_names)} }")
     saved = {k: [_parse_placement(p) for p in v] for k, v in doc["layout"].items()}
-    diff = None if layout is None else _first_difference(saved, layout)
+    diff = None if layout is None else first_difference(saved, layout)
     if diff is not None:
         name, a, b = diff
         raise ValueError(f"strategy file {path} differs from the model at {name!r}: {a} in the file, {b} in the model")
     return saved
 
 
-def _first_difference(a: dict[str, list[Placement]], b: dict[str, list[Placement]]) -> tuple[str, str, str] | None:
+def first_difference(a: dict[str, list[Placement]], b: dict[str, list[Placement]]) -> tuple[str, str, str] | None:
     """The first name (sorted) whose placements differ between two layouts, with both as text."""
     for name in sorted(set(a) | set(b)):
         x, y = (placement_names(v[name]) if name in v else "absent" for v in (a, b))
@@ -191,32 +198,3 @@ def infer_predict_layout(model: nn.Module, *inputs: Any) -> dict[str, list[Place
         with torch.no_grad():
             model(*inputs)
     return {name: list(p.placements) if isinstance(p, DTensor) else [] for name, p in model.named_parameters()}
-
-
-def save_distributed_checkpoint(model: nn.Module, path: str | Path) -> Path:
-    """Write ``model``'s state as a sharded DCP checkpoint (every rank writes its shards; atomic,
-    with checksums: :func:`hetero.checkpoint.sharded.save_sharded`). Collective."""
-    from hetero.checkpoint.sharded import save_sharded
-
-    return save_sharded({"model": model.state_dict()}, path)
-
-
-def load_distributed_checkpoint(model: nn.Module, path: str | Path,
-                                layout: dict[str, list[Placement]] | None = None) -> Path:
-    """Load a checkpoint saved by :func:`save_distributed_checkpoint` at any world size and layout
-    into ``model`` as it is sharded now (DCP reshards: a 2 x 2 run loads into 1 rank or into
-    another operator layout). With ``layout`` (from :func:`infer_predict_layout`), the model's
-    layout is checked against it first. Collective.
-
-    Raises:
-        ValueError: ``model``'s layout differs from ``layout`` (naming the first parameter).
-        hetero.checkpoint.CheckpointError: a missing, corrupted or other-model checkpoint;
-            nothing is loaded then.
-    """
-    from hetero.checkpoint.sharded import load_sharded
-
-    diff = None if layout is None else _first_difference(layout, infer_predict_layout(model))
-    if diff is not None:
-        name, a, b = diff
-        raise ValueError(f"model's layout differs from the predict layout at {name!r}: {a} asked, {b} in the model")
-    return load_sharded({"model": model.state_dict()}, path)

@@ -32,62 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetero.embedding import RowPlacement, host_tables, table_groups
-from hetero.embedding.group import TableGroup
-from hetero.parallel import active, world_size
-from hetero.parallel.env import host_group
+from hetero.parallel import world_size
+from hetero.parallel.checkpoint_state import model_state
 
 if TYPE_CHECKING:
     from hetero.train.trainer import Trainer
 
 
-def _mesh():  # noqa: ANN202 - a DeviceMesh over the host group
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group = host_group()
-    if group is None:
-        group = torch.distributed.group.WORLD
-    return DeviceMesh.from_group(group, "cpu")
-
-
-def _wrap(x: torch.Tensor, group: TableGroup, mesh) -> torch.Tensor:  # noqa: ANN001 - a DeviceMesh
-    """A row-sharded group's local block as a DTensor (no copy: loads write into ``x``)."""
-    if group.exchange.placement is not RowPlacement.ROW_SHARDED:
-        return x
-    from torch.distributed.tensor import DTensor, Shard
-
-    shape = (group.exchange.global_rows, *x.shape[1:])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
-
-
 def sharded_state(trainer: "Trainer", blob: bool = True) -> dict[str, Any]:
     """The state :func:`hetero.checkpoint.sharded.save_sharded` writes; with ``blob=False``, the
     template :func:`~hetero.checkpoint.sharded.load_sharded` fills (tensors are live: in place)."""
-    model = trainer.model
-    tables = host_tables(model)
-    table_keys = {f"{q}.weight" for q in tables}
-    mesh = _mesh() if active() and any(t.group.exchange.placement is RowPlacement.ROW_SHARDED
-                                       for t in tables.values()) else None
-    names = {t: q for q, t in tables.items()}  # modules hash by identity
-    out_tables, layout = {}, {"groups": {}, "sparse": {}, "ps": {}}
-    for key, group in table_groups(model).items():
-        layout["groups"][key] = [(names[t], t.group_row, t.config.num_embeddings) for t in group.tables]
-        if group.exchange.placement is RowPlacement.PARAMETER_SERVER:  # the servers write these rows
-            layout["ps"][key] = len(group.exchange.servers)
-            continue
-        entry = {"weight": _wrap(group.storage, group, mesh)}
-        for opt_key, opt in trainer.sparse_optimizer_objects.items():
-            for s, x in opt.group_state.get(group, {}).items():
-                entry[f"{opt_key}.{s}"] = _wrap(x, group, mesh)
-        out_tables[key] = entry
-    for opt_key, opt in trainer.sparse_optimizer_objects.items():
-        layout["sparse"][opt_key] = {name: names[t] for name, t in opt.tables.items()}
-    state: dict[str, Any] = {  # tables first: a table that does not fit is the first error reported
-        "tables": out_tables,
-        "model": {k: v for k, v in model.state_dict().items() if k not in table_keys},
-        "extra": io.BytesIO(),
-    }
+    tables, layout = model_state(trainer.model, trainer.sparse_optimizer_objects)
+    state: dict[str, Any] = {**tables, "extra": io.BytesIO()}
     if blob:
         extra = {k: v for k, v in trainer.state_dict(tables=False).items()}
         extra["layout"] = layout
@@ -121,7 +77,7 @@ def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
     integrated layout: per-table weights in ``model``, per-table state in each sparse optimizer."""
     extra = read_extra(full)
     layout = extra.pop("layout")
-    extra.pop("saved_world_size")
+    extra.pop("saved_world_size", None)  # the trainer's; hetero.parallel.save_distributed_checkpoint has none
     model = dict(full["model"])
     tables = dict(full.get("tables", {}))
     steps = {}

@@ -35,11 +35,13 @@ from hetero.parallel import (
     check_replicas,
     data_parallel,
     full_model_state,
+    full_optimizer_state,
     global_batch_mean,
     global_mean,
+    global_rank,
     global_shapes,
+    load_full_optimizer_state,
     local_model_state,
-    rank,
     world_size,
 )
 from hetero.placement import copy_to
@@ -139,7 +141,7 @@ class Trainer:
         if tables:
             state["model"] = full_model_state(self.model)  # row-sharded tables gathered whole (collective)
         state.update({
-            "dense_optimizer": self.dense_optimizer.state_dict(),
+            "dense_optimizer": full_optimizer_state(self.dense_optimizer),  # operator-parallel shards gathered
             "sparse_optimizers": {k: o.state_dict(include_state=tables) for k, o in self.sparse_optimizers.items()},
             "position": {"epoch": self.epoch, "batch": self.batch, "global_step": self.global_step},
             "rng": rng,
@@ -221,7 +223,7 @@ class Trainer:
         ours = self._hyper_parameters()
         if "model" in state:
             self.model.load_state_dict(local_model_state(self.model, state["model"]))  # this rank's rows of sharded tables
-        self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        load_full_optimizer_state(self.dense_optimizer, state["dense_optimizer"])
         for k, opt in self.sparse_optimizers.items():
             opt.load_state_dict(state["sparse_optimizers"][k])
         self._restore_hyper_parameters(ours)
@@ -244,7 +246,7 @@ class Trainer:
         # Every rank builds the state (it gathers row-sharded tables: a collective); it is then
         # identical on all ranks, so rank 0 writes and the others wait until the file is complete.
         state = self.state_dict()
-        if rank() == 0:
+        if global_rank() == 0:
             save_checkpoint(state, self.checkpoint_path)
         barrier()
         return self.checkpoint_path
@@ -369,7 +371,7 @@ class Trainer:
 
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         test = self.evaluate(self.test)
-        if rank() != 0:
+        if global_rank() != 0:
             return {"test_auc": test["auc"], "test_logloss": test["logloss"]}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / "losses.csv", "w") as f:

@@ -1,0 +1,135 @@
+"""Distributed checkpoints of a model's whole state: DTensor-sharded (operator-parallel)
+parameters, host tables (replicated, row-sharded or on parameter servers) and their sparse
+optimizers' per-row state, in one DCP layout that any world size and layout loads.
+
+Layout (shared with the trainer's ``checkpoint.dcp``, :mod:`hetero.train.checkpointing`):
+
+* ``tables.<group>``: per table group (``<group>``: its tables' qualified names, comma-joined)
+  the ``weight`` storage and each sparse optimizer's state as ``<optimizer>.<state>``; a
+  ``DTensor`` of row blocks for a row-sharded group, a plain tensor otherwise;
+* ``model``: every other entry of ``model.state_dict()`` (DTensors: each rank writes its shards);
+* ``extra``: a ``torch.save`` blob with the table ``layout`` and each sparse optimizer's
+  configuration and step counts (the trainer adds its run state).
+
+DCP reshards on load: what 4 ranks wrote as 2 data x 2 operator-parallel loads into 1 rank, or
+into 2 operator-parallel ranks. Reference: ``torch.distributed.checkpoint``; the reference
+design's ``load_distributed_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Placement
+
+from hetero.embedding import RowPlacement, host_tables, table_groups
+from hetero.embedding.group import TableGroup
+from hetero.optim import SparseOptimizer
+from hetero.parallel.env import active, host_group
+from hetero.parallel.operator_plan import first_difference, infer_predict_layout
+
+
+def _mesh():  # noqa: ANN202 - a DeviceMesh over the host group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = host_group()
+    if group is None:
+        group = torch.distributed.group.WORLD
+    return DeviceMesh.from_group(group, "cpu")
+
+
+def _wrap(x: torch.Tensor, group: TableGroup, mesh) -> torch.Tensor:  # noqa: ANN001 - a DeviceMesh
+    """A row-sharded group's local block as a DTensor (no copy: loads write into ``x``)."""
+    if group.exchange.placement is not RowPlacement.ROW_SHARDED:
+        return x
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (group.exchange.global_rows, *x.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(x, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def model_state(model: nn.Module, sparse_optimizers: Mapping[str, SparseOptimizer]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``tables`` and ``model`` parts of the layout (live tensors: a load fills them in
+    place) and the table ``layout`` record (which table is where in which group)."""
+    tables = host_tables(model)
+    table_keys = {f"{q}.weight" for q in tables}
+    mesh = _mesh() if active() and any(t.group.exchange.placement is RowPlacement.ROW_SHARDED
+                                       for t in tables.values()) else None
+    names = {t: q for q, t in tables.items()}  # modules hash by identity
+    out_tables, layout = {}, {"groups": {}, "sparse": {}, "ps": {}}
+    for key, group in table_groups(model).items():
+        layout["groups"][key] = [(names[t], t.group_row, t.config.num_embeddings) for t in group.tables]
+        if group.exchange.placement is RowPlacement.PARAMETER_SERVER:  # the servers write these rows
+            layout["ps"][key] = len(group.exchange.servers)
+            continue
+        entry = {"weight": _wrap(group.storage, group, mesh)}
+        for opt_key, opt in sparse_optimizers.items():
+            for s, x in opt.group_state.get(group, {}).items():
+                entry[f"{opt_key}.{s}"] = _wrap(x, group, mesh)
+        out_tables[key] = entry
+    for opt_key, opt in sparse_optimizers.items():
+        layout["sparse"][opt_key] = {name: names[t] for name, t in opt.tables.items()}
+    # tables first: a table that does not fit is the first error reported
+    state = {"tables": out_tables, "model": {k: v for k, v in model.state_dict().items() if k not in table_keys}}
+    return state, layout
+
+
+def save_distributed_checkpoint(model: nn.Module, path: str | Path,
+                                sparse_optimizers: Mapping[str, SparseOptimizer] | None = None) -> Path:
+    """Write ``model``'s state - DTensor shards, host tables - and ``sparse_optimizers``' state
+    as one sharded DCP checkpoint (every rank writes its shards; atomic, with checksums:
+    :func:`hetero.checkpoint.sharded.save_sharded`). Collective."""
+    from hetero.checkpoint.sharded import save_sharded
+
+    sparse = dict(sparse_optimizers or {})
+    state, layout = model_state(model, sparse)
+    blob = io.BytesIO()
+    torch.save({"layout": layout, "sparse_optimizers": {k: o.state_dict(include_state=False) for k, o in sparse.items()}},
+               blob)
+    return save_sharded({**state, "extra": blob}, path)
+
+
+def load_distributed_checkpoint(model: nn.Module, path: str | Path, layout: dict[str, list[Placement]] | None = None,
+                                sparse_optimizers: Mapping[str, SparseOptimizer] | None = None) -> Path:
+    """Load a checkpoint of :func:`save_distributed_checkpoint` (or the trainer's sharded one),
+    saved at any world size and layout, into ``model`` as it is sharded now, with its host
+    tables and, given ``sparse_optimizers``, their per-row state and step counts. With
+    ``layout`` (from :func:`~hetero.parallel.operator_plan.infer_predict_layout`) the model's
+    layout is checked first. Collective.
+
+    Raises:
+        ValueError: ``model``'s layout differs from ``layout`` (naming the first parameter).
+        hetero.checkpoint.CheckpointError: a missing, corrupted or other-model checkpoint, or a
+            sparse optimizer it does not hold; nothing is loaded then.
+    """
+    from hetero.checkpoint.io import CheckpointError
+    from hetero.checkpoint.sharded import load_sharded, read_bytes
+
+    diff = None if layout is None else first_difference(layout, infer_predict_layout(model))
+    if diff is not None:
+        name, a, b = diff
+        raise ValueError(f"model's layout differs from the predict layout at {name!r}: {a} asked, {b} in the model")
+    sparse = dict(sparse_optimizers or {})
+    saved = {}
+    if sparse:  # checked before anything loads; read by each rank alone (no collective)
+        blob = read_bytes(path, "extra")
+        blob.seek(0)
+        saved = torch.load(blob, map_location="cpu", weights_only=True)["sparse_optimizers"]
+        for k, opt in sparse.items():
+            if k not in saved:
+                raise CheckpointError(f"checkpoint {path} has no sparse optimizer {k!r}; it holds {sorted(saved)}")
+            try:
+                opt.check_state_dict(saved[k])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {path}, sparse optimizer {k!r}: {e}") from e
+    state, _ = model_state(model, sparse)
+    path = load_sharded(state, path)
+    for k, opt in sparse.items():
+        opt.load_state_dict(saved[k])  # configuration and step counts; the rows were loaded in place
+    return path
