@@ -338,10 +338,10 @@ def test_replica_check_reads_tables_in_place_and_finds_one_changed_value(tmp_pat
     assert error == "host table 'table' differs between ranks; build the model with the same seed on every rank"
 
 
-@pytest.mark.parametrize("fmt", ["integrated", "sharded"])
-def test_wide_deep_with_an_operator_parallel_mlp_trains_and_resumes_as_one_process(tmp_path, ml_dir, fmt, cpu_ranks):
-    """``hetero train --tp 2``: the deep MLP column/row-parallel over 2 ranks, the host tables
-    replicated. Stopped mid-epoch, resumed at tp 2 and in one process (another layout), each ends
+@pytest.mark.parametrize("fmt,tp", [("integrated", 2), ("sharded", 2), ("sharded", 4)])
+def test_wide_deep_with_an_operator_parallel_mlp_trains_and_resumes_as_one_process(tmp_path, ml_dir, fmt, tp, cpu_ranks):
+    """``hetero train --tp N``: the deep MLP column/row-parallel over N ranks, the host tables
+    replicated. Stopped mid-epoch, resumed at tp N and in one process (another layout), each ends
     where one uninterrupted process ends."""
     import json
     import shutil
@@ -355,8 +355,8 @@ def test_wide_deep_with_an_operator_parallel_mlp_trains_and_resumes_as_one_proce
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def torchrun(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "hetero",
-               "train", *args, "--tp", "2", *extra]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp), "-m", "hetero",
+               "train", *args, "--tp", str(tp), *extra]
         run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         return run
@@ -374,9 +374,9 @@ def test_wide_deep_with_an_operator_parallel_mlp_trains_and_resumes_as_one_proce
     local, whole = (int(x) for x in line.split("sharded, ")[1].split(" bytes")[0].split(" of "))
     w = (whole // 4 - (16 + 8 * 16 + 8 + 8 + 1)) // 16
     assert whole == 4 * (16 * w + 16 + 8 * 16 + 8 + 8 + 1)
-    assert "over 2 ranks: 3 parameters sharded" in line and local == 4 * (16 * w // 2 + 8 + 8 * 16 // 2 + 8 + 8 + 1)
+    assert f"over {tp} ranks: 3 parameters sharded" in line and local == 4 * (16 * w // tp + 16 // tp + 8 * 16 // tp + 8 + 8 + 1)
     strategy = json.loads((tmp_path / "tp" / "strategy.json").read_text())
-    assert strategy["mesh"] == {"shape": [1, 1, 2], "dim_names": ["pp", "dp", "tp"]}
+    assert strategy["mesh"] == {"shape": [1, 1, tp], "dim_names": ["pp", "dp", "tp"]}
     assert strategy["layout"]["mlp.0.weight"] == ["R", "R", "S(0)"] and strategy["layout"]["mlp.2.weight"] == ["R", "R", "S(1)"]
     shutil.copytree(tmp_path / "tp", tmp_path / "tp_resumed")
     torchrun("--resume", "--run-dir", str(tmp_path / "tp_resumed"))

@@ -104,6 +104,3 @@ class CollectiveCounter(TorchDispatchMode):
             row["bytes"] += c.bytes
         return out
 
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
