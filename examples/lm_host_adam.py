@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -44,6 +45,8 @@ from hetero.cli import run_main
 from hetero.optim import DynamicLossScaler, HostAdamW, HostOffloadConfig, device_memory_report
 from hetero import parallel
 from hetero.parallel import MeshConfig, MeshDim, build_mesh
+from hetero.parallel.recompute import RecomputeConfig, apply_recompute
+from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 from hetero.placement import Target, resolve_device
 
 
@@ -174,10 +177,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="operator-parallel ranks (under torchrun --nproc-per-node TP)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO over the data-parallel ranks (torchrun ranks / tp): 1 optimizer states, 2 + gradients, "
+                        "3 + parameters (with --optimizer adamw)")
+    p.add_argument("--recompute", default="none",
+                   help="none; full (every block recomputes in backward); or the operator types whose outputs the "
+                        "blocks keep, comma-separated (matmul, attention), recomputing the rest")
     args = p.parse_args(argv)
 
-    if args.tp > 1 and args.optimizer == "host":
-        raise ValueError("--tp > 1 trains with --optimizer adamw: HostAdamW keeps whole (unsharded) master weights; "
+    if (args.tp > 1 or args.zero) and args.optimizer == "host":
+        raise ValueError("--tp > 1 and --zero shard device optimizers; HostAdamW keeps whole master weights on each host: "
                          "add --optimizer adamw")
     parallel.init()  # under torchrun: join the job's process group
     device = resolve_device(Target.DEVICE)
@@ -186,43 +195,65 @@ def main(argv: list[str] | None = None) -> dict:
     data = stdlib_corpus(args.corpus_bytes)
     split = int(0.95 * len(data))
     train, valid = data[:split], data[split:]
-    torch.manual_seed(args.seed)  # every tp rank builds the same full model, then keeps its shards
+    torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
     model = Decoder(256, args.d_model, args.layers, args.heads, args.context).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    rank = 0
-    if args.tp > 1 or torch.distributed.is_initialized():
-        mesh = build_mesh(MeshConfig(tp=args.tp))
-        if mesh.size() != args.tp:
-            raise ValueError(f"examples/lm_host_adam.py runs operator parallel only: start it on --tp ranks "
-                             f"(torchrun --nproc-per-node {args.tp}), not {mesh.size()}")
-        tensor_parallel(model, mesh[MeshDim.TP.value], args.heads)
-        rank = torch.distributed.get_rank()
+    blocks = tuple(f"blocks.{i}" for i in range(args.layers))
+    # The composition order (docs/parallel): operator sharding -> recompute -> ZeRO -> data parallel.
+    mesh, rank, dp, dp_rank = None, 0, 1, 0
+    if args.tp > 1 or args.zero or torch.distributed.is_initialized():
+        mesh = build_mesh(MeshConfig(tp=args.tp))  # dp = torchrun ranks / tp
+        rank, dp, dp_rank = torch.distributed.get_rank(), mesh[MeshDim.DP.value].size(), mesh[MeshDim.DP.value].get_local_rank()
+        if args.batch_size % dp:
+            raise ValueError(f"--batch-size {args.batch_size} is not a multiple of the {dp} data-parallel ranks")
+        if dp > 1 and args.tp > 1 and args.zero < 2:
+            raise ValueError("data x operator parallel (a 2-D mesh) needs --zero 2 or 3: DDP takes no DTensor parameters, "
+                             "FSDP2 does")
+        if args.tp > 1:
+            tensor_parallel(model, mesh[MeshDim.TP.value], args.heads)
+    if args.recompute != "none":  # after operator sharding: the regions then hold the sharded ops
+        save = frozenset() if args.recompute == "full" else RecomputeConfig.parse_ops(args.recompute.split(","))
+        apply_recompute(model, RecomputeConfig(blocks, save))
+    zero = ZeroConfig(args.zero, units=blocks)
+    net = model
+    if mesh is not None:
+        apply_zero(model, zero, mesh)  # stages 2, 3: FSDP2 over dp (2-D with tp)
+        if dp > 1 and args.zero < 2:
+            net = DistributedDataParallel(model, process_group=mesh[MeshDim.DP.value].get_group())
     if args.optimizer == "host":
         dtype = torch.bfloat16 if args.device_dtype == "bf16" else torch.float16
         scaler = DynamicLossScaler() if dtype is torch.float16 else None
-        opt = HostAdamW(model.named_parameters(), lr=args.lr, weight_decay=0.1,
+        group = mesh[MeshDim.DP.value].get_group() if dp > 1 else None  # HostAdamW averages gradients on the hosts
+        opt = HostAdamW(model.named_parameters(), lr=args.lr, weight_decay=0.1, process_group=group,
                         config=HostOffloadConfig(device_dtype=dtype, max_grad_norm=1.0, loss_scaler=scaler))
+        net = model  # no DDP: HostAdamW's host all-reduce is the data-parallel exchange
     else:
-        # foreach=False: the parameter list mixes DTensor shards and replicated plain tensors
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=args.tp == 1)
+        # foreach only over one kind: tp mixes DTensor shards and replicated plain tensors
+        foreach = len({isinstance(p, DTensor) for p in model.parameters()}) == 1
+        opt = (zero_optimizer(model.parameters(), torch.optim.AdamW, zero, mesh, lr=args.lr, weight_decay=0.1,
+                              foreach=foreach) if mesh is not None else
+               torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
     log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"{n_params / 1e6:.2f} M parameters on {device}, optimizer {args.optimizer}, tp {args.tp}", file=sys.stderr)
+    log(f"{n_params / 1e6:.2f} M parameters on {device}, optimizer {args.optimizer}, tp {args.tp}, dp {dp}, zero {args.zero}",
+        file=sys.stderr)
     sharded = contextlib.nullcontext if args.tp == 1 else loss_parallel
 
     gen = torch.Generator().manual_seed(args.seed)
     wdtype = next(model.parameters()).dtype
     t0, losses = time.perf_counter(), []
     for step in range(1, args.steps + 1):
-        x, y = (t.to(device) for t in batch(train, args.batch_size, args.context, gen))  # the same batch on every tp rank
+        x, y = batch(train, args.batch_size, args.context, gen)  # the global batch, the same on every rank
+        share = args.batch_size // dp  # this data-parallel rank's rows (the same on its tp ranks)
+        x, y = (t[dp_rank * share:(dp_rank + 1) * share].to(device) for t in (x, y))
         opt.zero_grad()
         with sharded():
-            loss = lm_loss(model(x), y)
+            loss = lm_loss(net(x), y)
             scale = opt.loss_scale if isinstance(opt, HostAdamW) else 1.0
             (loss * scale).backward()
         if not isinstance(opt, HostAdamW):
             clip_grad_norm(model.parameters(), 1.0)
         opt.step()
-        losses.append(_value(loss))  # sync point: the log needs the value
+        losses.append(_value(loss, mesh if dp > 1 else None))  # sync point: the log needs the value
         if step % args.log_every == 0 or step == args.steps:
             window = losses[-args.log_every:]
             mean = sum(window) / len(window)  # loss and bits/byte of the same steps
@@ -241,8 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if device.type == "cuda":
         result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
-    if args.tp > 1:
-        result["tp"] = args.tp
+    if mesh is not None:
+        result.update(tp=args.tp, dp=dp, zero=args.zero)
         result["param_bytes_per_rank"] = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     log(json.dumps(result))
     return result
@@ -252,8 +283,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _value(loss: torch.Tensor) -> float:
-    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
+def _value(loss: torch.Tensor, mesh: DeviceMesh | None = None) -> float:
+    """The loss as a float; with ``mesh``, the mean over its data-parallel ranks (equal shares)."""
+    value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
+    if mesh is not None:
+        torch.distributed.all_reduce(value, group=mesh[MeshDim.DP.value].get_group())
+        value /= mesh[MeshDim.DP.value].size()
+    return value.item()
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:

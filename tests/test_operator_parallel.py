@@ -430,13 +430,17 @@ def _gpt_reference():
     return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _gpt_tensor_parallel(tp):
+def _gpt_tensor_parallel(tp, recompute=False):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
+
+    from hetero.parallel.recompute import RecomputeConfig, RecomputeOp, apply_recompute
 
     lm = _lm_example()
     mesh = build_mesh(MeshConfig(tp=tp))
     model = lm.tensor_parallel(_gpt_model(lm), mesh["tp"], heads=4)
+    if recompute:  # after sharding, as the composition order has it: the regions hold DTensor ops
+        apply_recompute(model, RecomputeConfig(("blocks.0", "blocks.1"), frozenset({RecomputeOp.MATMUL})))
     sharded = sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < p.numel())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
@@ -455,10 +459,10 @@ def _gpt_tensor_parallel(tp):
     return losses, grads, {k: full(v).detach().clone() for k, v in model.state_dict().items()}, sharded
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_the_gpt_example_tensor_parallel_trains_as_one_process(tmp_path, cpu_ranks, tp):
+@pytest.mark.parametrize("tp,recompute", [(2, False), (4, False), (2, True)])
+def test_the_gpt_example_tensor_parallel_trains_as_one_process(tmp_path, cpu_ranks, tp, recompute):
     want_losses, want_grads, want_state = _gpt_reference()
-    losses, grads, state, sharded = run_ranks(tmp_path, tp, _gpt_tensor_parallel, tp)
+    losses, grads, state, sharded = run_ranks(tmp_path, tp, _gpt_tensor_parallel, tp, recompute)
     # column-parallel q, k, v, fc and head, row-parallel o and proj: their weights are cut
     assert {"blocks.0.attn.q.weight", "blocks.0.attn.o.weight", "blocks.1.fc.weight", "blocks.1.proj.weight",
             "head.weight"} <= set(sharded)

@@ -3,7 +3,7 @@ the live tensors (each storage once), not computed from formulas."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -43,3 +43,31 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
         st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
         seen[(t.device, st.data_ptr())] = st.nbytes()
     return sum(seen.values())
+
+
+def peak_allocated_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """Peak bytes allocated by ``fn()`` above what was allocated when it started, from the
+    allocator: CUDA's ``max_memory_allocated`` on a CUDA device; on the CPU, the allocation and
+    free events torch's profiler records (``profile_memory=True``), summed in time order.
+
+    Thread contract: counts this process's allocations (all threads) while ``fn`` runs.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -66,7 +66,7 @@ _recorder = _Recorder()
 
 
 class _Tracer(fx.Tracer):
-    """Keeps modules with a placement of their own as single ops; records ``on()`` regions.
+    """Keeps modules with a placement or a forward of their own as single ops; records ``on()`` regions.
 
     A module with a pinned parameter (``PlacementSpec.param``) is traced through even when torch
     keeps it whole (``nn.Linear`` becomes ``linear`` on ``get_attr`` nodes), so the pin can put
@@ -77,7 +77,9 @@ class _Tracer(fx.Tracer):
         self.trace_through = trace_through
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if module_target(m) is not None:
+        if module_target(m) is not None or "forward" in vars(m):
+            # a forward set on the instance (hetero.parallel.recompute's checkpoint region) is
+            # not the class's graph: tracing into it would drop what it wraps
             return True
         return qualname not in self.trace_through and super().is_leaf_module(m, qualname)
 

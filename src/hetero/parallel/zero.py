@@ -1,0 +1,107 @@
+"""Optimizer parallel (ZeRO) for device optimizers: each of the ``dp`` ranks keeps and updates
+``1/dp`` of the optimizer state (stage 1), also reduce-scatters the gradients (stage 2), and
+also keeps ``1/dp`` of the parameters between uses (stage 3).
+
+Stage 1 is torch's ``ZeroRedundancyOptimizer`` over the data-parallel group (gradients averaged
+by DDP as without ZeRO; each rank steps its shard of the parameters and broadcasts them).
+Stages 2 and 3 are FSDP2 (``fully_shard``) over the mesh's ``dp`` dimension: parameters become
+``Shard(0)`` DTensors, so any ``torch.optim`` optimizer built on them keeps sharded state;
+gradients are reduce-scattered in backward; stage 3 frees the gathered parameters after each
+unit's forward (``reshard_after_forward=True``), stage 2 keeps them to backward. Operator-parallel
+(``tp``) DTensor parameters compose (FSDP2 on a 2-D mesh); host tables are left out
+(``ignored_params``): their rows follow the data-parallel group's sparse exchange. Reference:
+Rajbhandari et al. 2020 (ZeRO); the reference design's optimizer parallel; torch's FSDP2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hetero.embedding import host_tables
+from hetero.parallel.mesh import MeshDim, mesh_size
+
+
+class ZeroStage(enum.IntEnum):
+    """What the data-parallel ranks shard: nothing, optimizer states, + gradients, + parameters."""
+
+    NONE = 0
+    OPTIMIZER_STATES = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO over the mesh's ``dp`` dimension.
+
+    Attributes:
+        stage: :class:`ZeroStage` (or its number, 0-3).
+        units: qualified names of the modules sharded as one unit each (stages 2, 3: their
+            parameters are gathered together, one collective per unit; e.g. each Transformer
+            block); the root holds the rest. Empty: the root is the only unit.
+    """
+
+    stage: ZeroStage = ZeroStage.NONE
+    units: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stage, ZeroStage):
+            if self.stage not in {s.value for s in ZeroStage}:
+                raise ValueError(f"ZeRO stage {self.stage!r} does not exist; valid stages are 0, 1, 2, 3")
+            object.__setattr__(self, "stage", ZeroStage(self.stage))
+
+
+def _dp_size(mesh: DeviceMesh, config: ZeroConfig) -> int:
+    n = mesh_size(mesh, MeshDim.DP)
+    if n == 1 and config.stage is not ZeroStage.NONE:
+        warnings.warn(f"ZeRO stage {int(config.stage)} with a data-parallel size of 1 shards nothing: every state "
+                      f"stays whole on this rank", stacklevel=3)
+    return n
+
+
+def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh) -> nn.Module:
+    """Shard ``model`` for stages 2 and 3 (FSDP2, in place; returns it); stages 0 and 1 leave it
+    as it is (stage 1 shards the optimizer only: :func:`zero_optimizer`, with DDP on the model).
+
+    Collective: every rank calls it with the same model and config.
+
+    Raises:
+        ValueError: a unit name ``model`` does not have (listing its modules).
+    """
+    if config.stage < ZeroStage.GRADIENTS or _dp_size(mesh, config) == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    modules = dict(model.named_modules())
+    for name in config.units:
+        if name not in modules:
+            raise ValueError(f"ZeRO unit {name!r} is not a module of {type(model).__name__}; its modules are "
+                             f"{sorted(m for m in modules if m)[:40]}")
+    ignored = {t.weight for t in host_tables(model).values()}  # host rows: the sparse exchange's
+    dp = mesh[MeshDim.DP.value]
+    reshard = config.stage is ZeroStage.PARAMETERS
+    for name in config.units:
+        fully_shard(modules[name], mesh=dp, reshard_after_forward=reshard, ignored_params=ignored or None)
+    fully_shard(model, mesh=dp, reshard_after_forward=reshard, ignored_params=ignored or None)
+    return model
+
+
+def zero_optimizer(params: Iterable[torch.Tensor], optimizer_class: type[torch.optim.Optimizer], config: ZeroConfig,
+                   mesh: DeviceMesh, **defaults: Any) -> torch.optim.Optimizer:
+    """``optimizer_class(params, **defaults)``, its state sharded over ``dp`` at stage 1
+    (``ZeroRedundancyOptimizer``); at stages 2 and 3 the parameters are FSDP2 shards already, so
+    the plain optimizer keeps sharded state. Collective at stage 1."""
+    if config.stage is ZeroStage.OPTIMIZER_STATES and _dp_size(mesh, config) > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(list(params), optimizer_class, process_group=mesh[MeshDim.DP.value].get_group(),
+                                       **defaults)
+    return optimizer_class(params, **defaults)
