@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from hetero.optim.accounting import peak_allocated_bytes  # noqa: E402
+from hetero.optim.accounting import measure_allocations  # noqa: E402
 from hetero.parallel.recompute import RecomputeConfig, RecomputeOp, apply_recompute  # noqa: E402
 from hetero.placement import Target, resolve_device  # noqa: E402
 
@@ -58,13 +58,13 @@ def main() -> None:
         if save is not None:
             apply_recompute(model, RecomputeConfig(tuple(f"blocks.{i}" for i in range(args.layers)), save))
         keep = []
-        held = peak_allocated_bytes(lambda: keep.append(lm.lm_loss(model(x), y)), device)
+        held = measure_allocations(lambda: keep.append(lm.lm_loss(model(x), y)), device).net
         keep.pop().backward()
         grads = [p.grad.clone() for p in model.parameters()]
         reference = reference or grads
         err = max((a - b).abs().max().item() for a, b in zip(grads, reference))
         model.zero_grad(set_to_none=True)
-        peak = peak_allocated_bytes(lambda: lm.lm_loss(model(x), y).backward(), device)
+        peak = measure_allocations(lambda: lm.lm_loss(model(x), y).backward(), device).peak
         times = []
         for _ in range(args.steps):
             model.zero_grad(set_to_none=True)

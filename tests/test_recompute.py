@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetero.optim.accounting import peak_allocated_bytes
+from hetero.optim.accounting import measure_allocations
 from hetero.parallel.recompute import RecomputeConfig, RecomputeOp, apply_recompute
 from hetero.placement import PlacementSpec, partition
 
@@ -37,7 +37,7 @@ def _batch():
 def _grads_and_held_bytes(model):
     x, y = _batch()
     keep = []
-    held = peak_allocated_bytes(lambda: keep.append(LM.lm_loss(model(x), y)))  # what forward keeps for backward
+    held = measure_allocations(lambda: keep.append(LM.lm_loss(model(x), y))).net  # what forward keeps for backward
     keep[0].backward()
     return {k: p.grad.clone() for k, p in model.named_parameters()}, held
 
@@ -47,17 +47,24 @@ POLICIES = {"full": frozenset(), "matmul": frozenset({RecomputeOp.MATMUL}),
             "matmul+attention": frozenset({RecomputeOp.MATMUL, RecomputeOp.ATTENTION})}
 
 
-def test_every_policy_gives_the_plain_gradients_and_keeps_less():
+def _policies():
     want, plain = _grads_and_held_bytes(_model())
-    held = {}
+    held, errors = {}, {}
     for name, save in POLICIES.items():
         model = _model()
         apply_recompute(model, RecomputeConfig(BLOCKS, save))
         grads, held[name] = _grads_and_held_bytes(model)
-        for k in want:
-            torch.testing.assert_close(grads[k], want[k], rtol=0, atol=1e-6, msg=f"{name}: {k}")
+        errors[name] = max((grads[k] - want[k]).abs().max().item() for k in want)
+    return plain, held, errors
+
+
+def test_every_policy_gives_the_plain_gradients_and_keeps_less(tmp_path):
+    from conftest import run_ranks
+
+    plain, held, errors = run_ranks(tmp_path, 1, _policies)  # a fresh process: the allocator's events are this test's
+    assert all(e <= 1e-6 for e in errors.values()), errors
     # full keeps the blocks' inputs only; keeping matmul outputs keeps more, yet less than nothing recomputed
-    assert held["full"] < held["attention"] < held["matmul"] < held["matmul+attention"] < plain
+    assert held["full"] < held["attention"] < held["matmul"] < held["matmul+attention"] < plain, (held, plain)
     assert held["full"] < 0.5 * plain
 
 

@@ -3,6 +3,7 @@ the live tensors (each storage once), not computed from formulas."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -45,10 +46,24 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(seen.values())
 
 
-def peak_allocated_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
-    """Peak bytes allocated by ``fn()`` above what was allocated when it started, from the
-    allocator: CUDA's ``max_memory_allocated`` on a CUDA device; on the CPU, the allocation and
-    free events torch's profiler records (``profile_memory=True``), summed in time order.
+@dataclasses.dataclass(frozen=True)
+class Allocations:
+    """What a call allocated, in bytes above what was allocated when it started.
+
+    Attributes:
+        peak: the most held at any moment during the call (transient buffers included).
+        net: still held when it returned (e.g. the activations a forward pass keeps for backward).
+    """
+
+    peak: int
+    net: int
+
+
+def measure_allocations(fn: Callable[[], object], device: torch.device | str = "cpu") -> Allocations:
+    """Run ``fn()`` and measure its allocations from the allocator: CUDA's statistics on a CUDA
+    device; on the CPU, the allocation and free events torch's profiler records
+    (``profile_memory=True``), summed in time order (a block allocated before the call and freed
+    during it is not seen: the net can only be over-counted by what the call frees of older data).
 
     Thread contract: counts this process's allocations (all threads) while ``fn`` runs.
     """
@@ -59,7 +74,7 @@ def peak_allocated_bytes(fn: Callable[[], object], device: torch.device | str = 
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
+        return Allocations(torch.cuda.max_memory_allocated(device) - start, torch.cuda.memory_allocated(device) - start)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -70,4 +85,4 @@ def peak_allocated_bytes(fn: Callable[[], object], device: torch.device | str = 
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    return peak
+    return Allocations(peak, live)
