@@ -338,11 +338,13 @@ def test_replica_check_reads_tables_in_place_and_finds_one_changed_value(tmp_pat
     assert error == "host table 'table' differs between ranks; build the model with the same seed on every rank"
 
 
-@pytest.mark.parametrize("fmt,tp", [("integrated", 2), ("sharded", 2), ("sharded", 4)])
-def test_wide_deep_with_an_operator_parallel_mlp_trains_and_resumes_as_one_process(tmp_path, ml_dir, fmt, tp, cpu_ranks):
+@pytest.mark.parametrize("fmt,n,mode", [("integrated", 2, "tp"), ("sharded", 2, "tp"), ("sharded", 4, "tp"),
+                                        ("integrated", 2, "zero1"), ("sharded", 2, "zero3")])
+def test_wide_deep_with_a_sharded_dense_part_trains_and_resumes_as_one_process(tmp_path, ml_dir, fmt, n, mode, cpu_ranks):
     """``hetero train --tp N``: the deep MLP column/row-parallel over N ranks, the host tables
-    replicated. Stopped mid-epoch, resumed at tp N and in one process (another layout), each ends
-    where one uninterrupted process ends."""
+    replicated. ``--zero 1`` / ``--zero 3``: the dense part's Adam state (and parameters) sharded
+    over N data-parallel ranks. Stopped mid-epoch, resumed on N ranks and in one process (another
+    layout), each ends where one uninterrupted process ends."""
     import json
     import shutil
     import subprocess
@@ -350,13 +352,15 @@ def test_wide_deep_with_an_operator_parallel_mlp_trains_and_resumes_as_one_proce
 
     from hetero.cli import main, merge
 
+    tp = n if mode == "tp" else 1
     args = ["--data-path", str(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
             "--hidden", "16,8", "--dropout", "0", "--checkpoint-format", fmt]
+    sharding = ["--tp", str(n)] if mode == "tp" else ["--zero", mode[-1]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def torchrun(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp), "-m", "hetero",
-               "train", *args, "--tp", str(tp), *extra]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", "hetero",
+               "train", *args, *sharding, *extra]
         run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         return run
@@ -367,23 +371,32 @@ def test_wide_deep_with_an_operator_parallel_mlp_trains_and_resumes_as_one_proce
         return torch.load(merge(tmp_path / name / "checkpoint.dcp", tmp_path / name / "merged.pt"))
 
     assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0
-    run = torchrun("--max-steps", "7", "--run-dir", str(tmp_path / "tp"))  # mid-epoch 1
-    # 16,8 hidden over w inputs: mlp.0 (weight, bias) column-parallel, mlp.2's weight row-parallel;
-    # mlp.2's bias and mlp.4 (8 -> 1) whole. The bytes are the ranks' live local shards.
-    line = next(ln for ln in run.stderr.splitlines() if "deep MLP operator-parallel" in ln)
-    local, whole = (int(x) for x in line.split("sharded, ")[1].split(" bytes")[0].split(" of "))
-    w = (whole // 4 - (16 + 8 * 16 + 8 + 8 + 1)) // 16
-    assert whole == 4 * (16 * w + 16 + 8 * 16 + 8 + 8 + 1)
-    assert f"over {tp} ranks: 3 parameters sharded" in line and local == 4 * (16 * w // tp + 16 // tp + 8 * 16 // tp + 8 + 8 + 1)
-    strategy = json.loads((tmp_path / "tp" / "strategy.json").read_text())
-    assert strategy["mesh"] == {"shape": [1, 1, tp], "dim_names": ["pp", "dp", "tp"]}
-    assert strategy["layout"]["mlp.0.weight"] == ["R", "R", "S(0)"] and strategy["layout"]["mlp.2.weight"] == ["R", "R", "S(1)"]
-    shutil.copytree(tmp_path / "tp", tmp_path / "tp_resumed")
-    torchrun("--resume", "--run-dir", str(tmp_path / "tp_resumed"))
-    shutil.copytree(tmp_path / "tp", tmp_path / "single")
+    run = torchrun("--max-steps", "7", "--run-dir", str(tmp_path / "sharded"))  # mid-epoch 1
+    if mode == "tp":
+        # 16,8 hidden over w inputs: mlp.0 (weight, bias) column-parallel, mlp.2's weight row-parallel;
+        # mlp.2's bias and mlp.4 (8 -> 1) whole. The bytes are the ranks' live local shards.
+        line = next(ln for ln in run.stderr.splitlines() if "deep MLP operator-parallel" in ln)
+        local, whole = (int(x) for x in line.split("sharded, ")[1].split(" bytes")[0].split(" of "))
+        w = (whole // 4 - (16 + 8 * 16 + 8 + 8 + 1)) // 16
+        assert whole == 4 * (16 * w + 16 + 8 * 16 + 8 + 8 + 1)
+        assert f"over {tp} ranks: 3 parameters sharded" in line
+        assert local == 4 * (16 * w // tp + 16 // tp + 8 * 16 // tp + 8 + 8 + 1)
+        strategy = json.loads((tmp_path / "sharded" / "strategy.json").read_text())
+        assert strategy["mesh"] == {"shape": [1, 1, tp], "dim_names": ["pp", "dp", "tp"]}
+        assert strategy["layout"]["mlp.0.weight"] == ["R", "R", "S(0)"]
+        assert strategy["layout"]["mlp.2.weight"] == ["R", "R", "S(1)"]
+    else:  # this rank's share of the dense parameters, from its optimizer: stage 1 partitions whole
+        # parameters (the largest, mlp.0.weight, alone on rank 0), stage 3 shards each one in halves
+        line = next(ln for ln in run.stderr.splitlines() if "ZeRO stage" in ln)
+        mine, whole = (int(x) for x in line.split("updates ")[1].split(" dense")[0].split(" of "))
+        assert f"stage {mode[-1]} over 2 data-parallel ranks" in line, line
+        assert mine < whole and (mode == "zero1" or 0.45 * whole < mine < 0.55 * whole), line
+    shutil.copytree(tmp_path / "sharded", tmp_path / "resumed")
+    torchrun("--resume", "--run-dir", str(tmp_path / "resumed"))
+    shutil.copytree(tmp_path / "sharded", tmp_path / "single")
     assert main(["train", *args, "--resume", "--run-dir", str(tmp_path / "single")]) == 0
     reference = final("one")
-    for name in ("tp_resumed", "single"):
+    for name in ("resumed", "single"):
         state = final(name)
         assert state["position"] == reference["position"]
         torch.testing.assert_close(state["losses"], reference["losses"], rtol=0, atol=1e-5)

@@ -24,7 +24,9 @@ from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig, mlp_sharding_plan
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.optim.accounting import storage_bytes
+from hetero.parallel import DataParallelConfig
 from hetero.parallel.env import set_data_parallel_group
+from hetero.parallel.zero import ZeroConfig, apply_zero, local_elements, zero_optimizer
 from hetero.placement import Target, resolve_device
 from hetero.ps import PSConfig, PSMode
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--prefetch", action="store_true", help="prepare the next batch's lookups on a worker thread")
     g.add_argument("--threads", type=int, help="threads of the host embedding kernels (default: torch's)")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO for the dense part over the data-parallel ranks: 1 Adam states, 2 + gradients, "
+                        "3 + parameters (host tables keep their own sparse exchange)")
     g.add_argument("--tp", type=int, default=1, help="operator-parallel ranks for the deep MLP (under torchrun "
                    "--nproc-per-node TP; the tables stay replicated on each host)")
     g.add_argument("--table-sharding", choices=["replicated", "row"], default="replicated",
@@ -180,8 +185,21 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer 
                  args.tp, sum(any(not pl.is_replicate() for pl in v) for v in layout.values()), local, whole)
         args.run_dir.mkdir(parents=True, exist_ok=True)
         parallel.save_strategy(args.run_dir / "strategy.json", mesh, layout)  # the resolved layout, for predict runs
+    zero = ZeroConfig(args.zero, units=("mlp",))
+    if args.zero:
+        if args.ps_servers:
+            raise ValueError("--zero shards the dense part over the data-parallel ranks; a parameter-server job's "
+                             "workers are not the whole mesh: drop --zero or --ps-servers")
+        mesh = mesh if mesh is not None else parallel.build_mesh(parallel.MeshConfig())
+        apply_zero(model, zero, mesh)  # stages 2, 3: FSDP2 over dp; the host tables are left out
     # foreach=False under --tp: the parameters mix DTensor shards and plain tensors
-    dense = torch.optim.Adam(dense_parameters(model), lr=args.dense_lr, foreach=None if mesh is None else False)
+    foreach = None if mesh is None or args.tp == 1 else False
+    dense = (zero_optimizer(dense_parameters(model), torch.optim.Adam, zero, mesh, lr=args.dense_lr, foreach=foreach)
+             if mesh is not None else torch.optim.Adam(dense_parameters(model), lr=args.dense_lr))
+    if args.zero:
+        log.info("hetero: ZeRO stage %d over %d data-parallel ranks: this rank updates %d of %d dense parameter "
+                 "elements", args.zero, parallel.world_size(), local_elements(dense),
+                 sum(p.numel() for p in dense_parameters(model)))
     n_rows = sum(t.config.num_embeddings for t in tables.values())
     where = f"on {args.ps_servers} parameter servers" if args.ps_servers else f"on this host ({args.table_sharding})"
     log.info("hetero: %d samples (%d train); %d host tables, %d rows, %.1f MB %s; MLP on %s",
@@ -189,7 +207,8 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer 
              sum(t.weight.numel() * t.weight.element_size() for t in tables.values()) / 1e6, where, device)
     fmt = args.checkpoint_format or ("sharded" if args.ps_servers else "integrated")
     config = TrainConfig(epochs=args.epochs, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
-                         progress=not args.no_progress, prefetch=args.prefetch, checkpoint_format=CheckpointFormat(fmt))
+                         progress=not args.no_progress, prefetch=args.prefetch, checkpoint_format=CheckpointFormat(fmt),
+                         data_parallel=DataParallelConfig(dense_sharded=args.zero >= 2))
     set_num_threads(args.threads)
     batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed,
                                          rank=parallel.rank(), world_size=parallel.world_size()))

@@ -15,6 +15,7 @@ skipped.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import zlib
 from typing import Any
 
@@ -33,8 +34,18 @@ from hetero.parallel.row_sharded import RowSharding, gather_rows, local_table_ro
 
 @dataclasses.dataclass(frozen=True)
 class DataParallelConfig:
-    bucket_mb: float = 25.0  # DDP gradient bucket size: comm fusion
-    gradients_mean: bool = True  # average gradients over ranks (else sum)
+    """How the dense part of a model trains data-parallel.
+
+    Attributes:
+        bucket_mb: DDP's gradient bucket size in MB (communication fusion).
+        gradients_mean: average the gradients over the ranks (else sum them).
+        dense_sharded: the dense part is sharded by ZeRO stage 2 or 3 (FSDP2, which
+            reduce-scatters its own gradients): no DDP wrapper.
+    """
+
+    bucket_mb: float = 25.0
+    gradients_mean: bool = True
+    dense_sharded: bool = False
 
 
 def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelConfig()) -> nn.Module:
@@ -44,7 +55,7 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
     the same seed; :func:`check_replicas` verifies it) and their gradients go through
     :class:`DistributedSparse`.
     """
-    if not active():
+    if not active() or config.dense_sharded:
         return model
     # Host tables stay out of DDP, and so do their zero-size device anchors: a model whose only
     # buffers they are then needs no buffer broadcast before every forward (measured 11 ms per
@@ -202,6 +213,15 @@ def local_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with the state of DTensor (operator-parallel) parameters
     gathered whole (collectives: every rank calls it); the same on every rank."""
+    # ZeRO stage 1 (hetero.parallel.zero): its module is loaded if such an optimizer exists (importing
+    # it otherwise would load torch.distributed.optim's TorchScript machinery for nothing)
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):  # each rank holds its partition
+        optimizer.consolidate_state_dict(to=0)  # collective over its group
+        group = optimizer.process_group
+        held = [optimizer.state_dict() if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(held, group_src=0, group=group)  # every rank gets the same whole state
+        return held[0]
     sd = optimizer.state_dict()
     sd["state"] = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
                    for i, st in sd["state"].items()}

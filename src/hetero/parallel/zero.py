@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -105,3 +106,14 @@ def zero_optimizer(params: Iterable[torch.Tensor], optimizer_class: type[torch.o
         return ZeroRedundancyOptimizer(list(params), optimizer_class, process_group=mesh[MeshDim.DP.value].get_group(),
                                        **defaults)
     return optimizer_class(params, **defaults)
+
+
+def local_elements(optimizer: torch.optim.Optimizer) -> int:
+    """Parameter elements this rank's optimizer updates: its partition at stage 1, its shards at
+    stages 2 and 3, everything without ZeRO (measured from the optimizer's own parameter lists)."""
+    from torch.distributed.tensor import DTensor
+
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        optimizer = optimizer.optim  # the local optimizer over this rank's partition
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for g in optimizer.param_groups for p in g["params"])

@@ -29,6 +29,7 @@ from hetero.data import Batch, Batches, Jagged, TabularDataset
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.parallel import (
+    DataParallelConfig,
     DistributedSparse,
     active,
     barrier,
@@ -75,6 +76,7 @@ class TrainConfig:
     prefetch: bool = False  # prepare the next batch's lookups on a worker thread (hetero.embedding.Prefetcher)
     warmup_steps: int = 10  # first steps of each run left out of samples/s (kernel compilation)
     checkpoint_format: CheckpointFormat = CheckpointFormat.INTEGRATED
+    data_parallel: DataParallelConfig = DataParallelConfig()  # DDP or, under ZeRO 2/3, the model's own sharding
 
 
 class Trainer:
@@ -106,7 +108,7 @@ class Trainer:
         # dense part; host tables replicated (exchanged sparse gradients) or row-sharded
         # (hetero.parallel.shard_rows, called before the optimizers were built).
         check_replicas(model)  # ranks must start from identical replicated tables (same seed)
-        self.net = data_parallel(model)
+        self.net = data_parallel(model, config.data_parallel)
         # Tables on parameter servers (hetero.ps): the optimizers' steps become pushes.
         self.remote = ps.remote_tables(model)
         if self.remote and config.checkpoint_format is not CheckpointFormat.SHARDED:
