@@ -46,7 +46,8 @@ from hetero.optim import DynamicLossScaler, HostAdamW, HostOffloadConfig, device
 from hetero import parallel
 from hetero.parallel import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
-from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
+from hetero.parallel.parallelize import ParallelPlan, parallelize
+from hetero.parallel.zero import ZeroConfig, zero_optimizer
 from hetero.placement import Target, resolve_device
 
 
@@ -211,13 +212,16 @@ def main(argv: list[str] | None = None) -> dict:
                              "FSDP2 does")
         if args.tp > 1:
             tensor_parallel(model, mesh[MeshDim.TP.value], args.heads)
-    if args.recompute != "none":  # after operator sharding: the regions then hold the sharded ops
+    recompute = RecomputeConfig()
+    if args.recompute != "none":
         save = frozenset() if args.recompute == "full" else RecomputeConfig.parse_ops(args.recompute.split(","))
-        apply_recompute(model, RecomputeConfig(blocks, save))
+        recompute = RecomputeConfig(blocks, save)
     zero = ZeroConfig(args.zero, units=blocks)
     net = model
-    if mesh is not None:
-        apply_zero(model, zero, mesh)  # stages 2, 3: FSDP2 over dp (2-D with tp)
+    if mesh is None:
+        apply_recompute(model, recompute)
+    else:  # after operator sharding: recompute regions of sharded ops, then FSDP2 over dp (2-D with tp)
+        parallelize(model, ParallelPlan(recompute=recompute, zero=zero), mesh)
         if dp > 1 and args.zero < 2:
             net = DistributedDataParallel(model, process_group=mesh[MeshDim.DP.value].get_group())
     if args.optimizer == "host":

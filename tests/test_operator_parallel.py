@@ -430,22 +430,28 @@ def _gpt_reference():
     return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _gpt_tensor_parallel(tp, recompute=False):
+def _gpt_tensor_parallel(tp, recompute=False, zero=0):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from hetero.parallel.recompute import RecomputeConfig, RecomputeOp, apply_recompute
+    from hetero.parallel import ParallelPlan, RecomputeConfig, RecomputeOp, ZeroConfig, parallelize
 
     lm = _lm_example()
-    mesh = build_mesh(MeshConfig(tp=tp))
+    mesh = build_mesh(MeshConfig(tp=tp))  # dp = ranks / tp
     model = lm.tensor_parallel(_gpt_model(lm), mesh["tp"], heads=4)
-    if recompute:  # after sharding, as the composition order has it: the regions hold DTensor ops
-        apply_recompute(model, RecomputeConfig(("blocks.0", "blocks.1"), frozenset({RecomputeOp.MATMUL})))
+    blocks = ("blocks.0", "blocks.1")
+    # after operator sharding, as the composition order has it: recompute regions hold DTensor ops,
+    # and ZeRO 3 (FSDP2 over dp) shards the tp shards again: a 2-D mesh
+    parallelize(model, ParallelPlan(recompute=RecomputeConfig(blocks if recompute else (), frozenset({RecomputeOp.MATMUL})),
+                                    zero=ZeroConfig(zero, blocks)), mesh)
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     sharded = sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < p.numel())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
     losses, grads = [], None
     for x, y in _gpt_batches():
+        share = len(x) // dp  # this data-parallel rank's rows; the mean over equal shares is the batch's
+        x, y = x[dp_rank * share:(dp_rank + 1) * share], y[dp_rank * share:(dp_rank + 1) * share]
         opt.zero_grad()
         with loss_parallel():
             logits = model(x)
@@ -455,14 +461,16 @@ def _gpt_tensor_parallel(tp, recompute=False):
         grads = grads or {k: full(p.grad).clone() for k, p in model.named_parameters()}
         lm.clip_grad_norm(model.parameters(), 0.5)
         opt.step()
-        losses.append(full(loss).item())
+        value = full(loss).detach().clone()
+        torch.distributed.all_reduce(value, group=mesh["dp"].get_group())
+        losses.append(value.item() / dp)
     return losses, grads, {k: full(v).detach().clone() for k, v in model.state_dict().items()}, sharded
 
 
-@pytest.mark.parametrize("tp,recompute", [(2, False), (4, False), (2, True)])
-def test_the_gpt_example_tensor_parallel_trains_as_one_process(tmp_path, cpu_ranks, tp, recompute):
+@pytest.mark.parametrize("n,tp,recompute,zero", [(2, 2, False, 0), (4, 4, False, 0), (2, 2, True, 0), (4, 2, True, 3)])
+def test_the_gpt_example_tensor_parallel_trains_as_one_process(tmp_path, cpu_ranks, n, tp, recompute, zero):
     want_losses, want_grads, want_state = _gpt_reference()
-    losses, grads, state, sharded = run_ranks(tmp_path, tp, _gpt_tensor_parallel, tp, recompute)
+    losses, grads, state, sharded = run_ranks(tmp_path, n, _gpt_tensor_parallel, tp, recompute, zero)
     # column-parallel q, k, v, fc and head, row-parallel o and proj: their weights are cut
     assert {"blocks.0.attn.q.weight", "blocks.0.attn.o.weight", "blocks.1.fc.weight", "blocks.1.proj.weight",
             "head.weight"} <= set(sharded)

@@ -26,7 +26,8 @@ from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.optim.accounting import storage_bytes
 from hetero.parallel import DataParallelConfig
 from hetero.parallel.env import set_data_parallel_group
-from hetero.parallel.zero import ZeroConfig, apply_zero, local_elements, zero_optimizer
+from hetero.parallel.parallelize import ParallelPlan, parallelize
+from hetero.parallel.zero import ZeroConfig, local_elements, zero_optimizer
 from hetero.placement import Target, resolve_device
 from hetero.ps import PSConfig, PSMode
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
@@ -177,21 +178,22 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer 
         ps.start(model, sparse)  # memory budgets checked on every rank; a server serves here until the workers stop
         if ps.role() is ps.Role.SERVER:
             return None
-    if mesh is not None:
-        layout = parallel.apply_sharding(model, mlp_sharding_plan(model, args.tp), mesh)
-        local = storage_bytes(model.mlp.parameters())  # DTensors count their local shards
-        whole = sum(p.numel() * p.element_size() for p in model.mlp.parameters())
-        log.info("hetero: deep MLP operator-parallel over %d ranks: %d parameters sharded, %d of %d bytes per rank",
-                 args.tp, sum(any(not pl.is_replicate() for pl in v) for v in layout.values()), local, whole)
-        args.run_dir.mkdir(parents=True, exist_ok=True)
-        parallel.save_strategy(args.run_dir / "strategy.json", mesh, layout)  # the resolved layout, for predict runs
     zero = ZeroConfig(args.zero, units=("mlp",))
-    if args.zero:
-        if args.ps_servers:
-            raise ValueError("--zero shards the dense part over the data-parallel ranks; a parameter-server job's "
-                             "workers are not the whole mesh: drop --zero or --ps-servers")
-        mesh = mesh if mesh is not None else parallel.build_mesh(parallel.MeshConfig())
-        apply_zero(model, zero, mesh)  # stages 2, 3: FSDP2 over dp; the host tables are left out
+    if args.zero and args.ps_servers:
+        raise ValueError("--zero shards the dense part over the data-parallel ranks; a parameter-server job's "
+                         "workers are not the whole mesh: drop --zero or --ps-servers")
+    if args.zero and mesh is None:
+        mesh = parallel.build_mesh(parallel.MeshConfig())  # every rank data-parallel
+    if mesh is not None:  # operator sharding, then ZeRO (FSDP2 over dp; the host tables are left out)
+        plan = ParallelPlan(sharding=mlp_sharding_plan(model, args.tp) if args.tp > 1 else None, zero=zero)
+        layout = parallelize(model, plan, mesh)
+        if layout:
+            local = storage_bytes(model.mlp.parameters())  # DTensors count their local shards
+            whole = sum(p.numel() * p.element_size() for p in model.mlp.parameters())
+            log.info("hetero: deep MLP operator-parallel over %d ranks: %d parameters sharded, %d of %d bytes per rank",
+                     args.tp, sum(any(pl.is_shard() for pl in v) for v in layout.values()), local, whole)
+            args.run_dir.mkdir(parents=True, exist_ok=True)
+            parallel.save_strategy(args.run_dir / "strategy.json", mesh, layout)  # the resolved layout, for predict runs
     # foreach=False under --tp: the parameters mix DTensor shards and plain tensors
     foreach = None if mesh is None or args.tp == 1 else False
     dense = (zero_optimizer(dense_parameters(model), torch.optim.Adam, zero, mesh, lr=args.dense_lr, foreach=foreach)

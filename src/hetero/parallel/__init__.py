@@ -26,7 +26,10 @@ from hetero.parallel.operator_plan import (
     save_strategy,
 )
 from hetero.parallel.checkpoint_state import load_distributed_checkpoint, save_distributed_checkpoint
+from hetero.parallel.parallelize import ParallelPlan, parallelize
+from hetero.parallel.recompute import RecomputeConfig, RecomputeOp, apply_recompute, recompute
 from hetero.parallel.row_sharded import gather_rows, shard_rows, sharded_tables
+from hetero.parallel.zero import ZeroConfig, ZeroStage, apply_zero, zero_optimizer
 from hetero.parallel.env import (
     DistConfig,
     active,
@@ -48,9 +51,16 @@ __all__ = [
     "DistributedSparse",
     "MeshConfig",
     "MeshDim",
+    "ParallelPlan",
+    "RecomputeConfig",
+    "RecomputeOp",
     "ShardingPlan",
+    "ZeroConfig",
+    "ZeroStage",
     "active",
+    "apply_recompute",
     "apply_sharding",
+    "apply_zero",
     "barrier",
     "build_mesh",
     "check_replicas",
@@ -69,7 +79,9 @@ __all__ = [
     "local_model_state",
     "init",
     "local_rank",
+    "parallelize",
     "rank",
+    "recompute",
     "save_distributed_checkpoint",
     "save_strategy",
     "shard",
@@ -78,4 +90,5 @@ __all__ = [
     "sharded_tables",
     "shutdown",
     "world_size",
+    "zero_optimizer",
 ]
