@@ -1,6 +1,7 @@
 """ZeRO stages on the GPT example: optimizer-state and parameter bytes per rank at N = 1, 2, 4
 data-parallel ranks (gloo on this machine), counted from the live tensors after two AdamW steps
-(DTensors: the local shard; each storage once).
+(DTensors: the local shard; each storage once); "offload" is ShardedHostAdamW (ZeRO-Offload:
+its fp32 masters and moments on the host).
 
     python benchmarks/zero_state.py
 """
@@ -23,7 +24,7 @@ from _common import emit  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _measure(rank: int, n: int, stage: int, args: argparse.Namespace, port: int, out: dict) -> None:
+def _measure(rank: int, n: int, stage: int | str, args: argparse.Namespace, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=n)
     torch.set_num_threads(1)
@@ -38,6 +39,23 @@ def _measure(rank: int, n: int, stage: int, args: argparse.Namespace, port: int,
     spec.loader.exec_module(lm)
     mesh = build_mesh(MeshConfig())
     torch.manual_seed(0)
+    if stage == "offload":  # ZeRO-Offload: ShardedHostAdamW's masters and moments on this host
+        from hetero.optim import HostOffloadConfig, ShardedHostAdamW
+
+        model = lm.Decoder(256, args.d_model, args.layers, args.heads, args.context)
+        opt = ShardedHostAdamW(model.named_parameters(), lr=1e-3, config=HostOffloadConfig(device_dtype=torch.float32))
+        x = torch.randint(0, 256, (2, args.context))
+        for _ in range(2):
+            opt.zero_grad()
+            lm.lm_loss(model(x), x).backward()
+            opt.step()
+        state = [t for s in opt._slots.values() for t in (s.master, s.exp_avg, s.exp_avg_sq)]
+        if rank == 0:
+            out.update({"optimizer_state_bytes_per_rank": storage_bytes(state),
+                        "param_bytes_per_rank": storage_bytes(model.parameters())})
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     config = ZeroConfig(stage, units=tuple(f"blocks.{i}" for i in range(args.layers)))
     model = apply_zero(lm.Decoder(256, args.d_model, args.layers, args.heads, args.context), config, mesh)
     net = DistributedDataParallel(model) if stage < 2 and n > 1 else model
@@ -65,11 +83,11 @@ def main() -> None:
     args = p.parse_args()
     result: dict = {"d_model": args.d_model, "layers": args.layers, "optimizer": "AdamW fp32", "device": "cpu (host)"}
     ctx = mp.get_context("spawn")
-    for stage in (1, 2, 3):
+    for i, stage in enumerate((1, 2, 3, "offload")):
         for n in (1, 2, 4):
             with ctx.Manager() as manager:
                 out = manager.dict()
-                mp.start_processes(_measure, args=(n, stage, args, 29700 + 10 * stage + n + os.getpid() % 500, out),
+                mp.start_processes(_measure, args=(n, stage, args, 29700 + 10 * i + n + os.getpid() % 500, out),
                                    nprocs=n, start_method="spawn")
                 result[f"stage{stage}_n{n}"] = dict(out)
             r = result[f"stage{stage}_n{n}"]

@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hetero.cli import run_main
-from hetero.optim import DynamicLossScaler, HostAdamW, HostOffloadConfig, device_memory_report
+from hetero.optim import DynamicLossScaler, HostAdamW, HostOffloadConfig, ShardedHostAdamW, device_memory_report
 from hetero import parallel
 from hetero.parallel import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
@@ -180,15 +180,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tp", type=int, default=1, help="operator-parallel ranks (under torchrun --nproc-per-node TP)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                    help="ZeRO over the data-parallel ranks (torchrun ranks / tp): 1 optimizer states, 2 + gradients, "
-                        "3 + parameters (with --optimizer adamw)")
+                        "3 + parameters (--optimizer adamw); with --optimizer host any stage is ZeRO-Offload: each "
+                        "host keeps 1/dp of the fp32 masters and moments, gradients reduce-scattered")
     p.add_argument("--recompute", default="none",
                    help="none; full (every block recomputes in backward); or the operator types whose outputs the "
                         "blocks keep, comma-separated (matmul, attention), recomputing the rest")
     args = p.parse_args(argv)
 
-    if (args.tp > 1 or args.zero) and args.optimizer == "host":
-        raise ValueError("--tp > 1 and --zero shard device optimizers; HostAdamW keeps whole master weights on each host: "
-                         "add --optimizer adamw")
+    if args.tp > 1 and args.optimizer == "host":
+        raise ValueError("--tp > 1 shards the device weights; HostAdamW keeps whole master weights: add --optimizer adamw")
     parallel.init()  # under torchrun: join the job's process group
     device = resolve_device(Target.DEVICE)
     if args.memory_fraction and device.type == "cuda":
@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.recompute != "none":
         save = frozenset() if args.recompute == "full" else RecomputeConfig.parse_ops(args.recompute.split(","))
         recompute = RecomputeConfig(blocks, save)
-    zero = ZeroConfig(args.zero, units=blocks)
+    # the host optimizer shards its own state (ZeRO-Offload); FSDP2 is for device optimizers
+    zero = ZeroConfig(args.zero if args.optimizer == "adamw" else 0, units=blocks)
     net = model
     if mesh is None:
         apply_recompute(model, recompute)
@@ -228,8 +229,10 @@ def main(argv: list[str] | None = None) -> dict:
         dtype = torch.bfloat16 if args.device_dtype == "bf16" else torch.float16
         scaler = DynamicLossScaler() if dtype is torch.float16 else None
         group = mesh[MeshDim.DP.value].get_group() if dp > 1 else None  # HostAdamW averages gradients on the hosts
-        opt = HostAdamW(model.named_parameters(), lr=args.lr, weight_decay=0.1, process_group=group,
-                        config=HostOffloadConfig(device_dtype=dtype, max_grad_norm=1.0, loss_scaler=scaler))
+        # --zero with the host optimizer is ZeRO-Offload: each host keeps 1/dp of the masters and moments
+        kind = ShardedHostAdamW if args.zero else HostAdamW
+        opt = kind(model.named_parameters(), lr=args.lr, weight_decay=0.1, process_group=group,
+                   config=HostOffloadConfig(device_dtype=dtype, max_grad_norm=1.0, loss_scaler=scaler))
         net = model  # no DDP: HostAdamW's host all-reduce is the data-parallel exchange
     else:
         # foreach only over one kind: tp mixes DTensor shards and replicated plain tensors

@@ -7,6 +7,7 @@ Dense (device) parameters use any ``torch.optim`` optimizer on
 
 from hetero.optim.accounting import device_memory_report
 from hetero.optim.host_adam import HostAdam, HostAdamW, HostOffloadConfig
+from hetero.optim.host_adam_sharded import ShardedHostAdamW
 from hetero.optim.loss_scale import DynamicLossScaler
 from hetero.optim.sparse import (
     FTRL,
@@ -28,6 +29,7 @@ __all__ = [
     "HostAdam",
     "HostAdamW",
     "HostOffloadConfig",
+    "ShardedHostAdamW",
     "device_memory_report",
     "FTRL",
     "SGD",

@@ -98,6 +98,7 @@ class _Slot:
     seen: bool = False  # a gradient came in this step (cleared by step() and zero_grad())
     copied: Any = None  # CUDA event of the device->host gradient copy
     uploaded: Any = None  # CUDA event of the last host->device upload (it reads ``grad`` or ``staging``)
+    shard: Tensor | None = None  # ShardedHostAdamW: this rank's reduced gradient elements, then its new weights
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -149,15 +150,17 @@ class HostAdamW(torch.optim.Optimizer):
         self._slots: dict[Tensor, _Slot] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                master = _host_buffer(p.numel(), torch.float32, cuda)
-                master.copy_(p.detach().reshape(-1))
-                host = lambda dtype=torch.float32: _host_buffer(master.numel(), dtype, cuda).zero_()  # noqa: E731
+                own = self._owned(p.numel())  # the elements this rank keeps state for (all, unsharded)
+                master = _host_buffer(own.stop - own.start, torch.float32, cuda)
+                master.copy_(p.detach().reshape(-1)[own])
+                host = lambda n, dtype=torch.float32: _host_buffer(n, dtype, cuda).zero_()  # noqa: E731
                 on_host = p.device.type == "cpu"
                 p.data = p.data.to(config.device_dtype)  # the device keeps only the low-precision weights
                 grad_dtype = torch.bfloat16 if config.device_dtype == torch.bfloat16 else torch.float32
                 fp16_upload = config.device_dtype == torch.float16 and not on_host
                 staging = torch.empty(master.numel(), dtype=torch.float16, pin_memory=cuda) if fp16_upload else None
-                slot = _Slot(names[p], p, group, master, host(), host(), host(grad_dtype), staging)
+                slot = _Slot(names[p], p, group, master, host(master.numel()), host(master.numel()),
+                             host(self._grad_elements(p.numel()), grad_dtype), staging)
                 self._slots[p] = slot
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, slot))
         # Buckets in reverse registration order: backward produces the last layers' gradients first.
@@ -190,7 +193,7 @@ class HostAdamW(torch.optim.Optimizer):
                                f"several backward passes is not supported: call step() after every backward")
         self.peak_device_grad_bytes = max(self.peak_device_grad_bytes, p.grad.numel() * p.grad.element_size())
         # device -> host into the pinned buffer (fp16 is widened to fp32 by the copy); async on CUDA
-        slot.grad.copy_(p.grad.reshape(-1), non_blocking=True)
+        slot.grad[: p.numel()].copy_(p.grad.reshape(-1), non_blocking=True)
         if p.grad.device.type == "cuda":
             slot.copied = torch.cuda.Event()
             slot.copied.record()
@@ -202,6 +205,20 @@ class HostAdamW(torch.optim.Optimizer):
                 self._ready[slot.bucket].set()
             if self._loop is None and self._can_overlap():
                 self._loop = self._worker().submit(self._run_buckets)
+
+    # Hooks of the sharded variant (hetero.optim.host_adam_sharded): which elements a rank keeps
+    # state for, how large the streamed-gradient buffer is, where the reduced gradient is.
+    def _owned(self, n: int) -> slice:
+        return slice(0, n)
+
+    def _grad_elements(self, n: int) -> int:
+        return n
+
+    def _reduced_grad(self, slot: _Slot) -> Tensor:
+        return slot.grad
+
+    def _global_sum_of_squares(self, total: float, finite: bool) -> tuple[float, bool]:
+        return total, finite  # the reduced gradients are whole on every rank
 
     def _can_overlap(self) -> bool:
         return self.config.overlap and self.config.max_grad_norm is None and self.loss_scaler is None
@@ -341,8 +358,10 @@ class HostAdamW(torch.optim.Optimizer):
         arrived = [s for s in self._slots.values() if s.arrived]
         total, finite = 0.0, True
         for s in arrived:
-            sq, ok = K.sum_of_squares(_np(s.grad), _chunks(s.grad.numel()))
+            g = self._reduced_grad(s)
+            sq, ok = K.sum_of_squares(_np(g), _chunks(g.numel()))
             total, finite = total + sq, finite and ok
+        total, finite = self._global_sum_of_squares(total, finite)
         scale = self.loss_scale * self._world  # the reduced gradients are sums over the ranks
         if self.loss_scaler is not None:
             self.loss_scaler.update(finite)  # the same verdict on every rank: the sums are non-finite everywhere
