@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 
 from hetero.cli import run_main
 from hetero.optim import DynamicLossScaler, HostAdamW, HostOffloadConfig, ShardedHostAdamW, device_memory_report
+from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
 from hetero import parallel
 from hetero.parallel import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="ZeRO over the data-parallel ranks (torchrun ranks / tp): 1 optimizer states, 2 + gradients, "
                         "3 + parameters (--optimizer adamw); with --optimizer host any stage is ZeRO-Offload: each "
                         "host keeps 1/dp of the fp32 masters and moments, gradients reduce-scattered")
+    p.add_argument("--offload-ratio", type=float, default=1.0,
+                   help="--optimizer host: the fraction of the parameters whose AdamW state lives and updates on the "
+                        "host; the rest update on the device at the same time (under bf16 autocast; no clipping)")
     p.add_argument("--recompute", default="none",
                    help="none; full (every block recomputes in backward); or the operator types whose outputs the "
                         "blocks keep, comma-separated (matmul, attention), recomputing the rest")
@@ -229,10 +233,18 @@ def main(argv: list[str] | None = None) -> dict:
         dtype = torch.bfloat16 if args.device_dtype == "bf16" else torch.float16
         scaler = DynamicLossScaler() if dtype is torch.float16 else None
         group = mesh[MeshDim.DP.value].get_group() if dp > 1 else None  # HostAdamW averages gradients on the hosts
-        # --zero with the host optimizer is ZeRO-Offload: each host keeps 1/dp of the masters and moments
-        kind = ShardedHostAdamW if args.zero else HostAdamW
-        opt = kind(model.named_parameters(), lr=args.lr, weight_decay=0.1, process_group=group,
-                   config=HostOffloadConfig(device_dtype=dtype, max_grad_norm=1.0, loss_scaler=scaler))
+        if args.offload_ratio < 1:  # partial offload: the device part keeps fp32 weights, autocast mixes them
+            if args.zero or dp > 1 or dtype is torch.float16:
+                raise ValueError("--offload-ratio < 1 runs in one process with bf16: drop --zero, torchrun and fp16")
+            print(f"partial offload: {args.offload_ratio} of the parameters' state on the host, no clipping",
+                  file=sys.stderr)
+            opt = PartialOffloadAdamW(model.named_parameters(), lr=args.lr, weight_decay=0.1,
+                                      config=PartialOffloadConfig(args.offload_ratio, HostOffloadConfig(device_dtype=dtype)))
+        else:
+            # --zero with the host optimizer is ZeRO-Offload: each host keeps 1/dp of the masters and moments
+            kind = ShardedHostAdamW if args.zero else HostAdamW
+            opt = kind(model.named_parameters(), lr=args.lr, weight_decay=0.1, process_group=group,
+                       config=HostOffloadConfig(device_dtype=dtype, max_grad_norm=1.0, loss_scaler=scaler))
         net = model  # no DDP: HostAdamW's host all-reduce is the data-parallel exchange
     else:
         # foreach only over one kind: tp mixes DTensor shards and replicated plain tensors
@@ -244,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"{n_params / 1e6:.2f} M parameters on {device}, optimizer {args.optimizer}, tp {args.tp}, dp {dp}, zero {args.zero}",
         file=sys.stderr)
     sharded = contextlib.nullcontext if args.tp == 1 else loss_parallel
+    partial = isinstance(opt, PartialOffloadAdamW) and opt.device is not None and opt.host is not None
+    mixed = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if partial else contextlib.nullcontext
 
     gen = torch.Generator().manual_seed(args.seed)
     wdtype = next(model.parameters()).dtype
@@ -253,11 +267,11 @@ def main(argv: list[str] | None = None) -> dict:
         share = args.batch_size // dp  # this data-parallel rank's rows (the same on its tp ranks)
         x, y = (t[dp_rank * share:(dp_rank + 1) * share].to(device) for t in (x, y))
         opt.zero_grad()
-        with sharded():
+        with sharded(), mixed():
             loss = lm_loss(net(x), y)
-            scale = opt.loss_scale if isinstance(opt, HostAdamW) else 1.0
+            scale = opt.loss_scale if isinstance(opt, (HostAdamW, PartialOffloadAdamW)) else 1.0
             (loss * scale).backward()
-        if not isinstance(opt, HostAdamW):
+        if not isinstance(opt, (HostAdamW, PartialOffloadAdamW)):
             clip_grad_norm(model.parameters(), 1.0)
         opt.step()
         losses.append(_value(loss, mesh if dp > 1 else None))  # sync point: the log needs the value
@@ -268,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{len(window)} steps)", flush=True)
     seconds = time.perf_counter() - t0
     model.eval()
-    with torch.no_grad(), sharded():
+    with torch.no_grad(), sharded(), mixed():
         vx, vy = (t.to(device) for t in batch(valid, 32, args.context, torch.Generator().manual_seed(1)))
         val = _value(lm_loss(model(vx), vy))
     report = device_memory_report(model, opt)

@@ -294,3 +294,23 @@ def test_data_parallel_equals_one_process(tmp_path, n, clip, cpu_ranks):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     for k, v in ref.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_partial_offload_at_ratios_0_half_and_1_trains_alike_and_a_bad_ratio_names_the_range():
+    from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
+
+    data = _data(20)
+    ref = _model()
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data)
+    for ratio in (0.0, 0.5, 1.0):
+        model = _model()
+        opt = PartialOffloadAdamW(model.named_parameters(), lr=1e-2, config=PartialOffloadConfig(ratio, FP32))
+        assert opt.ratio == pytest.approx(ratio, abs=0.25)
+        assert (opt.host is None) == (ratio == 0) and (opt.device is None) == (ratio == 1)
+        _train(model, opt, data)
+        for a, b in zip(ref.parameters(), model.parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"ratio {ratio}")
+    half = PartialOffloadAdamW(_model().named_parameters(), config=PartialOffloadConfig(0.5, FP32))
+    assert half.host_params and set(half.host_params) < {n for n, _ in _model().named_parameters()}
+    with pytest.raises(ValueError, match=r"offload ratio 1.5 is outside \[0, 1\]"):
+        PartialOffloadConfig(1.5)

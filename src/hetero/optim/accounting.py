@@ -11,9 +11,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from hetero.optim.host_adam import HostAdamW
+from hetero.optim.partial_offload import PartialOffloadAdamW
 
 
-def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | PartialOffloadAdamW | None = None
+                         ) -> dict[str, float]:
     """Bytes held on the device by ``model``'s parameters, their gradients and the optimizer's
     state, counted from the live tensors (each storage once), and their sum per parameter.
 
@@ -25,7 +27,17 @@ def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | No
     """
     params = list(model.parameters())
     n = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)  # this rank's share
-    if isinstance(optimizer, HostAdamW):
+    if isinstance(optimizer, PartialOffloadAdamW):  # the two parts, each counted as below
+        parts = [optimizer.host.device_bytes()] if optimizer.host is not None else []
+        host_params = {s.param for s in optimizer.host._slots.values()} if optimizer.host is not None else set()
+        rest = [p for p in params if p not in host_params]
+        if optimizer.device is not None:
+            state = [t for p, st in optimizer.device.state.items() for t in st.values()
+                     if isinstance(t, Tensor) and t.device == p.device]
+            parts.append({"params": storage_bytes(rest), "grads": storage_bytes(p.grad for p in rest if p.grad is not None),
+                          "optimizer_state": storage_bytes(state)})
+        b = {k: sum(part[k] for part in parts) for k in ("params", "grads", "optimizer_state")}
+    elif isinstance(optimizer, HostAdamW):
         b = optimizer.device_bytes()
     else:
         state = [t for p, st in (optimizer.state.items() if optimizer is not None else ())

@@ -1,0 +1,131 @@
+"""Partial offload: a ratio of the parameters keep and update their AdamW state on the host
+(:class:`HostAdamW`, streaming their gradients there during backward), the rest on the device
+(``torch.optim.AdamW``), both updates running at the same time.
+
+The host part takes the largest parameters first until ``ratio`` of all elements is reached
+(large matrices amortise the transfers best); ratio 0 is device AdamW alone, ratio 1 is
+HostAdamW alone, and every ratio computes the same update. The ratio is a config value here and
+a planner decision later. Reference: DeepSpeed's ZeRO-Offload++ "Twin-Flow" (a ratio of the
+optimizer states offloaded, CPU and GPU updates overlapped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hetero.optim.host_adam import HostAdamW, HostOffloadConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialOffloadConfig:
+    """How much of the optimizer lives on the host.
+
+    Attributes:
+        ratio: fraction of the parameter elements whose optimizer state lives and updates on
+            the host, in [0, 1].
+        host: the host part's :class:`HostOffloadConfig` (its ``device_dtype`` is the dtype of
+            the host part's device weights; the device part keeps its parameters' dtype, so
+            mixing bf16 and fp32 weights needs ``torch.autocast``).
+    """
+
+    ratio: float = 0.5
+    host: HostOffloadConfig = HostOffloadConfig()
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"offload ratio {self.ratio} is outside [0, 1]: give the fraction of the parameters whose "
+                             f"optimizer state lives on the host (0: all on the device, 1: all on the host)")
+
+
+class PartialOffloadAdamW:
+    """AdamW (Loshchilov & Hutter 2019) split between the host and the device by
+    :class:`PartialOffloadConfig` (see the module docstring).
+
+    Args:
+        params: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``, the same for both parts.
+        config: :class:`PartialOffloadConfig`.
+        process_group: the data-parallel ranks the host part averages its gradients over (see
+            :class:`HostAdamW`); the device part's gradients are the caller's to average (DDP,
+            with the host part's parameters ignored).
+
+    Attributes:
+        host: the :class:`HostAdamW` of the host part (``None`` at ratio 0).
+        device: the ``torch.optim.AdamW`` of the device part (``None`` at ratio 1).
+        host_params: names of the parameters whose state is on the host.
+
+    Thread contract: as :class:`HostAdamW`; ``step()`` runs the device update on the calling
+    thread while the host worker finishes the host update, and returns when both are done.
+
+    Raises:
+        ValueError: a ratio outside [0, 1].
+    """
+
+    def __init__(self, params: Iterable[tuple[str, Tensor]], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, config: PartialOffloadConfig = PartialOffloadConfig(),
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        named = list(params)
+        total = sum(p.numel() for _, p in named)
+        host: list[tuple[str, Tensor]] = []
+        taken = 0
+        for name, p in sorted(named, key=lambda item: -item[1].numel()):  # largest first, ties in model order
+            if taken + p.numel() <= config.ratio * total + 0.5 * p.numel():  # nearest to the ratio
+                host.append((name, p))
+                taken += p.numel()
+        chosen = {name for name, _ in host}
+        device = [p for name, p in named if name not in chosen]
+        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.host_params = [name for name, _ in named if name in chosen]
+        self.host = HostAdamW([(n, p) for n, p in named if n in chosen], **hyper, config=config.host,
+                              process_group=process_group) if host else None
+        self.device = torch.optim.AdamW(device, **hyper) if device else None
+
+    @property
+    def ratio(self) -> float:
+        """The fraction of the parameter elements actually on the host (the nearest to the config's)."""
+        on_host = sum(s.param.numel() for s in self.host._slots.values()) if self.host is not None else 0
+        on_device = sum(p.numel() for g in self.device.param_groups for p in g["params"]) if self.device is not None else 0
+        return on_host / max(on_host + on_device, 1)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.host.loss_scale if self.host is not None else 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in (self.device, self.host):
+            if opt is not None:
+                opt.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        # The host worker has been updating buckets since their gradients arrived; the device
+        # update runs meanwhile, then the host's step() joins its worker.
+        if self.device is not None:
+            self.device.step()
+        if self.host is not None:
+            self.host.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"host": self.host.state_dict() if self.host is not None else None,
+                "device": self.device.state_dict() if self.device is not None else None,
+                "host_params": self.host_params}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` saved with the same split.
+
+        Raises:
+            ValueError: the checkpoint's host part holds other parameters (another ratio).
+        """
+        if state_dict["host_params"] != self.host_params:
+            raise ValueError(f"the checkpoint keeps {len(state_dict['host_params'])} parameters' state on the host, this "
+                             f"optimizer {len(self.host_params)}: load it with the offload ratio it was saved with")
+        if self.host is not None:
+            self.host.load_state_dict(state_dict["host"])
+        if self.device is not None:
+            self.device.load_state_dict(state_dict["device"])
