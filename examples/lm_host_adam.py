@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "blocks keep, comma-separated (matmul, attention), recomputing the rest")
     args = p.parse_args(argv)
 
+    PartialOffloadConfig(args.offload_ratio)  # checks the ratio before anything starts
     if args.tp > 1 and args.optimizer == "host":
         raise ValueError("--tp > 1 shards the device weights; HostAdamW keeps whole master weights: add --optimizer adamw")
     parallel.init()  # under torchrun: join the job's process group

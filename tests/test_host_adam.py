@@ -314,3 +314,15 @@ def test_partial_offload_at_ratios_0_half_and_1_trains_alike_and_a_bad_ratio_nam
     assert half.host_params and set(half.host_params) < {n for n, _ in _model().named_parameters()}
     with pytest.raises(ValueError, match=r"offload ratio 1.5 is outside \[0, 1\]"):
         PartialOffloadConfig(1.5)
+
+
+def test_lm_example_refuses_an_offload_ratio_outside_0_1(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lm_host_adam.py"
+    spec = importlib.util.spec_from_file_location("lm_host_adam", path)
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)
+    with pytest.raises(ValueError, match=r"offload ratio 1.5 is outside \[0, 1\]"):
+        lm.main(["--steps", "1", "--offload-ratio", "1.5"])
