@@ -104,3 +104,15 @@ def run_ranks(tmp_path, n, fn, *args):
     out = tmp_path / f"rank0_{fn.__name__}_{n}.pt"
     mp.spawn(_rank_main, args=(n, free_port(), fn, args, str(out)), nprocs=n, join=True)
     return torch.load(out, map_location="cpu", weights_only=False)
+
+
+def load_example(name):
+    """The module of ``examples/<name>.py`` (examples live outside the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

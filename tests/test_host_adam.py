@@ -182,13 +182,9 @@ def test_device_memory_is_counted_from_live_tensors_and_matches_the_process_grow
 
 
 def test_lm_example_trains_on_stdlib_text_with_bf16_device_weights(capsys):
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_example
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "lm_host_adam.py"
-    spec = importlib.util.spec_from_file_location("lm_host_adam", path)
-    lm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm)
+    lm = load_example("lm_host_adam")
     result = lm.main(["--d-model", "64", "--layers", "2", "--heads", "2", "--context", "32", "--batch-size", "8",
                       "--steps", "30", "--log-every", "10", "--corpus-bytes", "300000", "--lr", "3e-3"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
@@ -317,12 +313,8 @@ def test_partial_offload_at_ratios_0_half_and_1_trains_alike_and_a_bad_ratio_nam
 
 
 def test_lm_example_refuses_an_offload_ratio_outside_0_1(capsys):
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_example
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "lm_host_adam.py"
-    spec = importlib.util.spec_from_file_location("lm_host_adam", path)
-    lm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm)
+    lm = load_example("lm_host_adam")
     with pytest.raises(ValueError, match=r"offload ratio 1.5 is outside \[0, 1\]"):
         lm.main(["--steps", "1", "--offload-ratio", "1.5"])

@@ -4,21 +4,14 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_ranks
+from conftest import load_example, run_ranks
 
 from hetero.parallel.mesh import MeshConfig, build_mesh
 from hetero.parallel.operator import shard
 
 
 def _example():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "semi_auto_parallel.py"
-    spec = importlib.util.spec_from_file_location("semi_auto_parallel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("semi_auto_parallel")
 
 
 SemiAutoNet = _example().SemiAutoNet  # the reference design's network, as the example defines it
@@ -393,14 +386,7 @@ def test_the_semi_auto_example_under_torchrun_equals_one_process(cpu_ranks, n, s
 
 
 def _lm_example():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "lm_host_adam.py"
-    spec = importlib.util.spec_from_file_location("lm_host_adam", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("lm_host_adam")
 
 
 def _gpt_batches():

@@ -1,26 +1,16 @@
 """Recompute: the gradients of the plain model under every policy, less activation memory
 (measured from the allocator), composed with host placement and operator-parallel layers."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import load_example
 
 from hetero.optim.accounting import measure_allocations
 from hetero.parallel.recompute import RecomputeConfig, RecomputeOp, apply_recompute
 from hetero.placement import PlacementSpec, partition
 
 
-def _lm():
-    path = Path(__file__).resolve().parents[1] / "examples" / "lm_host_adam.py"
-    spec = importlib.util.spec_from_file_location("lm_host_adam", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LM = _lm()
+LM = load_example("lm_host_adam")
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2")
 
 

@@ -1,14 +1,12 @@
 """ZeRO stages 1-3 for device optimizers: N data-parallel ranks equal one process, and each
 rank keeps about 1/N of the optimizer state (counted from the live state tensors)."""
 
-import importlib.util
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_ranks
+from conftest import load_example, run_ranks
 
 from hetero.optim.accounting import storage_bytes
 from hetero.parallel.mesh import MeshConfig, build_mesh
@@ -18,11 +16,7 @@ STEPS, BATCH = 20, 8
 
 
 def _lm():
-    path = Path(__file__).resolve().parents[1] / "examples" / "lm_host_adam.py"
-    spec = importlib.util.spec_from_file_location("lm_host_adam", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("lm_host_adam")
 
 
 def _model(lm):

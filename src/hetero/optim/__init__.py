@@ -6,7 +6,8 @@ Dense (device) parameters use any ``torch.optim`` optimizer on
 """
 
 from hetero.optim.accounting import device_memory_report
-from hetero.optim.host_adam import HostAdam, HostAdamW, HostOffloadConfig
+from hetero.optim.host_adam import HostAdam, HostAdamW
+from hetero.optim.host_state import HostOffloadConfig
 from hetero.optim.host_adam_sharded import ShardedHostAdamW
 from hetero.optim.loss_scale import DynamicLossScaler
 from hetero.optim.sparse import (

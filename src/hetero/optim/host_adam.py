@@ -38,7 +38,6 @@ zeros (a warning says so once).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
@@ -47,59 +46,20 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hetero._numba import load, num_threads
-from hetero.optim.loss_scale import DynamicLossScaler
-from hetero.placement import host_empty
-
-f32 = np.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class HostOffloadConfig:
-    """How ``HostAdam``/``HostAdamW`` keep and move state.
-
-    Attributes:
-        device_dtype: dtype of the weights on the device (``torch.bfloat16``, ``torch.float16``
-            or ``torch.float32``).
-        bucket_bytes: fp32 bytes of parameters per bucket (a bucket's update starts once all of its
-            gradients have arrived).
-        max_grad_norm: clip the global L2 norm of the gradients to this (``None``: no clipping).
-        loss_scaler: dynamic loss scaling (needed for fp16); the loss must be multiplied by
-            ``optimizer.loss_scale`` before backward.
-        overlap: run bucket updates during backward (else all in ``step()``).
-    """
-
-    device_dtype: torch.dtype = torch.bfloat16
-    bucket_bytes: int = 32 << 20
-    max_grad_norm: float | None = None
-    loss_scaler: DynamicLossScaler | None = None
-    overlap: bool = True
-
-
-@dataclasses.dataclass
-class _Slot:
-    name: str
-    param: Tensor  # on the device, in device_dtype
-    group: dict
-    master: Tensor  # host fp32, flat
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
-    grad: Tensor  # host, flat: the streamed gradient (bf16 with bf16 device weights, else fp32),
-    # then the new device weight when its dtype is the device dtype
-    staging: Tensor | None  # fp16 device weights on CUDA: the host fp16 copy for the upload
-    bucket: int = 0
-    step: int = 0
-    arrived: bool = False  # a gradient waits for the update (cleared by the update)
-    seen: bool = False  # a gradient came in this step (cleared by step() and zero_grad())
-    copied: Any = None  # CUDA event of the device->host gradient copy
-    uploaded: Any = None  # CUDA event of the last host->device upload (it reads ``grad`` or ``staging``)
-    shard: Tensor | None = None  # ShardedHostAdamW: this rank's reduced gradient elements, then its new weights
-
+from hetero.optim.host_state import (
+    HostOffloadConfig,
+    _chunks,
+    _host_all_reduce_group,
+    _host_buffer,
+    _kernels,
+    _np,
+    _Slot,
+    f32,
+)
 
 class HostAdamW(torch.optim.Optimizer):
     """AdamW (Loshchilov & Hutter 2019) with its state on the host; see the module docstring.
@@ -266,25 +226,32 @@ class HostAdamW(torch.optim.Optimizer):
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     # ------------------------------------------------------------------------- update
+    def _adam_step(self, slot: _Slot, grad: Tensor, grad_scale: float) -> bool:
+        """One AdamW step of ``slot``'s master and moments (all or this rank's elements) from the
+        reduced ``grad`` (flat, the same elements); returns whether the kernel wrote the new
+        weights over ``grad`` (bf16 or fp32 device weights) - else (fp16) they are in the master."""
+        g = slot.group
+        slot.step += 1
+        beta1, beta2 = g["betas"]
+        bc1 = 1 - beta1**slot.step
+        bc2_sqrt = math.sqrt(1 - beta2**slot.step)
+        if slot.uploaded is not None:
+            slot.uploaded.synchronize()  # sync point: the previous upload still reads the buffer
+            slot.uploaded = None
+        in_place = grad.dtype == self.config.device_dtype
+        lr, wd = g["lr"], g["weight_decay"]
+        decay = 1 - lr * wd if self.decoupled else wd  # scalars in double, rounded once (as torch)
+        if grad.numel():
+            _kernels().adam_step(slot.master.numpy(), slot.exp_avg.numpy(), slot.exp_avg_sq.numpy(), _np(grad),
+                                 in_place, f32(decay), self.decoupled, f32(1 - beta1), f32(beta2), f32(1 - beta2),
+                                 f32(lr / bc1), f32(bc2_sqrt), f32(g["eps"]), f32(grad_scale), _chunks(grad.numel()))
+        return in_place
+
     def _update_bucket(self, bucket: int, grad_scale: float) -> None:
-        K = _kernels()
         for slot in self._buckets[bucket]:
             if not slot.arrived:  # no gradient this step on any rank (unused parameter): skip, as torch does
                 continue
-            g = slot.group
-            slot.step += 1
-            beta1, beta2 = g["betas"]
-            bc1 = 1 - beta1**slot.step
-            bc2_sqrt = math.sqrt(1 - beta2**slot.step)
-            if slot.uploaded is not None:
-                slot.uploaded.synchronize()  # sync point: the previous upload still reads the buffer
-                slot.uploaded = None
-            in_place = slot.grad.dtype == self.config.device_dtype  # bf16 or fp32: weight over gradient
-            lr, wd = g["lr"], g["weight_decay"]
-            decay = 1 - lr * wd if self.decoupled else wd  # scalars in double, rounded once (as torch)
-            K.adam_step(slot.master.numpy(), slot.exp_avg.numpy(), slot.exp_avg_sq.numpy(), _np(slot.grad), in_place,
-                        f32(decay), self.decoupled, f32(1 - beta1), f32(beta2), f32(1 - beta2),
-                        f32(lr / bc1), f32(bc2_sqrt), f32(g["eps"]), f32(grad_scale), _chunks(slot.master.numel()))
+            in_place = self._adam_step(slot, slot.grad, grad_scale)
             if not in_place:  # fp16: numba has no fp16 arithmetic, so torch rounds the copy
                 (slot.staging if slot.staging is not None else slot.param.data.view(-1)).copy_(slot.master)
                 if slot.staging is not None:
@@ -431,10 +398,11 @@ class HostAdamW(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups, "loss_scaler": scaler}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the device weights are rewritten from the masters.
+        """Restore a :meth:`state_dict` (whole tensors; a sharded optimizer keeps its elements);
+        the device weights are rewritten from the masters. Nothing changes when it raises.
 
         Raises:
-            ValueError: a parameter name or shape that differs from this optimizer's.
+            ValueError: a parameter name or size that differs from this optimizer's.
         """
         by_name = {s.name: s for s in self._slots.values()}
         if set(by_name) != set(state_dict["state"]):
@@ -442,13 +410,16 @@ class HostAdamW(torch.optim.Optimizer):
                              f"this optimizer's {sorted(by_name)[:5]}...")
         for name, st in state_dict["state"].items():
             slot = by_name[name]
-            if st["master"].shape != slot.master.shape:
+            if st["master"].numel() != slot.param.numel():
                 raise ValueError(f"parameter {name!r} has {st['master'].numel()} elements in the checkpoint and "
-                                 f"{slot.master.numel()} here")
+                                 f"{slot.param.numel()} here")
+        for name, st in state_dict["state"].items():
+            slot = by_name[name]
+            own = self._owned(slot.param.numel())
             slot.step = int(st["step"])
             for key in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(slot, key).copy_(st[key])
-            slot.param.data.copy_(slot.master.view(slot.param.shape))  # rounds to the device dtype
+                getattr(slot, key).copy_(st[key].reshape(-1)[own])
+            slot.param.data.copy_(st["master"].view(slot.param.shape))  # rounds to the device dtype
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         if self.loss_scaler is not None and state_dict.get("loss_scaler") is not None:
@@ -481,36 +452,3 @@ class HostAdam(HostAdamW):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: HostOffloadConfig = HostOffloadConfig(),
                  process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group)
-
-
-def _host_all_reduce_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
-    """A gloo group over ``group``'s ranks for the host all-reduces, and its size (``None``, 1
-    without a process group of more than one rank). A group of its own: the worker thread's
-    collectives must not interleave with the training thread's (DDP, loss averaging) on a
-    shared group. Collective: every rank of ``group`` calls it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None, 1
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    if len(ranks) == 1:
-        return None, 1
-    return dist.new_group(ranks, backend="gloo"), len(ranks)
-
-
-def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> Tensor:
-    """A flat host buffer: pinned on CUDA machines (async copies to and from the device), else
-    huge-page backed (the update streams five arrays; with 4 KiB pages the hardware prefetcher
-    stops at every page boundary)."""
-    return torch.empty(n, dtype=dtype, pin_memory=True) if pin else host_empty((n,), dtype)
-
-
-def _np(t: Tensor) -> np.ndarray:
-    """A numpy view for the kernels: bf16 as its uint16 bits (numpy has no bf16)."""
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def _chunks(n: int) -> int:
-    return max(1, min(num_threads() * 4, n // 65536 or 1))
-
-
-def _kernels():
-    return load("hetero.optim._adam_kernels")

@@ -13,7 +13,6 @@ Ren et al. 2021 (ZeRO-Offload); Rajbhandari et al. 2020 (ZeRO); DeepSpeed's
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hetero.optim.host_adam import HostAdamW, HostOffloadConfig, _chunks, _host_buffer, _kernels, _np, _Slot, f32
+from hetero.optim.host_adam import HostAdamW
+from hetero.optim.host_state import HostOffloadConfig, _host_buffer, _Slot
 
 
 class ShardedHostAdamW(HostAdamW):
@@ -29,8 +29,8 @@ class ShardedHostAdamW(HostAdamW):
     module docstring). Arguments, thread contract and errors as :class:`HostAdamW`.
 
     ``state_dict()`` gathers the shards (every rank gets the whole state, the same format as
-    :class:`HostAdamW`'s: a checkpoint moves between the two and across world sizes);
-    ``load_state_dict()`` keeps this rank's shard. Both, and :meth:`master`, are collectives.
+    :class:`HostAdamW`'s: a checkpoint moves between the two and across world sizes; a
+    collective, as :meth:`master` is); ``load_state_dict()`` keeps this rank's elements.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -92,26 +92,11 @@ class ShardedHostAdamW(HostAdamW):
                 dist.reduce_scatter_single(s.shard, s.grad, group=self._group)
 
     def _update_bucket(self, bucket: int, grad_scale: float) -> None:
-        K = _kernels()
         for slot in self._buckets[bucket]:
             if not slot.arrived:  # no gradient this step on any rank (unused parameter): skip, as torch does
                 continue
-            g = slot.group
-            slot.step += 1
-            beta1, beta2 = g["betas"]
-            bc1 = 1 - beta1**slot.step
-            bc2_sqrt = math.sqrt(1 - beta2**slot.step)
-            if slot.uploaded is not None:
-                slot.uploaded.synchronize()  # sync point: the previous upload still reads the buffer
-                slot.uploaded = None
             mine = slot.shard[: slot.master.numel()]
-            in_place = mine.dtype == self.config.device_dtype  # bf16 or fp32: the new weight over the gradient
-            lr, wd = g["lr"], g["weight_decay"]
-            decay = 1 - lr * wd if self.decoupled else wd
-            if mine.numel():
-                K.adam_step(slot.master.numpy(), slot.exp_avg.numpy(), slot.exp_avg_sq.numpy(), _np(mine), in_place,
-                            f32(decay), self.decoupled, f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(lr / bc1),
-                            f32(bc2_sqrt), f32(g["eps"]), f32(grad_scale), _chunks(mine.numel()))
+            in_place = self._adam_step(slot, mine, grad_scale)  # bf16 or fp32: the new weights over ``mine``
             if not in_place:  # fp16 device weights: gather the fp32 values, the copy rounds them
                 mine.copy_(slot.master)
             if self._world > 1:
@@ -148,29 +133,3 @@ class ShardedHostAdamW(HostAdamW):
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 st[key] = self._gather(getattr(slot, key), slot.param.numel())
         return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a whole state (from this class or :class:`HostAdamW`, any world size): each rank
-        keeps its elements, and the device weights are rewritten from the whole masters.
-
-        Raises:
-            ValueError: a parameter name or size that differs from this optimizer's.
-        """
-        by_name = {s.name: s for s in self._slots.values()}
-        if set(by_name) != set(state_dict["state"]):
-            raise ValueError(f"{type(self).__name__} state names {sorted(state_dict['state'])[:5]}... differ from "
-                             f"this optimizer's {sorted(by_name)[:5]}...")
-        for name, st in state_dict["state"].items():
-            slot = by_name[name]
-            if st["master"].numel() != slot.param.numel():
-                raise ValueError(f"parameter {name!r} has {st['master'].numel()} elements in the checkpoint and "
-                                 f"{slot.param.numel()} here")
-            own = self._owned(slot.param.numel())
-            slot.step = int(st["step"])
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(slot, key).copy_(st[key].reshape(-1)[own])
-            slot.param.data.copy_(st["master"].view(slot.param.shape))  # rounds to the device dtype
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        if self.loss_scaler is not None and state_dict.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hetero.optim.host_adam import HostAdamW, HostOffloadConfig
+from hetero.optim.host_adam import HostAdamW
+from hetero.optim.host_state import HostOffloadConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,94 @@
+"""The host side of HostAdamW: its configuration, the per-parameter slot of host buffers, and
+the helpers that allocate and read them (pinned or huge-page memory, numpy views for the fused
+kernels, the optimizer's own gloo group)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hetero._numba import load, num_threads
+from hetero.optim.loss_scale import DynamicLossScaler
+from hetero.placement import host_empty
+
+f32 = np.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class HostOffloadConfig:
+    """How ``HostAdam``/``HostAdamW`` keep and move state.
+
+    Attributes:
+        device_dtype: dtype of the weights on the device (``torch.bfloat16``, ``torch.float16``
+            or ``torch.float32``).
+        bucket_bytes: fp32 bytes of parameters per bucket (a bucket's update starts once all of its
+            gradients have arrived).
+        max_grad_norm: clip the global L2 norm of the gradients to this (``None``: no clipping).
+        loss_scaler: dynamic loss scaling (needed for fp16); the loss must be multiplied by
+            ``optimizer.loss_scale`` before backward.
+        overlap: run bucket updates during backward (else all in ``step()``).
+    """
+
+    device_dtype: torch.dtype = torch.bfloat16
+    bucket_bytes: int = 32 << 20
+    max_grad_norm: float | None = None
+    loss_scaler: DynamicLossScaler | None = None
+    overlap: bool = True
+
+
+@dataclasses.dataclass
+class _Slot:
+    name: str
+    param: Tensor  # on the device, in device_dtype
+    group: dict
+    master: Tensor  # host fp32, flat
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    grad: Tensor  # host, flat: the streamed gradient (bf16 with bf16 device weights, else fp32),
+    # then the new device weight when its dtype is the device dtype
+    staging: Tensor | None  # fp16 device weights on CUDA: the host fp16 copy for the upload
+    bucket: int = 0
+    step: int = 0
+    arrived: bool = False  # a gradient waits for the update (cleared by the update)
+    seen: bool = False  # a gradient came in this step (cleared by step() and zero_grad())
+    copied: Any = None  # CUDA event of the device->host gradient copy
+    uploaded: Any = None  # CUDA event of the last host->device upload (it reads ``grad`` or ``staging``)
+    shard: Tensor | None = None  # ShardedHostAdamW: this rank's reduced gradient elements, then its new weights
+
+
+def _host_all_reduce_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
+    """A gloo group over ``group``'s ranks for the host all-reduces, and its size (``None``, 1
+    without a process group of more than one rank). A group of its own: the worker thread's
+    collectives must not interleave with the training thread's (DDP, loss averaging) on a
+    shared group. Collective: every rank of ``group`` calls it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 1
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if len(ranks) == 1:
+        return None, 1
+    return dist.new_group(ranks, backend="gloo"), len(ranks)
+
+
+def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> Tensor:
+    """A flat host buffer: pinned on CUDA machines (async copies to and from the device), else
+    huge-page backed (the update streams five arrays; with 4 KiB pages the hardware prefetcher
+    stops at every page boundary)."""
+    return torch.empty(n, dtype=dtype, pin_memory=True) if pin else host_empty((n,), dtype)
+
+
+def _np(t: Tensor) -> np.ndarray:
+    """A numpy view for the kernels: bf16 as its uint16 bits (numpy has no bf16)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _chunks(n: int) -> int:
+    return max(1, min(num_threads() * 4, n // 65536 or 1))
+
+
+def _kernels():
+    return load("hetero.optim._adam_kernels")
