@@ -1,5 +1,6 @@
 """Distributed training on torch.distributed: the process group, the device mesh, data
-parallelism, row-sharded host tables, operator-level sharding on DTensor.
+parallelism, row-sharded host tables, operator-level sharding on DTensor, recompute, ZeRO, and
+``parallelize`` (one order for the dimensions: operator sharding, recompute, ZeRO).
 
 ``hetero.distributed`` is the same module under the name the docs use.
 """
