@@ -33,3 +33,30 @@ def emit(name: str, result: dict) -> None:
     tag = "cuda" if torch.cuda.is_available() else "cpu"
     (RESULTS / f"{name}_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
+
+
+def load_example(name: str):  # noqa: ANN201 - a module
+    """The module of ``examples/<name>.py`` (examples live outside the package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def spawn_ranks(fn, n: int, *args) -> dict:  # noqa: ANN001 - fn(rank, n, *args, port, out)
+    """Run ``fn(rank, n, *args, port, out)`` on ``n`` spawned processes (each joins a gloo group
+    on ``port``); returns what rank 0 put in the shared dict ``out``."""
+    import torch.multiprocessing as mp
+
+    import socket
+
+    with socket.socket() as s:  # a free port now, for this group's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.get_context("spawn").Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(fn, args=(n, *args, port, out), nprocs=n, start_method="spawn")
+        return dict(out)

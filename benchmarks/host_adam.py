@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import emit, spawn_ranks  # noqa: E402
 
 from hetero.optim import HostAdamW, HostOffloadConfig, device_memory_report  # noqa: E402
 
@@ -66,7 +66,7 @@ def torch_fused_rate(shapes: list[int], repeats: int) -> float:
     return sum(shapes) / median_time(opt.step, repeats)
 
 
-def _sharded_rank(rank: int, n: int, shapes: list[int], repeats: int, port: int, out: dict) -> None:
+def _sharded_rank(rank: int, n: int, shapes: list[int], repeats: int, port: int, out: dict) -> None:  # spawn_ranks
     import os
 
     import torch.distributed as dist
@@ -92,15 +92,7 @@ def _sharded_rank(rank: int, n: int, shapes: list[int], repeats: int, port: int,
 def sharded_rate(shapes: list[int], n: int, repeats: int) -> float:
     """Parameters per second each of ``n`` gloo ranks on this machine updates with ShardedHostAdamW
     (its 1/n of every parameter, the exchange included)."""
-    import os
-
-    import torch.multiprocessing as mp
-
-    with mp.get_context("spawn").Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_sharded_rank, args=(n, shapes, repeats, 29800 + os.getpid() % 1000, out), nprocs=n,
-                           start_method="spawn")
-        return sum(shapes) / n / out["seconds"]
+    return sum(shapes) / n / spawn_ranks(_sharded_rank, n, shapes, repeats)["seconds"]
 
 
 def main() -> None:

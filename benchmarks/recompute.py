@@ -11,7 +11,6 @@ median step time (forward + backward). Gradients are checked equal to the plain 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -20,22 +19,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import emit, load_example  # noqa: E402
 
 from hetero.optim.accounting import measure_allocations  # noqa: E402
 from hetero.parallel.recompute import RecomputeConfig, RecomputeOp, apply_recompute  # noqa: E402
 from hetero.placement import Target, resolve_device  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {"none": None, "full": frozenset(), "matmul": frozenset({RecomputeOp.MATMUL}),
             "attention": frozenset({RecomputeOp.ATTENTION})}
-
-
-def _lm():
-    spec = importlib.util.spec_from_file_location("lm_host_adam", ROOT / "examples" / "lm_host_adam.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -47,7 +38,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=7)
     args = p.parse_args()
-    lm, device = _lm(), resolve_device(Target.DEVICE)
+    lm, device = load_example("lm_host_adam"), resolve_device(Target.DEVICE)
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, 256, (args.batch, args.context), generator=g).to(device) for _ in range(2))
     result = {k: v for k, v in vars(args).items()}

@@ -18,27 +18,17 @@ For each tp (gloo ranks on this machine; the bytes do not depend on the backend'
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import emit, load_example, spawn_ranks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _lm():
-    spec = importlib.util.spec_from_file_location("lm_host_adam", ROOT / "examples" / "lm_host_adam.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +66,7 @@ def _measure(rank: int, tp: int, args: argparse.Namespace, port: int, out: dict)
     from hetero.parallel.propagation import propagate
     from hetero.parallel.sharding_graph import LayoutInterpreter, capture_for_sharding
 
-    lm = _lm()
+    lm = load_example("lm_host_adam")
     mesh = build_mesh(MeshConfig(tp=tp))
     torch.manual_seed(0)
     block = lm.Block(args.d_model, args.heads)
@@ -127,13 +117,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128)
     args = p.parse_args()
     result = {"d_model": args.d_model, "heads": args.heads, "batch": args.batch, "context": args.context, "dtype": "float32"}
-    ctx = mp.get_context("spawn")
-    for i, tp in enumerate((1, 2, 4)):
-        with ctx.Manager() as manager:
-            out = manager.dict()
-            mp.start_processes(_measure, args=(tp, args, 29600 + 7 * i + os.getpid() % 1000, out), nprocs=tp,
-                               start_method="spawn")
-            result[f"tp{tp}"] = dict(out)
+    for tp in (1, 2, 4):
+        result[f"tp{tp}"] = spawn_ranks(_measure, tp, args)
         r = result[f"tp{tp}"]
         print(f"tp {tp}: params {r['param_bytes_per_rank'] / 1e6:.2f} MB, activations "
               f"{r['activation_bytes_per_rank'] / 1e6:.2f} MB, comm {r['comm_bytes_per_step'] / 1e6:.2f} MB per rank and step",

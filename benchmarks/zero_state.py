@@ -9,19 +9,16 @@ its fp32 masters and moments on the host).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import emit, load_example, spawn_ranks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _measure(rank: int, n: int, stage: int | str, args: argparse.Namespace, port: int, out: dict) -> None:
@@ -34,9 +31,7 @@ def _measure(rank: int, n: int, stage: int | str, args: argparse.Namespace, port
     from hetero.parallel import MeshConfig, build_mesh
     from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 
-    spec = importlib.util.spec_from_file_location("lm_host_adam", ROOT / "examples" / "lm_host_adam.py")
-    lm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm)
+    lm = load_example("lm_host_adam")
     mesh = build_mesh(MeshConfig())
     torch.manual_seed(0)
     if stage == "offload":  # ZeRO-Offload: ShardedHostAdamW's masters and moments on this host
@@ -82,14 +77,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=64)
     args = p.parse_args()
     result: dict = {"d_model": args.d_model, "layers": args.layers, "optimizer": "AdamW fp32", "device": "cpu (host)"}
-    ctx = mp.get_context("spawn")
-    for i, stage in enumerate((1, 2, 3, "offload")):
+    for stage in (1, 2, 3, "offload"):
         for n in (1, 2, 4):
-            with ctx.Manager() as manager:
-                out = manager.dict()
-                mp.start_processes(_measure, args=(n, stage, args, 29700 + 10 * i + n + os.getpid() % 500, out),
-                                   nprocs=n, start_method="spawn")
-                result[f"stage{stage}_n{n}"] = dict(out)
+            result[f"stage{stage}_n{n}"] = spawn_ranks(_measure, n, stage, args)
             r = result[f"stage{stage}_n{n}"]
             print(f"stage {stage}, {n} ranks: optimizer state {r['optimizer_state_bytes_per_rank'] / 1e6:.2f} MB, "
                   f"parameters {r['param_bytes_per_rank'] / 1e6:.2f} MB per rank", file=sys.stderr)

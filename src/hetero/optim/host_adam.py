@@ -204,6 +204,12 @@ class HostAdamW(torch.optim.Optimizer):
         A parameter that got no gradient here contributes zeros; it counts as arrived when it got
         one on any rank (one process on the global batch would have seen that gradient)."""
         slots = self._buckets[bucket]
+        self._agree_arrivals(slots)
+        self._exchange(slots)
+
+    def _agree_arrivals(self, slots: list[_Slot]) -> None:
+        """Wait for the slots' gradient copies; zero the buffers of those that got none here; make
+        every rank agree which arrived (on any rank), so the exchanges pair up."""
         for s in slots:
             if s.copied is not None:
                 s.copied.synchronize()  # sync point: the host reads the streamed gradient
@@ -213,12 +219,17 @@ class HostAdamW(torch.optim.Optimizer):
         arrived = torch.tensor([s.arrived for s in slots], dtype=torch.int32)
         for s in slots:
             if not s.arrived:
-                s.grad.zero_()  # holds the last step's gradient or (host-only) the old weights
+                s.grad.zero_()  # holds the last step's gradient or (host-only, sharded) old weights
         dist.all_reduce(arrived, group=self._group)
-        for s in slots:
-            dist.all_reduce(s.grad, group=self._group)  # host tensors on the optimizer's own gloo group
         for s, n in zip(slots, arrived.tolist()):
             s.arrived = n > 0
+
+    def _exchange(self, slots: list[_Slot]) -> None:
+        """Sum the slots' gradients over the data-parallel ranks (whole, on every rank)."""
+        if self._world == 1:
+            return
+        for s in slots:
+            dist.all_reduce(s.grad, group=self._group)  # host tensors on the optimizer's own gloo group
 
     @property
     def loss_scale(self) -> float:

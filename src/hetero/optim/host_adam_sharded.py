@@ -68,27 +68,13 @@ class ShardedHostAdamW(HostAdamW):
         return both[0].item(), both[1].item() == 0
 
     # ------------------------------------------------------------------------- exchange
-    def _reduce(self, bucket: int) -> None:
-        """Wait for the bucket's gradient copies; reduce-scatter them: each rank receives the sum
-        over the ranks of its elements. A parameter counts as arrived when any rank got a
-        gradient for it (the others contribute zeros)."""
-        slots = self._buckets[bucket]
+    def _exchange(self, slots: list[_Slot]) -> None:
+        """Reduce-scatter the slots' gradients: each rank receives the sum over the ranks of its
+        elements (arrivals are agreed first, so every rank skips the same slots)."""
         for s in slots:
-            if s.copied is not None:
-                s.copied.synchronize()  # sync point: the host reads the streamed gradient
-                s.copied = None
-        if self._world == 1:
-            for s in slots:
+            if self._world == 1:
                 s.shard.copy_(s.grad)
-            return
-        arrived = torch.tensor([s.arrived for s in slots], dtype=torch.int32)
-        for s in slots:
-            if not s.arrived:
-                s.grad.zero_()  # holds the last step's gathered weights
-        dist.all_reduce(arrived, group=self._group)
-        for s, n in zip(slots, arrived.tolist()):
-            s.arrived = n > 0
-            if s.arrived:  # the same verdict on every rank: the collectives pair up
+            elif s.arrived:
                 dist.reduce_scatter_single(s.shard, s.grad, group=self._group)
 
     def _update_bucket(self, bucket: int, grad_scale: float) -> None:
