@@ -15,6 +15,7 @@ from hetero.embedding import RowPlacement, dense_parameters, host_tables
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRL, LazyAdam
 from hetero.parallel import (
+    CommFusion,
     DataParallelConfig,
     DistributedSparse,
     check_replicas,
@@ -48,7 +49,7 @@ def _global_loss(loss):
 def _mlp_run(mean: bool, scale: float):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 1))
-    net = data_parallel(model, DataParallelConfig(bucket_mb=0.0001, gradients_mean=mean))  # tiny buckets: several
+    net = data_parallel(model, DataParallelConfig(CommFusion(allreduce=0.0001), gradients_mean=mean))  # tiny buckets: several
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = make_dataset(STEPS * BATCH)
     batches = Batches(data, BatchConfig(batch_size=BATCH, shuffle=True, seed=3, rank=rank(), world_size=world_size()))

@@ -57,6 +57,7 @@ from hetero.optim.host_state import (
     _host_buffer,
     _kernels,
     _np,
+    _buckets,
     _Slot,
     f32,
 )
@@ -123,16 +124,13 @@ class HostAdamW(torch.optim.Optimizer):
                              host(self._grad_elements(p.numel()), grad_dtype), staging)
                 self._slots[p] = slot
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, slot))
-        # Buckets in reverse registration order: backward produces the last layers' gradients first.
-        self._buckets: list[list[_Slot]] = [[]]
-        size = 0
-        for slot in reversed(list(self._slots.values())):
-            if size and size + slot.master.numel() * 4 > config.bucket_bytes:
-                self._buckets.append([])
-                size = 0
-            slot.bucket = len(self._buckets) - 1
-            self._buckets[-1].append(slot)
-            size += slot.master.numel() * 4
+        self._buckets = _buckets(list(self._slots.values()), config)
+        for b, bucket in enumerate(self._buckets):
+            for slot in bucket:
+                slot.bucket = b
+        # the flat buffer of each bucket's fused all-reduce (several slots, several ranks)
+        self._fused = [torch.empty(sum(sl.grad.numel() for sl in bucket), dtype=bucket[0].grad.dtype)
+                       if len(bucket) > 1 and self._world > 1 else None for bucket in self._buckets]
         self._pending = [0] * len(self._buckets)
         self._ready = [threading.Event() for _ in self._buckets]  # a bucket may be reduced and updated
         self._loop: Future | None = None  # the worker's pass over this step's buckets
@@ -203,9 +201,8 @@ class HostAdamW(torch.optim.Optimizer):
 
         A parameter that got no gradient here contributes zeros; it counts as arrived when it got
         one on any rank (one process on the global batch would have seen that gradient)."""
-        slots = self._buckets[bucket]
-        self._agree_arrivals(slots)
-        self._exchange(slots)
+        self._agree_arrivals(self._buckets[bucket])
+        self._exchange(bucket)
 
     def _agree_arrivals(self, slots: list[_Slot]) -> None:
         """Wait for the slots' gradient copies; zero the buffers of those that got none here; make
@@ -224,12 +221,22 @@ class HostAdamW(torch.optim.Optimizer):
         for s, n in zip(slots, arrived.tolist()):
             s.arrived = n > 0
 
-    def _exchange(self, slots: list[_Slot]) -> None:
-        """Sum the slots' gradients over the data-parallel ranks (whole, on every rank)."""
+    def _exchange(self, bucket: int) -> None:
+        """Sum the bucket's gradients over the data-parallel ranks (whole, on every rank): one
+        all-reduce per bucket (the comm fusion), on the optimizer's own gloo group."""
         if self._world == 1:
             return
-        for s in slots:
-            dist.all_reduce(s.grad, group=self._group)  # host tensors on the optimizer's own gloo group
+        slots = self._buckets[bucket]
+        if len(slots) == 1:
+            dist.all_reduce(slots[0].grad, group=self._group)
+            return
+        # A copy in and out of one flat buffer: each slot's buffer stays its own (on the CPU it
+        # swaps with the parameter's storage), and a host memcpy costs less than a collective's latency.
+        flat = self._fused[bucket]
+        torch.cat([sl.grad for sl in slots], out=flat)
+        dist.all_reduce(flat, group=self._group)
+        for sl, part in zip(slots, flat.split([sl.grad.numel() for sl in slots])):
+            sl.grad.copy_(part)
 
     @property
     def loss_scale(self) -> float:

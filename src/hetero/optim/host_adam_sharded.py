@@ -42,8 +42,16 @@ class ShardedHostAdamW(HostAdamW):
         self._ranks = dist.get_world_size(group) if on else 1
         super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group)
         cuda = torch.cuda.is_available()
-        for slot in self._slots.values():
-            slot.shard = _host_buffer(self._chunk(slot.param.numel()), slot.grad.dtype, cuda).zero_()
+        # Each bucket's shards are views of one buffer: its reduce-scatter's output and its
+        # all-gather's input, one collective each (the comm fusion). Its input and output is the
+        # rank-major packing of the bucket's gradients: ``self._fused[b]`` viewed (ranks, sum of chunks).
+        self._shards: list[Tensor] = []
+        for bucket in self._buckets:
+            chunks = [self._chunk(sl.param.numel()) for sl in bucket]
+            flat = _host_buffer(sum(chunks), bucket[0].grad.dtype, cuda).zero_()
+            for sl, part in zip(bucket, flat.split(chunks)):
+                sl.shard = part
+            self._shards.append(flat)
 
     # ------------------------------------------------------------------------- layout
     def _chunk(self, n: int) -> int:
@@ -68,27 +76,51 @@ class ShardedHostAdamW(HostAdamW):
         return both[0].item(), both[1].item() == 0
 
     # ------------------------------------------------------------------------- exchange
-    def _exchange(self, slots: list[_Slot]) -> None:
-        """Reduce-scatter the slots' gradients: each rank receives the sum over the ranks of its
-        elements (arrivals are agreed first, so every rank skips the same slots)."""
-        for s in slots:
-            if self._world == 1:
-                s.shard.copy_(s.grad)
-            elif s.arrived:
-                dist.reduce_scatter_single(s.shard, s.grad, group=self._group)
+    def _exchange(self, bucket: int) -> None:
+        """Reduce-scatter the bucket's gradients, one collective: each rank receives the sum over
+        the ranks of its elements of every slot (a slot no rank got a gradient for sends zeros:
+        arrivals are agreed first, and its update is skipped)."""
+        slots = self._buckets[bucket]
+        if self._world == 1:
+            for sl in slots:
+                sl.shard.copy_(sl.grad)
+            return
+        if len(slots) == 1:
+            dist.reduce_scatter_single(slots[0].shard, slots[0].grad, group=self._group)
+            return
+        packed = self._packed(bucket)
+        for sl, part in zip(slots, self._columns(bucket, packed)):
+            part.copy_(sl.grad.view(self._ranks, -1))  # rank r's chunk of every slot, together
+        dist.reduce_scatter_single(self._shards[bucket], packed.view(-1), group=self._group)
+
+    def _packed(self, bucket: int) -> Tensor:
+        return self._fused[bucket].view(self._ranks, -1)
+
+    def _columns(self, bucket: int, packed: Tensor) -> list[Tensor]:
+        return list(packed.split([sl.shard.numel() for sl in self._buckets[bucket]], dim=1))
 
     def _update_bucket(self, bucket: int, grad_scale: float) -> None:
-        for slot in self._buckets[bucket]:
-            if not slot.arrived:  # no gradient this step on any rank (unused parameter): skip, as torch does
-                continue
+        slots = [sl for sl in self._buckets[bucket] if sl.arrived]  # no gradient on any rank: skip, as torch does
+        for slot in slots:
             mine = slot.shard[: slot.master.numel()]
             in_place = self._adam_step(slot, mine, grad_scale)  # bf16 or fp32: the new weights over ``mine``
             if not in_place:  # fp16 device weights: gather the fp32 values, the copy rounds them
                 mine.copy_(slot.master)
-            if self._world > 1:
-                dist.all_gather_single(slot.grad, slot.shard, group=self._group)  # every rank's new weights
-            else:
+        if not slots:
+            return
+        # every rank's new weights into every rank: one all-gather per bucket (every rank skips the same slots)
+        if self._world == 1:
+            for slot in slots:
                 slot.grad.copy_(slot.shard)
+        elif len(self._buckets[bucket]) == 1:
+            dist.all_gather_single(slots[0].grad, slots[0].shard, group=self._group)
+        else:
+            packed = self._packed(bucket)
+            dist.all_gather_single(packed.view(-1), self._shards[bucket], group=self._group)
+            for sl, part in zip(self._buckets[bucket], self._columns(bucket, packed)):
+                if sl.arrived:
+                    sl.grad.view(self._ranks, -1).copy_(part)
+        for slot in slots:
             whole = slot.grad[: slot.param.numel()]
             if slot.param.device.type == "cpu":
                 slot.param.data.view(-1).copy_(whole)  # rounds fp32 to fp16 where the device keeps fp16

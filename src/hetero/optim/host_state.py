@@ -27,7 +27,11 @@ class HostOffloadConfig:
         device_dtype: dtype of the weights on the device (``torch.bfloat16``, ``torch.float16``
             or ``torch.float32``).
         bucket_bytes: fp32 bytes of parameters per bucket (a bucket's update starts once all of its
-            gradients have arrived).
+            gradients have arrived; it is one all-reduce, or one reduce-scatter and one all-gather
+            when sharded); a bucket closes once it reaches this size, in backward order.
+        bucket_starts: parameter indices (registration order, strictly increasing) where a new
+            bucket starts, instead of ``bucket_bytes`` (``hetero.parallel.comm_fusion``'s index
+            list); empty: by ``bucket_bytes``.
         max_grad_norm: clip the global L2 norm of the gradients to this (``None``: no clipping).
         loss_scaler: dynamic loss scaling (needed for fp16); the loss must be multiplied by
             ``optimizer.loss_scale`` before backward.
@@ -36,6 +40,7 @@ class HostOffloadConfig:
 
     device_dtype: torch.dtype = torch.bfloat16
     bucket_bytes: int = 32 << 20
+    bucket_starts: tuple[int, ...] = ()
     max_grad_norm: float | None = None
     loss_scaler: DynamicLossScaler | None = None
     overlap: bool = True
@@ -92,3 +97,25 @@ def _chunks(n: int) -> int:
 
 def _kernels():
     return load("hetero.optim._adam_kernels")
+
+
+def _buckets(slots: list[_Slot], config: HostOffloadConfig) -> list[list[_Slot]]:
+    """The slots (registration order) grouped into buckets, in backward order: backward produces
+    the last layers' gradients first. Raises ``ValueError`` for a ``bucket_starts`` index past
+    the parameters."""
+    n = len(slots)
+    if config.bucket_starts:
+        if config.bucket_starts[-1] >= n:
+            raise ValueError(f"bucket start {config.bucket_starts[-1]} is past the last parameter: the optimizer has "
+                             f"{n} parameters (indices 1..{n - 1} start a bucket)")
+        bounds = (0, *config.bucket_starts, n)
+        return [slots[lo:hi][::-1] for lo, hi in reversed(list(zip(bounds, bounds[1:])))]
+    buckets: list[list[_Slot]] = [[]]
+    size = 0
+    for slot in reversed(slots):
+        buckets[-1].append(slot)
+        size += slot.param.numel() * 4  # the whole parameter: the same buckets on every rank when sharded
+        if size >= config.bucket_bytes:  # closed once it reaches the size: DDP's rule
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]

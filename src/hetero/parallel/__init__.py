@@ -1,6 +1,6 @@
 """Distributed training on torch.distributed: the process group, the device mesh, data
-parallelism, row-sharded host tables, operator-level sharding on DTensor, recompute, ZeRO, and
-``parallelize`` (one order for the dimensions: operator sharding, recompute, ZeRO).
+parallelism, row-sharded host tables, operator-level sharding on DTensor, recompute, ZeRO,
+communication fusion, and ``parallelize`` (one order for the dimensions: operator sharding, recompute, ZeRO).
 
 ``hetero.distributed`` is the same module under the name the docs use.
 """
@@ -16,6 +16,7 @@ from hetero.parallel.data_parallel import (
     global_shapes,
     local_model_state,
 )
+from hetero.parallel.comm_fusion import CommFusion, FusionMode
 from hetero.parallel.dataset import DatasetStrategy, shard_batch
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.operator import shard
@@ -46,10 +47,12 @@ from hetero.parallel.env import (
 )
 
 __all__ = [
+    "CommFusion",
     "DataParallelConfig",
     "DatasetStrategy",
     "DistConfig",
     "DistributedSparse",
+    "FusionMode",
     "MeshConfig",
     "MeshDim",
     "ParallelPlan",

@@ -8,8 +8,10 @@ reduce-scatter ``L (n - 1) / n``, all-to-all ``L (n - 1) / n``.
 
 :class:`CollectiveCounter` counts them on a running program: a ``TorchDispatchMode`` that sees
 every functional collective (``torch.ops._c10d_functional``, which DTensor's ``redistribute``,
-``parallelize_module`` and ``loss_parallel`` issue) with its real input tensor and group. Reference:
-torch's ``CommDebugMode`` (which counts calls, not bytes).
+``parallelize_module`` and ``loss_parallel`` issue) and every ``torch.distributed`` collective
+(``torch.ops.c10d``: DDP's buckets, FSDP2's all-gathers and reduce-scatters, hetero's own), with
+its real input tensors and group. Reference: torch's ``CommDebugMode`` (which counts calls, not
+bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Collective(enum.Enum):
     ALL_REDUCE = "all-reduce"
     REDUCE_SCATTER = "reduce-scatter"
     ALL_TO_ALL = "all-to-all"
+    BROADCAST = "broadcast"
 
 
 def collective_bytes(kind: Collective, local_bytes: float, n: int) -> float:
@@ -40,6 +43,8 @@ def collective_bytes(kind: Collective, local_bytes: float, n: int) -> float:
         return local_bytes * (n - 1)
     if kind is Collective.ALL_REDUCE:
         return 2 * local_bytes * (n - 1) / n
+    if kind is Collective.BROADCAST:
+        return local_bytes  # what a receiver gets (the root's share is no more in a tree or a ring)
     return local_bytes * (n - 1) / n  # reduce-scatter, all-to-all
 
 
@@ -50,6 +55,22 @@ _OPS = {
     "reduce_scatter_tensor": (Collective.REDUCE_SCATTER, 3),
     "all_to_all_single": (Collective.ALL_TO_ALL, 3),
 }
+# torch.distributed's in-place collective op name -> (kind, index of the local input: a tensor or a list)
+_C10D_OPS = {
+    "allreduce_": (Collective.ALL_REDUCE, 0),
+    "_allgather_base_": (Collective.ALL_GATHER, 1),
+    "allgather_": (Collective.ALL_GATHER, 1),
+    "_reduce_scatter_base_": (Collective.REDUCE_SCATTER, 1),
+    "reduce_scatter_": (Collective.REDUCE_SCATTER, 1),
+    "alltoall_base_": (Collective.ALL_TO_ALL, 1),
+    "broadcast_": (Collective.BROADCAST, 0),
+}
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(_nbytes(t) for t in x[:1]) if x and isinstance(x[0], list) else sum(_nbytes(t) for t in x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +93,9 @@ class CollectiveCall:
 class CollectiveCounter(TorchDispatchMode):
     """Record every functional collective issued inside ``with CollectiveCounter() as c:``.
 
-    Thread contract: a dispatch mode is per thread; collectives issued by other threads (the
-    host optimizer's worker, DDP's reducer, which use ``torch.distributed`` directly) are not
-    seen. ``calls`` lists them in issue order; ``total_bytes`` sums their per-rank bytes.
+    Thread contract: a dispatch mode is per thread (backward on the CPU runs in the calling
+    thread, with its modes); collectives issued by other threads (the host optimizer's worker)
+    are not seen. ``calls`` lists them in issue order; ``total_bytes`` sums their per-rank bytes.
     """
 
     def __init__(self) -> None:
@@ -82,14 +103,19 @@ class CollectiveCounter(TorchDispatchMode):
         self.calls: list[CollectiveCall] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in _OPS:
-            kind, group_arg = _OPS[func.__name__.split(".")[0]]
-            x = args[0]
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in _OPS:
+            kind, group_arg = _OPS[name]
             group = dist.distributed_c10d._resolve_process_group(args[group_arg])
-            n = dist.get_world_size(group)
-            nbytes = x.numel() * x.element_size()
-            self.calls.append(CollectiveCall(kind, n, nbytes, collective_bytes(kind, nbytes, n)))
+            self._record(kind, dist.get_world_size(group), _nbytes(args[0]))
+        elif func.namespace == "c10d" and name in _C10D_OPS:
+            kind, input_arg = _C10D_OPS[name]
+            group = next(a for a in args if isinstance(a, torch.ScriptObject))  # the process group comes first
+            self._record(kind, dist.ProcessGroup.unbox(group).size(), _nbytes(args[input_arg]))
         return func(*args, **(kwargs or {}))
+
+    def _record(self, kind: Collective, n: int, nbytes: int) -> None:
+        self.calls.append(CollectiveCall(kind, n, nbytes, collective_bytes(kind, nbytes, n)))
 
     @property
     def total_bytes(self) -> float:

@@ -3,7 +3,7 @@
 Every rank holds the whole model and reads its shard of the data (see ``BatchConfig``'s
 ``rank``/``world_size``). Dense (device) parameters are synchronised by
 ``DistributedDataParallel``, whose gradient buckets are the comm fusion of the reference design
-(``bucket_mb``); gradients are averaged (``gradients_mean=True``) or summed. Host tables are
+(``fusion.allreduce``: :mod:`hetero.parallel.comm_fusion`); gradients are averaged (``gradients_mean=True``) or summed. Host tables are
 either replicated - after backward each rank all-gathers every group's sparse gradient (unique
 rows and their coalesced gradients, padded to the largest rank's row count), sums them in rank
 order and scales like the dense gradients, so every replica applies the same update and stays
@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from hetero.embedding import RowPlacement, RowSpace, SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
+from hetero.parallel.comm_fusion import CommFusion, IndexFusedAllReduce
 from hetero.parallel.env import active, data_parallel_group, host_group, world_size
 from hetero.parallel.operator import to_dtensor
 from hetero.embedding.group import TableGroup
@@ -37,13 +38,14 @@ class DataParallelConfig:
     """How the dense part of a model trains data-parallel.
 
     Attributes:
-        bucket_mb: DDP's gradient bucket size in MB (communication fusion).
+        fusion: DDP's gradient buckets (its ``allreduce``) and the replicated tables'
+            sparse-gradient all-gathers (its ``allgather``); see :class:`CommFusion`.
         gradients_mean: average the gradients over the ranks (else sum them).
         dense_sharded: the dense part is sharded by ZeRO stage 2 or 3 (FSDP2, which
             reduce-scatters its own gradients): no DDP wrapper.
     """
 
-    bucket_mb: float = 25.0
+    fusion: CommFusion = CommFusion()
     gradients_mean: bool = True
     dense_sharded: bool = False
 
@@ -63,10 +65,20 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
     ignore = [f"{name}.{attr}" for name in host_tables(model) for attr in ("weight", "_device_anchor")]
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=config.bucket_mb,
-                                              process_group=data_parallel_group())
+    group = data_parallel_group()
+    setting = config.fusion.allreduce
+    if isinstance(setting, tuple):  # an index list: one parameter per DDP bucket, fused by the comm hook
+        ignored = set(ignore)
+        dense = [p for name, p in model.named_parameters() if name not in ignored and p.requires_grad]
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb_list=[1e-9],
+                                                  process_group=group)
+        ddp.register_comm_hook(IndexFusedAllReduce(dense, setting, group, config.gradients_mean),
+                               IndexFusedAllReduce.hook)
+        return ddp
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=group,
+                                              bucket_cap_mb=config.fusion.bucket_mb("allreduce"))
     if not config.gradients_mean:
-        ddp.register_comm_hook(data_parallel_group(), _sum_hook)
+        ddp.register_comm_hook(group, _sum_hook)
     return ddp
 
 
