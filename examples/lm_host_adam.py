@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "host keeps 1/dp of the fp32 masters and moments, gradients reduce-scattered")
     p.add_argument("--offload-ratio", type=float, default=1.0,
                    help="--optimizer host: the fraction of the parameters whose AdamW state lives and updates on the "
-                        "host; the rest update on the device at the same time (under bf16 autocast; no clipping)")
+                        "host; the rest update on the device (under bf16 autocast; one global norm clips both parts)")
     p.add_argument("--recompute", default="none",
                    help="none; full (every block recomputes in backward); or the operator types whose outputs the "
                         "blocks keep, comma-separated (matmul, attention), recomputing the rest")
@@ -237,10 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
         if args.offload_ratio < 1:  # partial offload: the device part keeps fp32 weights, autocast mixes them
             if args.zero or dp > 1 or dtype is torch.float16:
                 raise ValueError("--offload-ratio < 1 runs in one process with bf16: drop --zero, torchrun and fp16")
-            print(f"partial offload: {args.offload_ratio} of the parameters' state on the host, no clipping",
-                  file=sys.stderr)
+            print(f"partial offload: {args.offload_ratio} of the parameters' state on the host", file=sys.stderr)
             opt = PartialOffloadAdamW(model.named_parameters(), lr=args.lr, weight_decay=0.1,
-                                      config=PartialOffloadConfig(args.offload_ratio, HostOffloadConfig(device_dtype=dtype)))
+                                      config=PartialOffloadConfig(args.offload_ratio, HostOffloadConfig(device_dtype=dtype),
+                                                                  max_grad_norm=1.0))
         else:
             # --zero with the host optimizer is ZeRO-Offload: each host keeps 1/dp of the masters and moments
             kind = ShardedHostAdamW if args.zero else HostAdamW

@@ -145,3 +145,52 @@ def test_host_adam_buckets_are_one_collective_each(tmp_path, sharded, setting, b
         opt.step()
     for k, v in model.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _tables_run(fusion, sharded):
+    import torch.distributed as dist
+
+    from hetero.embedding import HostEmbedding, TableConfig, host_tables
+    from hetero.optim import LazyAdam
+    from hetero.optim.sparse import LazyAdamConfig
+    from hetero.parallel import DataParallelConfig, DistributedSparse, shard_rows
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({f"t{d}": HostEmbedding(TableConfig(f"t{d}", 50, d)) for d in (2, 4, 8)})  # three groups
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    r = dist.get_rank() if n > 1 else 0
+    if sharded and n > 1:
+        shard_rows(model)
+    opt = DistributedSparse(LazyAdam(host_tables(model), LazyAdamConfig(lr=0.05)), DataParallelConfig(fusion))
+    g = torch.Generator().manual_seed(3)
+    counted = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 50, (BATCH,), generator=g)
+        mine = ids[r * BATCH // n:(r + 1) * BATCH // n]
+        opt.zero_grad()
+        loss = sum((t(mine) ** 2).sum() * (d + 1) for d, t in zip((2, 4, 8), model.values())) / len(mine)
+        loss.backward()  # the mean over this rank's share: the ranks' means average to the whole batch's
+        with CollectiveCounter() as c:
+            opt.step()
+        counted.append([(call.kind, call.input_bytes) for call in c.calls])
+    from hetero.parallel import full_model_state
+    from hetero.parallel.dp_plan import plan_collectives
+
+    planned = [c.kind for c in plan_collectives(model, (), 2).calls if "per lookup" not in c.what]
+    state = full_model_state(model) if n > 1 else model.state_dict()
+    return (counted, planned), {k: v.detach().clone() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("sharded,fusion,kinds", [
+    (False, CommFusion(), [Collective.ALL_GATHER] * 2),  # the row counts, then one bucket of all three groups
+    (False, CommFusion(allgather=1e-9), [Collective.ALL_GATHER] * 4),  # tiny buckets: one all-gather per group
+    (True, CommFusion(), [Collective.ALL_REDUCE, Collective.ALL_TO_ALL]),  # touched flags, all groups' rows at once
+], ids=["replicated-auto", "replicated-per-group", "row-sharded"])
+def test_sparse_exchange_is_fused_over_table_groups(tmp_path, sharded, fusion, kinds):
+    (counted, planned), state = run_ranks(tmp_path, 2, _tables_run, fusion, sharded)
+    assert [kind for kind, _ in counted[-1]] == kinds
+    if fusion == CommFusion():  # what hetero.explain plans for the step (the rows' bucket count is the batch's)
+        assert planned == kinds
+    _, want = _tables_run(fusion, sharded)  # one process, the whole batch
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -1,6 +1,7 @@
 """HostAdam/HostAdamW against torch.optim, loss scaling, resume, accounting."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -292,15 +293,17 @@ def test_data_parallel_equals_one_process(tmp_path, n, clip, cpu_ranks):
         torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-def test_partial_offload_at_ratios_0_half_and_1_trains_alike_and_a_bad_ratio_names_the_range():
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["unclipped", "clipped"])
+def test_partial_offload_at_ratios_0_half_and_1_trains_alike_and_a_bad_ratio_names_the_range(clip):
     from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
 
     data = _data(20)
-    ref = _model()
-    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data)
+    ref = _model()  # torch's AdamW, clipped by torch's clip_grad_norm_ over all parameters
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, clip=clip)
     for ratio in (0.0, 0.5, 1.0):
         model = _model()
-        opt = PartialOffloadAdamW(model.named_parameters(), lr=1e-2, config=PartialOffloadConfig(ratio, FP32))
+        opt = PartialOffloadAdamW(model.named_parameters(), lr=1e-2,
+                                  config=PartialOffloadConfig(ratio, FP32, max_grad_norm=clip))
         assert opt.ratio == pytest.approx(ratio, abs=0.25)
         assert (opt.host is None) == (ratio == 0) and (opt.device is None) == (ratio == 1)
         _train(model, opt, data)
@@ -310,6 +313,9 @@ def test_partial_offload_at_ratios_0_half_and_1_trains_alike_and_a_bad_ratio_nam
     assert half.host_params and set(half.host_params) < {n for n, _ in _model().named_parameters()}
     with pytest.raises(ValueError, match=r"offload ratio 1.5 is outside \[0, 1\]"):
         PartialOffloadConfig(1.5)
+    scaled = dataclasses.replace(FP32, loss_scaler=DynamicLossScaler())
+    with pytest.raises(ValueError, match=r"offload ratio 0.5 with a loss scaler: the device part would step on scaled"):
+        PartialOffloadAdamW(_model().named_parameters(), config=PartialOffloadConfig(0.5, scaled))
 
 
 def test_lm_example_refuses_an_offload_ratio_outside_0_1(capsys):

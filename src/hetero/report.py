@@ -1,5 +1,6 @@
 """``hetero.explain``: the host/device partition of a model and, given a sharding plan, its
-operator-parallel layouts - one report over both packages (placement knows nothing of parallel)."""
+operator-parallel layouts, and, given a data-parallel mesh, the collectives of a step - one report
+over both packages (placement knows nothing of parallel)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from typing import Any
 
 from torch import nn
 
+from hetero.parallel.comm_fusion import CommFusion
+from hetero.parallel.dp_plan import plan_collectives
 from hetero.parallel.mesh import MeshDim
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.parallel.sharding_graph import explain_sharding
+from hetero.parallel.zero import ZeroConfig
 from hetero.placement.annotate import PlacementSpec
 from hetero.placement.explainer import Explanation
 from hetero.placement.explainer import explain as explain_placement
@@ -18,7 +22,7 @@ from hetero.placement.explainer import explain as explain_placement
 
 def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSpec | None = None, *,
             sharding: ShardingPlan | None = None, mesh: Mapping[MeshDim, int] | None = None,
-            all_to_all: bool = True) -> Explanation:
+            all_to_all: bool = True, fusion: CommFusion = CommFusion(), zero: ZeroConfig = ZeroConfig()) -> Explanation:
     """Describe what hetero makes of ``model`` on ``example_inputs``, without changing it.
 
     Args:
@@ -28,14 +32,24 @@ def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSp
             parameter bytes per rank, planned for ``mesh`` (no process group needed).
         mesh: mesh dimension -> size, e.g. ``{MeshDim.DP: 2, MeshDim.TP: 2}``.
         all_to_all: the backend has all-to-all (NCCL); gloo has not (gathers instead).
+        fusion, zero: with ``mesh[MeshDim.DP] > 1``, the report adds the collectives of one
+            training step over the data-parallel ranks, with their sizes
+            (:func:`hetero.parallel.dp_plan.plan_collectives`), for these settings.
 
     Raises:
         ValueError: as :func:`hetero.placement.explainer.explain` and
-            :func:`hetero.parallel.sharding_graph.explain_sharding`, or a plan without ``mesh``.
+            :func:`hetero.parallel.sharding_graph.explain_sharding`, or a plan without ``mesh``,
+            or a data-parallel plan with an operator-sharded one (not modelled together yet).
     """
     report = explain_placement(model, example_inputs, spec)
     if sharding is not None:
         if not mesh:
             raise ValueError("hetero.explain(sharding=...) needs the mesh it plans for: pass mesh={MeshDim.TP: 2, ...}")
         report.operator_parallel = explain_sharding(model, example_inputs, sharding, mesh, all_to_all)
+    dp = (mesh or {}).get(MeshDim.DP, 1)
+    if dp > 1:
+        if sharding is not None and (mesh or {}).get(MeshDim.TP, 1) > 1:
+            raise ValueError("hetero.explain plans the data-parallel collectives of an unsharded dense part only: "
+                             "explain the operator sharding (mesh={MeshDim.TP: n}) and data parallelism separately")
+        report.data_parallel = plan_collectives(model, example_inputs, dp, fusion, zero)
     return report

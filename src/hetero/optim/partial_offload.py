@@ -4,7 +4,10 @@
 
 The host part takes the largest parameters first until ``ratio`` of all elements is reached
 (large matrices amortise the transfers best); ratio 0 is device AdamW alone, ratio 1 is
-HostAdamW alone, and every ratio computes the same update. The ratio is a config value here and
+HostAdamW alone, and every ratio computes the same update. With ``max_grad_norm`` the gradients
+of both parts are clipped by one global norm (as ``torch.nn.utils.clip_grad_norm_`` over all
+parameters): the host part waits for the device part's sum of squares, so its update no longer
+overlaps backward, and the device update follows the host's. The ratio is a config value here and
 a planner decision later. Reference: DeepSpeed's ZeRO-Offload++ "Twin-Flow" (a ratio of the
 optimizer states offloaded, CPU and GPU updates overlapped).
 """
@@ -32,16 +35,29 @@ class PartialOffloadConfig:
             the host, in [0, 1].
         host: the host part's :class:`HostOffloadConfig` (its ``device_dtype`` is the dtype of
             the host part's device weights; the device part keeps its parameters' dtype, so
-            mixing bf16 and fp32 weights needs ``torch.autocast``).
+            mixing bf16 and fp32 weights needs ``torch.autocast``). Its ``max_grad_norm`` is
+            this config's.
+        max_grad_norm: clip the global L2 norm of all gradients, both parts, to this (``None``:
+            no clipping).
     """
 
     ratio: float = 0.5
     host: HostOffloadConfig = HostOffloadConfig()
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload ratio {self.ratio} is outside [0, 1]: give the fraction of the parameters whose "
                              f"optimizer state lives on the host (0: all on the device, 1: all on the host)")
+
+
+class _HostPart(HostAdamW):
+    """The host part: its global gradient norm also counts the device part's gradients."""
+
+    device_sum_of_squares = 0.0  # in the host part's units (summed, loss-scaled), set before each step
+
+    def _global_sum_of_squares(self, total: float, finite: bool) -> tuple[float, bool]:
+        return total + self.device_sum_of_squares, finite
 
 
 class PartialOffloadAdamW:
@@ -65,13 +81,18 @@ class PartialOffloadAdamW:
     thread while the host worker finishes the host update, and returns when both are done.
 
     Raises:
-        ValueError: a ratio outside [0, 1].
+        ValueError: a ratio outside [0, 1]; a loss scaler with a device part (the device
+            AdamW would step on scaled gradients: use bf16, or ratio 1).
     """
 
     def __init__(self, params: Iterable[tuple[str, Tensor]], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, config: PartialOffloadConfig = PartialOffloadConfig(),
                  process_group: dist.ProcessGroup | None = None) -> None:
         named = list(params)
+        if config.host.loss_scaler is not None and config.ratio < 1:
+            raise ValueError(f"offload ratio {config.ratio} with a loss scaler: the device part would step on scaled "
+                             f"gradients; train in bf16 (no loss scaling) or offload everything (ratio 1)")
+        self.config = config
         total = sum(p.numel() for _, p in named)
         host: list[tuple[str, Tensor]] = []
         taken = 0
@@ -83,7 +104,8 @@ class PartialOffloadAdamW:
         device = [p for name, p in named if name not in chosen]
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.host_params = [name for name, _ in named if name in chosen]
-        self.host = HostAdamW([(n, p) for n, p in named if n in chosen], **hyper, config=config.host,
+        host_config = dataclasses.replace(config.host, max_grad_norm=config.max_grad_norm)
+        self.host = _HostPart([(n, p) for n, p in named if n in chosen], **hyper, config=host_config,
                               process_group=process_group) if host else None
         self.device = torch.optim.AdamW(device, **hyper) if device else None
 
@@ -105,12 +127,31 @@ class PartialOffloadAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        # The host worker has been updating buckets since their gradients arrived; the device
-        # update runs meanwhile, then the host's step() joins its worker.
+        clip = self.config.max_grad_norm
+        if clip is None:
+            # The host worker has been updating buckets since their gradients arrived; the device
+            # update runs meanwhile, then the host's step() joins its worker.
+            if self.device is not None:
+                self.device.step()
+            if self.host is not None:
+                self.host.step()
+            return
+        grads = [p.grad for g in self.device.param_groups for p in g["params"] if p.grad is not None] \
+            if self.device is not None else []
+        # sync point: the host needs the device part's sum of squares as a number
+        device_sq = float(sum(g.float().pow(2).sum() for g in grads)) if grads else 0.0
+        if self.host is None:
+            norm = device_sq**0.5
+        else:
+            # the host part sums its gradients over its ranks (x world); the device part's are means
+            self.host.device_sum_of_squares = device_sq * self.host._world ** 2
+            self.host.step()  # clips its part by the global norm
+            norm = self.host.last_grad_norm
+        factor = min(1.0, clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_
         if self.device is not None:
+            for g in grads:
+                g.mul_(factor)
             self.device.step()
-        if self.host is not None:
-            self.host.step()
 
     def state_dict(self) -> dict[str, Any]:
         return {"host": self.host.state_dict() if self.host is not None else None,

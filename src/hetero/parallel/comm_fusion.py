@@ -120,10 +120,12 @@ def by_size(sizes: Sequence[int], limit_mb: float) -> list[list[int]]:
     return [g for g in groups if g]
 
 
-def gradient_buckets(sizes: Sequence[int], setting: Fusion) -> list[list[int]]:
+def gradient_buckets(sizes: Sequence[int], setting: Fusion, ready: Sequence[int] | None = None) -> list[list[int]]:
     """The gradient buckets of parameters with ``sizes`` (bytes, registration order) in the
-    order they are reduced (backward: last parameters first); each bucket lists registration
-    indices in the order its gradients arrive.
+    order they are reduced; each bucket lists registration indices in the order its gradients
+    arrive. ``ready``: the registration indices in the order backward produces their gradients
+    (DDP rebuilds its size buckets in that order after the first step); default: reverse
+    registration order. An index list's buckets are complete in the order of their last gradient.
 
     Raises:
         ValueError: an index list reaching past the parameters (naming both).
@@ -134,9 +136,13 @@ def gradient_buckets(sizes: Sequence[int], setting: Fusion) -> list[list[int]]:
             raise ValueError(f"CommFusion.allreduce index {setting[-1]} is past the last parameter: the model has "
                              f"{n} parameters (indices 1..{n - 1} start a bucket)")
         bounds = (0, *setting, n)
-        return [list(range(hi - 1, lo - 1, -1)) for lo, hi in reversed(list(zip(bounds, bounds[1:])))]
+        if ready is None:
+            return [list(range(hi - 1, lo - 1, -1)) for lo, hi in reversed(list(zip(bounds, bounds[1:])))]
+        position = {i: k for k, i in enumerate(ready)}
+        buckets = [sorted(range(lo, hi), key=position.__getitem__) for lo, hi in zip(bounds, bounds[1:])]
+        return sorted(buckets, key=lambda b: position[b[-1]])
     limit = AUTO_BUCKET_MB if isinstance(setting, FusionMode) else setting
-    backward = list(range(n - 1, -1, -1))
+    backward = list(ready) if ready is not None else list(range(n - 1, -1, -1))
     return [[backward[i] for i in g] for g in by_size([sizes[j] for j in backward], limit)]
 
 

@@ -26,11 +26,18 @@ from torch.distributed.tensor import DTensor
 
 from hetero.embedding import RowPlacement, RowSpace, SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
-from hetero.parallel.comm_fusion import CommFusion, IndexFusedAllReduce
+from hetero.parallel.comm_fusion import CommFusion, IndexFusedAllReduce, by_size
 from hetero.parallel.env import active, data_parallel_group, host_group, world_size
 from hetero.parallel.operator import to_dtensor
 from hetero.embedding.group import TableGroup
-from hetero.parallel.row_sharded import RowSharding, gather_rows, local_table_rows, sharded_tables, table_rows
+from hetero.parallel.row_sharded import (
+    RowSharding,
+    gather_rows,
+    local_table_rows,
+    reduce_gradients,
+    sharded_tables,
+    table_rows,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,40 +140,60 @@ class DistributedSparse:
 
     def step(self) -> None:
         if active():
-            for group in self.optimizer.groups:
-                exchange = group.exchange
-                if isinstance(exchange, RowSharding):
-                    grad = exchange.reduce_gradients(group.dim, self.config.gradients_mean)
-                    if grad.ids.numel() == 0 and exchange.touched:
-                        self.optimizer.count_step(group)  # the table's other shards step: keep the count equal
+            groups = self.optimizer.groups
+            sharded = [g for g in groups if isinstance(g.exchange, RowSharding)]
+            replicated = [g for g in groups if not isinstance(g.exchange, RowSharding)]
+            assert all(g.exchange.placement is RowPlacement.LOCAL for g in replicated), replicated
+            # row-sharded groups: one all-to-all of all their gradient rows (row_sharded.reduce_gradients)
+            grads = reduce_gradients([g.exchange for g in sharded], [g.dim for g in sharded], self.config.gradients_mean)
+            for group, grad in zip(sharded, grads):
+                if grad.ids.numel() == 0 and group.exchange.touched:
+                    self.optimizer.count_step(group)  # the table's other shards step: keep the count equal
+                group.pending.set(grad)
+            if replicated:
+                local = [g.pending.take() or SparseGrad.empty(g.dim, RowSpace.GROUP) for g in replicated]
+                for group, grad in zip(replicated, self._all_reduce(local)):
                     group.pending.set(grad)
-                    continue
-                assert exchange.placement is RowPlacement.LOCAL, exchange
-                grad = group.pending.take() or SparseGrad.empty(group.dim, RowSpace.GROUP)
-                group.pending.set(self._all_reduce(grad, group.dim))
         self.optimizer.step()
 
-    def _all_reduce(self, grad: SparseGrad, dim: int) -> SparseGrad:
+    def _all_reduce(self, grads: list[SparseGrad]) -> list[SparseGrad]:
+        """The sum (or mean) over the ranks of each replicated group's sparse gradient: one
+        all-gather of every group's row count, then one all-gather per ``fusion.allgather``
+        bucket of groups (ids and rows padded to the longest rank's count, the int64 ids carried
+        bit for bit as float32 pairs), summed in rank order - the same sum on every rank."""
         n = world_size()
-        ids, rows = grad.ids, grad.rows
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
         group = host_group()  # host tensors: gloo even when NCCL is the default
-        dist.all_gather(counts, torch.tensor([ids.numel()]), group=group)
-        longest = max(int(c) for c in counts)
-        pad_ids = torch.zeros(longest, dtype=torch.int64)
-        pad_rows = torch.zeros(longest, dim)
-        pad_ids[: ids.numel()], pad_rows[: ids.numel()] = ids, rows
-        all_ids = [torch.empty_like(pad_ids) for _ in range(n)]
-        all_rows = [torch.empty_like(pad_rows) for _ in range(n)]
-        dist.all_gather(all_ids, pad_ids, group=group)
-        dist.all_gather(all_rows, pad_rows, group=group)
-        ids = torch.cat([a[: int(c)] for a, c in zip(all_ids, counts)])
-        rows = torch.cat([r[: int(c)] for r, c in zip(all_rows, counts)])
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, rows)  # same order on every rank
-        if self.config.gradients_mean:
-            summed /= n
-        return SparseGrad(unique, summed, RowSpace.GROUP)
+        counts = torch.empty(n * len(grads), dtype=torch.int64)
+        dist.all_gather_single(counts, torch.tensor([g.ids.numel() for g in grads]), group=group)
+        counts = counts.view(n, len(grads))
+        longest = counts.max(0).values.tolist()
+        width = [2 * c + c * g.rows.shape[1] for c, g in zip(longest, grads)]  # float32 words per group and rank
+        out: list[SparseGrad] = []
+        for bucket in by_size([4 * w for w in width], self.config.fusion.bucket_mb("allgather")):
+            send = torch.zeros(sum(width[i] for i in bucket))
+            offset = 0
+            for i in bucket:
+                g, c = grads[i], longest[i]
+                k = g.ids.numel()
+                send[offset : offset + 2 * k] = g.ids.contiguous().view(torch.float32)  # the int64 bits, not their values
+                send[offset + 2 * c : offset + 2 * c + g.rows.numel()] = g.rows.reshape(-1)
+                offset += width[i]
+            got = torch.empty(n * send.numel())
+            dist.all_gather_single(got, send, group=group)
+            got = got.view(n, -1)
+            offset = 0
+            for i in bucket:
+                c, dim = longest[i], grads[i].rows.shape[1]
+                part = got[:, offset : offset + width[i]]
+                ids = torch.cat([part[r, : 2 * int(counts[r, i])].clone().view(torch.int64) for r in range(n)])  # aligned copy
+                rows = torch.cat([part[r, 2 * c : 2 * c + int(counts[r, i]) * dim].view(-1, dim) for r in range(n)])
+                unique, inverse = torch.unique(ids, return_inverse=True)
+                summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, rows)  # same order on every rank
+                if self.config.gradients_mean:
+                    summed /= n
+                out.append(SparseGrad(unique, summed, RowSpace.GROUP))
+                offset += width[i]
+        return out
 
     def state_dict(self, include_state: bool = True):
         state = self.optimizer.state_dict(include_state)

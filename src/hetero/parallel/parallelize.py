@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
+from hetero.parallel.comm_fusion import CommFusion
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.zero import ZeroConfig, apply_zero
@@ -37,11 +38,14 @@ class ParallelPlan:
         sharding: operator strategies by module name (``None``: no operator sharding).
         recompute: the modules that recompute their activations, and what they keep.
         zero: the ZeRO stage over the mesh's ``dp`` dimension and its units.
+        fusion: bucket sizes of the collectives (here: ZeRO's units when none are named; the
+            caller's DDP and HostAdamW take the same config).
     """
 
     sharding: ShardingPlan | None = None
     recompute: RecomputeConfig = RecomputeConfig()
     zero: ZeroConfig = ZeroConfig()
+    fusion: CommFusion = CommFusion()
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> dict[str, list[Placement]]:
@@ -56,5 +60,5 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> dict[
     """
     layout = apply_sharding(model, plan.sharding, mesh) if plan.sharding is not None else {}
     apply_recompute(model, plan.recompute)
-    apply_zero(model, plan.zero, mesh)
+    apply_zero(model, plan.zero, mesh, plan.fusion)
     return layout

@@ -62,7 +62,7 @@ class _Routed:
 class RowSharding(RowExchange):
     """The exchange of one row-sharded table group (``group.exchange``); see the module docstring.
 
-    Its ``routes`` are this step's lookups awaiting their gradient; :meth:`reduce_gradients` sends
+    Its ``routes`` are this step's lookups awaiting their gradient; :func:`reduce_gradients` sends
     the gradients to their owners and returns this shard's (``RowSpace.LOCAL`` rows).
     """
 
@@ -116,32 +116,63 @@ class RowSharding(RowExchange):
         # Runs inside backward: only keep the coalesced gradient; the exchange runs in step().
         routed.grad = grad.detach().to("cpu", torch.float32)  # device -> host (sync point on CUDA)
 
-    def reduce_gradients(self, dim: int, mean: bool) -> SparseGrad:
-        """Send every pending lookup's gradient rows to their owners; return this shard's summed
-        gradient (local rows). Every rank must call it, with the same number of pending lookups."""
-        # Whether any rank looked up this group: a shard that got no rows still counts the step,
-        # as one process would (LazyAdam's bias correction uses the table's step count).
-        touched = torch.tensor([sum(r.order.numel() for r in self.routes)])
-        dist.all_reduce(touched, group=self.group)
-        self.touched = bool(touched)
-        ids, rows = [], []
-        for routed in self.routes:
-            grad = routed.grad if routed.grad is not None else torch.zeros(routed.order.numel(), dim)
-            received = torch.empty(sum(routed.recv_counts), dim)
-            dist.all_to_all_single(received, grad[routed.order].contiguous(), routed.recv_counts, routed.send_counts,
-                                   group=self.group)
-            ids.append(routed.local_rows)
-            rows.append(received)
-        self.routes = []
-        if not ids:
-            return SparseGrad.empty(dim, RowSpace.LOCAL)
-        unique, inverse = torch.unique(torch.cat(ids), return_inverse=True)
+
+
+def reduce_gradients(exchanges: list[RowSharding], dims: list[int], mean: bool) -> list[SparseGrad]:
+    """Send every pending lookup's gradient rows of every group to their owners; return each
+    group's summed gradient of this shard (local rows). Every rank calls it with the same groups
+    in the same order, each with the same number of pending lookups.
+
+    Fused: one all-reduce for all groups' ``touched`` flags and one all-to-all for all groups'
+    gradient rows (each destination's segment holds every group's rows for it, group by group):
+    a step's row exchange is one collective whatever the number of tables. No size limit splits
+    it: the row counts differ per rank, and a split must be the same on every rank.
+    """
+    if not exchanges:
+        return []
+    group = exchanges[0].group
+    n = exchanges[0].world
+    # Whether any rank looked up each group: a shard that got no rows still counts the step, as
+    # one process would (LazyAdam's bias correction uses the table's step count).
+    touched = torch.tensor([sum(r.order.numel() for r in ex.routes) for ex in exchanges])
+    dist.all_reduce(touched, group=group)
+    parts = [(i, dim, routed) for i, (ex, dim) in enumerate(zip(exchanges, dims)) for routed in ex.routes]
+    send = [[] for _ in range(n)]  # per destination rank: flat gradient rows, group by group
+    for ex, dim, routed in parts:
+        grad = routed.grad if routed.grad is not None else torch.zeros(routed.order.numel(), dim)
+        for r, rows in enumerate(grad[routed.order].split(routed.send_counts)):
+            send[r].append(rows.reshape(-1))
+    send_splits = [sum(x.numel() for x in per_rank) for per_rank in send]
+    recv_splits = [sum(routed.recv_counts[r] * dim for _, dim, routed in parts) for r in range(n)]
+    received = torch.empty(sum(recv_splits))
+    if parts:
+        dist.all_to_all_single(received, torch.cat([x for per_rank in send for x in per_rank]), recv_splits,
+                               send_splits, group=group)
+    ids: list[list[Tensor]] = [[] for _ in exchanges]  # per group: the received rows' local ids and gradients
+    rows: list[list[Tensor]] = [[] for _ in exchanges]
+    offset = 0
+    for src in range(n):  # the received rows, source rank by source rank, then group by group as sent
+        for i, dim, routed in parts:
+            lo = sum(routed.recv_counts[:src])
+            count = routed.recv_counts[src]
+            ids[i].append(routed.local_rows[lo : lo + count])
+            rows[i].append(received[offset : offset + count * dim].view(count, dim))
+            offset += count * dim
+    out = []
+    for i, (ex, dim, hit) in enumerate(zip(exchanges, dims, touched.tolist())):
+        ex.touched = bool(hit)
+        ex.routes = []
+        if not ids[i]:
+            out.append(SparseGrad.empty(dim, RowSpace.LOCAL))
+            continue
+        unique, inverse = torch.unique(torch.cat(ids[i]), return_inverse=True)
         # index_add_ on the CPU accumulates in index order: the received rows are ordered by
         # source rank, so the sum is the same on every run.
-        summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, torch.cat(rows))
+        summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, torch.cat(rows[i]))
         if mean:
-            summed /= self.world
-        return SparseGrad(unique, summed, RowSpace.LOCAL)
+            summed /= n
+        out.append(SparseGrad(unique, summed, RowSpace.LOCAL))
+    return out
 
 
 def shard_rows(module: nn.Module) -> int:

@@ -9,7 +9,8 @@ Stages 2 and 3 are FSDP2 (``fully_shard``) over the mesh's ``dp`` dimension: par
 gradients are reduce-scattered in backward; stage 3 frees the gathered parameters after each
 unit's forward (``reshard_after_forward=True``), stage 2 keeps them to backward. Operator-parallel
 (``tp``) DTensor parameters compose (FSDP2 on a 2-D mesh); host tables are left out
-(``ignored_params``): their rows follow the data-parallel group's sparse exchange. Reference:
+(``ignored_params``): their rows follow the data-parallel group's sparse exchange. Units not
+named in :class:`ZeroConfig` are sized by the comm fusion (:func:`fusion_units`). Reference:
 Rajbhandari et al. 2020 (ZeRO); the reference design's optimizer parallel; torch's FSDP2.
 """
 
@@ -27,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hetero.embedding import host_tables
+from hetero.parallel.comm_fusion import MB, CommFusion, by_size
 from hetero.parallel.mesh import MeshDim, mesh_size
 
 
@@ -47,7 +49,7 @@ class ZeroConfig:
         stage: :class:`ZeroStage` (or its number, 0-3).
         units: qualified names of the modules sharded as one unit each (stages 2, 3: their
             parameters are gathered together, one collective per unit; e.g. each Transformer
-            block); the root holds the rest. Empty: the root is the only unit.
+            block); the root holds the rest. Empty: units by size (:func:`fusion_units`).
     """
 
     stage: ZeroStage = ZeroStage.NONE
@@ -68,11 +70,39 @@ def _dp_size(mesh: DeviceMesh, config: ZeroConfig) -> int:
     return n
 
 
-def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh) -> nn.Module:
+def fusion_units(model: nn.Module, limit_mb: float) -> list[list[nn.Module]]:
+    """FSDP2 units of about ``limit_mb`` MB of dense parameters each: the model's modules in
+    registration order - a child at most the size whole, a larger one split into its children -
+    grouped consecutively until a group reaches the size (:func:`~hetero.parallel.comm_fusion.by_size`).
+    Each group is one ``fully_shard`` unit: one all-gather of its parameters, one reduce-scatter
+    of their gradients. Host tables and modules sharing a parameter with an earlier unit are left
+    to the root's unit."""
+    host = {t.weight for t in host_tables(model).values()}  # keyed by the tensor itself
+    taken: set[torch.Tensor] = set()
+    atoms: list[tuple[nn.Module, int]] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            params = [p for p in child.parameters() if p not in host]
+            size = sum(p.numel() * p.element_size() for p in params)
+            if not size or any(p in taken for p in params):
+                continue
+            if size <= limit_mb * MB or not any(True for _ in child.children()):
+                atoms.append((child, size))
+                taken.update(params)
+            else:
+                visit(child)
+
+    visit(model)
+    return [[atoms[i][0] for i in group] for group in by_size([size for _, size in atoms], limit_mb)]
+
+
+def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh, fusion: CommFusion = CommFusion()) -> nn.Module:
     """Shard ``model`` for stages 2 and 3 (FSDP2, in place; returns it); stages 0 and 1 leave it
     as it is (stage 1 shards the optimizer only: :func:`zero_optimizer`, with DDP on the model).
 
-    Collective: every rank calls it with the same model and config.
+    Units: ``config.units`` if named, else :func:`fusion_units` at ``fusion.unit_mb``; the root
+    holds the rest. Collective: every rank calls it with the same model and config.
 
     Raises:
         ValueError: a unit name ``model`` does not have (listing its modules).
@@ -89,8 +119,10 @@ def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh) -> nn.Mod
     ignored = {t.weight for t in host_tables(model).values()}  # host rows: the sparse exchange's
     dp = mesh[MeshDim.DP.value]
     reshard = config.stage is ZeroStage.PARAMETERS
-    for name in config.units:
-        fully_shard(modules[name], mesh=dp, reshard_after_forward=reshard, ignored_params=ignored or None)
+    units = [[modules[name]] for name in config.units] or fusion_units(model, fusion.unit_mb)
+    for unit in units:
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=dp, reshard_after_forward=reshard,
+                    ignored_params=ignored or None)
     fully_shard(model, mesh=dp, reshard_after_forward=reshard, ignored_params=ignored or None)
     return model
 

@@ -28,7 +28,9 @@ class Explanation:
             which run at the same time.
         fallback_reason: set when the graph could not be captured.
         operator_parallel: the operator-sharding section when ``hetero.explain`` was given a
-            sharding plan (a ``hetero.parallel.sharding_graph.ShardingReport``); printed last.
+            sharding plan (a ``hetero.parallel.sharding_graph.ShardingReport``).
+        data_parallel: the collectives per step and their sizes when ``hetero.explain`` was given
+            a data-parallel mesh (a ``hetero.parallel.dp_plan.CollectivePlan``); printed last.
     """
 
     subgraphs: list[Subgraph]
@@ -38,10 +40,11 @@ class Explanation:
     concurrent: list[tuple[str, str]]
     fallback_reason: str | None = None
     operator_parallel: object | None = None
+    data_parallel: object | None = None
 
     def __str__(self) -> str:
-        text = self._placement_text()
-        return text if self.operator_parallel is None else f"{text}\n{self.operator_parallel}"
+        sections = [self._placement_text(), self.operator_parallel, self.data_parallel]
+        return "\n".join(str(s) for s in sections if s is not None)
 
     def _placement_text(self) -> str:
         if self.fallback_reason:
