@@ -110,15 +110,21 @@ class Decoder(nn.Module):
             raise ValueError(f"--d-model {d_model} is not a multiple of --heads {heads}")
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(context, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        # a ModuleDict ('0', '1', ...): a pipeline stage deletes the blocks it does not hold, names unchanged
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, heads) for i in range(layers)})
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
+        # A part that is None (or a deleted block) lives in another pipeline stage: this stage
+        # then takes, or returns, the hidden state (hetero.parallel.pipeline).
+        h = x if self.tok is None else self.tok(x)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(h.shape[1], device=h.device))
+        for block in self.blocks.values():
             h = block(h)
-        return self.head(self.norm(h))
+        h = h if self.norm is None else self.norm(h)
+        return h if self.head is None else self.head(h)
 
 
 def tensor_parallel(model: Decoder, mesh: DeviceMesh, heads: int) -> Decoder:
@@ -132,7 +138,7 @@ def tensor_parallel(model: Decoder, mesh: DeviceMesh, heads: int) -> Decoder:
     if heads % tp:
         raise ValueError(f"--heads {heads} cannot be split over --tp {tp} ranks; choose --tp among the divisors of "
                          f"{heads}: {[d for d in range(1, heads + 1) if heads % d == 0]}")
-    for block in model.blocks:
+    for block in model.blocks.values():
         tensor_parallel_block(block, mesh)
     # the logits stay cut by class: cross-entropy under loss_parallel never gathers them
     parallelize_module(model, mesh, {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})

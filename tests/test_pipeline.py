@@ -1,0 +1,107 @@
+"""Pipeline parallelism on gloo: every schedule, 2 and 4 stages, equals one process on the whole
+batch (the GPT example's decoder, 5 AdamW steps, weights to 1e-5)."""
+
+import pytest
+import torch
+
+from conftest import load_example, run_ranks
+
+from hetero.parallel.pipeline import PipelineConfig, Schedule, pipeline_units, split_points
+
+STEPS, BATCH, LAYERS = 5, 8, 4
+
+
+def _lm():
+    return load_example("lm_host_adam")
+
+
+def _model(lm):
+    torch.manual_seed(0)
+    return lm.Decoder(64, 32, LAYERS, 4, 16)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, 64, (BATCH, 16), generator=g), torch.randint(0, 64, (BATCH, 16), generator=g))
+            for _ in range(STEPS)]
+
+
+def _reference():
+    lm = _lm()
+    model = _model(lm)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    losses, grads = [], {}
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = lm.lm_loss(model(x), y)
+        loss.backward()
+        grads = grads or {k: p.grad.clone() for k, p in model.named_parameters()}  # the first step's (Adam hides scale)
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, grads
+
+
+def _pipelined(config, pp):
+    import torch.distributed as dist
+
+    from hetero.parallel.mesh import MeshConfig, build_mesh
+    from hetero.parallel.pipeline import pipeline
+
+    lm = _lm()
+    mesh = build_mesh(MeshConfig(pp=pp))
+    pipe = pipeline(_model(lm), config, mesh, lm.lm_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.1)
+    losses, grads = [], {}
+    for x, y in _batches():
+        opt.zero_grad()
+        losses.append(pipe.step(x, y))
+        grads = grads or {k: p.grad.clone() for k, p in pipe.named_parameters()}
+        opt.step()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, ({k: v.detach().clone() for m in pipe.modules for k, v in m.state_dict().items()}, grads))
+    return {k: v for part, _ in parts for k, v in part.items()}, losses, {k: v for _, g in parts for k, v in g.items()}
+
+
+@pytest.mark.parametrize("n,config", [
+    (2, PipelineConfig(Schedule.GPIPE, micro_batches=4)),
+    (2, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=4)),
+    (2, PipelineConfig(Schedule.INTERLEAVED_1F1B, micro_batches=4, stages_per_rank=2)),  # 4 stages on 2 ranks
+    (2, PipelineConfig(Schedule.INTERLEAVED_ZERO_BUBBLE, micro_batches=4, stages_per_rank=2)),
+    (4, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=8)),
+    (2, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=2, split_points=("blocks.3",))),  # uneven, by name
+], ids=["gpipe-2", "1f1b-2", "interleaved-1f1b-2x2", "zero-bubble-2x2", "1f1b-4", "1f1b-2-split"])
+def test_every_schedule_trains_as_one_process(tmp_path, cpu_ranks, n, config):
+    want, want_losses, want_grads = _reference()
+    state, losses, grads = run_ranks(tmp_path, n, _pipelined, config, n)
+    assert set(state) == set(want)  # every parameter in exactly one stage, under its own name
+    for k, v in want_grads.items():  # the micro-batches' gradients add up to the whole batch's
+        torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_units_and_split_points_and_their_errors():
+    lm = _lm()
+    model = _model(lm)
+    units = pipeline_units(model)
+    assert units == ["tok", "pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
+    cuts = split_points(model, 2)
+    assert len(cuts) == 1 and cuts[0].startswith("blocks.")  # about half the bytes on each side
+    assert len(split_points(model, 8)) == 7
+    with pytest.raises(ValueError, match=r"pipeline split point 'blocks.9' is not a unit of Decoder; its units are"):
+        split_points(model, 2, ("blocks.9",))
+    with pytest.raises(ValueError, match=r"9 pipeline stages for 8 units"):
+        split_points(model, 9)
+    with pytest.raises(ValueError, match=r"1 split points for 3 stages: give 2"):
+        split_points(model, 3, ("blocks.1",))
+    with pytest.raises(ValueError, match=r"must be distinct units after the first, in model order"):
+        split_points(model, 3, ("blocks.2", "blocks.1"))
+    with pytest.raises(ValueError, match=r"stages_per_rank=1 with schedule interleaved_1f1b: that schedule takes"):
+        PipelineConfig(Schedule.INTERLEAVED_1F1B)
+    with pytest.raises(ValueError, match=r"pipeline schedule 'pipedream' does not exist; valid schedules are"):
+        PipelineConfig("pipedream")
+    seq = torch.nn.Module()
+    seq.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"Module.layers is an nn.ModuleList: make it an nn.ModuleDict"):
+        split_points(seq, 1)
