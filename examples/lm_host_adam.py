@@ -127,21 +127,25 @@ class Decoder(nn.Module):
         return h if self.head is None else self.head(h)
 
 
-def tensor_parallel(model: Decoder, mesh: DeviceMesh, heads: int) -> Decoder:
+def tensor_parallel(model: Decoder, mesh: DeviceMesh, heads: int, shard_logits: bool = True) -> Decoder:
     """Megatron-style operator parallelism over ``mesh`` (1-D, the ``tp`` ranks), in place: q, k,
     v and the MLP's first matmul column-parallel (each rank computes heads / tp heads and 4d / tp
     hidden units), the attention output and the MLP's second matmul row-parallel (one all-reduce
-    per branch), the head column-parallel with class-sharded logits for loss parallel. Embeddings
-    and norms stay replicated. Reference: Shoeybi et al. 2019 (Megatron-LM); torch's
-    ``parallelize_module``."""
+    per branch), the head column-parallel with class-sharded logits for loss parallel
+    (``shard_logits``; else gathered into plain logits, as a pipeline's last stage hands them to
+    its loss). Embeddings and norms stay replicated. A pipeline stage's absent parts are skipped.
+    Reference: Shoeybi et al. 2019 (Megatron-LM); torch's ``parallelize_module``."""
     tp = mesh.size()
     if heads % tp:
         raise ValueError(f"--heads {heads} cannot be split over --tp {tp} ranks; choose --tp among the divisors of "
                          f"{heads}: {[d for d in range(1, heads + 1) if heads % d == 0]}")
     for block in model.blocks.values():
         tensor_parallel_block(block, mesh)
-    # the logits stay cut by class: cross-entropy under loss_parallel never gathers them
-    parallelize_module(model, mesh, {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    if model.head is not None:
+        # the logits stay cut by class: cross-entropy under loss_parallel never gathers them
+        head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if shard_logits else \
+            ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(model, mesh, {"head": head})
     return model
 
 

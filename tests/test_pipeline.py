@@ -105,3 +105,57 @@ def test_units_and_split_points_and_their_errors():
     seq.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
     with pytest.raises(ValueError, match=r"Module.layers is an nn.ModuleList: make it an nn.ModuleDict"):
         split_points(seq, 1)
+
+
+def _pipelined_2d(dim, config):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh
+    from hetero.parallel.pipeline import pipeline
+
+    lm = _lm()
+    mesh = build_mesh(MeshConfig(pp=2, tp=2 if dim == "tp" else 1))  # 4 ranks: pp 2 x dp 2, or pp 2 x tp 2
+    if dim == "dp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        stage_fn = lambda m: replicate(m, mesh=mesh[MeshDim.DP.value])  # noqa: E731
+        dp, dp_rank = 2, mesh[MeshDim.DP.value].get_local_rank()
+    else:
+        stage_fn = lambda m: lm.tensor_parallel(m, mesh[MeshDim.TP.value], 4, shard_logits=False)  # noqa: E731
+        dp, dp_rank = 1, 0
+    pipe = pipeline(_model(lm), config, mesh, lm.lm_loss, stage_fn)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+    share = BATCH // dp
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    grads = {}
+    for x, y in _batches():
+        opt.zero_grad()
+        pipe.step(x[dp_rank * share:(dp_rank + 1) * share], y[dp_rank * share:(dp_rank + 1) * share])
+        grads = grads or {k: full(p.grad).clone() for k, p in pipe.named_parameters()}
+        opt.step()
+    state = {k: full(v).detach().clone() for m in pipe.modules for k, v in m.state_dict().items()}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (state, grads))
+    return {k: v for part, _ in parts for k, v in part.items()}, {k: v for _, g in parts for k, v in g.items()}
+
+
+@pytest.mark.parametrize("dim", ["dp", "tp"])
+def test_pipeline_composes_with_data_and_operator_parallel_on_a_2x2_mesh(tmp_path, cpu_ranks, dim):
+    want, _, want_grads = _reference()
+    state, grads = run_ranks(tmp_path, 4, _pipelined_2d, dim, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=2))
+    assert set(state) == set(want)
+    for k, v in want_grads.items():
+        torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_predicted_bubble_is_the_schedules_idle_fraction():
+    from hetero.parallel.pipeline import predicted_bubble
+
+    assert predicted_bubble(Schedule.ONE_F_ONE_B, 2, 2) == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1)
+    assert predicted_bubble(Schedule.GPIPE, 4, 8) == pytest.approx(3 / 11)
+    assert predicted_bubble(Schedule.INTERLEAVED_1F1B, 2, 4, 2) == pytest.approx(1 / 9)  # v m in the denominator
+    assert predicted_bubble(Schedule.INTERLEAVED_1F1B, 2, 1, 2) == pytest.approx(0.5)  # one micro-batch: sequential
+    assert predicted_bubble(Schedule.INTERLEAVED_ZERO_BUBBLE, 2, 4, 2) is None

@@ -18,6 +18,15 @@ r + pp, ...`` (looped). Each micro-batch's loss is ``loss_fn(output, target)``, 
 micro-batch; the schedules divide the gradients by the number of micro-batches, so with equal
 micro-batches the gradients are the whole batch's, as without a pipeline.
 
+**Bubble accounting.** Each stage times its forward and backward work (``StageTimer``); a
+rank's idle time is the pipeline's step time (the slowest rank's wall time: the step ends when
+the last rank is done) less its busy time - waiting for a neighbour, the bubble
+(:meth:`Pipeline.measured_bubble`).
+:func:`predicted_bubble` is the schedule's idle fraction with stages of equal cost: ``(p - 1) /
+(v m + p - 1)`` for ``p`` ranks, ``v`` stages per rank and ``m >= p`` micro-batches (GPipe and
+1F1B: ``v = 1``; Narayanan et al. 2021); with ``m < p`` an interleaved pipeline never fills and
+each rank idles ``v (p - m) + m - 1`` chunk times instead of ``p - 1``.
+
 Reference: Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B, interleaved); Qi et al. 2024
 (zero bubble); torch's ``torch.distributed.pipelining``; torchtitan's split by qualified name; the
 reference design's pipeline parallel (stages on device groups, micro-batches).
@@ -28,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import time
 from collections.abc import Callable
 
 import torch
@@ -147,12 +157,71 @@ def stage_module(model: nn.Module, units: list[str], keep: list[str]) -> nn.Modu
     return stage
 
 
+def predicted_bubble(schedule: Schedule, pp: int, micro_batches: int, stages_per_rank: int = 1) -> float | None:
+    """The idle fraction of a step with stages of equal cost (see the module docstring);
+    ``None`` for zero bubble, whose split of weight gradients the formula does not model."""
+    if schedule is Schedule.INTERLEAVED_ZERO_BUBBLE:
+        return None
+    v, m = stages_per_rank, micro_batches
+    idle = pp - 1 if m >= pp else v * (pp - m) + m - 1  # in chunk times (a stage's forward + backward)
+    return idle / (v * m + idle)
+
+
+@dataclasses.dataclass
+class StepTime:
+    """One rank's last pipeline step, in seconds: ``busy`` in its stages' forward and backward
+    work, ``wall`` in all (busy + waiting for neighbours + sending). ``bubble`` is this rank's
+    idle fraction of its own wall time; the pipeline's is :meth:`Pipeline.measured_bubble`."""
+
+    busy: float = 0.0
+    wall: float = 0.0
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of the step."""
+        return 1.0 - self.busy / self.wall if self.wall else 0.0
+
+
+def _timed_stage_class():  # built lazily: importing torch.distributed.pipelining is slow
+    from torch.distributed.pipelining import PipelineStage
+
+    class StageTimer(PipelineStage):
+        """A ``PipelineStage`` that adds the seconds of its forward and backward work to ``timer.busy``.
+
+        Sync point on CUDA: each timed call waits for the device (the busy time is device time).
+        """
+
+        timer: StepTime
+
+        def _timed(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.timer.busy += time.perf_counter() - t0
+            return out
+
+        def forward_one_chunk(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+        def backward_one_chunk(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+    return StageTimer
+
+
 @dataclasses.dataclass
 class Pipeline:
     """This rank's part of a pipelined model (see :func:`pipeline`).
 
     Attributes:
-        modules: this rank's stage modules (parameters named as in the whole model).
+        modules: this rank's stage modules (parameters named as in the whole model), as the
+            other parallel dimensions left them (DTensor shards, FSDP2 units), unwrapped.
         stage_indices: their stage numbers.
         num_stages: stages in all.
     """
@@ -164,6 +233,7 @@ class Pipeline:
     micro_batches: int
     group: dist.ProcessGroup
     last_rank: int  # the pp group rank that holds the last stage
+    time: StepTime = dataclasses.field(default_factory=StepTime)  # this rank's last step
 
     @property
     def has_first(self) -> bool:
@@ -178,6 +248,16 @@ class Pipeline:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [item for m in self.modules for item in m.named_parameters()]
+
+    def measured_bubble(self) -> float:
+        """The idle fraction of the last step over the ``pp`` ranks: ``1 - mean busy / max wall``.
+        Collective over the ``pp`` group (two all-reduces of one number)."""
+        busy = torch.tensor([self.time.busy], dtype=torch.float64)
+        wall = torch.tensor([self.time.wall], dtype=torch.float64)
+        dist.all_reduce(busy, group=self.group)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group)
+        n = dist.get_world_size(self.group)
+        return 1.0 - float(busy) / n / float(wall) if float(wall) else 0.0
 
     def step(self, inputs: Tensor, target: Tensor) -> float:
         """One forward and backward of the batch through the pipeline (gradients accumulate in
@@ -195,24 +275,31 @@ class Pipeline:
         losses: list[Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = dict(target=target, losses=losses) if self.has_last else {}
+        self.time.busy = 0.0
+        t0 = time.perf_counter()
         self.schedule.step(*args, **kwargs)
+        self.time.wall = time.perf_counter() - t0
         loss = torch.stack(losses).mean().detach().float() if self.has_last else torch.zeros(())
         loss = loss.cpu().reshape(1)
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)
         return float(loss)
 
 
-def pipeline(model: nn.Module, config: PipelineConfig, mesh: DeviceMesh,
-             loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Pipeline:
+def pipeline(model: nn.Module, config: PipelineConfig, mesh: DeviceMesh, loss_fn: Callable[[Tensor, Tensor], Tensor],
+             parallelize_stage: Callable[[nn.Module], nn.Module] | None = None) -> Pipeline:
     """Split ``model`` into ``pp x stages_per_rank`` stages and build this rank's part and the schedule.
 
-    ``model`` itself is not changed (each stage is a copy holding its units). Collective over
-    the ``pp`` group at the first :meth:`Pipeline.step` (the stages exchange shapes).
+    The split comes first of the parallel dimensions: ``parallelize_stage(stage_module)`` then
+    applies the others to each of this rank's stages, in their order (operator sharding,
+    recompute, ZeRO over ``dp``) and returns the module the stage runs - the module itself, or
+    its ``DistributedDataParallel`` wrapper over the ``dp`` group (the schedule syncs DDP and
+    FSDP2 gradients once per batch, after the last micro-batch). ``model`` itself is not changed
+    (each stage is a copy holding its units). Collective over the ``pp`` group at the first
+    :meth:`Pipeline.step` (the stages exchange shapes).
 
     Raises:
         ValueError: as :func:`split_points`.
     """
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules
 
     pp = mesh_size(mesh, MeshDim.PP)
@@ -224,11 +311,15 @@ def pipeline(model: nn.Module, config: PipelineConfig, mesh: DeviceMesh,
     bounds = [0, *(units.index(c) for c in cuts), len(units)]
     indices = [rank + k * pp for k in range(config.stages_per_rank)]  # looped placement
     modules = [stage_module(model, units, units[bounds[i] : bounds[i + 1]]) for i in indices]
+    runs = [parallelize_stage(m) if parallelize_stage is not None else m for m in modules]
     device = torch_device(mesh)
-    stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, indices)]
+    timer, stage_class = StepTime(), _timed_stage_class()
+    stages = [stage_class(m, i, num_stages, device, group=group) for m, i in zip(runs, indices)]
+    for stage in stages:
+        stage.timer = timer
     kind = {Schedule.GPIPE: schedules.ScheduleGPipe, Schedule.ONE_F_ONE_B: schedules.Schedule1F1B,
             Schedule.INTERLEAVED_1F1B: schedules.ScheduleInterleaved1F1B,
             Schedule.INTERLEAVED_ZERO_BUBBLE: schedules.ScheduleInterleavedZeroBubble}[config.schedule]
     schedule = kind(stages if config.schedule.interleaved else stages[0], config.micro_batches, loss_fn=loss_fn)
     last_rank = (num_stages - 1) % pp
-    return Pipeline(modules, indices, num_stages, schedule, config.micro_batches, group, last_rank)
+    return Pipeline(modules, indices, num_stages, schedule, config.micro_batches, group, last_rank, timer)
