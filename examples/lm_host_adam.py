@@ -48,7 +48,8 @@ from hetero import parallel
 from hetero.parallel import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.parallelize import ParallelPlan, parallelize
-from hetero.parallel.zero import ZeroConfig, zero_optimizer
+from hetero.parallel.pipeline import PipelineConfig, Schedule, pipeline, predicted_bubble
+from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 from hetero.placement import Target, resolve_device
 
 
@@ -199,9 +200,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--recompute", default="none",
                    help="none; full (every block recomputes in backward); or the operator types whose outputs the "
                         "blocks keep, comma-separated (matmul, attention), recomputing the rest")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm to this")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks; under torchrun with pp x tp x dp ranks)")
+    p.add_argument("--schedule", default="1f1b", choices=[s.value for s in Schedule], help="pipeline schedule (--pp > 1)")
+    p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per batch (--pp > 1; default: pp)")
     args = p.parse_args(argv)
 
     PartialOffloadConfig(args.offload_ratio)  # checks the ratio before anything starts
+    if args.pp > 1 and (args.optimizer != "adamw" or args.offload_ratio < 1):
+        raise ValueError("--pp > 1 trains with a device optimizer for now: add --optimizer adamw (HostAdamW takes each "
+                         "gradient once per step, a pipeline accumulates micro-batches)")
     if args.tp > 1 and args.optimizer == "host":
         raise ValueError("--tp > 1 shards the device weights; HostAdamW keeps whole master weights: add --optimizer adamw")
     parallel.init()  # under torchrun: join the job's process group
@@ -215,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = Decoder(256, args.d_model, args.layers, args.heads, args.context).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     blocks = tuple(f"blocks.{i}" for i in range(args.layers))
+    if args.pp > 1:
+        return train_pipelined(args, model, train, valid, device)
     # The composition order (docs/parallel): operator sharding -> recompute -> ZeRO -> data parallel.
     mesh, rank, dp, dp_rank = None, 0, 1, 0
     if args.tp > 1 or args.zero or torch.distributed.is_initialized():
@@ -250,12 +260,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"partial offload: {args.offload_ratio} of the parameters' state on the host", file=sys.stderr)
             opt = PartialOffloadAdamW(model.named_parameters(), lr=args.lr, weight_decay=0.1,
                                       config=PartialOffloadConfig(args.offload_ratio, HostOffloadConfig(device_dtype=dtype),
-                                                                  max_grad_norm=1.0))
+                                                                  max_grad_norm=args.max_grad_norm))
         else:
             # --zero with the host optimizer is ZeRO-Offload: each host keeps 1/dp of the masters and moments
             kind = ShardedHostAdamW if args.zero else HostAdamW
             opt = kind(model.named_parameters(), lr=args.lr, weight_decay=0.1, process_group=group,
-                       config=HostOffloadConfig(device_dtype=dtype, max_grad_norm=1.0, loss_scaler=scaler))
+                       config=HostOffloadConfig(device_dtype=dtype, max_grad_norm=args.max_grad_norm, loss_scaler=scaler))
         net = model  # no DDP: HostAdamW's host all-reduce is the data-parallel exchange
     else:
         # foreach only over one kind: tp mixes DTensor shards and replicated plain tensors
@@ -283,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
             scale = opt.loss_scale if isinstance(opt, (HostAdamW, PartialOffloadAdamW)) else 1.0
             (loss * scale).backward()
         if not isinstance(opt, (HostAdamW, PartialOffloadAdamW)):
-            clip_grad_norm(model.parameters(), 1.0)
+            clip_grad_norm(model.parameters(), args.max_grad_norm)
         opt.step()
         losses.append(_value(loss, mesh if dp > 1 else None))  # sync point: the log needs the value
         if step % args.log_every == 0 or step == args.steps:
@@ -311,6 +321,82 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def train_pipelined(args: argparse.Namespace, model: Decoder, train: torch.Tensor, valid: torch.Tensor,
+                    device: torch.device) -> dict:
+    """``--pp N``: the decoder split into pipeline stages over the mesh's ``pp`` ranks, then, per
+    stage and in hetero's order, operator sharding (``--tp``), recompute, and ZeRO or
+    replication over ``dp``; AdamW (ZeRO-1 sharded with ``--zero 1``); one global gradient norm
+    over every stage. Validation runs on the whole model, gathered from the stages."""
+    mesh = build_mesh(MeshConfig(tp=args.tp, pp=args.pp))
+    dp, dp_rank = mesh[MeshDim.DP.value].size(), mesh[MeshDim.DP.value].get_local_rank()
+    schedule = Schedule(args.schedule)
+    micro = args.micro_batches or args.pp
+    if args.batch_size % (dp * micro):
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of {dp} data-parallel ranks x {micro} "
+                         f"micro-batches")
+    config = PipelineConfig(schedule, micro, stages_per_rank=2 if schedule.interleaved else 1)
+    save = None if args.recompute == "none" else (
+        frozenset() if args.recompute == "full" else RecomputeConfig.parse_ops(args.recompute.split(",")))
+    zero = ZeroConfig(args.zero)
+
+    def parallelize_stage(stage: Decoder) -> nn.Module:
+        if args.tp > 1:
+            tensor_parallel(stage, mesh[MeshDim.TP.value], args.heads, shard_logits=False)
+        blocks = tuple(f"blocks.{k}" for k in stage.blocks)  # this stage's blocks
+        if save is not None:
+            apply_recompute(stage, RecomputeConfig(blocks, save))
+        if args.zero >= 2:
+            return apply_zero(stage, ZeroConfig(args.zero, blocks), mesh)
+        if dp > 1:  # DDP's bucket rebuild does not survive micro-batches; FSDP2's replicate syncs once per batch
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            return replicate(stage, mesh=mesh[MeshDim.DP.value])
+        return stage
+
+    pipe = pipeline(model, config, mesh, lm_loss, parallelize_stage)
+    foreach = len({isinstance(p, DTensor) for p in pipe.parameters()}) == 1
+    opt = zero_optimizer(pipe.parameters(), torch.optim.AdamW, zero, mesh, lr=args.lr, weight_decay=0.1, foreach=foreach)
+    rank = torch.distributed.get_rank()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters on {device}, pp {args.pp} "
+        f"({schedule.value}, {micro} micro-batches), tp {args.tp}, dp {dp}, zero {args.zero}", file=sys.stderr)
+    gen = torch.Generator().manual_seed(args.seed)
+    t0, losses, bubbles = time.perf_counter(), [], []
+    for step in range(1, args.steps + 1):
+        x, y = batch(train, args.batch_size, args.context, gen)
+        share = args.batch_size // dp
+        x, y = (t[dp_rank * share:(dp_rank + 1) * share].to(device) for t in (x, y))
+        opt.zero_grad()
+        loss = torch.tensor(pipe.step(x, y))  # this share's batch loss, on every rank of the pipeline
+        clip_grad_norm(pipe.parameters(), args.max_grad_norm, mesh[MeshDim.PP.value].get_group())
+        opt.step()
+        losses.append(_value(loss, mesh if dp > 1 else None))
+        bubbles.append(pipe.measured_bubble())
+        if step % args.log_every == 0 or step == args.steps:
+            log(f"step {step}: train loss {sum(losses[-args.log_every:]) / len(losses[-args.log_every:]):.4f}, "
+                f"bubble {bubbles[-1]:.2f} (predicted {predicted_bubble(schedule, args.pp, micro, config.stages_per_rank)})",
+                flush=True)
+    seconds = time.perf_counter() - t0
+    # the whole model from every stage (DTensor shards gathered), for validation in one piece
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+             for m in pipe.modules for k, v in m.state_dict().items()}
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, state)
+    model.load_state_dict({k: v for part in parts for k, v in part.items()})
+    model.eval()
+    with torch.no_grad():
+        vx, vy = (t.to(device) for t in batch(valid, 32, args.context, torch.Generator().manual_seed(1)))
+        val = lm_loss(model(vx), vy).item()
+    result = {"pp": args.pp, "schedule": schedule.value, "micro_batches": micro, "tp": args.tp, "dp": dp, "zero": args.zero,
+              "final_train_loss": losses[-1], "valid_loss": val,
+              "tokens_per_s": args.steps * args.batch_size * args.context / seconds,
+              "bubble": bubbles[-1], "predicted_bubble": predicted_bubble(schedule, args.pp, micro, config.stages_per_rank),
+              "device_bytes_per_param": device_memory_report(nn.ModuleList(pipe.modules), opt)["bytes_per_param"],
+              "device": str(device)}
+    log(json.dumps(result))
+    return result
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -324,13 +410,18 @@ def _value(loss: torch.Tensor, mesh: DeviceMesh | None = None) -> float:
     return value.item()
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
+                   pipeline_group: torch.distributed.ProcessGroup | None = None) -> float:
     """Clip the global L2 norm of the gradients to ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``)
     over a mix of DTensor shards and replicated plain tensors: a shard's squares are summed over
-    its mesh (``full_tensor`` of the norm), a replicated gradient counts once. Returns the norm."""
+    its mesh (``full_tensor`` of the norm), a replicated gradient counts once; with
+    ``pipeline_group``, the stages' sums are added over the pipeline ranks. Returns the norm."""
     grads = [p.grad for p in params if p.grad is not None]
     squares = [g.float().pow(2).sum() for g in grads]
     total = sum((s.full_tensor() if isinstance(s, DTensor) else s) for s in squares)  # all-reduce of the shard parts
+    total = torch.as_tensor(total, dtype=torch.float32)
+    if pipeline_group is not None:
+        torch.distributed.all_reduce(total, group=pipeline_group)  # every stage's parameters are its own
     norm = total.sqrt()
     factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:

@@ -159,3 +159,26 @@ def test_predicted_bubble_is_the_schedules_idle_fraction():
     assert predicted_bubble(Schedule.INTERLEAVED_1F1B, 2, 4, 2) == pytest.approx(1 / 9)  # v m in the denominator
     assert predicted_bubble(Schedule.INTERLEAVED_1F1B, 2, 1, 2) == pytest.approx(0.5)  # one micro-batch: sequential
     assert predicted_bubble(Schedule.INTERLEAVED_ZERO_BUBBLE, 2, 4, 2) is None
+
+
+def _example(argv):
+    return _lm().main(argv)
+
+
+@pytest.mark.parametrize("extra", [["--schedule", "1f1b"], ["--schedule", "interleaved_1f1b", "--tp", "2"],
+                                   ["--schedule", "gpipe", "--zero", "3"]], ids=["1f1b", "interleaved+tp", "gpipe+zero3"])
+def test_the_gpt_example_trains_pipelined(tmp_path, cpu_ranks, extra):
+    argv = ["--steps", "6", "--layers", "4", "--d-model", "32", "--heads", "4", "--context", "16", "--batch-size", "8",
+            "--corpus-bytes", "20000", "--optimizer", "adamw", "--max-grad-norm", "0.1", "--pp", "2", "--micro-batches", "2", *extra]
+    result = run_ranks(tmp_path, 4, _example, argv)
+    assert result["pp"] == 2 and result["micro_batches"] == 2 and result["dp"] * result["tp"] == 2
+    assert 0 < result["bubble"] < 1
+    plain = argv[: argv.index("--pp")]  # one process, no pipeline: the same batches, AdamW, the same clipping (active)
+    want = _lm().main(plain)
+    assert result["final_train_loss"] == pytest.approx(want["final_train_loss"], abs=1e-5)
+    assert result["valid_loss"] == pytest.approx(want["valid_loss"], abs=1e-5)
+
+
+def test_the_gpt_example_refuses_the_host_optimizer_in_a_pipeline():
+    with pytest.raises(ValueError, match=r"--pp > 1 trains with a device optimizer for now: add --optimizer adamw"):
+        _lm().main(["--steps", "1", "--pp", "2"])
