@@ -182,3 +182,54 @@ def test_the_gpt_example_trains_pipelined(tmp_path, cpu_ranks, extra):
 def test_the_gpt_example_refuses_the_host_optimizer_in_a_pipeline():
     with pytest.raises(ValueError, match=r"--pp > 1 trains with a device optimizer for now: add --optimizer adamw"):
         _lm().main(["--steps", "1", "--pp", "2"])
+
+
+def _train_and_save(pp, steps, path, load_from):
+    """Train ``steps`` of the batches (after ``load_from``'s, if given) at ``pp`` stages (1: no
+    pipeline), save weights and AdamW state to ``path``; return the whole model's weights."""
+    import torch.distributed as dist
+
+    from hetero.parallel.checkpoint_state import load_distributed_checkpoint, save_distributed_checkpoint
+    from hetero.parallel.mesh import MeshConfig, build_mesh
+    from hetero.parallel.pipeline import pipeline
+
+    lm = _lm()
+    model = _model(lm)
+    if pp > 1:
+        pipe = pipeline(model, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=2), build_mesh(MeshConfig(pp=pp)),
+                        lm.lm_loss)
+        (stage,) = pipe.modules
+    else:
+        build_mesh(MeshConfig())
+        stage = model
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
+    done = 0
+    if load_from is not None:
+        load_distributed_checkpoint(stage, load_from, optimizer=opt)
+        done = opt.state_dict()["state"][0]["step"].int().item()
+    for x, y in _batches()[done:done + steps]:
+        opt.zero_grad()
+        if pp > 1:
+            pipe.step(x, y)
+        else:
+            lm.lm_loss(stage(x), y).backward()
+        opt.step()
+    if path is not None:
+        save_distributed_checkpoint(stage, path, optimizer=opt)
+    parts = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    mine = {k: v.detach().clone() for k, v in stage.state_dict().items()}
+    if len(parts) > 1:
+        dist.all_gather_object(parts, mine)
+    else:
+        parts = [mine]
+    return {k: v for part in parts for k, v in part.items()}
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
+def test_a_checkpoint_moves_between_pipeline_degrees(tmp_path, cpu_ranks, first, then):
+    want, _, _ = _reference()  # 5 uninterrupted steps in one process
+    ckpt = tmp_path / "ckpt"
+    run_ranks(tmp_path, first, _train_and_save, first, 3, str(ckpt), None)
+    state = run_ranks(tmp_path, then, _train_and_save, then, 2, None, str(ckpt))
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)

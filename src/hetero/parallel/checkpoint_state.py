@@ -8,11 +8,15 @@ Layout (shared with the trainer's ``checkpoint.dcp``, :mod:`hetero.train.checkpo
   the ``weight`` storage and each sparse optimizer's state as ``<optimizer>.<state>``; a
   ``DTensor`` of row blocks for a row-sharded group, a plain tensor otherwise;
 * ``model``: every other entry of ``model.state_dict()`` (DTensors: each rank writes its shards);
+* ``optim``: a dense optimizer's state keyed by parameter name (torch's
+  ``get_optimizer_state_dict``), when one is given;
 * ``extra``: a ``torch.save`` blob with the table ``layout`` and each sparse optimizer's
   configuration and step counts (the trainer adds its run state).
 
 DCP reshards on load: what 4 ranks wrote as 2 data x 2 operator-parallel loads into 1 rank, or
-into 2 operator-parallel ranks. Reference: ``torch.distributed.checkpoint``; the reference
+into 2 operator-parallel ranks. A pipeline stage (:mod:`hetero.parallel.pipeline`) keeps the
+whole model's names, so each stage's rank writes its part of ``model`` and ``optim`` and any
+pipeline degree loads them (each stage reads its names). Reference: ``torch.distributed.checkpoint``; the reference
 design's ``load_distributed_checkpoint``.
 """
 
@@ -80,15 +84,27 @@ def model_state(model: nn.Module, sparse_optimizers: Mapping[str, SparseOptimize
     return state, layout
 
 
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    # flattened: one key per parameter and value ("state.<name>.exp_avg", "param_groups.<name>.lr"),
+    # so ranks holding different parameters (pipeline stages) write and read disjoint keys;
+    # an empty state is initialised first (a template to load into)
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
 def save_distributed_checkpoint(model: nn.Module, path: str | Path,
-                                sparse_optimizers: Mapping[str, SparseOptimizer] | None = None) -> Path:
-    """Write ``model``'s state - DTensor shards, host tables - and ``sparse_optimizers``' state
-    as one sharded DCP checkpoint (every rank writes its shards; atomic, with checksums:
-    :func:`hetero.checkpoint.sharded.save_sharded`). Collective."""
+                                sparse_optimizers: Mapping[str, SparseOptimizer] | None = None,
+                                optimizer: torch.optim.Optimizer | None = None) -> Path:
+    """Write ``model``'s state - DTensor shards, host tables - ``sparse_optimizers``' state and
+    a dense ``optimizer``'s as one sharded DCP checkpoint (every rank writes its shards; atomic,
+    with checksums: :func:`hetero.checkpoint.sharded.save_sharded`). Collective."""
     from hetero.checkpoint.sharded import save_sharded
 
     sparse = dict(sparse_optimizers or {})
     state, layout = model_state(model, sparse)
+    if optimizer is not None:
+        state["optim"] = _optimizer_state(model, optimizer)
     blob = io.BytesIO()
     torch.save({"layout": layout, "sparse_optimizers": {k: o.state_dict(include_state=False) for k, o in sparse.items()}},
                blob)
@@ -96,10 +112,12 @@ def save_distributed_checkpoint(model: nn.Module, path: str | Path,
 
 
 def load_distributed_checkpoint(model: nn.Module, path: str | Path, layout: dict[str, list[Placement]] | None = None,
-                                sparse_optimizers: Mapping[str, SparseOptimizer] | None = None) -> Path:
+                                sparse_optimizers: Mapping[str, SparseOptimizer] | None = None,
+                                optimizer: torch.optim.Optimizer | None = None) -> Path:
     """Load a checkpoint of :func:`save_distributed_checkpoint` (or the trainer's sharded one),
     saved at any world size and layout, into ``model`` as it is sharded now, with its host
-    tables and, given ``sparse_optimizers``, their per-row state and step counts. With
+    tables and, given ``sparse_optimizers``, their per-row state and step counts, and given
+    ``optimizer``, its state (by parameter name: the parameters this model holds). With
     ``layout`` (from :func:`~hetero.parallel.operator_plan.infer_predict_layout`) the model's
     layout is checked first. Collective.
 
@@ -129,7 +147,14 @@ def load_distributed_checkpoint(model: nn.Module, path: str | Path, layout: dict
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {path}, sparse optimizer {k!r}: {e}") from e
     state, _ = model_state(model, sparse)
+    if optimizer is not None:
+        state["optim"] = _optimizer_state(model, optimizer)  # the template the load fills
     path = load_sharded(state, path)
+    if optimizer is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state["optim"],
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
     for k, opt in sparse.items():
         opt.load_state_dict(saved[k])  # configuration and step counts; the rows were loaded in place
     return path
