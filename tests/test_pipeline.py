@@ -233,3 +233,17 @@ def test_a_checkpoint_moves_between_pipeline_degrees(tmp_path, cpu_ranks, first,
     state = run_ranks(tmp_path, then, _train_and_save, then, 2, None, str(ckpt))
     for k, v in want.items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_explain_prints_the_stages_and_the_predicted_bubble():
+    import hetero
+    from hetero.parallel.mesh import MeshDim
+
+    lm = _lm()
+    config = PipelineConfig(Schedule.INTERLEAVED_1F1B, micro_batches=4, stages_per_rank=2)
+    report = hetero.explain(_model(lm), (torch.zeros(2, 16, dtype=torch.long),), mesh={MeshDim.PP: 2}, pipeline=config)
+    plan = report.pipeline
+    assert [units for units, _ in plan.stages][0][0] == "tok" and plan.stages[-1][0][-1] == "head"
+    assert sum(nbytes for _, nbytes in plan.stages) == sum(p.numel() * 4 for p in _model(lm).parameters())
+    assert plan.predicted_bubble == pytest.approx(1 / 9)
+    assert "pipeline: 4 stages on 2 ranks, interleaved_1f1b, 4 micro-batches, predicted bubble 0.111" in str(report)

@@ -168,6 +168,46 @@ def predicted_bubble(schedule: Schedule, pp: int, micro_batches: int, stages_per
 
 
 @dataclasses.dataclass
+class PipelinePlan:
+    """A pipeline split planned without process groups (``hetero.explain``'s pipeline section).
+
+    Attributes:
+        schedule, micro_batches, pp, stages_per_rank: as configured.
+        stages: per stage, its units and their parameter bytes.
+        predicted_bubble: :func:`predicted_bubble` (``None`` where not modelled).
+    """
+
+    schedule: Schedule
+    micro_batches: int
+    pp: int
+    stages_per_rank: int
+    stages: list[tuple[list[str], int]]
+    predicted_bubble: float | None
+
+    def __str__(self) -> str:
+        bubble = "not modelled" if self.predicted_bubble is None else f"{self.predicted_bubble:.3f}"
+        lines = [f"pipeline: {len(self.stages)} stages on {self.pp} ranks, {self.schedule.value}, "
+                 f"{self.micro_batches} micro-batches, predicted bubble {bubble}"]
+        for i, (units, nbytes) in enumerate(self.stages):
+            lines.append(f"  stage {i} (rank {i % self.pp}): {', '.join(units)}; parameters {nbytes} B")
+        return "\n".join(lines)
+
+
+def plan_pipeline(model: nn.Module, config: PipelineConfig, pp: int) -> PipelinePlan:
+    """How :func:`pipeline` would split ``model`` over ``pp`` ranks. Raises as :func:`split_points`."""
+    stages = pp * config.stages_per_rank
+    units = pipeline_units(model)
+    cuts = split_points(model, stages, config.split_points)
+    bounds = [0, *(units.index(c) for c in cuts), len(units)]
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        nbytes = sum(p.numel() * p.element_size() for u in units[lo:hi] for p in model.get_submodule(u).parameters())
+        parts.append((units[lo:hi], nbytes))
+    return PipelinePlan(config.schedule, config.micro_batches, pp, config.stages_per_rank, parts,
+                        predicted_bubble(config.schedule, pp, config.micro_batches, config.stages_per_rank))
+
+
+@dataclasses.dataclass
 class StepTime:
     """One rank's last pipeline step, in seconds: ``busy`` in its stages' forward and backward
     work, ``wall`` in all (busy + waiting for neighbours + sending). ``bubble`` is this rank's
@@ -305,12 +345,11 @@ def pipeline(model: nn.Module, config: PipelineConfig, mesh: DeviceMesh, loss_fn
     pp = mesh_size(mesh, MeshDim.PP)
     group = mesh[MeshDim.PP.value].get_group()
     rank = mesh[MeshDim.PP.value].get_local_rank()
-    num_stages = pp * config.stages_per_rank
+    plan = plan_pipeline(model, config, pp)
+    num_stages = len(plan.stages)
     units = pipeline_units(model)
-    cuts = split_points(model, num_stages, config.split_points)
-    bounds = [0, *(units.index(c) for c in cuts), len(units)]
     indices = [rank + k * pp for k in range(config.stages_per_rank)]  # looped placement
-    modules = [stage_module(model, units, units[bounds[i] : bounds[i + 1]]) for i in indices]
+    modules = [stage_module(model, units, plan.stages[i][0]) for i in indices]
     runs = [parallelize_stage(m) if parallelize_stage is not None else m for m in modules]
     device = torch_device(mesh)
     timer, stage_class = StepTime(), _timed_stage_class()

@@ -30,7 +30,9 @@ class Explanation:
         operator_parallel: the operator-sharding section when ``hetero.explain`` was given a
             sharding plan (a ``hetero.parallel.sharding_graph.ShardingReport``).
         data_parallel: the collectives per step and their sizes when ``hetero.explain`` was given
-            a data-parallel mesh (a ``hetero.parallel.dp_plan.CollectivePlan``); printed last.
+            a data-parallel mesh (a ``hetero.parallel.dp_plan.CollectivePlan``).
+        pipeline: the stages and the predicted bubble when ``hetero.explain`` was given a
+            pipeline config (a ``hetero.parallel.pipeline.PipelinePlan``); printed last.
     """
 
     subgraphs: list[Subgraph]
@@ -41,9 +43,10 @@ class Explanation:
     fallback_reason: str | None = None
     operator_parallel: object | None = None
     data_parallel: object | None = None
+    pipeline: object | None = None
 
     def __str__(self) -> str:
-        sections = [self._placement_text(), self.operator_parallel, self.data_parallel]
+        sections = [self._placement_text(), self.operator_parallel, self.data_parallel, self.pipeline]
         return "\n".join(str(s) for s in sections if s is not None)
 
     def _placement_text(self) -> str:
