@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     PartialOffloadConfig(args.offload_ratio)  # checks the ratio before anything starts
     if args.pp > 1 and (args.optimizer != "adamw" or args.offload_ratio < 1):
-        raise ValueError("--pp > 1 trains with a device optimizer for now: add --optimizer adamw (HostAdamW takes each "
-                         "gradient once per step, a pipeline accumulates micro-batches)")
+        raise ValueError("--pp > 1 trains with a device optimizer for now: add --optimizer adamw (HostAdamW runs in a "
+                         "pipeline, HostOffloadConfig.accumulate, but clips by its own stage's gradient norm only)")
     if args.tp > 1 and args.optimizer == "host":
         raise ValueError("--tp > 1 shards the device weights; HostAdamW keeps whole master weights: add --optimizer adamw")
     parallel.init()  # under torchrun: join the job's process group

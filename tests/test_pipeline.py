@@ -41,40 +41,48 @@ def _reference():
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, grads
 
 
-def _pipelined(config, pp):
+def _pipelined(config, pp, host=False):
     import torch.distributed as dist
 
+    from hetero.optim import HostAdamW, HostOffloadConfig
     from hetero.parallel.mesh import MeshConfig, build_mesh
     from hetero.parallel.pipeline import pipeline
 
     lm = _lm()
     mesh = build_mesh(MeshConfig(pp=pp))
     pipe = pipeline(_model(lm), config, mesh, lm.lm_loss)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.1)
+    if host:  # HostAdamW sums the micro-batches' gradients on the device, then streams them once
+        offload = HostOffloadConfig(device_dtype=torch.float32, bucket_bytes=4096, accumulate=config.micro_batches)
+        opt = HostAdamW(pipe.named_parameters(), lr=3e-3, weight_decay=0.1, config=offload,
+                        process_group=mesh["dp"].get_group())  # its replicas: the dp ranks, not the stages
+    else:
+        opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.1)
     losses, grads = [], {}
     for x, y in _batches():
         opt.zero_grad()
         losses.append(pipe.step(x, y))
-        grads = grads or {k: p.grad.clone() for k, p in pipe.named_parameters()}
+        if not host:  # (HostAdamW took the gradients to the host)
+            grads = grads or {k: p.grad.clone() for k, p in pipe.named_parameters()}
         opt.step()
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, ({k: v.detach().clone() for m in pipe.modules for k, v in m.state_dict().items()}, grads))
     return {k: v for part, _ in parts for k, v in part.items()}, losses, {k: v for _, g in parts for k, v in g.items()}
 
 
-@pytest.mark.parametrize("n,config", [
-    (2, PipelineConfig(Schedule.GPIPE, micro_batches=4)),
-    (2, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=4)),
-    (2, PipelineConfig(Schedule.INTERLEAVED_1F1B, micro_batches=4, stages_per_rank=2)),  # 4 stages on 2 ranks
-    (2, PipelineConfig(Schedule.INTERLEAVED_ZERO_BUBBLE, micro_batches=4, stages_per_rank=2)),
-    (4, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=8)),
-    (2, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=2, split_points=("blocks.3",))),  # uneven, by name
-], ids=["gpipe-2", "1f1b-2", "interleaved-1f1b-2x2", "zero-bubble-2x2", "1f1b-4", "1f1b-2-split"])
-def test_every_schedule_trains_as_one_process(tmp_path, cpu_ranks, n, config):
+@pytest.mark.parametrize("n,config,host", [
+    (2, PipelineConfig(Schedule.GPIPE, micro_batches=4), False),
+    (2, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=4), False),
+    (2, PipelineConfig(Schedule.INTERLEAVED_1F1B, micro_batches=4, stages_per_rank=2), False),  # 4 stages, 2 ranks
+    (2, PipelineConfig(Schedule.INTERLEAVED_ZERO_BUBBLE, micro_batches=4, stages_per_rank=2), False),
+    (4, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=8), False),
+    (2, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=2, split_points=("blocks.3",)), False),  # uneven, by name
+    (2, PipelineConfig(Schedule.ONE_F_ONE_B, micro_batches=4), True),  # HostAdamW: host masters and moments
+], ids=["gpipe-2", "1f1b-2", "interleaved-1f1b-2x2", "zero-bubble-2x2", "1f1b-4", "1f1b-2-split", "1f1b-2-host"])
+def test_every_schedule_trains_as_one_process(tmp_path, cpu_ranks, n, config, host):
     want, want_losses, want_grads = _reference()
-    state, losses, grads = run_ranks(tmp_path, n, _pipelined, config, n)
+    state, losses, grads = run_ranks(tmp_path, n, _pipelined, config, n, host)
     assert set(state) == set(want)  # every parameter in exactly one stage, under its own name
-    for k, v in want_grads.items():  # the micro-batches' gradients add up to the whole batch's
+    for k, v in (want_grads if not host else {}).items():  # the micro-batches' gradients add up to the whole batch's
         torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-6, msg=k)
     for k, v in want.items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)

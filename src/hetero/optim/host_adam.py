@@ -145,6 +145,13 @@ class HostAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- streaming
     def _on_grad(self, slot: _Slot, p: Tensor) -> None:
+        slot.accumulated += 1
+        if slot.accumulated < self.config.accumulate:
+            return  # autograd sums the next backward pass's gradient into p.grad
+        self._stream(slot, p)
+
+    def _stream(self, slot: _Slot, p: Tensor) -> None:
+        slot.accumulated = 0
         if slot.seen:  # (``arrived`` is cleared by the update, which may already have run)
             raise RuntimeError(f"{type(self).__name__}: parameter {slot.name!r} received a second gradient before "
                                f"step(); gradients stream to the host as backward produces them, so accumulation over "
@@ -194,7 +201,7 @@ class HostAdamW(torch.optim.Optimizer):
             if self._abort:
                 return
             self._reduce(b)
-            self._update_bucket(b, 1.0 / self._world)
+            self._update_bucket(b, 1.0 / (self._world * self.config.accumulate))  # sums over ranks and passes
 
     def _reduce(self, bucket: int) -> None:
         """Wait for the bucket's gradient copies; sum its gradients over the data-parallel ranks.
@@ -304,6 +311,9 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for slot in self._slots.values():
+            if slot.accumulated:  # fewer passes than ``accumulate`` reached it (unused in some): apply what came
+                self._stream(slot, slot.param)
         self._check_no_late_gradients()
         if self._can_overlap():
             for ready in self._ready:
@@ -347,7 +357,7 @@ class HostAdamW(torch.optim.Optimizer):
             sq, ok = K.sum_of_squares(_np(g), _chunks(g.numel()))
             total, finite = total + sq, finite and ok
         total, finite = self._global_sum_of_squares(total, finite)
-        scale = self.loss_scale * self._world  # the reduced gradients are sums over the ranks
+        scale = self.loss_scale * self._world * self.config.accumulate  # sums over the ranks and backward passes
         if self.loss_scaler is not None:
             self.loss_scaler.update(finite)  # the same verdict on every rank: the sums are non-finite everywhere
             if not finite:
@@ -400,6 +410,7 @@ class HostAdamW(torch.optim.Optimizer):
         for slot in self._slots.values():
             slot.param.grad = None
             slot.arrived = False
+            slot.accumulated = 0
         self._new_step()
 
     # ------------------------------------------------------------------------- state

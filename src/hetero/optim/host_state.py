@@ -36,6 +36,9 @@ class HostOffloadConfig:
         loss_scaler: dynamic loss scaling (needed for fp16); the loss must be multiplied by
             ``optimizer.loss_scale`` before backward.
         overlap: run bucket updates during backward (else all in ``step()``).
+        accumulate: backward passes per step (micro-batches, e.g. a pipeline's): a parameter's
+            gradient stays on the device, summed by autograd, until its last pass, then streams;
+            the update uses their mean (each pass's loss a mean over its micro-batch).
     """
 
     device_dtype: torch.dtype = torch.bfloat16
@@ -44,6 +47,11 @@ class HostOffloadConfig:
     max_grad_norm: float | None = None
     loss_scaler: DynamicLossScaler | None = None
     overlap: bool = True
+    accumulate: int = 1
+
+    def __post_init__(self) -> None:
+        if self.accumulate < 1:
+            raise ValueError(f"HostOffloadConfig.accumulate={self.accumulate}: a step takes at least 1 backward pass")
 
 
 @dataclasses.dataclass
@@ -61,6 +69,7 @@ class _Slot:
     step: int = 0
     arrived: bool = False  # a gradient waits for the update (cleared by the update)
     seen: bool = False  # a gradient came in this step (cleared by step() and zero_grad())
+    accumulated: int = 0  # backward passes summed into the device gradient, not streamed yet
     copied: Any = None  # CUDA event of the device->host gradient copy
     uploaded: Any = None  # CUDA event of the last host->device upload (it reads ``grad`` or ``staging``)
     shard: Tensor | None = None  # ShardedHostAdamW: this rank's reduced gradient elements, then its new weights

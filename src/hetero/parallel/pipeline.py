@@ -18,6 +18,12 @@ r + pp, ...`` (looped). Each micro-batch's loss is ``loss_fn(output, target)``, 
 micro-batch; the schedules divide the gradients by the number of micro-batches, so with equal
 micro-batches the gradients are the whole batch's, as without a pipeline.
 
+**Optimizers.** Any ``torch.optim`` optimizer over :meth:`Pipeline.parameters`; a global
+gradient norm must add the stages' sums over the ``pp`` group. :class:`~hetero.optim.HostAdamW`
+takes ``HostOffloadConfig(accumulate=micro_batches)`` (the micro-batches' gradients summed on the
+device, streamed once) and ``process_group=`` the ``dp`` group (its default, every rank, would
+pair stages holding different parameters).
+
 **Bubble accounting.** Each stage times its forward and backward work (``StageTimer``); a
 rank's idle time is the pipeline's step time (the slowest rank's wall time: the step ends when
 the last rank is done) less its busy time - waiting for a neighbour, the bubble
