@@ -255,3 +255,43 @@ def test_explain_prints_the_stages_and_the_predicted_bubble():
     assert sum(nbytes for _, nbytes in plan.stages) == sum(p.numel() * 4 for p in _model(lm).parameters())
     assert plan.predicted_bubble == pytest.approx(1 / 9)
     assert "pipeline: 4 stages on 2 ranks, interleaved_1f1b, 4 micro-batches, predicted bubble 0.111" in str(report)
+
+
+def test_a_pipelined_checkpoint_merges_into_the_whole_model(tmp_path, cpu_ranks):
+    from hetero.checkpoint import load_checkpoint
+    from hetero.cli import merge
+
+    ckpt = tmp_path / "ckpt"
+    want = run_ranks(tmp_path, 2, _train_and_save, 2, 3, str(ckpt), None)  # each stage wrote its part
+    merged = load_checkpoint(merge(ckpt, tmp_path / "merged.pt"))
+    model = _model(_lm())
+    model.load_state_dict(merged["model"])  # plain tensors, whole, every stage's
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_pipeline_wider_than_the_world_is_refused_naming_the_divisors():
+    from hetero.parallel.mesh import MeshConfig
+
+    with pytest.raises(ValueError, match=r"a mesh of pp=4 x tp=1 does not divide the world size 2; choose pp \* tp among "
+                                         r"the divisors of 2: \[1, 2\]"):
+        MeshConfig(pp=4).shape(2)
+
+
+def _indivisible():
+    from hetero.parallel.mesh import MeshConfig, build_mesh
+    from hetero.parallel.pipeline import pipeline
+
+    lm = _lm()
+    pipe = pipeline(_model(lm), PipelineConfig(micro_batches=3), build_mesh(MeshConfig()), lm.lm_loss)  # pp 1
+    x, y = _batches()[0]
+    try:
+        pipe.step(x, y)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_micro_batches_that_do_not_divide_the_batch_are_refused(tmp_path, cpu_ranks):
+    assert run_ranks(tmp_path, 1, _indivisible) == ("3 micro-batches do not divide the batch of 8: choose a batch size "
+                                                    "that is a multiple of the micro-batches")
