@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -90,6 +91,17 @@ class CollectiveCall:
     bytes: float
 
 
+def summarize(calls: Iterable[Any]) -> dict[str, dict[str, float]]:
+    """Per collective kind of ``calls`` (each with ``kind`` and ``bytes``, ``None`` counting as
+    unknown, 0): ``{"calls": ..., "bytes": ...}``. Counted calls and planned ones alike."""
+    out: dict[str, dict[str, float]] = {}
+    for c in calls:
+        row = out.setdefault(c.kind.value, {"calls": 0, "bytes": 0.0})
+        row["calls"] += 1
+        row["bytes"] += c.bytes or 0.0
+    return out
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Record every functional collective issued inside ``with CollectiveCounter() as c:``.
 
@@ -123,10 +135,5 @@ class CollectiveCounter(TorchDispatchMode):
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per collective kind: ``{"calls": ..., "bytes": ...}``."""
-        out: dict[str, dict[str, float]] = {}
-        for c in self.calls:
-            row = out.setdefault(c.kind.value, {"calls": 0, "bytes": 0.0})
-            row["calls"] += 1
-            row["bytes"] += c.bytes
-        return out
+        return summarize(self.calls)
 

@@ -185,13 +185,14 @@ class DistributedSparse:
             for i in bucket:
                 c, dim = longest[i], grads[i].rows.shape[1]
                 part = got[:, offset : offset + width[i]]
-                ids = torch.cat([part[r, : 2 * int(counts[r, i])].clone().view(torch.int64) for r in range(n)])  # aligned copy
-                rows = torch.cat([part[r, 2 * c : 2 * c + int(counts[r, i]) * dim].view(-1, dim) for r in range(n)])
-                unique, inverse = torch.unique(ids, return_inverse=True)
-                summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, rows)  # same order on every rank
+                # each rank's part (ids: an aligned copy of their bits), summed in rank order: the same
+                # sum on every rank
+                summed = SparseGrad.coalesce([SparseGrad(part[r, : 2 * int(counts[r, i])].clone().view(torch.int64),
+                                                         part[r, 2 * c : 2 * c + int(counts[r, i]) * dim].view(-1, dim),
+                                                         RowSpace.GROUP) for r in range(n)])
                 if self.config.gradients_mean:
-                    summed /= n
-                out.append(SparseGrad(unique, summed, RowSpace.GROUP))
+                    summed = SparseGrad(summed.ids, summed.rows / n, RowSpace.GROUP)
+                out.append(summed)
                 offset += width[i]
         return out
 

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from hetero.embedding import RowPlacement, host_tables
-from hetero.parallel.comm import Collective, collective_bytes
+from hetero.parallel.comm import Collective, collective_bytes, summarize
 from hetero.parallel.comm_fusion import CommFusion, gradient_buckets
-from hetero.parallel.zero import ZeroConfig, ZeroStage, fusion_units
+from hetero.parallel.zero import ZeroConfig, ZeroStage, zero_units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +59,7 @@ class CollectivePlan:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per collective kind: ``{"calls": ..., "bytes": ...}`` (bytes of the sized ones)."""
-        out: dict[str, dict[str, float]] = {}
-        for c in self.calls:
-            row = out.setdefault(c.kind.value, {"calls": 0, "bytes": 0.0})
-            row["calls"] += 1
-            row["bytes"] += c.bytes or 0.0
-        return out
+        return summarize(self.calls)
 
     def __str__(self) -> str:
         lines = [f"data parallel over {self.dp} ranks: {len(self.calls)} collectives per step"]
@@ -137,18 +132,12 @@ def _shard_bytes(module_params: list, dp: int) -> int:
 
 
 def _plan_fsdp(model: nn.Module, dp: int, fusion: CommFusion, zero: ZeroConfig, host: set, add) -> None:  # noqa: ANN001
-    modules = dict(model.named_modules())
-    names = {m: n for n, m in modules.items()}
-    for name in zero.units:
-        if name not in modules:
-            raise ValueError(f"ZeRO unit {name!r} is not a module of {type(model).__name__}")
-    units = [[modules[n]] for n in zero.units] or fusion_units(model, fusion.unit_mb)
     taken: set = set()
     groups = []
-    for unit in units:
-        params = [p for m in unit for p in m.parameters() if p not in host and p not in taken]
+    for unit in zero_units(model, zero, fusion):
+        params = [p for n in unit for p in model.get_submodule(n).parameters() if p not in host and p not in taken]
         taken.update(params)
-        groups.append((",".join(names[m] for m in unit), params))
+        groups.append((",".join(unit), params))
     rest = [p for p in model.parameters() if p not in host and p not in taken]
     if rest:
         groups.insert(0, ("(root)", rest))  # the root gathers its own parameters before its children run

@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import time
 from collections.abc import Callable
 
@@ -228,7 +229,8 @@ class StepTime:
         return 1.0 - self.busy / self.wall if self.wall else 0.0
 
 
-def _timed_stage_class():  # built lazily: importing torch.distributed.pipelining is slow
+@functools.cache
+def _timed_stage_class():  # built lazily (importing torch.distributed.pipelining is slow), once
     from torch.distributed.pipelining import PipelineStage
 
     class StageTimer(PipelineStage):

@@ -165,13 +165,9 @@ def reduce_gradients(exchanges: list[RowSharding], dims: list[int], mean: bool) 
         if not ids[i]:
             out.append(SparseGrad.empty(dim, RowSpace.LOCAL))
             continue
-        unique, inverse = torch.unique(torch.cat(ids[i]), return_inverse=True)
-        # index_add_ on the CPU accumulates in index order: the received rows are ordered by
-        # source rank, so the sum is the same on every run.
-        summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, torch.cat(rows[i]))
-        if mean:
-            summed /= n
-        out.append(SparseGrad(unique, summed, RowSpace.LOCAL))
+        # summed in the order received (by source rank): the same sum on every run
+        summed = SparseGrad.coalesce([SparseGrad(a, b, RowSpace.LOCAL) for a, b in zip(ids[i], rows[i])])
+        out.append(SparseGrad(summed.ids, summed.rows / n, RowSpace.LOCAL) if mean else summed)
     return out
 
 

@@ -70,56 +70,71 @@ def _dp_size(mesh: DeviceMesh, config: ZeroConfig) -> int:
     return n
 
 
-def fusion_units(model: nn.Module, limit_mb: float) -> list[list[nn.Module]]:
-    """FSDP2 units of about ``limit_mb`` MB of dense parameters each: the model's modules in
-    registration order - a child at most the size whole, a larger one split into its children -
-    grouped consecutively until a group reaches the size (:func:`~hetero.parallel.comm_fusion.by_size`).
-    Each group is one ``fully_shard`` unit: one all-gather of its parameters, one reduce-scatter
-    of their gradients. Host tables and modules sharing a parameter with an earlier unit are left
-    to the root's unit."""
+def fusion_unit_names(model: nn.Module, limit_mb: float) -> list[list[str]]:
+    """FSDP2 units of about ``limit_mb`` MB of dense parameters each, by qualified module name:
+    the model's modules in registration order - a child at most the size whole, a larger one
+    split into its children - grouped consecutively until a group reaches the size
+    (:func:`~hetero.parallel.comm_fusion.by_size`). Each group is one ``fully_shard`` unit: one
+    all-gather of its parameters, one reduce-scatter of their gradients. Host tables and modules
+    sharing a parameter with an earlier unit are left to the root's unit."""
     host = {t.weight for t in host_tables(model).values()}  # keyed by the tensor itself
     taken: set[torch.Tensor] = set()
-    atoms: list[tuple[nn.Module, int]] = []
+    atoms: list[tuple[str, int]] = []
 
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
             params = [p for p in child.parameters() if p not in host]
             size = sum(p.numel() * p.element_size() for p in params)
             if not size or any(p in taken for p in params):
                 continue
             if size <= limit_mb * MB or not any(True for _ in child.children()):
-                atoms.append((child, size))
+                atoms.append((prefix + name, size))
                 taken.update(params)
             else:
-                visit(child)
+                visit(child, f"{prefix}{name}.")
 
-    visit(model)
+    visit(model, "")
     return [[atoms[i][0] for i in group] for group in by_size([size for _, size in atoms], limit_mb)]
+
+
+def fusion_units(model: nn.Module, limit_mb: float) -> list[list[nn.Module]]:
+    """:func:`fusion_unit_names`, as the modules themselves."""
+    return [[model.get_submodule(name) for name in unit] for unit in fusion_unit_names(model, limit_mb)]
+
+
+def zero_units(model: nn.Module, config: ZeroConfig, fusion: CommFusion = CommFusion()) -> list[list[str]]:
+    """The qualified names of ``model``'s FSDP2 units, each list one unit: ``config.units`` if
+    named (one module each), else :func:`fusion_unit_names` at ``fusion.unit_mb``.
+
+    Raises:
+        ValueError: a unit name ``model`` does not have (listing its modules).
+    """
+    modules = dict(model.named_modules())
+    for name in config.units:
+        if name not in modules:
+            raise ValueError(f"ZeRO unit {name!r} is not a module of {type(model).__name__}; its modules are "
+                             f"{sorted(m for m in modules if m)[:40]}")
+    return [[name] for name in config.units] or fusion_unit_names(model, fusion.unit_mb)
 
 
 def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh, fusion: CommFusion = CommFusion()) -> nn.Module:
     """Shard ``model`` for stages 2 and 3 (FSDP2, in place; returns it); stages 0 and 1 leave it
     as it is (stage 1 shards the optimizer only: :func:`zero_optimizer`, with DDP on the model).
 
-    Units: ``config.units`` if named, else :func:`fusion_units` at ``fusion.unit_mb``; the root
-    holds the rest. Collective: every rank calls it with the same model and config.
+    Units: :func:`zero_units`; the root holds the rest. Collective: every rank calls it with the
+    same model and config.
 
     Raises:
-        ValueError: a unit name ``model`` does not have (listing its modules).
+        ValueError: as :func:`zero_units`.
     """
     if config.stage < ZeroStage.GRADIENTS or _dp_size(mesh, config) == 1:
         return model
     from torch.distributed.fsdp import fully_shard
 
-    modules = dict(model.named_modules())
-    for name in config.units:
-        if name not in modules:
-            raise ValueError(f"ZeRO unit {name!r} is not a module of {type(model).__name__}; its modules are "
-                             f"{sorted(m for m in modules if m)[:40]}")
+    units = [[model.get_submodule(name) for name in unit] for unit in zero_units(model, config, fusion)]
     ignored = {t.weight for t in host_tables(model).values()}  # host rows: the sparse exchange's
     dp = mesh[MeshDim.DP.value]
     reshard = config.stage is ZeroStage.PARAMETERS
-    units = [[modules[name]] for name in config.units] or fusion_units(model, fusion.unit_mb)
     for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=dp, reshard_after_forward=reshard,
                     ignored_params=ignored or None)
