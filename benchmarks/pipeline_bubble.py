@@ -63,7 +63,8 @@ class Stack(nn.Module):
 def _rank(rank: int, n: int, schedule: str, micro_batches: int, layer_ms: float, steps: int, port: int,
           out: dict) -> None:  # spawn_ranks
     from hetero.parallel.mesh import MeshConfig, build_mesh
-    from hetero.parallel.pipeline import PipelineConfig, Schedule, pipeline
+    from hetero.parallel.pipeline import pipeline
+    from hetero.parallel.pipeline_plan import PipelineConfig, Schedule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=n)
@@ -78,7 +79,7 @@ def _rank(rank: int, n: int, schedule: str, micro_batches: int, layer_ms: float,
     for step in range(steps):
         x, t = torch.randn(micro_batches * 2, 16), torch.randn(micro_batches * 2, 16)
         pipe.step(x, t)
-        bubble = pipe.measured_bubble()  # collective: every rank measures every step
+        bubble = pipe.bubble  # measured by every step
         if step:  # the first step also exchanges shapes
             bubbles.append(bubble)
     if rank == 0:
@@ -91,7 +92,7 @@ def main() -> None:
     p.add_argument("--layer-ms", type=float, default=20.0, help="forward sleep of one rank's stage per micro-batch")
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
-    from hetero.parallel.pipeline import Schedule, predicted_bubble
+    from hetero.parallel.pipeline_plan import Schedule, predicted_bubble
 
     result: dict = {"pp": 2, "layer_ms": args.layer_ms}
     worst = 0.0

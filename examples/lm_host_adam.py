@@ -48,7 +48,8 @@ from hetero import parallel
 from hetero.parallel import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.parallelize import ParallelPlan, parallelize
-from hetero.parallel.pipeline import PipelineConfig, Schedule, pipeline, predicted_bubble
+from hetero.parallel.pipeline import pipeline
+from hetero.parallel.pipeline_plan import PipelineConfig, Schedule, predicted_bubble
 from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 from hetero.placement import Target, resolve_device
 
@@ -174,6 +175,9 @@ def batch(data: torch.Tensor, size: int, context: int, gen: torch.Generator) -> 
     return seq[:, :-1], seq[:, 1:]
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--d-model", type=int, default=256)
@@ -185,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--corpus-bytes", type=int, default=8 << 20)
     p.add_argument("--optimizer", choices=["host", "adamw"], default="host")
-    p.add_argument("--device-dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--device-dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="the device weights' dtype under the host optimizer (its masters are fp32)")
     p.add_argument("--memory-fraction", type=float, help="CUDA: cap this process's device memory")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
@@ -207,9 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     PartialOffloadConfig(args.offload_ratio)  # checks the ratio before anything starts
-    if args.pp > 1 and (args.optimizer != "adamw" or args.offload_ratio < 1):
-        raise ValueError("--pp > 1 trains with a device optimizer for now: add --optimizer adamw (HostAdamW runs in a "
-                         "pipeline, HostOffloadConfig.accumulate, but clips by its own stage's gradient norm only)")
+    if args.pp > 1 and (args.offload_ratio < 1 or (args.optimizer == "host" and args.device_dtype == "fp16")):
+        raise ValueError("--pp > 1 runs AdamW or the host optimizer with bf16 or fp32 device weights: drop "
+                         "--offload-ratio and --device-dtype fp16 (a loss scale inside the schedule's loss is not built)")
     if args.tp > 1 and args.optimizer == "host":
         raise ValueError("--tp > 1 shards the device weights; HostAdamW keeps whole master weights: add --optimizer adamw")
     parallel.init()  # under torchrun: join the job's process group
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
         if dp > 1 and args.zero < 2:
             net = DistributedDataParallel(model, process_group=mesh[MeshDim.DP.value].get_group())
     if args.optimizer == "host":
-        dtype = torch.bfloat16 if args.device_dtype == "bf16" else torch.float16
+        dtype = DTYPES[args.device_dtype]
         scaler = DynamicLossScaler() if dtype is torch.float16 else None
         group = mesh[MeshDim.DP.value].get_group() if dp > 1 else None  # HostAdamW averages gradients on the hosts
         if args.offload_ratio < 1:  # partial offload: the device part keeps fp32 weights, autocast mixes them
@@ -325,8 +330,9 @@ def train_pipelined(args: argparse.Namespace, model: Decoder, train: torch.Tenso
                     device: torch.device) -> dict:
     """``--pp N``: the decoder split into pipeline stages over the mesh's ``pp`` ranks, then, per
     stage and in hetero's order, operator sharding (``--tp``), recompute, and ZeRO or
-    replication over ``dp``; AdamW (ZeRO-1 sharded with ``--zero 1``); one global gradient norm
-    over every stage. Validation runs on the whole model, gathered from the stages."""
+    replication over ``dp``; AdamW (ZeRO-1 sharded with ``--zero 1``) or HostAdamW (its masters
+    sharded over ``dp`` with ``--zero``: ZeRO-Offload); one global gradient norm over every
+    stage. Validation runs on the whole model, gathered from the stages."""
     mesh = build_mesh(MeshConfig(tp=args.tp, pp=args.pp))
     dp, dp_rank = mesh[MeshDim.DP.value].size(), mesh[MeshDim.DP.value].get_local_rank()
     schedule = Schedule(args.schedule)
@@ -345,6 +351,8 @@ def train_pipelined(args: argparse.Namespace, model: Decoder, train: torch.Tenso
         blocks = tuple(f"blocks.{k}" for k in stage.blocks)  # this stage's blocks
         if save is not None:
             apply_recompute(stage, RecomputeConfig(blocks, save))
+        if args.optimizer == "host":  # its host all-reduce (or reduce-scatter) is the data-parallel exchange
+            return stage
         if args.zero >= 2:
             return apply_zero(stage, ZeroConfig(args.zero, blocks), mesh)
         if dp > 1:  # DDP's bucket rebuild does not survive micro-batches; FSDP2's replicate syncs once per batch
@@ -354,8 +362,16 @@ def train_pipelined(args: argparse.Namespace, model: Decoder, train: torch.Tenso
         return stage
 
     pipe = pipeline(model, config, mesh, lm_loss, parallelize_stage)
-    foreach = len({isinstance(p, DTensor) for p in pipe.parameters()}) == 1
-    opt = zero_optimizer(pipe.parameters(), torch.optim.AdamW, zero, mesh, lr=args.lr, weight_decay=0.1, foreach=foreach)
+    pp_group = mesh[MeshDim.PP.value].get_group()
+    if args.optimizer == "host":  # micro-batch gradients summed on the device, streamed once; one norm over the stages
+        kind = ShardedHostAdamW if args.zero else HostAdamW
+        opt = kind(pipe.named_parameters(), lr=args.lr, weight_decay=0.1, process_group=mesh[MeshDim.DP.value].get_group(),
+                   norm_group=pp_group, config=HostOffloadConfig(device_dtype=DTYPES[args.device_dtype], accumulate=micro,
+                                                                 max_grad_norm=args.max_grad_norm))
+    else:
+        foreach = len({isinstance(p, DTensor) for p in pipe.parameters()}) == 1
+        opt = zero_optimizer(pipe.parameters(), torch.optim.AdamW, zero, mesh, lr=args.lr, weight_decay=0.1,
+                             foreach=foreach)
     rank = torch.distributed.get_rank()
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters on {device}, pp {args.pp} "
@@ -368,10 +384,11 @@ def train_pipelined(args: argparse.Namespace, model: Decoder, train: torch.Tenso
         x, y = (t[dp_rank * share:(dp_rank + 1) * share].to(device) for t in (x, y))
         opt.zero_grad()
         loss = torch.tensor(pipe.step(x, y))  # this share's batch loss, on every rank of the pipeline
-        clip_grad_norm(pipe.parameters(), args.max_grad_norm, mesh[MeshDim.PP.value].get_group())
+        if args.optimizer == "adamw":  # (HostAdamW clips on the host, by the same global norm)
+            clip_grad_norm(pipe.parameters(), args.max_grad_norm, pp_group)
         opt.step()
         losses.append(_value(loss, mesh if dp > 1 else None))
-        bubbles.append(pipe.measured_bubble())
+        bubbles.append(pipe.bubble)
         if step % args.log_every == 0 or step == args.steps:
             log(f"step {step}: train loss {sum(losses[-args.log_every:]) / len(losses[-args.log_every:]):.4f}, "
                 f"bubble {bubbles[-1]:.2f} (predicted {predicted_bubble(schedule, args.pp, micro, config.stages_per_rank)})",
@@ -382,6 +399,8 @@ def train_pipelined(args: argparse.Namespace, model: Decoder, train: torch.Tenso
              for m in pipe.modules for k, v in m.state_dict().items()}
     parts = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(parts, state)
+    # a new whole model: the stages share (and sharded, or cast) this rank's units of ``model``
+    model = Decoder(256, args.d_model, args.layers, args.heads, args.context).to(device, next(iter(state.values())).dtype)
     model.load_state_dict({k: v for part in parts for k, v in part.items()})
     model.eval()
     with torch.no_grad():

@@ -327,8 +327,8 @@ def test_lm_example_refuses_an_offload_ratio_outside_0_1(capsys):
 
 
 def test_accumulated_backward_passes_equal_one_pass_over_the_whole_batch():
-    # accumulate=2: two half-batch passes (each loss a mean over its half) make one step on their
-    # mean, as torch's AdamW on the whole batch; a parameter only one pass reaches still steps.
+    # accumulate=2: two half-batch passes (each loss half the mean over its half) make one step on
+    # their sum, as torch's AdamW on the whole batch; a parameter only one pass reaches still steps.
     data = _data(10)
     ref = _model()
     _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data)
@@ -337,11 +337,11 @@ def test_accumulated_backward_passes_equal_one_pass_over_the_whole_batch():
     for x, y in data:
         opt.zero_grad()
         for half in (slice(0, len(x) // 2), slice(len(x) // 2, None)):
-            ((model(x[half]) - y[half]) ** 2).mean().backward()
+            (((model(x[half]) - y[half]) ** 2).mean() / 2).backward()
         opt.step()
     for a, b in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    # Adam hides a gradient's scale: the global norm shows it (the passes' mean, not their sum)
+    # Adam hides a gradient's scale: the global norm shows it (the passes' sum, not their mean)
     x, y = data[0]
     whole = _model()
     ((whole(x) - y) ** 2).mean().backward()
@@ -350,7 +350,7 @@ def test_accumulated_backward_passes_equal_one_pass_over_the_whole_batch():
     opt = HostAdamW(model.named_parameters(), lr=1e-2,
                     config=dataclasses.replace(FP32, accumulate=2, max_grad_norm=1e9))  # computes the norm
     for half in (slice(0, len(x) // 2), slice(len(x) // 2, None)):
-        ((model(x[half]) - y[half]) ** 2).mean().backward()
+        (((model(x[half]) - y[half]) ** 2).mean() / 2).backward()
     opt.step()
     assert opt.last_grad_norm == pytest.approx(want, rel=1e-5)
     with pytest.raises(ValueError, match=r"HostOffloadConfig.accumulate=0: a step takes at least 1 backward pass"):

@@ -6,7 +6,7 @@ import torch
 
 from conftest import load_example, run_ranks
 
-from hetero.parallel.pipeline import PipelineConfig, Schedule, pipeline_units, split_points
+from hetero.parallel.pipeline_plan import PipelineConfig, Schedule, pipeline_units, split_points
 
 STEPS, BATCH, LAYERS = 5, 8, 4
 
@@ -66,7 +66,12 @@ def _pipelined(config, pp, host=False):
         opt.step()
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, ({k: v.detach().clone() for m in pipe.modules for k, v in m.state_dict().items()}, grads))
-    return {k: v for part, _ in parts for k, v in part.items()}, losses, {k: v for _, g in parts for k, v in g.items()}
+    import hetero
+    from hetero.parallel.mesh import MeshDim
+
+    text = str(hetero.explain(_model(lm), (x,), mesh={MeshDim.PP: pp}, pipeline=pipe).pipeline)
+    return ({k: v for part, _ in parts for k, v in part.items()}, losses, {k: v for _, g in parts for k, v in g.items()},
+            (pipe.bubble, text))
 
 
 @pytest.mark.parametrize("n,config,host", [
@@ -80,7 +85,10 @@ def _pipelined(config, pp, host=False):
 ], ids=["gpipe-2", "1f1b-2", "interleaved-1f1b-2x2", "zero-bubble-2x2", "1f1b-4", "1f1b-2-split", "1f1b-2-host"])
 def test_every_schedule_trains_as_one_process(tmp_path, cpu_ranks, n, config, host):
     want, want_losses, want_grads = _reference()
-    state, losses, grads = run_ranks(tmp_path, n, _pipelined, config, n, host)
+    state, losses, grads, (bubble, text) = run_ranks(tmp_path, n, _pipelined, config, n, host)
+    predicted = "not modelled" if config.schedule is Schedule.INTERLEAVED_ZERO_BUBBLE else ""
+    assert f"predicted bubble {predicted}" in text and f", measured {bubble:.3f} (last step)" in text  # explain, beside
+    assert 0 < bubble < 1
     assert set(state) == set(want)  # every parameter in exactly one stage, under its own name
     for k, v in (want_grads if not host else {}).items():  # the micro-batches' gradients add up to the whole batch's
         torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-6, msg=k)
@@ -113,6 +121,24 @@ def test_units_and_split_points_and_their_errors():
     seq.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
     with pytest.raises(ValueError, match=r"Module.layers is an nn.ModuleList: make it an nn.ModuleDict"):
         split_points(seq, 1)
+
+
+def test_a_stage_shares_the_models_units_and_its_own_parameters_go_with_the_first():
+    from hetero.models.wide_deep import FeatureSlot, WideDeep, pipeline_split_points
+    from hetero.parallel.pipeline import stage_module
+
+    model = WideDeep([FeatureSlot("a", 10), FeatureSlot("b", 20)], 3)
+    units = pipeline_units(model)
+    assert pipeline_split_points(model, 2) == ("mlp.4",)  # 35 x 256 + 256 x 128 of the MLP's weights | 128 x 1
+    first = stage_module(model, units, units[: units.index("mlp.2")], first=True)  # (a split by name)
+    rest = stage_module(model, units, units[units.index("mlp.2"):], first=False)
+    assert first.deep is model.deep and first.mlp["0"] is model.mlp["0"]  # the host tables are not copied
+    assert first.wide_bias is model.wide_bias and rest.wide_bias is None  # the model's own parameter: stage 0's
+    assert list(first.mlp) == ["0", "1"] and list(rest.mlp) == ["2", "3", "4"] and list(model.mlp) == ["0", "1", "2", "3", "4"]
+    assert set(first.state_dict()) | set(rest.state_dict()) == set(model.state_dict())
+    assert not set(first.state_dict()) & set(rest.state_dict())
+    with pytest.raises(ValueError, match=r"5 pipeline stages for a Wide & Deep MLP of 3 Linear layers: use at most 3"):
+        pipeline_split_points(model, 5)
 
 
 def _pipelined_2d(dim, config):
@@ -160,7 +186,7 @@ def test_pipeline_composes_with_data_and_operator_parallel_on_a_2x2_mesh(tmp_pat
 
 
 def test_predicted_bubble_is_the_schedules_idle_fraction():
-    from hetero.parallel.pipeline import predicted_bubble
+    from hetero.parallel.pipeline_plan import predicted_bubble
 
     assert predicted_bubble(Schedule.ONE_F_ONE_B, 2, 2) == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1)
     assert predicted_bubble(Schedule.GPIPE, 4, 8) == pytest.approx(3 / 11)
@@ -173,23 +199,29 @@ def _example(argv):
     return _lm().main(argv)
 
 
-@pytest.mark.parametrize("extra", [["--schedule", "1f1b"], ["--schedule", "interleaved_1f1b", "--tp", "2"],
-                                   ["--schedule", "gpipe", "--zero", "3"]], ids=["1f1b", "interleaved+tp", "gpipe+zero3"])
+@pytest.mark.parametrize("extra", [["--optimizer", "adamw", "--pp", "2", "--schedule", "1f1b"],
+                                   ["--optimizer", "adamw", "--pp", "2", "--schedule", "interleaved_1f1b", "--tp", "2"],
+                                   ["--optimizer", "adamw", "--pp", "2", "--schedule", "gpipe", "--zero", "3"],
+                                   ["--optimizer", "host", "--device-dtype", "fp32", "--pp", "2", "--zero", "1"]],
+                         ids=["1f1b", "interleaved+tp", "gpipe+zero3", "host-adamw+zero-offload"])
 def test_the_gpt_example_trains_pipelined(tmp_path, cpu_ranks, extra):
+    # --max-grad-norm 0.1 clips every step: each stage must scale by the norm over all stages
     argv = ["--steps", "6", "--layers", "4", "--d-model", "32", "--heads", "4", "--context", "16", "--batch-size", "8",
-            "--corpus-bytes", "20000", "--optimizer", "adamw", "--max-grad-norm", "0.1", "--pp", "2", "--micro-batches", "2", *extra]
+            "--corpus-bytes", "20000", "--max-grad-norm", "0.1", "--micro-batches", "2", *extra]
     result = run_ranks(tmp_path, 4, _example, argv)
     assert result["pp"] == 2 and result["micro_batches"] == 2 and result["dp"] * result["tp"] == 2
     assert 0 < result["bubble"] < 1
-    plain = argv[: argv.index("--pp")]  # one process, no pipeline: the same batches, AdamW, the same clipping (active)
+    # one process, no pipeline: the same batches, optimizer, device dtype and clipping
+    plain = [a for i, a in enumerate(argv) if a not in ("--pp", "--micro-batches", "--schedule", "--tp", "--zero")
+             and argv[i - 1] not in ("--pp", "--micro-batches", "--schedule", "--tp", "--zero")]
     want = _lm().main(plain)
     assert result["final_train_loss"] == pytest.approx(want["final_train_loss"], abs=1e-5)
     assert result["valid_loss"] == pytest.approx(want["valid_loss"], abs=1e-5)
 
 
-def test_the_gpt_example_refuses_the_host_optimizer_in_a_pipeline():
-    with pytest.raises(ValueError, match=r"--pp > 1 trains with a device optimizer for now: add --optimizer adamw"):
-        _lm().main(["--steps", "1", "--pp", "2"])
+def test_the_gpt_example_refuses_a_loss_scale_in_a_pipeline():
+    with pytest.raises(ValueError, match=r"--pp > 1 runs AdamW or the host optimizer with bf16 or fp32 device weights"):
+        _lm().main(["--steps", "1", "--pp", "2", "--device-dtype", "fp16"])
 
 
 def _train_and_save(pp, steps, path, load_from):

@@ -13,7 +13,7 @@ from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRL, LazyAdam
 from hetero.train import TrainConfig, Trainer
 
-from conftest import make_dataset
+from conftest import criteo_lines, make_dataset
 
 
 def _cli(ml_dir, run_dir, *extra):
@@ -178,23 +178,10 @@ def test_cli_errors_of_hetero_are_one_line_and_others_keep_their_traceback(ml_di
     assert "Traceback (most recent call last)" in err and "trainer.py" in err
 
 
-def _criteo_lines(n, label=None, seed=0):
-    import random
-
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        y = label if label is not None else rng.randint(0, 1)
-        ints = [str(rng.randint(0, 50)) if rng.random() > 0.2 else "" for _ in range(13)]
-        cats = [f"{rng.randint(0, 30):08x}" if rng.random() > 0.1 else "" for _ in range(26)]
-        rows.append("\t".join([str(y), *ints, *cats]))
-    return "\n".join(rows) + ("\n" if rows else "")
-
-
 @pytest.mark.parametrize("rows", [0, 5])
 def test_an_empty_or_tiny_file_is_a_clear_error_before_the_model_is_built(tmp_path, capsys, rows):
     path = tmp_path / "small.tsv"
-    path.write_text(_criteo_lines(rows))
+    path.write_text(criteo_lines(rows))
     assert main(["train", "--data", "criteo", "--data-path", str(path), "--run-dir", str(tmp_path / "run"),
                  "--no-progress"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
@@ -204,7 +191,7 @@ def test_an_empty_or_tiny_file_is_a_clear_error_before_the_model_is_built(tmp_pa
 
 def test_a_single_class_evaluation_writes_valid_json_with_null(tmp_path, capsys):
     path = tmp_path / "negatives.tsv"
-    path.write_text(_criteo_lines(60, label=0))
+    path.write_text(criteo_lines(60, label=0))
     assert main(["train", "--data", "criteo", "--data-path", str(path), "--run-dir", str(tmp_path / "run"),
                  "--no-progress", "--epochs", "1", "--batch-size", "16"]) == 0
 

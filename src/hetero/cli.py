@@ -19,18 +19,31 @@ from pathlib import Path
 import torch
 
 from hetero import parallel, ps
-from hetero.data import BatchConfig, Batches, CriteoConfig, FeatureRole, load_movielens_100k, read_criteo_tsv
+from hetero.data import (
+    BatchConfig,
+    Batches,
+    CriteoConfig,
+    FeatureRole,
+    TabularDataset,
+    load_movielens_100k,
+    read_criteo_tsv,
+)
+from hetero.data.readers import read_dataset
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
-from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig, mlp_sharding_plan
+from hetero.jobfile import JobFile, read_job_file
+from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig, mlp_sharding_plan, pipeline_split_points
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.optim.accounting import storage_bytes
 from hetero.parallel import DataParallelConfig
 from hetero.parallel.env import set_data_parallel_group
 from hetero.parallel.parallelize import ParallelPlan, parallelize
+from hetero.parallel.pipeline import pipeline
+from hetero.parallel.pipeline_plan import PipelineConfig, Schedule
 from hetero.parallel.zero import ZeroConfig, local_elements, zero_optimizer
 from hetero.placement import Target, resolve_device
 from hetero.ps import PSConfig, PSMode
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
+from hetero.train.trainer import weighted_bce
 
 log = logging.getLogger("hetero")
 
@@ -45,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
     t = sub.add_parser("train", help="train Wide & Deep with host-resident embedding tables", formatter_class=defaults)
     g = t.add_argument_group("data")
-    g.add_argument("--data", choices=["movielens-100k", "criteo"], default="movielens-100k")
+    g.add_argument("--config", type=Path, help="a job config file (TOML): a schema and data for your own file, and "
+                   "any of these flags by name; flags given here override it (see hetero.jobfile)")
+    g.add_argument("--data", choices=["movielens-100k", "criteo"], default="movielens-100k",
+                   help="a built-in data set (ignored when --config has a schema)")
     g.add_argument("--data-path", type=Path, help="ml-100k atomic-file dir, or the Criteo TSV file")
     g.add_argument("--cache-dir", type=Path, help="download cache (default $HETERO_CACHE or ~/.cache/hetero)")
     g.add_argument("--hash-buckets", type=int, help="Criteo: hash categorical values into this many rows per table")
@@ -81,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                    help="ZeRO for the dense part over the data-parallel ranks: 1 Adam states, 2 + gradients, "
                         "3 + parameters (host tables keep their own sparse exchange)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages, one per rank (under torchrun --nproc-per-node "
+                   "PP): stage 0 the host tables and the first MLP layers, the later stages the rest of the MLP")
+    g.add_argument("--schedule", choices=[s.value for s in Schedule if not s.interleaved],
+                   default=Schedule.ONE_F_ONE_B.value, help="pipeline schedule (with --pp)")
+    g.add_argument("--micro-batches", type=int, help="micro-batches per batch (with --pp; default: --pp)")
     g.add_argument("--tp", type=int, default=1, help="operator-parallel ranks for the deep MLP (under torchrun "
                    "--nproc-per-node TP; the tables stay replicated on each host)")
     g.add_argument("--table-sharding", choices=["replicated", "row"], default="replicated",
@@ -101,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("source", type=Path, help="the checkpoint.dcp directory")
     m.add_argument("output", type=Path, help="the integrated checkpoint file to write (atomically)")
     return p
+
+
+def _train_flags(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """``hetero train``'s flags, each mapped to whether it takes a value (argparse keeps its
+    actions in ``_actions``, the one place that lists them)."""
+    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    return {a.option_strings[-1]: a.nargs != 0 for a in train._actions if a.option_strings and a.dest != "help"}
 
 
 def merge(source: Path, output: Path) -> Path:
@@ -141,27 +169,73 @@ def _operator_parallel_mesh(args: argparse.Namespace):  # noqa: ANN202 - a Devic
     return mesh
 
 
-def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer | None:  # noqa: ANN001 - a DeviceMesh
-    """The trainer of this process; ``None`` on a parameter server, which has served the job by
-    the time this returns. With ``mesh`` (``--tp``), the deep MLP is operator-parallel on it."""
-    torch.manual_seed(args.seed)
-    if args.data == "movielens-100k":
-        data = load_movielens_100k(args.data_path, args.cache_dir)
+def _pipeline_mesh(args: argparse.Namespace):  # noqa: ANN202 - a DeviceMesh
+    """With ``--pp N`` > 1: the job's mesh, one pipeline stage per rank (the data-parallel
+    dimension is 1: every rank reads the whole batch, the first stage's rank its features)."""
+    others = [flag for flag, on in (("--tp", args.tp > 1), ("--zero", args.zero), ("--ps-servers", args.ps_servers),
+                                    ("--table-sharding row", args.table_sharding == "row"), ("--prefetch", args.prefetch),
+                                    ("--checkpoint-format sharded", args.checkpoint_format == "sharded")) if on]
+    if others:
+        raise ValueError(f"--pp runs the pipeline alone in hetero train (replicated tables, integrated checkpoints): "
+                         f"drop {', '.join(others)}")
+    if parallel.world_size() != args.pp:
+        raise ValueError(f"--pp {args.pp} runs one stage per rank: start torchrun --nproc-per-node {args.pp} (this job "
+                         f"has {parallel.world_size()} ranks); pipeline x data parallel is hetero.parallel's "
+                         f"(pipeline over a pp x dp mesh), not yet hetero train's")
+    micro = args.micro_batches or args.pp
+    if args.batch_size % micro:
+        raise ValueError(f"--micro-batches {micro} does not divide --batch-size {args.batch_size}: choose a batch size "
+                         f"that is a multiple of the micro-batches")
+    mesh = parallel.build_mesh(parallel.MeshConfig(pp=args.pp))
+    set_data_parallel_group(mesh[parallel.MeshDim.DP.value].get_group())  # this rank alone: no DDP, no exchange
+    return mesh
+
+
+def _splits(args: argparse.Namespace, job: JobFile | None) -> tuple[TabularDataset, TabularDataset, TabularDataset]:
+    """Train / validation / test: a job file's schema over its (or ``--data-path``'s) file, fitted
+    on the training split; else a built-in data set split 80/10/10."""
+    if job is not None and job.schema is not None:
+        path = job.source.path or args.data_path
+        if path is None:
+            raise ValueError(f"{args.config} has a schema but no data: set path in its [data] section, or --data-path")
+        train, valid, test, _ = read_dataset(path, job.schema, job.source.reader, job.source.split, args.seed)
+        source, n = path, len(train) + len(valid) + len(test)
     else:
-        if args.data_path is None:
-            raise ValueError("--data criteo needs --data-path FILE.tsv (Criteo Kaggle/Terabyte TSV format)")
-        data = read_criteo_tsv(args.data_path, CriteoConfig(hash_buckets=args.hash_buckets))
-    source = args.data_path or args.data
-    if len(data) < 10:  # 80/10/10 needs one sample in each of validation and test, and a training batch
-        raise ValueError(f"{source} has {len(data)} samples: the 80/10/10 train/validation/test split needs at least "
-                         f"10; use a larger file")
-    train, valid, test = data.split((0.8, 0.1, 0.1), seed=args.seed)
+        if args.data == "movielens-100k":
+            data = load_movielens_100k(args.data_path, args.cache_dir)
+        else:
+            if args.data_path is None:
+                raise ValueError("--data criteo needs --data-path FILE.tsv (Criteo Kaggle/Terabyte TSV format)")
+            data = read_criteo_tsv(args.data_path, CriteoConfig(hash_buckets=args.hash_buckets))
+        source, n = args.data_path or args.data, len(data)
+        if n >= 10:
+            train, valid, test = data.split((0.8, 0.1, 0.1), seed=args.seed)
+    if n < 10 or not (len(train) and len(valid) and len(test)):
+        raise ValueError(f"{source} has {n} samples: the 80/10/10 train/validation/test split needs at least 10; "
+                         f"use a larger file")
+    return train, valid, test
+
+
+def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: ANN001 - a DeviceMesh
+                  job: JobFile | None = None) -> Trainer | None:
+    """The trainer of this process; ``None`` on a parameter server, which has served the job by
+    the time this returns. With ``mesh`` (``--tp``), the deep MLP is operator-parallel on it;
+    with ``job``, its schema and data (``--config``)."""
+    torch.manual_seed(args.seed)
+    train, valid, test = _splits(args, job)
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
-                         deep=f.role is not FeatureRole.WIDE) for f in data.specs]
+                         deep=f.role is not FeatureRole.WIDE) for f in train.specs]
     model_config = WideDeepConfig(embedding_dim=args.embedding_dim, hidden=args.hidden, dropout=args.dropout)
     # a parameter server runs no model: it keeps it on the host and leaves the accelerator alone
     device = torch.device("cpu") if ps.role() is ps.Role.SERVER else resolve_device(Target.DEVICE)
-    model = WideDeep(slots, data.num_dense, model_config).to(device)
+    model = WideDeep(slots, train.num_dense, model_config).to(device)
+    pipe = None
+    if args.pp > 1:
+        pp_config = PipelineConfig(Schedule(args.schedule), args.micro_batches or args.pp,
+                                   split_points=pipeline_split_points(model, args.pp))
+        pipe = pipeline(model, pp_config, mesh, weighted_bce)
+        model = pipe.modules[0]  # this rank's stage: the host tables live in stage 0 only
+        log.info("%s", pipe.plan)
     if args.prefetch and (args.table_sharding == "row" or args.ps_servers):
         raise ValueError("--prefetch works with replicated tables only; drop it or use --table-sharding replicated "
                          "without --ps-servers")
@@ -173,7 +247,7 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer 
     sparse = {
         "wide": _sparse_optimizer(args.wide_optimizer, {k: v for k, v in tables.items() if k.startswith("wide.")}, args.wide_lr, args),
         "deep": _sparse_optimizer(args.deep_optimizer, {k: v for k, v in tables.items() if k.startswith("deep.")}, args.deep_lr, args),
-    }
+    } if tables else {}  # a later pipeline stage holds no tables
     if args.ps_servers:
         ps.start(model, sparse)  # memory budgets checked on every rank; a server serves here until the workers stop
         if ps.role() is ps.Role.SERVER:
@@ -184,7 +258,7 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer 
                          "workers are not the whole mesh: drop --zero or --ps-servers")
     if args.zero and mesh is None:
         mesh = parallel.build_mesh(parallel.MeshConfig())  # every rank data-parallel
-    if mesh is not None:  # operator sharding, then ZeRO (FSDP2 over dp; the host tables are left out)
+    if mesh is not None and pipe is None:  # operator sharding, then ZeRO (FSDP2 over dp; the host tables are left out)
         plan = ParallelPlan(sharding=mlp_sharding_plan(model, args.tp) if args.tp > 1 else None, zero=zero)
         layout = parallelize(model, plan, mesh)
         if layout:
@@ -197,7 +271,7 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer 
     # foreach=False under --tp: the parameters mix DTensor shards and plain tensors
     foreach = None if mesh is None or args.tp == 1 else False
     dense = (zero_optimizer(dense_parameters(model), torch.optim.Adam, zero, mesh, lr=args.dense_lr, foreach=foreach)
-             if mesh is not None else torch.optim.Adam(dense_parameters(model), lr=args.dense_lr))
+             if mesh is not None and pipe is None else torch.optim.Adam(dense_parameters(model), lr=args.dense_lr))
     if args.zero:
         log.info("hetero: ZeRO stage %d over %d data-parallel ranks: this rank updates %d of %d dense parameter "
                  "elements", args.zero, parallel.world_size(), local_elements(dense),
@@ -205,7 +279,7 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer 
     n_rows = sum(t.config.num_embeddings for t in tables.values())
     where = f"on {args.ps_servers} parameter servers" if args.ps_servers else f"on this host ({args.table_sharding})"
     log.info("hetero: %d samples (%d train); %d host tables, %d rows, %.1f MB %s; MLP on %s",
-             len(data), len(train), len(tables), n_rows,
+             len(train) + len(valid) + len(test), len(train), len(tables), n_rows,
              sum(t.weight.numel() * t.weight.element_size() for t in tables.values()) / 1e6, where, device)
     fmt = args.checkpoint_format or ("sharded" if args.ps_servers else "integrated")
     config = TrainConfig(epochs=args.epochs, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
@@ -214,7 +288,7 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None) -> Trainer 
     set_num_threads(args.threads)
     batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed,
                                          rank=parallel.rank(), world_size=parallel.world_size()))
-    return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir, on_step=on_step)
+    return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir, on_step=on_step, pipeline=pipe)
 
 
 def report_error(e: BaseException, *own: Path) -> None:
@@ -259,7 +333,18 @@ _PACKAGE = Path(__file__).resolve().parent
 
 def main(argv: list[str] | None = None, on_step=None) -> int:
     """Run the command line; ``on_step`` (see :class:`Trainer`) is for embedding callers."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    job = None
+    if args.command == "train" and args.config is not None:
+        try:
+            job = read_job_file(args.config, _train_flags(parser))
+        except (OSError, ValueError) as e:
+            print(f"hetero: error: {e}", file=sys.stderr)
+            return 1
+        at = argv.index("train") + 1  # the file's flags first: the command line's, after them, win
+        args = parser.parse_args([*argv[:at], *job.argv, *argv[at:]])
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.command == "checkpoint":
         try:
@@ -277,11 +362,11 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         if args.ps_servers:
             ps.init(PSConfig(num_servers=args.ps_servers, mode=PSMode(args.ps_mode), staleness=args.ps_staleness,
                              server_memory_bytes=int(args.ps_server_memory_mb * 2**20), timeout_s=args.ps_timeout))
-        mesh = _operator_parallel_mesh(args)
+        mesh = _pipeline_mesh(args) if args.pp > 1 else _operator_parallel_mesh(args)
         rank = parallel.global_rank()
         if rank != 0:  # one voice per job: the other ranks only warn
             logging.getLogger("hetero").setLevel(logging.WARNING)
-        trainer = build_trainer(args, on_step, mesh)
+        trainer = build_trainer(args, on_step, mesh, job)
         if trainer is None:  # a parameter server: the workers are done
             failed = False
             return 0

@@ -4,6 +4,7 @@ over both packages (placement knows nothing of parallel)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +14,8 @@ from hetero.parallel.comm_fusion import CommFusion
 from hetero.parallel.dp_plan import plan_collectives
 from hetero.parallel.mesh import MeshDim
 from hetero.parallel.operator_plan import ShardingPlan
-from hetero.parallel.pipeline import PipelineConfig, plan_pipeline
+from hetero.parallel.pipeline import Pipeline
+from hetero.parallel.pipeline_plan import PipelineConfig, plan_pipeline
 from hetero.parallel.sharding_graph import explain_sharding
 from hetero.parallel.zero import ZeroConfig
 from hetero.placement.annotate import PlacementSpec
@@ -24,7 +26,7 @@ from hetero.placement.explainer import explain as explain_placement
 def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSpec | None = None, *,
             sharding: ShardingPlan | None = None, mesh: Mapping[MeshDim, int] | None = None,
             all_to_all: bool = True, fusion: CommFusion = CommFusion(), zero: ZeroConfig = ZeroConfig(),
-            pipeline: PipelineConfig | None = None) -> Explanation:
+            pipeline: PipelineConfig | Pipeline | None = None) -> Explanation:
     """Describe what hetero makes of ``model`` on ``example_inputs``, without changing it.
 
     Args:
@@ -37,9 +39,11 @@ def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSp
         fusion, zero: with ``mesh[MeshDim.DP] > 1``, the report adds the collectives of one
             training step over the data-parallel ranks, with their sizes
             (:func:`hetero.parallel.dp_plan.plan_collectives`), for these settings.
-        pipeline: with it, the stages over ``mesh[MeshDim.PP]`` ranks (units, parameter bytes)
-            and the schedule's predicted bubble (:func:`hetero.parallel.pipeline.plan_pipeline`);
-            a run measures its own (``Pipeline.measured_bubble``).
+        pipeline: with a config, the stages over ``mesh[MeshDim.PP]`` ranks (units, parameter
+            bytes) and the schedule's predicted bubble
+            (:func:`hetero.parallel.pipeline_plan.plan_pipeline`); with a running
+            :class:`~hetero.parallel.pipeline.Pipeline`, its split and, beside the prediction, the
+            bubble its last step measured (``Pipeline.bubble``).
 
     Raises:
         ValueError: as :func:`hetero.placement.explainer.explain` and
@@ -57,6 +61,8 @@ def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSp
             raise ValueError("hetero.explain plans the data-parallel collectives of an unsharded dense part only: "
                              "explain the operator sharding (mesh={MeshDim.TP: n}) and data parallelism separately")
         report.data_parallel = plan_collectives(model, example_inputs, dp, fusion, zero)
-    if pipeline is not None:
+    if isinstance(pipeline, Pipeline):
+        report.pipeline = dataclasses.replace(pipeline.plan, measured_bubble=pipeline.bubble)
+    elif pipeline is not None:
         report.pipeline = plan_pipeline(model, pipeline, (mesh or {}).get(MeshDim.PP, 1))
     return report

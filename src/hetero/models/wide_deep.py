@@ -8,6 +8,10 @@
 
 All tables are :class:`~hetero.embedding.HostEmbedding` (host memory, sparse optimizers); the MLP
 and the wide dense/bias terms are ordinary parameters that follow ``model.to(device)``.
+
+Pipelined (:mod:`hetero.parallel.pipeline`, split at :func:`pipeline_split_points`): stage 0
+holds the tables, the wide terms and the first MLP layers (the lookups on the host, their sparse
+gradients back to the host); the later stages hold the rest of the MLP.
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ class FeatureSlot:
     deep: bool = True
 
 
+class Layers(nn.ModuleDict):
+    """Layers applied in order, named ``"0"``, ``"1"``, ... as ``nn.Sequential`` names them; a
+    ``ModuleDict`` so that a pipeline stage can hold some of them under their own names, with a
+    ``forward`` so that FSDP2 can shard it as one unit."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.values():
+            x = layer(x)
+        return x
+
+
 class WideDeep(nn.Module):
     """Wide & Deep over host tables.
 
@@ -52,7 +67,12 @@ class WideDeep(nn.Module):
 
     Forward: ``features`` maps name -> int64 ``(B,)`` ids or ``(ids, offsets)`` bags (host);
     ``dense`` is float32 ``(B, K)`` (host or device). Returns float32 logits ``(B,)`` on the device
-    of the MLP.
+    of the MLP. As a later pipeline stage (no tables), the arguments are the previous stage's
+    outputs instead: the MLP's activations ``(B, H)`` and the wide logit ``(B,)``; a stage
+    without the MLP's last layer returns those two for the next.
+
+    Raises:
+        ValueError: (forward) a pipeline stage holding one table collection without the other.
     """
 
     def __init__(self, features: Sequence[FeatureSlot], num_dense: int, config: WideDeepConfig = WideDeepConfig()) -> None:
@@ -79,15 +99,48 @@ class WideDeep(nn.Module):
                 layers.append(nn.Dropout(config.dropout))
             width = h
         layers.append(nn.Linear(width, 1))
-        self.mlp = nn.Sequential(*layers)
+        self.mlp = Layers({str(i): layer for i, layer in enumerate(layers)})
+        self.output_layer = str(len(layers) - 1)
 
-    def forward(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]], dense: Tensor) -> Tensor:
-        dense = copy_to(dense, self.wide_bias.device)  # host -> device, async on CUDA
-        wide = torch.stack([v.reshape(-1) for v in self.wide(features).values()], dim=1).sum(1) + self.wide_bias
-        if self.wide_dense is not None:
-            wide = wide + self.wide_dense(dense).squeeze(1)
-        deep_in = torch.cat([*self.deep(features).values(), dense], dim=1)
-        return wide + self.mlp(deep_in).squeeze(1)
+    def forward(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]] | Tensor,
+                dense: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        if (self.wide is None) != (self.deep is None):
+            raise ValueError("a Wide & Deep pipeline stage holds both table collections (wide, deep) or neither: split "
+                             "at layers of mlp (hetero.models.wide_deep.pipeline_split_points)")
+        if self.deep is not None:
+            dense = copy_to(dense, self.wide_bias.device)  # host -> device, async on CUDA
+            wide = torch.stack([v.reshape(-1) for v in self.wide(features).values()], dim=1).sum(1) + self.wide_bias
+            if self.wide_dense is not None:
+                wide = wide + self.wide_dense(dense).squeeze(1)
+            h = torch.cat([*self.deep(features).values(), dense], dim=1)
+        else:  # a later pipeline stage: the previous stage's activations and wide logit
+            h, wide = features, dense
+        h = self.mlp(h)
+        if self.output_layer in self.mlp:
+            return wide + h.squeeze(1)
+        return h, wide
+
+
+def pipeline_split_points(model: WideDeep, stages: int) -> tuple[str, ...]:
+    """Where pipeline stages ``1..stages-1`` begin: at Linear layers of the MLP, about equal MLP
+    parameter bytes per stage, stage 0 holding the tables, the wide terms and at least the first
+    Linear layer.
+
+    Raises:
+        ValueError: more stages than the MLP has Linear layers (naming both and the fix).
+    """
+    linears = [k for k, m in model.mlp.items() if isinstance(m, nn.Linear)]
+    if stages > len(linears):
+        raise ValueError(f"{stages} pipeline stages for a Wide & Deep MLP of {len(linears)} Linear layers: use at most "
+                         f"{len(linears)} stages (--pp), or more layers (--hidden)")
+    sizes = [sum(p.numel() for p in model.mlp[k].parameters()) for k in linears]
+    total, cuts, acc = sum(sizes), [], 0
+    for i, size in enumerate(sizes[:-1]):
+        acc += size
+        k = len(cuts) + 1
+        if k < stages and (acc >= total * k / stages or len(linears) - (i + 1) == stages - k):
+            cuts.append(f"mlp.{linears[i + 1]}")
+    return tuple(cuts)
 
 
 def mlp_sharding_plan(model: WideDeep, tp: int) -> ShardingPlan:

@@ -59,6 +59,7 @@ from hetero.optim.host_state import (
     _np,
     _buckets,
     _Slot,
+    _sum_over,
     f32,
 )
 
@@ -72,8 +73,12 @@ class HostAdamW(torch.optim.Optimizer):
         config: :class:`HostOffloadConfig`.
         process_group: the data-parallel ranks whose gradients are averaged before every update
             (``None``: the default group when ``torch.distributed`` is initialised, else none).
-            Every process of the job must build this optimizer (a collective: it creates a gloo
-            group for the host all-reduces).
+            Every rank of the group must build this optimizer (a collective over it: it creates
+            a gloo group for the host all-reduces).
+        norm_group: the ranks holding the model's other parameters - a pipeline's ``pp`` group,
+            whose stages each step their own part - whose sums of squares the global gradient
+            norm adds (with ``config.max_grad_norm`` or a loss scaler: every stage clips by the
+            same norm and skips the same steps). A collective to build, as ``process_group``.
 
     The parameters' data are replaced by ``config.device_dtype`` copies; the fp32 values live on
     as master weights (``optimizer.master(param)``). Works with LR schedulers and param groups.
@@ -91,7 +96,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, config: HostOffloadConfig = HostOffloadConfig(),
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, norm_group: dist.ProcessGroup | None = None) -> None:
         if config.device_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"device_dtype must be bfloat16, float16 or float32, got {config.device_dtype}")
         groups = list(params)
@@ -106,6 +111,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.config = config
         self.loss_scaler = config.loss_scaler
         self._group, self._world = _host_all_reduce_group(process_group)
+        self._norm_group = _host_all_reduce_group(norm_group)[0] if norm_group is not None else None
         cuda = torch.cuda.is_available()
         names = dict((p, n) for n, p in reversed(named))  # keyed by the tensor itself, as torch.optim's state
         self._slots: dict[Tensor, _Slot] = {}
@@ -201,7 +207,7 @@ class HostAdamW(torch.optim.Optimizer):
             if self._abort:
                 return
             self._reduce(b)
-            self._update_bucket(b, 1.0 / (self._world * self.config.accumulate))  # sums over ranks and passes
+            self._update_bucket(b, 1.0 / self._world)  # sums over the ranks
 
     def _reduce(self, bucket: int) -> None:
         """Wait for the bucket's gradient copies; sum its gradients over the data-parallel ranks.
@@ -357,7 +363,8 @@ class HostAdamW(torch.optim.Optimizer):
             sq, ok = K.sum_of_squares(_np(g), _chunks(g.numel()))
             total, finite = total + sq, finite and ok
         total, finite = self._global_sum_of_squares(total, finite)
-        scale = self.loss_scale * self._world * self.config.accumulate  # sums over the ranks and backward passes
+        total, finite = _sum_over(self._norm_group, total, finite)  # the other stages' parameters
+        scale = self.loss_scale * self._world  # sums over the ranks
         if self.loss_scaler is not None:
             self.loss_scaler.update(finite)  # the same verdict on every rank: the sums are non-finite everywhere
             if not finite:
@@ -479,5 +486,6 @@ class HostAdam(HostAdamW):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: HostOffloadConfig = HostOffloadConfig(),
-                 process_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group)
+                 process_group: dist.ProcessGroup | None = None, norm_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
+                         norm_group=norm_group)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hetero.optim.host_adam import HostAdamW
-from hetero.optim.host_state import HostOffloadConfig, _host_buffer, _Slot
+from hetero.optim.host_state import HostOffloadConfig, _host_buffer, _Slot, _sum_over
 
 
 class ShardedHostAdamW(HostAdamW):
@@ -35,12 +35,13 @@ class ShardedHostAdamW(HostAdamW):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, config: HostOffloadConfig = HostOffloadConfig(),
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, norm_group: dist.ProcessGroup | None = None) -> None:
         on = dist.is_available() and dist.is_initialized()
         group = process_group if process_group is not None else (dist.group.WORLD if on else None)
         self._rank = dist.get_rank(group) if on else 0
         self._ranks = dist.get_world_size(group) if on else 1
-        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group)
+        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
+                         norm_group=norm_group)
         cuda = torch.cuda.is_available()
         # Each bucket's shards are views of one buffer: its reduce-scatter's output and its
         # all-gather's input, one collective each (the comm fusion). Its input and output is the
@@ -69,11 +70,7 @@ class ShardedHostAdamW(HostAdamW):
         return slot.shard[: slot.master.numel()]
 
     def _global_sum_of_squares(self, total: float, finite: bool) -> tuple[float, bool]:
-        if self._world == 1:
-            return total, finite
-        both = torch.tensor([total, 0.0 if finite else 1.0], dtype=torch.float64)
-        dist.all_reduce(both, group=self._group)  # each rank summed its shards only
-        return both[0].item(), both[1].item() == 0
+        return _sum_over(self._group, total, finite)  # each rank summed its shards only
 
     # ------------------------------------------------------------------------- exchange
     def _exchange(self, bucket: int) -> None:

@@ -38,7 +38,8 @@ class HostOffloadConfig:
         overlap: run bucket updates during backward (else all in ``step()``).
         accumulate: backward passes per step (micro-batches, e.g. a pipeline's): a parameter's
             gradient stays on the device, summed by autograd, until its last pass, then streams;
-            the update uses their mean (each pass's loss a mean over its micro-batch).
+            the update uses their sum, as ``p.grad`` holds it for torch's optimizers (scale each
+            pass's loss by ``1 / accumulate`` for the whole batch's mean, as a pipeline does).
     """
 
     device_dtype: torch.dtype = torch.bfloat16
@@ -85,7 +86,19 @@ def _host_all_reduce_group(group: dist.ProcessGroup | None) -> tuple[dist.Proces
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     if len(ranks) == 1:
         return None, 1
-    return dist.new_group(ranks, backend="gloo"), len(ranks)
+    # local synchronisation: only the group's ranks call this (torch's default would have every rank
+    # of the job create every group in one order, and a pipeline's stages build different groups)
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True), len(ranks)
+
+
+def _sum_over(group: dist.ProcessGroup | None, total: float, finite: bool) -> tuple[float, bool]:
+    """``total`` summed and ``finite`` and-ed over the ranks of the (gloo) ``group``; as they
+    are without one. Collective."""
+    if group is None:
+        return total, finite
+    both = torch.tensor([total, 0.0 if finite else 1.0], dtype=torch.float64)
+    dist.all_reduce(both, group=group)
+    return both[0].item(), both[1].item() == 0
 
 
 def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> Tensor:

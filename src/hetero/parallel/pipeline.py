@@ -1,48 +1,45 @@
 """Pipeline parallelism: the model split into stages over the mesh's ``pp`` dimension, micro-batches
-flowing through them point to point, on ``torch.distributed.pipelining``.
+flowing through them point to point, on ``torch.distributed.pipelining``; the split itself is
+planned by :mod:`hetero.parallel.pipeline_plan`.
 
-**Units and split points.** A model's pipeline units are its top-level children in registration
-order, with the children of an ``nn.ModuleDict`` listed one by one (``"blocks.0"``, ...): the
-layers of a stack. Stage ``k`` holds the units from split point ``k`` (a unit's qualified name,
-where stage ``k`` begins) to the next; without split points the units are cut into stages of
-about equal parameter bytes. A stage module is the model with every other unit removed: a
-top-level child becomes ``None``, a ``ModuleDict`` entry is deleted. Parameter names do not
-change, so a stage's ``state_dict`` is a part of the whole model's (checkpoints move between
-pipeline degrees). The model's ``forward`` must skip what is absent - ``x if self.embed is None
-else self.embed(x)``, ``for layer in self.layers.values()`` - as torchtitan's models do; a stack in
-an ``nn.ModuleList`` is refused (deleting from it would renumber the layers).
+**Stages.** A stage module is the model with every other unit removed: a top-level child becomes
+``None``, a ``ModuleDict`` entry is deleted; parameters and buffers registered on the model itself
+(not in a unit) go with the first stage. Parameter names do not change, so a stage's
+``state_dict`` is a part of the whole model's (checkpoints move between pipeline degrees). The
+model's ``forward`` must skip what is absent - ``x if self.embed is None else self.embed(x)``,
+``for layer in self.layers.values()`` - as torchtitan's models do.
 
-**Schedules** (:class:`Schedule`): GPipe and 1F1B with one stage per rank; interleaved 1F1B and
-interleaved zero bubble with ``stages_per_rank`` stages per rank, rank ``r`` holding stages ``r,
-r + pp, ...`` (looped). Each micro-batch's loss is ``loss_fn(output, target)``, a mean over the
-micro-batch; the schedules divide the gradients by the number of micro-batches, so with equal
-micro-batches the gradients are the whole batch's, as without a pipeline.
+**Schedules** (:class:`~hetero.parallel.pipeline_plan.Schedule`): GPipe and 1F1B with one stage
+per rank (1F1B with fewer micro-batches than ranks is GPipe's order, and runs as such);
+interleaved 1F1B and interleaved zero bubble with ``stages_per_rank`` stages per rank, rank ``r``
+holding stages ``r, r + pp, ...`` (looped). Each micro-batch's loss is ``loss_fn(output,
+target)``, a mean over the micro-batch; backward runs on it divided by the number of
+micro-batches ``m``, so with equal micro-batches every gradient - ``p.grad``, and the sparse
+gradients host tables send to the host, which no hook of the schedule could rescale - sums to
+the whole batch's, as without a pipeline (torch's schedules with ``scale_grads=False``).
 
 **Optimizers.** Any ``torch.optim`` optimizer over :meth:`Pipeline.parameters`; a global
 gradient norm must add the stages' sums over the ``pp`` group. :class:`~hetero.optim.HostAdamW`
 takes ``HostOffloadConfig(accumulate=micro_batches)`` (the micro-batches' gradients summed on the
-device, streamed once) and ``process_group=`` the ``dp`` group (its default, every rank, would
-pair stages holding different parameters).
+device, streamed once), ``process_group=`` the ``dp`` group (its default, every rank, would
+pair stages holding different parameters) and, to clip by the global norm, ``norm_group=`` the
+``pp`` group. A stage holding host tables steps their sparse optimizers as usual.
 
 **Bubble accounting.** Each stage times its forward and backward work (``StageTimer``); a
 rank's idle time is the pipeline's step time (the slowest rank's wall time: the step ends when
 the last rank is done) less its busy time - waiting for a neighbour, the bubble
-(:meth:`Pipeline.measured_bubble`).
-:func:`predicted_bubble` is the schedule's idle fraction with stages of equal cost: ``(p - 1) /
-(v m + p - 1)`` for ``p`` ranks, ``v`` stages per rank and ``m >= p`` micro-batches (GPipe and
-1F1B: ``v = 1``; Narayanan et al. 2021); with ``m < p`` an interleaved pipeline never fills and
-each rank idles ``v (p - m) + m - 1`` chunk times instead of ``p - 1``.
+(:attr:`Pipeline.bubble`, measured every step; ``hetero.explain(..., pipeline=the_pipeline)``
+prints it beside :func:`~hetero.parallel.pipeline_plan.predicted_bubble`).
 
 Reference: Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B, interleaved); Qi et al. 2024
-(zero bubble); torch's ``torch.distributed.pipelining``; torchtitan's split by qualified name; the
-reference design's pipeline parallel (stages on device groups, micro-batches).
+(zero bubble); torch's ``torch.distributed.pipelining``; the reference design's pipeline
+parallel (stages on device groups, micro-batches).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 import functools
 import time
 from collections.abc import Callable
@@ -53,106 +50,26 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hetero.parallel.mesh import MeshDim, mesh_size, torch_device
+from hetero.parallel.pipeline_plan import PipelineConfig, PipelinePlan, Schedule, pipeline_units, plan_pipeline
 
 
-class Schedule(enum.Enum):
-    """A pipeline schedule (torch's class of the same algorithm runs it)."""
+def stage_module(model: nn.Module, units: list[str], keep: list[str], first: bool) -> nn.Module:
+    """``model`` holding only the units ``keep`` (the others removed, names unchanged) and, if
+    ``first``, the parameters and buffers registered on ``model`` itself.
 
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved_1f1b"
-    INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
-
-    @property
-    def interleaved(self) -> bool:
-        """Whether a rank holds several stages (``PipelineConfig.stages_per_rank``)."""
-        return self in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE)
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """How a model is pipelined over the mesh's ``pp`` ranks.
-
-    Attributes:
-        schedule: the :class:`Schedule` (or its value, e.g. ``"1f1b"``).
-        micro_batches: micro-batches per batch (>= 1; must divide the batch size).
-        stages_per_rank: stages each rank holds: 1 for GPipe and 1F1B, >= 2 for the interleaved
-            schedules.
-        split_points: qualified names of the units where stages 1, 2, ... begin (one fewer than
-            the stages); empty: stages of about equal parameter bytes.
+    The stage is a new root (and new ``ModuleDict`` containers) around ``model``'s own units:
+    nothing is copied - a stage holding host tables does not duplicate them - and what trains or
+    is sharded in the stage is so in ``model``, which afterwards holds this rank's stages' state
+    and the untrained rest.
     """
-
-    schedule: Schedule = Schedule.ONE_F_ONE_B
-    micro_batches: int = 1
-    stages_per_rank: int = 1
-    split_points: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.schedule, Schedule):
-            valid = [s.value for s in Schedule]
-            if self.schedule not in valid:
-                raise ValueError(f"pipeline schedule {self.schedule!r} does not exist; valid schedules are {valid}")
-            object.__setattr__(self, "schedule", Schedule(self.schedule))
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches={self.micro_batches}: a batch needs at least 1 micro-batch")
-        if self.schedule.interleaved != (self.stages_per_rank >= 2) or self.stages_per_rank < 1:
-            need = ">= 2" if self.schedule.interleaved else "1"
-            raise ValueError(f"stages_per_rank={self.stages_per_rank} with schedule {self.schedule.value}: that schedule "
-                             f"takes stages_per_rank {need}")
-        object.__setattr__(self, "split_points", tuple(self.split_points))
-
-
-def pipeline_units(model: nn.Module) -> list[str]:
-    """The qualified names of ``model``'s pipeline units, in order (see the module docstring)."""
-    units = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleDict):
-            units += [f"{name}.{key}" for key in child]
-        else:
-            units.append(name)
-    return units
-
-
-def split_points(model: nn.Module, stages: int, given: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The units where stages ``1..stages-1`` begin: ``given`` checked, or a balanced cut.
-
-    Raises:
-        ValueError: a name that is not a unit, points out of order, or the wrong count (naming
-            the units); more stages than units; a stack in an ``nn.ModuleList``.
-    """
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            raise ValueError(f"{type(model).__name__}.{name} is an nn.ModuleList: make it an nn.ModuleDict (keys '0', "
-                             f"'1', ...) iterated with .values(), so a pipeline stage keeps its layers' names")
-    units = pipeline_units(model)
-    if stages > len(units):
-        raise ValueError(f"{stages} pipeline stages for {len(units)} units ({units}): use at most {len(units)} stages")
-    if given:
-        if len(given) != stages - 1:
-            raise ValueError(f"{len(given)} split points for {stages} stages: give {stages - 1}, the units where "
-                             f"stages 1..{stages - 1} begin")
-        for name in given:
-            if name not in units:
-                raise ValueError(f"pipeline split point {name!r} is not a unit of {type(model).__name__}; its units are "
-                                 f"{units}")
-        index = [units.index(n) for n in given]
-        if index != sorted(set(index)) or index[0] == 0:
-            raise ValueError(f"pipeline split points {list(given)} must be distinct units after the first, in model "
-                             f"order: {units}")
-        return tuple(given)
-    sizes = [sum(p.numel() * p.element_size() for p in model.get_submodule(u).parameters()) for u in units]
-    total, cuts, acc = sum(sizes), [], 0
-    for i, size in enumerate(sizes[:-1]):
-        acc += size
-        k = len(cuts) + 1  # the next cut: after about k / stages of the bytes, leaving a unit per later stage
-        if k < stages and (acc >= total * k / stages or len(units) - (i + 1) == stages - k):
-            cuts.append(units[i + 1])
-    return tuple(cuts)
-
-
-def stage_module(model: nn.Module, units: list[str], keep: list[str]) -> nn.Module:
-    """A copy of ``model`` holding only the units ``keep`` (the others removed, names unchanged)."""
-    stage = copy.deepcopy(model)
+    own = [*model.parameters(recurse=False), *model.buffers(recurse=False)]
+    shared = [model.get_submodule(u) for u in keep] + (own if first else [])
+    removed = [model.get_submodule(u) for u in units if u not in keep] + ([] if first else own)
+    # deepcopy's memo maps an object to its copy: what the stage keeps "copies" to itself, what it
+    # drops to None (an absent submodule, parameter or buffer); only the root and the containers
+    # are new objects
+    memo = {id(x): x for x in shared} | {id(x): None for x in removed}
+    stage = copy.deepcopy(model, memo)
     for unit in units:
         if unit in keep:
             continue
@@ -164,61 +81,11 @@ def stage_module(model: nn.Module, units: list[str], keep: list[str]) -> nn.Modu
     return stage
 
 
-def predicted_bubble(schedule: Schedule, pp: int, micro_batches: int, stages_per_rank: int = 1) -> float | None:
-    """The idle fraction of a step with stages of equal cost (see the module docstring);
-    ``None`` for zero bubble, whose split of weight gradients the formula does not model."""
-    if schedule is Schedule.INTERLEAVED_ZERO_BUBBLE:
-        return None
-    v, m = stages_per_rank, micro_batches
-    idle = pp - 1 if m >= pp else v * (pp - m) + m - 1  # in chunk times (a stage's forward + backward)
-    return idle / (v * m + idle)
-
-
-@dataclasses.dataclass
-class PipelinePlan:
-    """A pipeline split planned without process groups (``hetero.explain``'s pipeline section).
-
-    Attributes:
-        schedule, micro_batches, pp, stages_per_rank: as configured.
-        stages: per stage, its units and their parameter bytes.
-        predicted_bubble: :func:`predicted_bubble` (``None`` where not modelled).
-    """
-
-    schedule: Schedule
-    micro_batches: int
-    pp: int
-    stages_per_rank: int
-    stages: list[tuple[list[str], int]]
-    predicted_bubble: float | None
-
-    def __str__(self) -> str:
-        bubble = "not modelled" if self.predicted_bubble is None else f"{self.predicted_bubble:.3f}"
-        lines = [f"pipeline: {len(self.stages)} stages on {self.pp} ranks, {self.schedule.value}, "
-                 f"{self.micro_batches} micro-batches, predicted bubble {bubble}"]
-        for i, (units, nbytes) in enumerate(self.stages):
-            lines.append(f"  stage {i} (rank {i % self.pp}): {', '.join(units)}; parameters {nbytes} B")
-        return "\n".join(lines)
-
-
-def plan_pipeline(model: nn.Module, config: PipelineConfig, pp: int) -> PipelinePlan:
-    """How :func:`pipeline` would split ``model`` over ``pp`` ranks. Raises as :func:`split_points`."""
-    stages = pp * config.stages_per_rank
-    units = pipeline_units(model)
-    cuts = split_points(model, stages, config.split_points)
-    bounds = [0, *(units.index(c) for c in cuts), len(units)]
-    parts = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        nbytes = sum(p.numel() * p.element_size() for u in units[lo:hi] for p in model.get_submodule(u).parameters())
-        parts.append((units[lo:hi], nbytes))
-    return PipelinePlan(config.schedule, config.micro_batches, pp, config.stages_per_rank, parts,
-                        predicted_bubble(config.schedule, pp, config.micro_batches, config.stages_per_rank))
-
-
 @dataclasses.dataclass
 class StepTime:
     """One rank's last pipeline step, in seconds: ``busy`` in its stages' forward and backward
     work, ``wall`` in all (busy + waiting for neighbours + sending). ``bubble`` is this rank's
-    idle fraction of its own wall time; the pipeline's is :meth:`Pipeline.measured_bubble`."""
+    idle fraction of its own wall time; the pipeline's is :attr:`Pipeline.bubble`."""
 
     busy: float = 0.0
     wall: float = 0.0
@@ -272,6 +139,15 @@ class Pipeline:
             other parallel dimensions left them (DTensor shards, FSDP2 units), unwrapped.
         stage_indices: their stage numbers.
         num_stages: stages in all.
+        schedule: torch's schedule object that runs a step.
+        micro_batches: per batch.
+        group: the ``pp`` process group.
+        last_rank: the ``pp`` group rank holding the last stage.
+        device: where the stages run.
+        plan: the split (:func:`plan_pipeline`).
+        time: this rank's last step.
+        bubble: the idle fraction of the last step over the ``pp`` ranks, ``1 - mean busy / max
+            wall`` (the same on every rank); ``None`` before the first step.
     """
 
     modules: list[nn.Module]
@@ -280,8 +156,11 @@ class Pipeline:
     schedule: object
     micro_batches: int
     group: dist.ProcessGroup
-    last_rank: int  # the pp group rank that holds the last stage
-    time: StepTime = dataclasses.field(default_factory=StepTime)  # this rank's last step
+    last_rank: int
+    device: torch.device
+    plan: PipelinePlan
+    time: StepTime = dataclasses.field(default_factory=StepTime)
+    bubble: float | None = None
 
     @property
     def has_first(self) -> bool:
@@ -297,40 +176,69 @@ class Pipeline:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [item for m in self.modules for item in m.named_parameters()]
 
-    def measured_bubble(self) -> float:
-        """The idle fraction of the last step over the ``pp`` ranks: ``1 - mean busy / max wall``.
-        Collective over the ``pp`` group (two all-reduces of one number)."""
-        busy = torch.tensor([self.time.busy], dtype=torch.float64)
-        wall = torch.tensor([self.time.wall], dtype=torch.float64)
-        dist.all_reduce(busy, group=self.group)
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group)
-        n = dist.get_world_size(self.group)
-        return 1.0 - float(busy) / n / float(wall) if float(wall) else 0.0
-
-    def step(self, inputs: Tensor, target: Tensor) -> float:
+    def step(self, inputs: Tensor | tuple[Tensor, ...], target: Tensor, **kwargs: object) -> float:
         """One forward and backward of the batch through the pipeline (gradients accumulate in
-        the stage modules; the optimizer steps after). Every pp rank passes the same batch;
-        returns the batch loss (the mean of the micro-batch losses) on every rank.
+        the stage modules; the optimizer steps after). Every pp rank passes the same batch:
+        ``inputs`` the first stage's positional argument (a tuple: its arguments), ``kwargs`` its
+        keyword arguments (tensors, or mappings of tensors such as a batch's features: torch
+        takes only tensors positionally), ``target`` ``(B, ...)``; all are cut into micro-batches
+        along dim 0. Returns the batch loss (the mean of the micro-batch losses) on every rank,
+        and measures :attr:`bubble`.
 
-        Sync point: the loss goes from the last stage's rank to the others (a broadcast).
+        Sync point: one all-gather of three numbers per rank over the ``pp`` group (the loss
+        from the last stage, every rank's busy and wall time).
 
         Raises:
             ValueError: a batch the micro-batches do not divide.
         """
-        if inputs.shape[0] % self.micro_batches:
-            raise ValueError(f"{self.micro_batches} micro-batches do not divide the batch of {inputs.shape[0]}: choose a "
+        if target.shape[0] % self.micro_batches:
+            raise ValueError(f"{self.micro_batches} micro-batches do not divide the batch of {target.shape[0]}: choose a "
                              f"batch size that is a multiple of the micro-batches")
         losses: list[Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        kwargs = dict(target=target, losses=losses) if self.has_last else {}
+        args = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.has_first else ()
+        kwargs = {**(kwargs if self.has_first else {}), **(dict(target=target, losses=losses) if self.has_last else {})}
         self.time.busy = 0.0
         t0 = time.perf_counter()
         self.schedule.step(*args, **kwargs)
         self.time.wall = time.perf_counter() - t0
-        loss = torch.stack(losses).mean().detach().float() if self.has_last else torch.zeros(())
-        loss = loss.cpu().reshape(1)
-        dist.broadcast(loss, group=self.group, group_src=self.last_rank)
-        return float(loss)
+        # each loss was divided by the micro-batches (see the module docstring): their sum is the mean
+        loss = float(torch.stack(losses).detach().sum()) if self.has_last else 0.0  # sync point on CUDA
+        # on the stages' device: NCCL gathers device tensors (host -> device, and back: a sync point)
+        mine = torch.tensor([loss, self.time.busy, self.time.wall], dtype=torch.float64, device=self.device)
+        every = torch.empty(dist.get_world_size(self.group) * 3, dtype=torch.float64, device=self.device)
+        dist.all_gather_single(every, mine, group=self.group)
+        every = every.view(-1, 3).cpu()  # rank-major
+        wall = float(every[:, 2].max())
+        self.bubble = 1.0 - float(every[:, 1].mean()) / wall if wall else 0.0
+        return float(every[self.last_rank, 0])
+
+    @torch.no_grad()
+    def forward(self, *args: object) -> Tensor:
+        """The whole model's output on ``args`` (one micro-batch, no backward: evaluation), on
+        every ``pp`` rank. Every rank passes the same ``args``; the stages run in order.
+
+        Sync points: each stage's output goes to the next stage's rank, the last stage's to
+        every rank (pickled through the ``pp`` group; copied to the host first).
+        """
+        pp, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        value: object = args
+        for s in range(self.num_stages):
+            owner = s % pp
+            if s in self.stage_indices:
+                out = self.modules[self.stage_indices.index(s)](*value)
+                value = out if isinstance(out, tuple) else (out,)
+            nxt = (s + 1) % pp if s + 1 < self.num_stages else None
+            if nxt is None or nxt == owner:
+                continue
+            box = [tuple(v.cpu() for v in value)] if me == owner else [None]  # host copy: pickled below
+            if me == owner:
+                dist.send_object_list(box, group=self.group, group_dst=nxt)
+            elif me == nxt:
+                dist.recv_object_list(box, group=self.group, group_src=owner)
+                value = tuple(v.to(self.device) for v in box[0])  # host -> device
+        box = [value[0].cpu() if me == self.last_rank else None]
+        dist.broadcast_object_list(box, group=self.group, group_src=self.last_rank)
+        return box[0]
 
 
 def pipeline(model: nn.Module, config: PipelineConfig, mesh: DeviceMesh, loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -341,9 +249,9 @@ def pipeline(model: nn.Module, config: PipelineConfig, mesh: DeviceMesh, loss_fn
     applies the others to each of this rank's stages, in their order (operator sharding,
     recompute, ZeRO over ``dp``) and returns the module the stage runs - the module itself, or
     its ``DistributedDataParallel`` wrapper over the ``dp`` group (the schedule syncs DDP and
-    FSDP2 gradients once per batch, after the last micro-batch). ``model`` itself is not changed
-    (each stage is a copy holding its units). Collective over the ``pp`` group at the first
-    :meth:`Pipeline.step` (the stages exchange shapes).
+    FSDP2 gradients once per batch, after the last micro-batch). The stages share ``model``'s
+    units (:func:`stage_module`): use the stages, not ``model``, afterwards. Collective over the
+    ``pp`` group at the first :meth:`Pipeline.step` (the stages exchange shapes).
 
     Raises:
         ValueError: as :func:`split_points`.
@@ -357,16 +265,25 @@ def pipeline(model: nn.Module, config: PipelineConfig, mesh: DeviceMesh, loss_fn
     num_stages = len(plan.stages)
     units = pipeline_units(model)
     indices = [rank + k * pp for k in range(config.stages_per_rank)]  # looped placement
-    modules = [stage_module(model, units, plan.stages[i][0]) for i in indices]
+    modules = [stage_module(model, units, plan.stages[i][0], first=i == 0) for i in indices]
     runs = [parallelize_stage(m) if parallelize_stage is not None else m for m in modules]
     device = torch_device(mesh)
     timer, stage_class = StepTime(), _timed_stage_class()
     stages = [stage_class(m, i, num_stages, device, group=group) for m, i in zip(runs, indices)]
     for stage in stages:
         stage.timer = timer
-    kind = {Schedule.GPIPE: schedules.ScheduleGPipe, Schedule.ONE_F_ONE_B: schedules.Schedule1F1B,
+    # 1F1B with fewer micro-batches than stages has no steady phase: each stage runs its forwards,
+    # then its backwards - GPipe's order, which torch runs (its 1F1B class refuses m < pp)
+    one_f_one_b = schedules.Schedule1F1B if config.micro_batches >= pp else schedules.ScheduleGPipe
+    kind = {Schedule.GPIPE: schedules.ScheduleGPipe, Schedule.ONE_F_ONE_B: one_f_one_b,
             Schedule.INTERLEAVED_1F1B: schedules.ScheduleInterleaved1F1B,
             Schedule.INTERLEAVED_ZERO_BUBBLE: schedules.ScheduleInterleavedZeroBubble}[config.schedule]
-    schedule = kind(stages if config.schedule.interleaved else stages[0], config.micro_batches, loss_fn=loss_fn)
+    m = config.micro_batches
+
+    def micro_batch_loss(output: Tensor, target: Tensor) -> Tensor:
+        return loss_fn(output, target) / m  # the sum over micro-batches is the batch mean (module docstring)
+
+    schedule = kind(stages if config.schedule.interleaved else stages[0], m, loss_fn=micro_batch_loss,
+                    scale_grads=False)
     last_rank = (num_stages - 1) % pp
-    return Pipeline(modules, indices, num_stages, schedule, config.micro_batches, group, last_rank, timer)
+    return Pipeline(modules, indices, num_stages, schedule, m, group, last_rank, device, plan, timer)

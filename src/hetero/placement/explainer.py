@@ -32,7 +32,7 @@ class Explanation:
         data_parallel: the collectives per step and their sizes when ``hetero.explain`` was given
             a data-parallel mesh (a ``hetero.parallel.dp_plan.CollectivePlan``).
         pipeline: the stages and the predicted bubble when ``hetero.explain`` was given a
-            pipeline config (a ``hetero.parallel.pipeline.PipelinePlan``); printed last.
+            pipeline config (a ``hetero.parallel.pipeline_plan.PipelinePlan``); printed last.
     """
 
     subgraphs: list[Subgraph]

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from hetero.parallel import world_size
 from hetero.parallel.checkpoint_state import model_state
@@ -98,3 +99,77 @@ def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
             state[name] = {k[len(prefix):]: v[start : start + rows] for k, v in tables[key].items() if k.startswith(prefix)}
         sparse[opt_key] = {**saved, **({"steps": steps[opt_key]["steps"]} if opt_key in steps else {}), "state": state}
     return {**extra, "model": model, "sparse_optimizers": sparse}
+
+
+# --------------------------------------------------------------------------- pipelined jobs
+# A pipelined trainer (one stage per rank, stage k on pp rank k) holds part of the model and of
+# the dense optimizer; its integrated checkpoint is still the whole model's, as an unpipelined
+# run writes it, so it resumes at any pipeline degree. Stages hold contiguous units and the
+# model's own parameters go with stage 0, so the stages' dense parameters in pp-rank order are
+# the whole model's in its order: optimizer indices concatenate.
+
+
+def _every_stage(group: dist.ProcessGroup, part: Any) -> list[Any]:
+    """``part`` of every pp rank, in pp-rank order (a collective: pickled, on the host)."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, part, group=group)
+    return parts
+
+
+def whole_model_state(group: dist.ProcessGroup, stage_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole model's state from every stage's (name-keyed, disjoint): on every pp rank."""
+    return {k: v for part in _every_stage(group, {k: v.cpu() for k, v in stage_state.items()}) for k, v in part.items()}
+
+
+def whole_model_shapes(group: dist.ProcessGroup, stage_shapes: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole model's parameter shapes (meta tensors) from every stage's."""
+    parts = _every_stage(group, {k: tuple(v.shape) for k, v in stage_shapes.items()})
+    return {k: torch.empty(shape, device="meta") for part in parts for k, shape in part.items()}
+
+
+def whole_optimizer_state(group: dist.ProcessGroup, state: Mapping[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict over the whole model from every stage's: group ``g`` holds
+    every stage's group ``g`` in stage order (hyper-parameters: stage 0's), numbered as torch
+    numbers an unpipelined optimizer's parameters (in order, across the groups).
+
+    Raises:
+        ValueError: stages whose optimizers have different numbers of parameter groups.
+    """
+    parts = _every_stage(group, state)
+    groups = [dict(g, params=[]) for g in parts[0]["param_groups"]]
+    merged: dict[int, Any] = {}
+    for g, whole in enumerate(groups):
+        for part in parts:
+            if len(part["param_groups"]) != len(groups):
+                raise ValueError(f"pipeline stages' dense optimizers have {len(groups)} and {len(part['param_groups'])} "
+                                 f"parameter groups: build every stage's optimizer with the same groups")
+            for old in part["param_groups"][g]["params"]:
+                new = sum(len(x["params"]) for x in groups)
+                whole["params"].append(new)
+                if old in part["state"]:
+                    merged[new] = part["state"][old]
+    return {"state": merged, "param_groups": groups}
+
+
+def stage_optimizer_state(group: dist.ProcessGroup, whole: Mapping[str, Any], mine: Mapping[str, Any]) -> dict[str, Any]:
+    """This stage's part of a whole model's optimizer state dict ``whole`` (from
+    :func:`whole_optimizer_state` or an unpipelined run), numbered as its own state dict ``mine``;
+    a collective (the stages' parameter counts).
+
+    Raises:
+        ValueError: ``whole`` has other parameter groups or counts than the stages together.
+    """
+    counts = [[len(g["params"]) for g in part["param_groups"]] for part in _every_stage(group, mine)]
+    me = dist.get_rank(group)
+    wanted = [sum(c[g] for c in counts) for g in range(len(counts[me]))]
+    if [len(g["params"]) for g in whole["param_groups"]] != wanted:
+        raise ValueError(f"the checkpoint's dense optimizer has parameter groups of "
+                         f"{[len(g['params']) for g in whole['param_groups']]} parameters; the pipeline's stages "
+                         f"together have {wanted}")
+    groups, state = [], {}
+    for g, (wg, pg) in enumerate(zip(whole["param_groups"], mine["param_groups"])):
+        start = sum(c[g] for c in counts[:me])  # the stages before hold the group's first parameters
+        ids = wg["params"][start:start + counts[me][g]]
+        groups.append(dict(wg, params=list(pg["params"])))
+        state.update({new: whole["state"][old] for old, new in zip(ids, pg["params"]) if old in whole["state"]})
+    return {"state": state, "param_groups": groups}

@@ -45,8 +45,16 @@ from hetero.parallel import (
     local_model_state,
     world_size,
 )
+from hetero.parallel.pipeline import Pipeline
 from hetero.placement import copy_to
-from hetero.train.checkpointing import read_extra, sharded_state
+from hetero.train.checkpointing import (
+    read_extra,
+    sharded_state,
+    stage_optimizer_state,
+    whole_model_shapes,
+    whole_model_state,
+    whole_optimizer_state,
+)
 from hetero.train.report import binary_metrics, plot_curves
 
 log = logging.getLogger("hetero")
@@ -89,6 +97,17 @@ class Trainer:
         train: the training batches; ``valid``/``test``: evaluated each epoch / at the end.
         run_dir: where the checkpoint, ``metrics.json``, ``losses.csv`` and ``curves.png`` go.
         on_step: called after every step (and its checkpoint, if one is due) with the trainer.
+        pipeline: the model pipelined (:func:`hetero.parallel.pipeline.pipeline`, one stage per
+            rank, every rank reading the whole batch); ``model`` is then this rank's stage and
+            the optimizers hold its parameters and tables. A batch is cut into the pipeline's
+            micro-batches; a short last batch is padded to the full size by repeating its first
+            sample with loss weight 0 (its rows are in the batch already: no other row or
+            parameter moves). The integrated checkpoint holds the whole model, as without a
+            pipeline, and resumes at any pipeline degree.
+
+    Raises:
+        ValueError: a pipeline with the sharded checkpoint format, several stages per rank, or
+            multi-hot features.
     """
 
     def __init__(
@@ -102,13 +121,21 @@ class Trainer:
         config: TrainConfig,
         run_dir: str | Path,
         on_step: Callable[["Trainer"], None] | None = None,
+        pipeline: Pipeline | None = None,
     ) -> None:
-        self.model, self.dense_optimizer = model, dense_optimizer
+        if pipeline is not None and (config.checkpoint_format is CheckpointFormat.SHARDED or len(pipeline.modules) > 1):
+            raise ValueError("a pipelined trainer runs one stage per rank and writes integrated checkpoints: use a "
+                             "non-interleaved schedule and checkpoint_format=CheckpointFormat.INTEGRATED")
+        bags = sorted(k for k, v in train.dataset.features.items() if isinstance(v, Jagged))
+        if pipeline is not None and bags:
+            raise ValueError(f"a pipeline cuts each batch into micro-batches by rows, which cannot cut the multi-hot "
+                             f"features {bags} (bags) yet: train them without a pipeline")
+        self.model, self.dense_optimizer, self.pipeline = model, dense_optimizer, pipeline
         # Data parallel over the ranks of the process group (nothing at world size 1): DDP for the
         # dense part; host tables replicated (exchanged sparse gradients) or row-sharded
         # (hetero.parallel.shard_rows, called before the optimizers were built).
         check_replicas(model)  # ranks must start from identical replicated tables (same seed)
-        self.net = data_parallel(model, config.data_parallel)
+        self.net = model if pipeline is not None else data_parallel(model, config.data_parallel)
         # Tables on parameter servers (hetero.ps): the optimizers' steps become pushes.
         self.remote = ps.remote_tables(model)
         if self.remote and config.checkpoint_format is not CheckpointFormat.SHARDED:
@@ -140,10 +167,14 @@ class Trainer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         state = {"format_version": FORMAT_VERSION, "run": self.run_identity()}
+        dense = full_optimizer_state(self.dense_optimizer)  # operator-parallel shards gathered
         if tables:
             state["model"] = full_model_state(self.model)  # row-sharded tables gathered whole (collective)
+        if self.pipeline is not None:  # the stages' parts gathered whole (collectives over pp)
+            state["model"] = whole_model_state(self.pipeline.group, state["model"])
+            dense = whole_optimizer_state(self.pipeline.group, dense)
         state.update({
-            "dense_optimizer": full_optimizer_state(self.dense_optimizer),  # operator-parallel shards gathered
+            "dense_optimizer": dense,
             "sparse_optimizers": {k: o.state_dict(include_state=tables) for k, o in self.sparse_optimizers.items()},
             "position": {"epoch": self.epoch, "batch": self.batch, "global_step": self.global_step},
             "rng": rng,
@@ -217,10 +248,24 @@ class Trainer:
                              group.get(key))
                     group[key] = value
 
+    def _stage_view(self, state: Mapping[str, Any], path: Path) -> dict[str, Any]:
+        """A whole model's checkpoint cut to this pipeline stage's parameters and dense optimizer
+        state (collectives over pp; every rank raises alike, before any changes)."""
+        group = self.pipeline.group
+        check_model_compatible(whole_model_shapes(group, global_shapes(self.model)), state["model"], path)
+        try:
+            dense = stage_optimizer_state(group, state["dense_optimizer"], self.dense_optimizer.state_dict())
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from e
+        own = self.model.state_dict()
+        return {**state, "model": {k: v for k, v in state["model"].items() if k in own}, "dense_optimizer": dense}
+
     def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
         """Restore a :meth:`state_dict` after :meth:`check_resumable` (nothing is changed when
         that raises); without ``"model"`` (the sharded layout) the tables and the model were
         loaded in place already. This run's hyper-parameters are kept (logged where they differ)."""
+        if self.pipeline is not None:
+            state = self._stage_view(state, path)
         self.check_resumable(state, path)
         ours = self._hyper_parameters()
         if "model" in state:
@@ -290,13 +335,17 @@ class Trainer:
         for opt in self.sparse_optimizers.values():
             opt.zero_grad()
         self.dense_optimizer.zero_grad(set_to_none=True)
-        logits = self.net(batch.features, batch.dense)
-        # Weighted by the global batch, not averaged per rank: the last batch's shares are unequal
-        # or empty, and N ranks must still equal one process (an empty share adds 0, not NaN).
-        loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device), reduction="sum")
-        loss = global_batch_mean(loss_sum, batch.global_size)
-        loss.backward()
-        value = global_mean(loss)  # sync point: the host needs the global loss to decide whether to step
+        if self.pipeline is not None:
+            value = self._pipelined_forward_backward(batch)
+        else:
+            logits = self.net(batch.features, batch.dense)
+            # Weighted by the global batch, not averaged per rank: the last batch's shares are unequal
+            # or empty, and N ranks must still equal one process (an empty share adds 0, not NaN).
+            loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device),
+                                                                      reduction="sum")
+            loss = global_batch_mean(loss_sum, batch.global_size)
+            loss.backward()
+            value = global_mean(loss)  # sync point: the host needs the global loss to decide whether to step
         if not math.isfinite(value):
             where = (f"the last checkpoint {self.checkpoint_path} is intact: lower the learning rates or check the "
                      f"input, then --resume" if self.has_checkpoint() else
@@ -309,6 +358,19 @@ class Trainer:
         for opt in self.sparse_optimizers.values():
             opt.step()
         return value
+
+    def _pipelined_forward_backward(self, batch: Batch) -> float:
+        """Forward and backward of ``batch`` through the pipeline; the batch loss on every rank.
+        The target is ``(B, 2)``: the label and a loss weight (1, or ``B / R`` for the ``R`` real
+        samples of a padded last batch and 0 for its padding), which :func:`weighted_bce`
+        applies: the micro-batches' losses sum to the mean over the real samples."""
+        full, real = self.train.config.batch_size, len(batch)
+        index = torch.cat([torch.arange(real), torch.zeros(full - real, dtype=torch.int64)])
+        weight = torch.cat([torch.full((real,), full / real), torch.zeros(full - real)])
+        features = {k: v if real == full else v[index] for k, v in batch.features.items()}
+        dense, label = (batch.dense, batch.label) if real == full else (batch.dense[index], batch.label[index])
+        target = copy_to(torch.stack([label.float(), weight], dim=1), self.device)
+        return self.pipeline.step((), target, features=features, dense=dense)  # torch takes a mapping as a keyword
 
     def fit(self) -> dict[str, Any]:
         """Train from the current position to the end; return the metrics also written to ``metrics.json``.
@@ -365,9 +427,10 @@ class Trainer:
     def evaluate(self, data: TabularDataset) -> dict[str, float]:
         self.model.eval()
         probs = []
+        forward = self.pipeline.forward if self.pipeline is not None else self.model  # (through the stages)
         for i in range(0, len(data), self.config.eval_batch_size):
             b = data.select(torch.arange(i, min(i + self.config.eval_batch_size, len(data))))
-            probs.append(torch.sigmoid(self.model(b.features, b.dense)).cpu())  # sync point: metrics run on the host
+            probs.append(torch.sigmoid(forward(b.features, b.dense)).cpu())  # sync point: metrics run on the host
         self.model.train()
         return binary_metrics(data.label.numpy(), torch.cat(probs).numpy())
 
@@ -388,13 +451,22 @@ class Trainer:
             "steps": self.global_step,
             "epochs": self.epoch,
             "device": str(self.device),
-            "world_size": world_size(),
+            "world_size": world_size(),  # data-parallel ranks
+            "pipeline_stages": 1 if self.pipeline is None else self.pipeline.num_stages,
             "checkpoint": str(self.checkpoint_path),
             "plot": str(plot),
             "history": self.history,
         }
         (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
         return metrics
+
+
+def weighted_bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The logistic loss of a pipelined micro-batch: ``logits (b,)``, ``target (b, 2)`` holding
+    the label and the sample's loss weight (see :meth:`Trainer._pipelined_forward_backward`);
+    the mean of weight x loss over the micro-batch."""
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, target[:, 0], reduction="none")
+    return (loss * target[:, 1]).mean()
 
 
 def _fmt(metric: float | None) -> str:

@@ -1,0 +1,25 @@
+"""numba kernel of the schema's stable hash (see :mod:`hetero.data.schema`); compiled on first use."""
+
+import numba
+import numpy as np
+
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+
+
+@numba.njit(parallel=True, cache=True)
+def fnv1a_buckets(offsets: np.ndarray, data: np.ndarray, valid: np.ndarray, buckets: int) -> np.ndarray:
+    """Row ``1 + fnv1a64(bytes) mod (buckets - 1)`` of each string ``data[offsets[i]:offsets[i + 1]]``
+    (UTF-8), 0 where ``valid[i]`` is false or the string is empty; int64 ``(N,)``."""
+    n = offsets.shape[0] - 1
+    out = np.zeros(n, dtype=np.int64)
+    m = np.uint64(buckets - 1)
+    for i in numba.prange(n):
+        lo, hi = offsets[i], offsets[i + 1]
+        if not valid[i] or hi == lo:
+            continue
+        h = _FNV_OFFSET
+        for j in range(lo, hi):
+            h = (h ^ np.uint64(data[j])) * _FNV_PRIME
+        out[i] = 1 + np.int64(h % m)
+    return out

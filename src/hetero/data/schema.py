@@ -1,0 +1,194 @@
+"""A declarative feature schema: which columns of a user's file are the label, the categorical
+and the dense features, and how each becomes model input.
+
+* **Label:** a column and its positive rule - values at or above a ``threshold`` (``rating >=
+  4``), or membership in a set of ``positive`` values (``{1, "yes"}``, compared as text).
+* **Categorical** (:class:`Categorical`): single-valued, or multi-hot with a ``separator`` (a bag
+  per row); ids from a **vocabulary** built on the training split only (values seen at least
+  ``min_count`` times, in order of first appearance, ids ``1..n``; row 0 is the out-of-vocabulary
+  row: unseen, rare and empty values) or from **hashing** into ``hash_buckets`` rows (row 0 for
+  empty values, else ``1 + fnv1a64(utf8(value)) mod (hash_buckets - 1)``: FNV-1a, 64-bit, stable
+  across processes and runs - Python's ``hash`` is salted per process).
+* **Dense** (:class:`Dense`): float; ``Transform.NONE``, ``LOG1P`` (``log(1 + max(x, 0))``, the
+  DLRM preprocessing) or ``STANDARDIZE`` (``(x - mean) / std`` with the mean and standard
+  deviation of the training split's values); an empty field is 0 after the transform (the mean,
+  standardised).
+* **Crossed** (:class:`Cross`): for the wide part, the values of several categorical columns
+  joined (``"a\\x1fb"``) and hashed into ``hash_buckets`` rows.
+* **Dropped:** every other column (named in ``drop`` to say so; a column neither used nor dropped
+  is allowed and ignored).
+
+The schema checks itself (:meth:`Schema.check`) against the columns a file has before anything is
+read further. Reference: TorchRec's and the reference design's feature configs; the Criteo
+preprocessing of DLRM (Naumov et al. 2019).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from hetero.data.tabular import FeatureRole
+
+
+class Transform(enum.Enum):
+    """How a dense column's values are transformed (see the module docstring)."""
+
+    NONE = "none"
+    LOG1P = "log1p"
+    STANDARDIZE = "standardize"
+
+
+@dataclasses.dataclass(frozen=True)
+class Label:
+    """The label column and its positive rule.
+
+    Attributes:
+        column: the column's name.
+        threshold: positive when the value (a number) is at least this.
+        positive: positive when the value's text is one of these (e.g. ``("1", "yes")``).
+            Exactly one of ``threshold`` and ``positive`` is given; the default is ``("1",)``.
+    """
+
+    column: str
+    threshold: float | None = None
+    positive: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "positive", tuple(str(v) for v in self.positive))
+        if self.threshold is not None and self.positive:
+            raise ValueError(f"label {self.column!r}: give threshold or positive values, not both")
+        if self.threshold is None and not self.positive:
+            object.__setattr__(self, "positive", ("1",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Categorical:
+    """A categorical column.
+
+    Attributes:
+        column: the column's name (the feature takes it).
+        separator: multi-hot: the values of a row are this string's pieces (a bag); ``None``:
+            one value per row.
+        hash_buckets: rows of the hashed table (>= 2); ``None``: a vocabulary.
+        min_count: vocabulary mode: a value seen fewer times in the training split maps to the
+            out-of-vocabulary row 0.
+        role: whether the feature feeds the wide part, the deep part, or both.
+    """
+
+    column: str
+    separator: str | None = None
+    hash_buckets: int | None = None
+    min_count: int = 1
+    role: FeatureRole = FeatureRole.WIDE_AND_DEEP
+
+    def __post_init__(self) -> None:
+        if self.hash_buckets is not None and self.hash_buckets < 2:
+            raise ValueError(f"categorical {self.column!r}: hash_buckets={self.hash_buckets}; give at least 2 (row 0 is "
+                             f"the empty value's)")
+        if self.min_count < 1:
+            raise ValueError(f"categorical {self.column!r}: min_count={self.min_count}; give at least 1")
+        if self.separator == "":
+            raise ValueError(f"categorical {self.column!r}: an empty separator; give the string between values, or "
+                             f"None for one value per row")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """A dense (float) column and its :class:`Transform`."""
+
+    column: str
+    transform: Transform = Transform.NONE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transform, Transform):
+            object.__setattr__(self, "transform", _enum(Transform, self.transform, f"dense {self.column!r} transform"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cross:
+    """A crossed feature of several categorical columns, hashed (wide part only).
+
+    Attributes:
+        columns: the crossed columns (at least 2).
+        hash_buckets: rows of its table (>= 2).
+        name: the feature's name (default: the columns joined by ``"_x_"``).
+    """
+
+    columns: tuple[str, ...]
+    hash_buckets: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "columns", tuple(self.columns))
+        if len(self.columns) < 2:
+            raise ValueError(f"cross {list(self.columns)}: a cross joins at least 2 columns")
+        if self.hash_buckets < 2:
+            raise ValueError(f"cross {list(self.columns)}: hash_buckets={self.hash_buckets}; give at least 2")
+        if not self.name:
+            object.__setattr__(self, "name", "_x_".join(self.columns))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """What a file's columns mean (see the module docstring).
+
+    Attributes:
+        label: the :class:`Label`.
+        categorical: the categorical features, in model order.
+        dense: the dense features, in model order.
+        crosses: crossed features for the wide part.
+        drop: columns named as unused.
+    """
+
+    label: Label
+    categorical: tuple[Categorical, ...] = ()
+    dense: tuple[Dense, ...] = ()
+    crosses: tuple[Cross, ...] = ()
+    drop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("categorical", "dense", "crosses", "drop"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        used = [self.label.column, *(c.column for c in self.categorical), *(d.column for d in self.dense)]
+        twice = sorted({c for c in used if used.count(c) > 1})
+        if twice:
+            raise ValueError(f"schema uses columns {twice} more than once (label, categorical and dense features each "
+                             f"take their own column)")
+        dropped = sorted(set(self.drop) & set(used))
+        if dropped:
+            raise ValueError(f"schema drops columns {dropped} that it also uses: remove them from drop")
+        names = [c.column for c in self.categorical] + [x.name for x in self.crosses]
+        clash = sorted({n for n in names if names.count(n) > 1})
+        if clash:
+            raise ValueError(f"schema has two features named {clash}: give the crosses other names")
+        categorical = {c.column for c in self.categorical}
+        for x in self.crosses:
+            missing = [c for c in x.columns if c not in categorical]
+            if missing:
+                raise ValueError(f"cross {x.name!r} joins {missing}, which are not categorical features of the schema")
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns the schema reads."""
+        return [self.label.column, *(c.column for c in self.categorical), *(d.column for d in self.dense)]
+
+    def check(self, columns: Sequence[str], source: str, drop: bool = True) -> None:
+        """Check that ``source`` (a file's name) has every column the schema reads (and, with
+        ``drop``, the columns it names as dropped).
+
+        Raises:
+            ValueError: naming the missing columns and the columns the file has.
+        """
+        missing = [c for c in self.columns + (list(self.drop) if drop else []) if c not in columns]
+        if missing:
+            raise ValueError(f"{source} has no column {missing[0]!r} that the schema names"
+                             f"{f' (nor {missing[1:]})' if missing[1:] else ''}; its columns are {list(columns)}")
+
+
+def _enum(kind: type[enum.Enum], value: object, what: str) -> enum.Enum:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} does not exist; valid values are {[k.value for k in kind]}") from None

@@ -1,0 +1,171 @@
+"""Job config files: ``hetero train --config job.toml``, the command line's input in one file.
+
+Sections (every one optional)::
+
+    [data]                      # a user's file, read on pyarrow (hetero.data.readers)
+    path = "clicks.csv"         # or --data-path
+    format = "csv"              # "csv" (any delimiter) or "parquet"
+    delimiter = ","
+    header = true               # else column_names = ["label", "city", ...]
+    split = [0.8, 0.1, 0.1]     # seeded (--seed) random train/validation/test split
+
+    [schema]                    # what the columns mean (hetero.data.schema)
+    label = { column = "clicked", positive = ["yes"] }     # or threshold = 4
+    drop = ["note"]
+    [[schema.categorical]]
+    column = "city"             # separator = "|" (multi-hot), hash_buckets = N, min_count, role
+    [[schema.dense]]
+    column = "age"
+    transform = "standardize"   # "none", "log1p"
+    [[schema.crosses]]
+    columns = ["city", "age_bucket"]
+    hash_buckets = 1000
+
+    [train]                     # any flag of `hetero train`, by its name: batch_size = 512
+    epochs = 3
+    hidden = [256, 128]
+
+``[train]`` becomes command-line flags placed before the real ones, so a flag given on the
+command line overrides the file and argparse checks the file's values as it checks flags. A key
+that does not exist is an error naming the closest valid key; nothing runs or is written then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hetero.data.readers import ReaderConfig
+from hetero.data.schema import Categorical, Cross, Dense, Label, Schema
+
+SECTIONS = ("data", "schema", "train")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """Where a job's own data is and how to read and split it.
+
+    Attributes:
+        path: the file (``None``: given by ``--data-path``).
+        reader: how it is read.
+        split: train / validation / test fractions of its rows (seeded by ``--seed``).
+    """
+
+    path: Path | None = None
+    reader: ReaderConfig = ReaderConfig()
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFile:
+    """A parsed job config file.
+
+    Attributes:
+        schema: the ``[schema]`` section (``None``: the job trains on a built-in data set).
+        source: the ``[data]`` section.
+        argv: the ``[train]`` section as command-line flags.
+    """
+
+    schema: Schema | None
+    source: DataSource
+    argv: tuple[str, ...]
+
+
+def read_job_file(path: Path, flags: Mapping[str, bool]) -> JobFile:
+    """Parse ``path``; ``flags`` maps each ``hetero train`` flag (``--batch-size``) to whether it
+    takes a value (``False``: a switch such as ``--no-progress``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: TOML that does not parse, or a key, section or value that does not exist
+            (naming the file, where, and the closest valid key).
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the same parser, before it joined the standard library
+        import tomli as tomllib
+
+    if not path.is_file():
+        raise FileNotFoundError(f"job config file {path} does not exist")
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    _check_keys(doc, SECTIONS, f"{path}")
+    data = dict(doc.get("data", {}))
+    where = f"{path} [data]"
+    _check_keys(data, ("path", "split", *(f.name for f in dataclasses.fields(ReaderConfig))), where)
+    source = DataSource(Path(data.pop("path")) if "path" in data else None,
+                        _build(ReaderConfig, {k: v for k, v in data.items() if k != "split"}, where),
+                        tuple(data.get("split", DataSource.split)))
+    schema = _schema(doc["schema"], f"{path} [schema]") if "schema" in doc else None
+    return JobFile(schema, source, _argv(doc.get("train", {}), flags, f"{path} [train]"))
+
+
+def _schema(table: Mapping[str, Any], where: str) -> Schema:
+    _check_keys(table, [f.name for f in dataclasses.fields(Schema)], where)
+    if "label" not in table:
+        raise ValueError(f"{where} has no label: add label = {{ column = \"...\", positive = [\"1\"] }}")
+    label = table["label"] if isinstance(table["label"], Mapping) else {"column": table["label"]}
+    return _checked(where, Schema, _build(Label, label, f"{where} label"),
+                  tuple(_build(Categorical, c, f"{where} categorical[{i}]") for i, c in enumerate(table.get("categorical", ()))),
+                  tuple(_build(Dense, d, f"{where} dense[{i}]") for i, d in enumerate(table.get("dense", ()))),
+                  tuple(_build(Cross, x, f"{where} crosses[{i}]") for i, x in enumerate(table.get("crosses", ()))),
+                  tuple(table.get("drop", ())))
+
+
+def _build(cls: type, table: Mapping[str, Any], where: str) -> Any:  # noqa: ANN401 - an instance of cls
+    """``cls(**table)``: keys checked against its fields, an enum field's text converted, lists
+    made tuples; the dataclass's own checks run (their errors prefixed with ``where``)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _check_keys(table, fields, where)
+    kwargs = {}
+    for key, value in table.items():
+        default = fields[key].default
+        if isinstance(default, enum.Enum) and not isinstance(value, enum.Enum):
+            kinds = type(default)
+            if value not in [k.value for k in kinds]:
+                raise ValueError(f"{where}: {key} = {value!r} does not exist; valid values are "
+                                 f"{[k.value for k in kinds]}")
+            value = kinds(value)
+        kwargs[key] = tuple(value) if isinstance(value, list) else value
+    return _checked(where, cls, **kwargs)
+
+
+def _checked(where: str, cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - an instance of cls
+    """``cls(*args, **kwargs)``, its own checks' errors prefixed with ``where``."""
+    try:
+        return cls(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _argv(table: Mapping[str, Any], flags: Mapping[str, bool], where: str) -> tuple[str, ...]:
+    names = {f.removeprefix("--").replace("-", "_"): f for f in flags}
+    _check_keys(table, names, where)
+    argv: list[str] = []
+    for key, value in table.items():
+        flag = names[key]
+        if not flags[flag]:  # a switch: true sets it (the command line cannot unset it)
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {key} is a switch; give true or false, not {value!r}")
+            argv += [flag] if value else []
+        elif isinstance(value, list):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+    return tuple(argv)
+
+
+def _check_keys(table: Mapping[str, Any], valid: Any, where: str) -> None:  # noqa: ANN401 - names
+    valid = list(valid)
+    for key in table:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"{where}: no key {key!r}; {hint}valid keys are {valid}")

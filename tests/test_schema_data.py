@@ -1,0 +1,148 @@
+"""A user's own file through a schema: CSV/TSV/Parquet on pyarrow, vocabularies from the
+training split only, the stable hash, dense transforms, and the errors that name the fix."""
+
+import numpy as np
+import pytest
+import torch
+
+from hetero.data.encode import fit, hash_rows
+from hetero.data.readers import FileFormat, ReaderConfig, read_dataset, read_table
+from hetero.data.schema import Categorical, Cross, Dense, Label, Schema, Transform
+from hetero.data.tabular import FeatureRole, Jagged
+
+CSV = """clicked,city,tags,age,price,note
+yes,"Zürich","a|b",31,10.5,x
+no,東京,b,,3.0,y
+yes,"New York, NY",a|c,45,,z
+no,Zürich,,22,7.25,w
+yes,Paris,c,27,1.0,v
+"""
+SCHEMA = Schema(Label("clicked", positive=("yes",)),
+                (Categorical("city"), Categorical("tags", separator="|"), Categorical("note", hash_buckets=16)),
+                (Dense("age", Transform.STANDARDIZE), Dense("price", Transform.LOG1P)),
+                (Cross(("city", "note"), 32),))
+
+
+def _fnv1a(text: str) -> int:  # the documented hash, written independently of the kernel
+    h = 0xCBF29CE484222325
+    for byte in text.encode():
+        h = ((h ^ byte) * 0x100000001B3) % 2**64
+    return h
+
+
+def test_csv_with_quotes_unicode_empty_values_and_bags_reads_as_typed_columns(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text(CSV, encoding="utf-8")
+    table = read_table(path, SCHEMA)
+    assert table.column("city").to_pylist() == ["Zürich", "東京", "New York, NY", "Zürich", "Paris"]
+    assert table.column("tags").to_pylist() == ["a|b", "b", "a|c", None, "c"]  # an empty field is missing
+    assert table.column("age").to_pylist() == [31, None, 45, 22, 27]
+    assert table.column("price").to_pylist() == [10.5, 3.0, None, 7.25, 1.0]
+
+
+def test_the_vocabulary_comes_from_the_training_rows_only(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text(CSV, encoding="utf-8")
+    table = read_table(path, SCHEMA)
+    train, test = table.slice(0, 3), table.slice(3)  # "Paris" appears in the test rows only
+    enc = fit(SCHEMA, train, "train")
+    assert enc.vocabularies == {"city": ["Zürich", "東京", "New York, NY"], "tags": ["a", "b", "c"]}
+    data = enc.encode(test, "test")
+    assert data.features["city"].tolist() == [1, 0]  # Zürich is id 1; Paris, unseen in training, the OOV row 0
+    bags = data.features["tags"]
+    # an empty field is a bag of the OOV row; "c" (from the training row "a|c") is id 3
+    assert isinstance(bags, Jagged) and bags.offsets.tolist() == [0, 1, 2] and bags.values.tolist() == [0, 3]
+    assert data.label.tolist() == [0.0, 1.0]
+    mean, std = np.mean([31, 45]), np.std([31, 45])  # the training rows' present ages
+    torch.testing.assert_close(data.dense[:, 0], torch.tensor([(22 - mean) / std, (27 - mean) / std], dtype=torch.float32))
+    torch.testing.assert_close(data.dense[:, 1], torch.log1p(torch.tensor([7.25, 1.0])))
+    assert [(f.name, f.vocab_size, f.multi_hot, f.role) for f in data.specs] == [
+        ("city", 4, False, FeatureRole.WIDE_AND_DEEP), ("tags", 4, True, FeatureRole.WIDE_AND_DEEP),
+        ("note", 16, False, FeatureRole.WIDE_AND_DEEP), ("city_x_note", 32, False, FeatureRole.WIDE)]
+    train_data = enc.encode(train, "train")  # a missing standardised value is the mean: 0
+    assert train_data.dense[1, 0].item() == 0.0 and train_data.dense[2, 1].item() == 0.0
+
+
+def test_the_hash_is_fnv1a_of_the_utf8_bytes_and_row_0_is_empty(tmp_path):
+    import pyarrow as pa
+
+    values = ["x", "Zürich", "東京", "", None, "a much longer value with spaces"]
+    got = hash_rows(pa.array(values), 1000).tolist()
+    want = [0 if not v else 1 + _fnv1a(v) % 999 for v in values]
+    assert got == want
+    assert hash_rows(pa.array(values[1:3] * 2).slice(2), 1000).tolist() == want[1:3]  # a sliced array
+    path = tmp_path / "clicks.csv"
+    path.write_text(CSV, encoding="utf-8")
+    data = fit(SCHEMA, read_table(path, SCHEMA), "all").encode(read_table(path, SCHEMA), "all")
+    assert data.features["note"].tolist() == [1 + _fnv1a(v) % 15 for v in "xyzwv"]
+    assert data.features["city_x_note"][0].item() == 1 + _fnv1a("Zürich\x1fx") % 31
+
+
+def test_tsv_without_a_header_and_parquet_read_the_same(tmp_path):
+    import pyarrow.parquet as pq
+
+    csv = tmp_path / "clicks.csv"
+    csv.write_text(CSV, encoding="utf-8")
+    lines = CSV.splitlines()[1:]
+    tsv = tmp_path / "clicks.tsv"
+    tsv.write_text("".join(line.replace('"New York, NY"', "New York, NY").replace(",", "\t").replace(
+        "New York\t NY", "New York, NY") + "\n" for line in lines), encoding="utf-8")
+    names = ("clicked", "city", "tags", "age", "price", "note")
+    parquet = tmp_path / "clicks.parquet"
+    pq.write_table(read_table(csv, SCHEMA), parquet)
+    want = read_dataset(csv, SCHEMA, seed=3)
+    for path, config in ((tsv, ReaderConfig(delimiter="\t", header=False, column_names=names)),
+                         (parquet, ReaderConfig(FileFormat.PARQUET))):
+        got = read_dataset(path, SCHEMA, config, seed=3)
+        assert got[3].vocabularies == want[3].vocabularies
+        for a, b in zip(got[:3], want[:3]):
+            for k in b.features:
+                assert str(a.features[k]) == str(b.features[k]), (path, k)
+            torch.testing.assert_close(a.dense, b.dense)
+            torch.testing.assert_close(a.label, b.label)
+
+
+def test_a_threshold_label(tmp_path):
+    path = tmp_path / "ratings.csv"
+    path.write_text("user,item,rating\nu1,i1,5\nu2,i1,3\nu1,i2,4\n")
+    schema = Schema(Label("rating", threshold=4), (Categorical("user"), Categorical("item")))
+    table = read_table(path, schema)
+    assert fit(schema, table, "r").encode(table, "r").label.tolist() == [1.0, 0.0, 1.0]
+
+
+def test_bad_input_names_the_file_row_column_and_fix(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text(CSV.replace("7.25", "seven"), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"clicks.csv: row 4, column 'price': 'seven' is not a number; fix the value, "
+                                         r"or declare the column categorical"):
+        read_table(path, SCHEMA)
+    with pytest.raises(ValueError, match=r"clicks.csv has no column 'country' that the schema names; its columns are "
+                                         r"\['clicked', 'city', 'tags', 'age', 'price', 'note'\]"):
+        read_table(path, Schema(Label("clicked"), (Categorical("country"),)))
+    with pytest.raises(FileNotFoundError, match=r"data file .*missing.csv does not exist"):
+        read_table(tmp_path / "missing.csv", SCHEMA)
+    path.write_text("clicked,city\nyes,a\n,b\n")
+    schema = Schema(Label("clicked", positive=("yes",)), (Categorical("city"),))
+    with pytest.raises(ValueError, match=r"clicks.csv: row 2 has no value in label column 'clicked'; fill it or drop"):
+        fit(schema, read_table(path, schema), "train").encode(read_table(path, schema), str(path))
+    with pytest.raises(ValueError, match=r"dense 'age' transform 'log2' does not exist; valid values are "
+                                         r"\['none', 'log1p', 'standardize'\]"):
+        Dense("age", "log2")
+    with pytest.raises(ValueError, match=r"cross 'city_x_age' joins \['age'\], which are not categorical features"):
+        Schema(Label("y"), (Categorical("city"),), (Dense("age"),), (Cross(("city", "age"), 8),))
+    with pytest.raises(ValueError, match=r"schema uses columns \['city'\] more than once"):
+        Schema(Label("y"), (Categorical("city"),), (Dense("city"),))
+    with pytest.raises(ValueError, match=r"a CSV file without a header needs column_names"):
+        ReaderConfig(header=False)
+
+
+def test_read_dataset_fits_on_its_training_split_only(tmp_path):
+    path = tmp_path / "unique.csv"
+    path.write_text("y,city,row\n" + "".join(f"{i % 2},c{i},{i}\n" for i in range(100)))
+    schema = Schema(Label("y"), (Categorical("city"),), (Dense("row", Transform.STANDARDIZE),))
+    train, valid, test, enc = read_dataset(path, schema, seed=1)
+    assert (len(train), len(valid), len(test)) == (80, 10, 10)
+    assert train.specs[0].vocab_size == 81 and sorted(train.features["city"].tolist()) == list(range(1, 81))
+    assert valid.features["city"].tolist() == [0] * 10 and test.features["city"].tolist() == [0] * 10
+    rows = train.dense[:, 0] * enc.statistics["row"][1] + enc.statistics["row"][0]  # undo the standardisation
+    assert enc.statistics["row"][0] == pytest.approx(rows.double().mean().item(), abs=1e-4)  # the training rows' mean
