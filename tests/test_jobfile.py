@@ -100,3 +100,25 @@ def test_a_bad_config_names_where_and_the_fix_and_writes_nothing(tmp_path, capsy
     key = next(k for k in want if k in message)
     assert err.startswith("hetero: error: ") and want[key] in err, err
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_early_stopping_scores_test_with_the_best_epoch(tmp_path, capsys):
+    data = tmp_path / "clicks.csv"
+    _clicks(data, n=600)
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(path=data).replace("deep_lr = 0.05", "deep_lr = 0.5\ndense_lr = 0.05"))  # overfits
+    assert main(["train", "--config", str(job), "--epochs", "25", "--patience", "2", "--run-dir", str(tmp_path / "es")]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    history = json.loads((tmp_path / "es" / "metrics.json").read_text())["history"]["valid_auc"]
+    best = got["best_epoch"]
+    assert got["stopped_early"] and len(history) == best + 2 < 25  # two epochs without a better AUC, then stop
+    assert history[best - 1] == max(history) and (tmp_path / "es" / "best.pt").is_file()
+    # the same run trained for exactly the best epoch's count: its test AUC is the early-stopped run's
+    assert main(["train", "--config", str(job), "--epochs", str(best), "--run-dir", str(tmp_path / "ref")]) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["test_auc"] == pytest.approx(want["test_auc"], abs=1e-9)
+    # a stopped run stays stopped on --resume
+    assert main(["train", "--config", str(job), "--epochs", "25", "--patience", "2", "--resume",
+                 "--run-dir", str(tmp_path / "es")]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["steps"] == got["steps"] and again["test_auc"] == pytest.approx(got["test_auc"], abs=1e-9)

@@ -146,3 +146,28 @@ def test_read_dataset_fits_on_its_training_split_only(tmp_path):
     assert valid.features["city"].tolist() == [0] * 10 and test.features["city"].tolist() == [0] * 10
     rows = train.dense[:, 0] * enc.statistics["row"][1] + enc.statistics["row"][0]  # undo the standardisation
     assert enc.statistics["row"][0] == pytest.approx(rows.double().mean().item(), abs=1e-4)  # the training rows' mean
+
+
+def test_a_split_by_time_and_a_split_by_files(tmp_path):
+    from hetero.data.readers import Split
+
+    path = tmp_path / "log.csv"
+    rows = [(f"2026-01-{d:02d}T10:00", f"c{d}", d % 2) for d in (5, 1, 9, 3, 7, 2, 10, 4, 8, 6)]  # shuffled days
+    path.write_text("ts,city,y\n" + "".join(f"{t},{c},{y}\n" for t, c, y in rows))
+    schema = Schema(Label("y"), (Categorical("city"),))
+    train, valid, test, enc = read_dataset(path, schema, split=Split((0.6, 0.2, 0.2), time_column="ts"))
+    assert enc.vocabularies["city"] == ["c1", "c2", "c3", "c4", "c5", "c6"]  # the six earliest days train
+    assert (len(valid), len(test)) == (2, 2) and test.features["city"].tolist() == [0, 0]  # days 9, 10: unseen
+    assert test.label.tolist() == [1.0, 0.0]  # day 9, then day 10
+    with pytest.raises(ValueError, match=r"log.csv has no column 'time' \(the split's time column\)"):
+        read_dataset(path, schema, split=Split(time_column="time"))
+    files = [tmp_path / f"{name}.csv" for name in ("train", "valid", "test")]
+    for f, part in zip(files, (rows[:6], rows[6:8], rows[8:])):
+        f.write_text("ts,city,y\n" + "".join(f"{t},{c},{y}\n" for t, c, y in part))
+    train, valid, test, enc = read_dataset(files[0], schema, split=Split(valid_path=files[1], test_path=files[2]))
+    assert (len(train), len(valid), len(test)) == (6, 2, 2) and enc.vocabularies["city"] == ["c5", "c1", "c9", "c3",
+                                                                                              "c7", "c2"]
+    with pytest.raises(ValueError, match=r"a split by files needs both valid_path and test_path"):
+        Split(valid_path=files[1])
+    with pytest.raises(ValueError, match=r"split fractions \[0.5, 0.5, 0.0\]: give three positive fractions"):
+        Split((0.5, 0.5, 0.0))

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "both resume at any world size")
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: each epoch)")
     g.add_argument("--max-steps", type=int, help="stop after this many steps in total")
+    g.add_argument("--patience", type=int, default=0, help="stop after this many epochs without a better validation "
+                   "AUC (0: never early); implies --keep-best")
+    g.add_argument("--keep-best", action="store_true", help="also keep the best epoch's checkpoint (best.pt) and score "
+                   "the test split with it")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--prefetch", action="store_true", help="prepare the next batch's lookups on a worker thread")
     g.add_argument("--threads", type=int, help="threads of the host embedding kernels (default: torch's)")
@@ -282,7 +286,10 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
              len(train) + len(valid) + len(test), len(train), len(tables), n_rows,
              sum(t.weight.numel() * t.weight.element_size() for t in tables.values()) / 1e6, where, device)
     fmt = args.checkpoint_format or ("sharded" if args.ps_servers else "integrated")
+    if args.patience < 0:
+        raise ValueError(f"--patience {args.patience}: give 0 (never stop early) or a number of epochs")
     config = TrainConfig(epochs=args.epochs, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
+                         patience=args.patience, keep_best=args.keep_best,
                          progress=not args.no_progress, prefetch=args.prefetch, checkpoint_format=CheckpointFormat(fmt),
                          data_parallel=DataParallelConfig(dense_sharded=args.zero >= 2))
     set_num_threads(args.threads)

@@ -7,7 +7,9 @@ Sections (every one optional)::
     format = "csv"              # "csv" (any delimiter) or "parquet"
     delimiter = ","
     header = true               # else column_names = ["label", "city", ...]
-    split = [0.8, 0.1, 0.1]     # seeded (--seed) random train/validation/test split
+    split = [0.8, 0.1, 0.1]     # train/validation/test: random (seeded by --seed), or
+    time_column = "ts"          # in this column's order (the latest rows test), or
+    valid_path = "valid.csv"    # files of their own (with test_path; path then trains)
 
     [schema]                    # what the columns mean (hetero.data.schema)
     label = { column = "clicked", positive = ["yes"] }     # or threshold = 4
@@ -40,7 +42,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hetero.data.readers import ReaderConfig
+from hetero.data.readers import ReaderConfig, Split
 from hetero.data.schema import Categorical, Cross, Dense, Label, Schema
 
 SECTIONS = ("data", "schema", "train")
@@ -53,12 +55,12 @@ class DataSource:
     Attributes:
         path: the file (``None``: given by ``--data-path``).
         reader: how it is read.
-        split: train / validation / test fractions of its rows (seeded by ``--seed``).
+        split: how its rows become train / validation / test (random ones seeded by ``--seed``).
     """
 
     path: Path | None = None
     reader: ReaderConfig = ReaderConfig()
-    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    split: Split = Split()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +101,12 @@ def read_job_file(path: Path, flags: Mapping[str, bool]) -> JobFile:
     _check_keys(doc, SECTIONS, f"{path}")
     data = dict(doc.get("data", {}))
     where = f"{path} [data]"
-    _check_keys(data, ("path", "split", *(f.name for f in dataclasses.fields(ReaderConfig))), where)
-    source = DataSource(Path(data.pop("path")) if "path" in data else None,
-                        _build(ReaderConfig, {k: v for k, v in data.items() if k != "split"}, where),
-                        tuple(data.get("split", DataSource.split)))
+    split_keys = {"split": "fractions", "time_column": "time_column", "valid_path": "valid_path", "test_path": "test_path"}
+    _check_keys(data, ("path", *split_keys, *(f.name for f in dataclasses.fields(ReaderConfig))), where)
+    split = {split_keys[k]: Path(v) if k.endswith("_path") else v for k, v in data.items() if k in split_keys}
+    source = DataSource(Path(data["path"]) if "path" in data else None,
+                        _build(ReaderConfig, {k: v for k, v in data.items() if k != "path" and k not in split_keys}, where),
+                        _checked(where, Split, **split))
     schema = _schema(doc["schema"], f"{path} [schema]") if "schema" in doc else None
     return JobFile(schema, source, _argv(doc.get("train", {}), flags, f"{path} [train]"))
 

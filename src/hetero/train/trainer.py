@@ -73,6 +73,11 @@ class CheckpointFormat(enum.Enum):
     def file_name(self) -> str:
         return "checkpoint.pt" if self is CheckpointFormat.INTEGRATED else "checkpoint.dcp"
 
+    @property
+    def best_name(self) -> str:
+        """The best epoch's checkpoint (``TrainConfig.keep_best``)."""
+        return "best.pt" if self is CheckpointFormat.INTEGRATED else "best.dcp"
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -85,6 +90,12 @@ class TrainConfig:
     warmup_steps: int = 10  # first steps of each run left out of samples/s (kernel compilation)
     checkpoint_format: CheckpointFormat = CheckpointFormat.INTEGRATED
     data_parallel: DataParallelConfig = DataParallelConfig()  # DDP or, under ZeRO 2/3, the model's own sharding
+    # Early stopping: training ends after ``patience`` epochs without a better validation score (the
+    # AUC; minus the log loss where the AUC is undefined); 0 never stops early. ``keep_best`` (implied
+    # by patience) also writes the best epoch's checkpoint (``best.pt`` / ``best.dcp``) and scores the
+    # test split with it.
+    patience: int = 0
+    keep_best: bool = False
 
 
 class Trainer:
@@ -153,6 +164,8 @@ class Trainer:
         self.losses: list[float] = []
         self.history: dict[str, list] = {"epoch": [], "valid_auc": [], "valid_logloss": []}
         self.train_seconds, self.train_samples = 0.0, 0
+        self.best_path = self.run_dir / config.checkpoint_format.best_name
+        self.best: dict[str, Any] = {"score": None, "epoch": 0, "stopped": False}  # early stopping's record
         self.on_step = on_step
         self._train_crc = _dataset_crc(train.dataset)
 
@@ -181,6 +194,7 @@ class Trainer:
             "losses": torch.tensor(self.losses, dtype=torch.float64),
             "history": self.history,
             "throughput": {"train_seconds": self.train_seconds, "train_samples": self.train_samples},
+            "best": dict(self.best),
         })
         return state
 
@@ -283,20 +297,23 @@ class Trainer:
         self.history = {k: list(v) for k, v in state["history"].items()}
         self.train_seconds = state["throughput"]["train_seconds"]
         self.train_samples = state["throughput"]["train_samples"]
+        self.best = dict(state.get("best", {"score": None, "epoch": 0, "stopped": False}))  # (older checkpoints)
 
-    def save(self) -> Path:
-        """Write the checkpoint in ``config.checkpoint_format`` (every rank calls it)."""
+    def save(self, path: Path | None = None) -> Path:
+        """Write the checkpoint in ``config.checkpoint_format`` to ``path`` (default: the run's
+        checkpoint); every rank calls it."""
+        path = path or self.checkpoint_path
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
             if self.remote:
-                ps.request_checkpoint(save=True, path=self.checkpoint_path)  # the servers write their shards
-            return save_sharded(sharded_state(self), self.checkpoint_path)
+                ps.request_checkpoint(save=True, path=path)  # the servers write their shards
+            return save_sharded(sharded_state(self), path)
         # Every rank builds the state (it gathers row-sharded tables: a collective); it is then
         # identical on all ranks, so rank 0 writes and the others wait until the file is complete.
         state = self.state_dict()
         if global_rank() == 0:
-            save_checkpoint(state, self.checkpoint_path)
+            save_checkpoint(state, path)
         barrier()
-        return self.checkpoint_path
+        return path
 
     def has_checkpoint(self) -> bool:
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
@@ -307,28 +324,29 @@ class Trainer:
                 return False
         return self.checkpoint_path.is_file()
 
-    def resume(self) -> None:
-        """Continue from the run directory's checkpoint, saved at any world size.
+    def resume(self, path: Path | None = None) -> None:
+        """Continue from the run directory's checkpoint (or ``path``), saved at any world size.
 
         Raises:
             CheckpointError: absent, truncated or missing a shard, or saved from another model
                 config; nothing is changed then.
         """
+        path = path or self.checkpoint_path
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
             # Validate before touching anything: the run's record first (a small read), then
             # load_sharded checks shards and shapes before it writes into the model.
             # (Each rank reads the record alone: in a parameter-server job the servers are not
             # loading yet, so no collective may run here.)
-            self.check_resumable(read_extra({"extra": read_bytes(self.checkpoint_path, "extra")}), self.checkpoint_path)
+            self.check_resumable(read_extra({"extra": read_bytes(path, "extra")}), path)
             template = sharded_state(self, blob=False)
             if self.remote:
-                ps.request_checkpoint(save=False, path=self.checkpoint_path)  # the servers load their shards
-            load_sharded(template, self.checkpoint_path)
-            self.load_state_dict(read_extra(template), self.checkpoint_path)
+                ps.request_checkpoint(save=False, path=path)  # the servers load their shards
+            load_sharded(template, path)
+            self.load_state_dict(read_extra(template), path)
         else:
-            self.load_state_dict(load_checkpoint(self.checkpoint_path), self.checkpoint_path)
+            self.load_state_dict(load_checkpoint(path), path)
         log.info("hetero: resumed from %s at epoch %d, batch %d (step %d)",
-                 self.checkpoint_path, self.epoch, self.batch, self.global_step)
+                 path, self.epoch, self.batch, self.global_step)
 
     # ----------------------------------------------------------------------------- loop
     def _step(self, batch: Batch) -> float:
@@ -383,7 +401,7 @@ class Trainer:
 
         start = time.perf_counter()
         cfg, stop, steps_this_run = self.config, False, 0
-        while self.epoch < cfg.epochs and not stop:
+        while self.epoch < cfg.epochs and not stop and not self.best["stopped"]:
             bar = tqdm(total=len(self.train.dataset), initial=min(self.batch * self.train.config.batch_size, len(self.train.dataset)),
                        unit="sample", unit_scale=True, desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
                        disable=not cfg.progress, leave=False)
@@ -411,6 +429,7 @@ class Trainer:
                     stop = True
                     break
             bar.close()
+            improved = False
             if not stop:
                 metrics = self.evaluate(self.valid)
                 self.history["epoch"].append(self.epoch + 1)
@@ -419,9 +438,25 @@ class Trainer:
                 rate = f"{self.train_samples / self.train_seconds:.0f} samples/s" if self.train_seconds else "rate after warm-up"
                 log.info("hetero: epoch %d valid auc %s logloss %s (%s)", self.epoch + 1,
                          _fmt(metrics["auc"]), _fmt(metrics["logloss"]), rate)
+                improved = self._track_best(metrics)
                 self.epoch, self.batch = self.epoch + 1, 0
             self.save()
+            if improved and (cfg.keep_best or cfg.patience):
+                self.save(self.best_path)  # the state at the end of the best epoch
         return self._finish(time.perf_counter() - start)
+
+    def _track_best(self, metrics: Mapping[str, float | None]) -> bool:
+        """Record this epoch's validation score; whether it is the best so far. Sets
+        ``best["stopped"]`` after ``patience`` epochs without a better one."""
+        score = metrics["auc"] if metrics["auc"] is not None else -metrics["logloss"]
+        if self.best["score"] is None or score > self.best["score"]:
+            self.best.update(score=score, epoch=self.epoch + 1)
+            return True
+        if self.config.patience and self.epoch + 1 - self.best["epoch"] >= self.config.patience:
+            self.best["stopped"] = True
+            log.info("hetero: early stop after epoch %d: no better validation score in %d epochs (best: epoch %d)",
+                     self.epoch + 1, self.config.patience, self.best["epoch"])
+        return False
 
     @torch.no_grad()
     def evaluate(self, data: TabularDataset) -> dict[str, float]:
@@ -435,6 +470,13 @@ class Trainer:
         return binary_metrics(data.label.numpy(), torch.cat(probs).numpy())
 
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
+        best = self.config.keep_best or self.config.patience
+        if best and self.best["epoch"] and self.best["epoch"] != self.epoch:
+            # the test split is scored by the best epoch's model: restore its checkpoint, keeping
+            # this run's record of what happened after it for the report
+            record = (self.epoch, self.batch, self.global_step, self.losses, self.history, self.best)
+            self.resume(self.best_path)
+            self.epoch, self.batch, self.global_step, self.losses, self.history, self.best = record
         test = self.evaluate(self.test)
         if global_rank() != 0:
             return {"test_auc": test["auc"], "test_logloss": test["logloss"]}
@@ -456,6 +498,8 @@ class Trainer:
             "checkpoint": str(self.checkpoint_path),
             "plot": str(plot),
             "history": self.history,
+            "best_epoch": self.best["epoch"] or None,  # of the validation score; the test split's model with keep_best
+            "stopped_early": self.best["stopped"],
         }
         (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
         return metrics
