@@ -1,5 +1,6 @@
 """Training loop, evaluation and reports."""
 
-from hetero.train.trainer import CheckpointFormat, Trainer, TrainConfig
+from hetero.train.config import CheckpointFormat, TrainConfig
+from hetero.train.trainer import Trainer
 
 __all__ = ["CheckpointFormat", "TrainConfig", "Trainer"]

@@ -8,8 +8,6 @@ included), optimizer states, the data position ``(epoch, batch)``, the RNG state
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import logging
 import math
@@ -29,7 +27,6 @@ from hetero.data import Batch, Batches, Jagged, TabularDataset
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.parallel import (
-    DataParallelConfig,
     DistributedSparse,
     active,
     barrier,
@@ -55,47 +52,11 @@ from hetero.train.checkpointing import (
     whole_model_state,
     whole_optimizer_state,
 )
+from hetero.train.config import CheckpointFormat, TrainConfig
 from hetero.train.report import binary_metrics, plot_curves
 
 log = logging.getLogger("hetero")
 FORMAT_VERSION = 1
-
-
-class CheckpointFormat(enum.Enum):
-    """``integrated``: one file with every tensor whole (rank 0 writes it); ``sharded``: a
-    ``torch.distributed.checkpoint`` directory, each rank writing its part (see
-    :mod:`hetero.train.checkpointing`). Both load at any world size."""
-
-    INTEGRATED = "integrated"
-    SHARDED = "sharded"
-
-    @property
-    def file_name(self) -> str:
-        return "checkpoint.pt" if self is CheckpointFormat.INTEGRATED else "checkpoint.dcp"
-
-    @property
-    def best_name(self) -> str:
-        """The best epoch's checkpoint (``TrainConfig.keep_best``)."""
-        return "best.pt" if self is CheckpointFormat.INTEGRATED else "best.dcp"
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    epochs: int = 5
-    checkpoint_every: int = 0  # steps between checkpoints; 0 = at the end of each epoch only
-    max_steps: int | None = None  # stop (with a checkpoint) after this many steps in total
-    eval_batch_size: int = 8192
-    progress: bool = True
-    prefetch: bool = False  # prepare the next batch's lookups on a worker thread (hetero.embedding.Prefetcher)
-    warmup_steps: int = 10  # first steps of each run left out of samples/s (kernel compilation)
-    checkpoint_format: CheckpointFormat = CheckpointFormat.INTEGRATED
-    data_parallel: DataParallelConfig = DataParallelConfig()  # DDP or, under ZeRO 2/3, the model's own sharding
-    # Early stopping: training ends after ``patience`` epochs without a better validation score (the
-    # AUC; minus the log loss where the AUC is undefined); 0 never stops early. ``keep_best`` (implied
-    # by patience) also writes the best epoch's checkpoint (``best.pt`` / ``best.dcp``) and scores the
-    # test split with it.
-    patience: int = 0
-    keep_best: bool = False
 
 
 class Trainer:
