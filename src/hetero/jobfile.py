@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.data.readers import ReaderConfig, Split
-from hetero.data.schema import Categorical, Cross, Dense, Label, Schema
+from hetero.data.schema import Categorical, Cross, Dense, Label, Schema, parse_enum
 
 SECTIONS = ("data", "schema", "train")
 
@@ -132,11 +132,7 @@ def _build(cls: type, table: Mapping[str, Any], where: str) -> Any:  # noqa: ANN
     for key, value in table.items():
         default = fields[key].default
         if isinstance(default, enum.Enum) and not isinstance(value, enum.Enum):
-            kinds = type(default)
-            if value not in [k.value for k in kinds]:
-                raise ValueError(f"{where}: {key} = {value!r} does not exist; valid values are "
-                                 f"{[k.value for k in kinds]}")
-            value = kinds(value)
+            value = parse_enum(type(default), value, f"{where}: {key} =")
         kwargs[key] = tuple(value) if isinstance(value, list) else value
     return _checked(where, cls, **kwargs)
 

@@ -103,7 +103,7 @@ class Dense:
 
     def __post_init__(self) -> None:
         if not isinstance(self.transform, Transform):
-            object.__setattr__(self, "transform", _enum(Transform, self.transform, f"dense {self.column!r} transform"))
+            object.__setattr__(self, "transform", parse_enum(Transform, self.transform, f"dense {self.column!r} transform"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +187,8 @@ class Schema:
                              f"{f' (nor {missing[1:]})' if missing[1:] else ''}; its columns are {list(columns)}")
 
 
-def _enum(kind: type[enum.Enum], value: object, what: str) -> enum.Enum:
+def parse_enum(kind: type[enum.Enum], value: object, what: str) -> enum.Enum:
+    """``kind(value)``; a value that is not one is an error naming ``what`` and the valid values."""
     try:
         return kind(value)
     except ValueError:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from hetero.embedding import HostEmbeddingCollection, Pooling, TableConfig
 from hetero.parallel.operator_plan import ShardingPlan
+from hetero.parallel.pipeline_plan import balanced_cuts
 from hetero.placement import copy_to
 
 
@@ -134,13 +135,7 @@ def pipeline_split_points(model: WideDeep, stages: int) -> tuple[str, ...]:
         raise ValueError(f"{stages} pipeline stages for a Wide & Deep MLP of {len(linears)} Linear layers: use at most "
                          f"{len(linears)} stages (--pp), or more layers (--hidden)")
     sizes = [sum(p.numel() for p in model.mlp[k].parameters()) for k in linears]
-    total, cuts, acc = sum(sizes), [], 0
-    for i, size in enumerate(sizes[:-1]):
-        acc += size
-        k = len(cuts) + 1
-        if k < stages and (acc >= total * k / stages or len(linears) - (i + 1) == stages - k):
-            cuts.append(f"mlp.{linears[i + 1]}")
-    return tuple(cuts)
+    return tuple(f"mlp.{linears[i]}" for i in balanced_cuts(sizes, stages))
 
 
 def mlp_sharding_plan(model: WideDeep, tp: int) -> ShardingPlan:

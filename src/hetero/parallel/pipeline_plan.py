@@ -112,13 +112,20 @@ def split_points(model: nn.Module, stages: int, given: tuple[str, ...] = ()) -> 
                              f"order: {units}")
         return tuple(given)
     sizes = [sum(p.numel() * p.element_size() for p in model.get_submodule(u).parameters()) for u in units]
+    return tuple(units[i] for i in balanced_cuts(sizes, stages))
+
+
+def balanced_cuts(sizes: list[int], stages: int) -> list[int]:
+    """Where stages ``1..stages-1`` begin among items of ``sizes`` (indices, increasing): stage
+    ``k`` starts once about ``k / stages`` of the total is before it, leaving at least one item
+    to every later stage (``stages <= len(sizes)``)."""
     total, cuts, acc = sum(sizes), [], 0
     for i, size in enumerate(sizes[:-1]):
         acc += size
-        k = len(cuts) + 1  # the next cut: after about k / stages of the bytes, leaving a unit per later stage
-        if k < stages and (acc >= total * k / stages or len(units) - (i + 1) == stages - k):
-            cuts.append(units[i + 1])
-    return tuple(cuts)
+        k = len(cuts) + 1
+        if k < stages and (acc >= total * k / stages or len(sizes) - (i + 1) == stages - k):
+            cuts.append(i + 1)
+    return cuts
 
 
 def predicted_bubble(schedule: Schedule, pp: int, micro_batches: int, stages_per_rank: int = 1) -> float | None:
