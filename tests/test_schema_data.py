@@ -113,8 +113,8 @@ def test_a_threshold_label(tmp_path):
 def test_bad_input_names_the_file_row_column_and_fix(tmp_path):
     path = tmp_path / "clicks.csv"
     path.write_text(CSV.replace("7.25", "seven"), encoding="utf-8")
-    with pytest.raises(ValueError, match=r"clicks.csv: row 4, column 'price': 'seven' is not a number; fix the value, "
-                                         r"or declare the column categorical"):
+    with pytest.raises(ValueError, match=r"clicks.csv: line 5, column 'price': 'seven' is not a number; fix the value, "
+                                         r"declare the column categorical, or set on_bad_rows = \"skip\""):
         read_table(path, SCHEMA)
     with pytest.raises(ValueError, match=r"clicks.csv has no column 'country' that the schema names; its columns are "
                                          r"\['clicked', 'city', 'tags', 'age', 'price', 'note'\]"):

@@ -8,6 +8,7 @@ The last line printed to stdout is the run's metrics as one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import linecache
 import logging
@@ -24,18 +25,21 @@ from hetero.data import (
     Batches,
     CriteoConfig,
     FeatureRole,
-    TabularDataset,
     load_movielens_100k,
     read_criteo_tsv,
 )
+from hetero.data.encode import Encoding, save_encoding
+from hetero.data.prepare import load_prepared, prepare
 from hetero.data.readers import read_dataset
+from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, fit_stream
+from hetero.data.tabular import EvalData, Feature, Rows
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.jobfile import JobFile, read_job_file
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig, mlp_sharding_plan, pipeline_split_points
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.optim.accounting import storage_bytes
 from hetero.parallel import DataParallelConfig
-from hetero.parallel.env import set_data_parallel_group
+from hetero.parallel.env import host_group, set_data_parallel_group
 from hetero.parallel.parallelize import ParallelPlan, parallelize
 from hetero.parallel.pipeline import pipeline
 from hetero.parallel.pipeline_plan import PipelineConfig, Schedule
@@ -63,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data", choices=["movielens-100k", "criteo"], default="movielens-100k",
                    help="a built-in data set (ignored when --config has a schema)")
     g.add_argument("--data-path", type=Path, help="ml-100k atomic-file dir, or the Criteo TSV file")
+    g.add_argument("--stream", action="store_true", help="a job file's data streamed from disk in blocks, not read "
+                   "into memory (needs valid_path and test_path in [data]; see hetero.data.stream)")
+    g.add_argument("--prepared", type=Path, help="train on a cache written by `hetero data prepare` (memory-mapped)")
+    g.add_argument("--shuffle-window", type=int, default=1 << 17, help="--stream: rows shuffled together")
     g.add_argument("--cache-dir", type=Path, help="download cache (default $HETERO_CACHE or ~/.cache/hetero)")
     g.add_argument("--hash-buckets", type=int, help="Criteo: hash categorical values into this many rows per table")
     g.add_argument("--batch-size", type=int, default=256, help="global batch (split over the ranks under torchrun)")
@@ -119,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ps-server-memory-mb", type=float, default=0.0,
                    help="each server's memory budget for its shard of rows and optimizer state (0: unlimited)")
     g.add_argument("--ps-timeout", type=float, default=60.0, help="seconds a worker waits for a server's answer")
+    d = sub.add_parser("data", help="data tools")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    dp = dsub.add_parser("prepare", help="encode a job file's data once into a columnar cache (hetero.data.prepare)",
+                        formatter_class=defaults)
+    dp.add_argument("--config", type=Path, required=True, help="the job config file: its [data] and [schema]")
+    dp.add_argument("--out", type=Path, required=True, help="the cache directory to write (must not exist)")
+    dp.add_argument("--data-path", type=Path, help="the file, if [data] names none")
+    dp.add_argument("--seed", type=int, default=0, help="seeds a random split")
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True)
     m = csub.add_parser("merge", help="merge a sharded checkpoint (a checkpoint.dcp directory) into one integrated file",
@@ -195,16 +211,50 @@ def _pipeline_mesh(args: argparse.Namespace):  # noqa: ANN202 - a DeviceMesh
     return mesh
 
 
-def _splits(args: argparse.Namespace, job: JobFile | None) -> tuple[TabularDataset, TabularDataset, TabularDataset]:
-    """Train / validation / test: a job file's schema over its (or ``--data-path``'s) file, fitted
-    on the training split; else a built-in data set split 80/10/10."""
+@dataclasses.dataclass
+class _Data:
+    """A job's data: the training rows (in memory or a prepared cache) or stream, the
+    validation and test data, the features, and the fitted encoding of a schema job."""
+
+    train: Rows | StreamBatches
+    valid: EvalData
+    test: EvalData
+    specs: tuple[Feature, ...]
+    num_dense: int
+    encoding: Encoding | None = None
+
+
+def _data(args: argparse.Namespace, job: JobFile | None) -> _Data:
+    """A prepared cache (``--prepared``); a job file's schema over its (or ``--data-path``'s)
+    file, streamed (``--stream``) or read, fitted on the training split; else a built-in data
+    set split 80/10/10."""
+    if args.prepared is not None:
+        train, valid, test, encoding = load_prepared(args.prepared)
+        return _Data(train, valid, test, encoding.specs(), train.num_dense, encoding)
     if job is not None and job.schema is not None:
         path = job.source.path or args.data_path
         if path is None:
             raise ValueError(f"{args.config} has a schema but no data: set path in its [data] section, or --data-path")
-        train, valid, test, _ = read_dataset(path, job.schema, job.source.reader, job.source.split, args.seed)
+        if args.stream:
+            split = job.source.split
+            if split.valid_path is None:
+                raise ValueError(f"--stream reads the training file once per epoch and cannot split it: give valid_path "
+                                 f"and test_path in {args.config} [data], or prepare a cache with a random split "
+                                 f"(hetero data prepare) and train with --prepared")
+            encoding = fit_stream(path, job.schema, job.source.reader)
+            stream = StreamConfig(shuffle_window=args.shuffle_window)
+            batches = BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed, rank=parallel.rank(),
+                                  world_size=parallel.world_size())
+            return _Data(StreamBatches(path, encoding, job.source.reader, batches, stream, host_group()),
+                         StreamEval(split.valid_path, encoding, job.source.reader, stream),
+                         StreamEval(split.test_path, encoding, job.source.reader, stream),
+                         encoding.specs(), len(job.schema.dense), encoding)
+        train, valid, test, encoding = read_dataset(path, job.schema, job.source.reader, job.source.split, args.seed)
         source, n = path, len(train) + len(valid) + len(test)
     else:
+        encoding = None
+        if args.stream:
+            raise ValueError("--stream streams a job file's data: give --config job.toml with [data] and [schema]")
         if args.data == "movielens-100k":
             data = load_movielens_100k(args.data_path, args.cache_dir)
         else:
@@ -217,7 +267,19 @@ def _splits(args: argparse.Namespace, job: JobFile | None) -> tuple[TabularDatas
     if n < 10 or not (len(train) and len(valid) and len(test)):
         raise ValueError(f"{source} has {n} samples: the 80/10/10 train/validation/test split needs at least 10; "
                          f"use a larger file")
-    return train, valid, test
+    return _Data(train, valid, test, train.specs, train.num_dense, encoding)
+
+
+def prepare_cache(args: argparse.Namespace, flags: dict[str, bool]) -> Path:
+    """``hetero data prepare``: the job file's data encoded into ``args.out`` (``flags``: those of
+    ``hetero train``, which the file's [train] section may hold)."""
+    job = read_job_file(args.config, flags)
+    if job.schema is None:
+        raise ValueError(f"{args.config} has no [schema]: prepare encodes a schema's columns")
+    path = job.source.path or args.data_path
+    if path is None:
+        raise ValueError(f"{args.config} names no data: set path in its [data] section, or --data-path")
+    return prepare(path, job.schema, args.out, job.source.reader, job.source.split, args.seed)
 
 
 def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: ANN001 - a DeviceMesh
@@ -226,13 +288,13 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
     the time this returns. With ``mesh`` (``--tp``), the deep MLP is operator-parallel on it;
     with ``job``, its schema and data (``--config``)."""
     torch.manual_seed(args.seed)
-    train, valid, test = _splits(args, job)
+    data = _data(args, job)
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
-                         deep=f.role is not FeatureRole.WIDE) for f in train.specs]
+                         deep=f.role is not FeatureRole.WIDE) for f in data.specs]
     model_config = WideDeepConfig(embedding_dim=args.embedding_dim, hidden=args.hidden, dropout=args.dropout)
     # a parameter server runs no model: it keeps it on the host and leaves the accelerator alone
     device = torch.device("cpu") if ps.role() is ps.Role.SERVER else resolve_device(Target.DEVICE)
-    model = WideDeep(slots, train.num_dense, model_config).to(device)
+    model = WideDeep(slots, data.num_dense, model_config).to(device)
     pipe = None
     if args.pp > 1:
         pp_config = PipelineConfig(Schedule(args.schedule), args.micro_batches or args.pp,
@@ -282,8 +344,8 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
                  sum(p.numel() for p in dense_parameters(model)))
     n_rows = sum(t.config.num_embeddings for t in tables.values())
     where = f"on {args.ps_servers} parameter servers" if args.ps_servers else f"on this host ({args.table_sharding})"
-    log.info("hetero: %d samples (%d train); %d host tables, %d rows, %.1f MB %s; MLP on %s",
-             len(train) + len(valid) + len(test), len(train), len(tables), n_rows,
+    log.info("hetero: %s training samples; %d host tables, %d rows, %.1f MB %s; MLP on %s",
+             "streamed" if isinstance(data.train, StreamBatches) else len(data.train), len(tables), n_rows,
              sum(t.weight.numel() * t.weight.element_size() for t in tables.values()) / 1e6, where, device)
     fmt = args.checkpoint_format or ("sharded" if args.ps_servers else "integrated")
     if args.patience < 0:
@@ -293,9 +355,13 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
                          progress=not args.no_progress, prefetch=args.prefetch, checkpoint_format=CheckpointFormat(fmt),
                          data_parallel=DataParallelConfig(dense_sharded=args.zero >= 2))
     set_num_threads(args.threads)
-    batches = Batches(train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed,
-                                         rank=parallel.rank(), world_size=parallel.world_size()))
-    return Trainer(model, dense, sparse, batches, valid, test, config, args.run_dir, on_step=on_step, pipeline=pipe)
+    if data.encoding is not None and parallel.global_rank() == 0:
+        save_encoding(data.encoding, args.run_dir)  # with the run: what `hetero predict` encodes new files with
+    batches = data.train if isinstance(data.train, StreamBatches) else Batches(
+        data.train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed, rank=parallel.rank(),
+                                world_size=parallel.world_size()))
+    return Trainer(model, dense, sparse, batches, data.valid, data.test, config, args.run_dir, on_step=on_step,
+                   pipeline=pipe)
 
 
 def report_error(e: BaseException, *own: Path) -> None:
@@ -353,6 +419,14 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         at = argv.index("train") + 1  # the file's flags first: the command line's, after them, win
         args = parser.parse_args([*argv[:at], *job.argv, *argv[at:]])
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.command == "data":
+        try:
+            out = prepare_cache(args, _train_flags(parser))
+        except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed
+            report_error(e)
+            return 1
+        print(json.dumps({"prepared": str(out), **json.loads((out / "manifest.json").read_text())["splits"]["train"]}))
+        return 0
     if args.command == "checkpoint":
         try:
             out = merge(args.source, args.output)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.data.readers import ReaderConfig, Split
-from hetero.data.schema import Categorical, Cross, Dense, Label, Schema, parse_enum
+from hetero.data.schema import Schema, build_dataclass, check_keys, checked, schema_from_dict
 
 SECTIONS = ("data", "schema", "train")
 
@@ -98,56 +98,22 @@ def read_job_file(path: Path, flags: Mapping[str, bool]) -> JobFile:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
-    _check_keys(doc, SECTIONS, f"{path}")
+    check_keys(doc, SECTIONS, f"{path}")
     data = dict(doc.get("data", {}))
     where = f"{path} [data]"
     split_keys = {"split": "fractions", "time_column": "time_column", "valid_path": "valid_path", "test_path": "test_path"}
-    _check_keys(data, ("path", *split_keys, *(f.name for f in dataclasses.fields(ReaderConfig))), where)
+    check_keys(data, ("path", *split_keys, *(f.name for f in dataclasses.fields(ReaderConfig))), where)
     split = {split_keys[k]: Path(v) if k.endswith("_path") else v for k, v in data.items() if k in split_keys}
     source = DataSource(Path(data["path"]) if "path" in data else None,
-                        _build(ReaderConfig, {k: v for k, v in data.items() if k != "path" and k not in split_keys}, where),
-                        _checked(where, Split, **split))
-    schema = _schema(doc["schema"], f"{path} [schema]") if "schema" in doc else None
+                        build_dataclass(ReaderConfig, {k: v for k, v in data.items() if k != "path" and k not in split_keys}, where),
+                        checked(where, Split, **split))
+    schema = schema_from_dict(doc["schema"], f"{path} [schema]") if "schema" in doc else None
     return JobFile(schema, source, _argv(doc.get("train", {}), flags, f"{path} [train]"))
-
-
-def _schema(table: Mapping[str, Any], where: str) -> Schema:
-    _check_keys(table, [f.name for f in dataclasses.fields(Schema)], where)
-    if "label" not in table:
-        raise ValueError(f"{where} has no label: add label = {{ column = \"...\", positive = [\"1\"] }}")
-    label = table["label"] if isinstance(table["label"], Mapping) else {"column": table["label"]}
-    return _checked(where, Schema, _build(Label, label, f"{where} label"),
-                  tuple(_build(Categorical, c, f"{where} categorical[{i}]") for i, c in enumerate(table.get("categorical", ()))),
-                  tuple(_build(Dense, d, f"{where} dense[{i}]") for i, d in enumerate(table.get("dense", ()))),
-                  tuple(_build(Cross, x, f"{where} crosses[{i}]") for i, x in enumerate(table.get("crosses", ()))),
-                  tuple(table.get("drop", ())))
-
-
-def _build(cls: type, table: Mapping[str, Any], where: str) -> Any:  # noqa: ANN401 - an instance of cls
-    """``cls(**table)``: keys checked against its fields, an enum field's text converted, lists
-    made tuples; the dataclass's own checks run (their errors prefixed with ``where``)."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    _check_keys(table, fields, where)
-    kwargs = {}
-    for key, value in table.items():
-        default = fields[key].default
-        if isinstance(default, enum.Enum) and not isinstance(value, enum.Enum):
-            value = parse_enum(type(default), value, f"{where}: {key} =")
-        kwargs[key] = tuple(value) if isinstance(value, list) else value
-    return _checked(where, cls, **kwargs)
-
-
-def _checked(where: str, cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - an instance of cls
-    """``cls(*args, **kwargs)``, its own checks' errors prefixed with ``where``."""
-    try:
-        return cls(*args, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}") from None
 
 
 def _argv(table: Mapping[str, Any], flags: Mapping[str, bool], where: str) -> tuple[str, ...]:
     names = {f.removeprefix("--").replace("-", "_"): f for f in flags}
-    _check_keys(table, names, where)
+    check_keys(table, names, where)
     argv: list[str] = []
     for key, value in table.items():
         flag = names[key]
@@ -160,12 +126,3 @@ def _argv(table: Mapping[str, Any], flags: Mapping[str, bool], where: str) -> tu
         else:
             argv += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
     return tuple(argv)
-
-
-def _check_keys(table: Mapping[str, Any], valid: Any, where: str) -> None:  # noqa: ANN401 - names
-    valid = list(valid)
-    for key in table:
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"{where}: no key {key!r}; {hint}valid keys are {valid}")

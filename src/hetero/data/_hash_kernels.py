@@ -7,16 +7,24 @@ _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
 
 
-@numba.njit(parallel=True, cache=True)
-def fnv1a_buckets(offsets: np.ndarray, data: np.ndarray, valid: np.ndarray, buckets: int) -> np.ndarray:
+@numba.njit(parallel=True, nogil=True, cache=True)
+def fnv1a_buckets(offsets: np.ndarray, data: np.ndarray, validity: np.ndarray, bit_offset: int,
+                  buckets: int) -> np.ndarray:
     """Row ``1 + fnv1a64(bytes) mod (buckets - 1)`` of each string ``data[offsets[i]:offsets[i + 1]]``
-    (UTF-8), 0 where ``valid[i]`` is false or the string is empty; int64 ``(N,)``."""
+    (UTF-8; ``offsets`` int32 or int64 as Arrow keeps them), 0 where the string is empty or null;
+    int64 ``(N,)``. ``validity`` is Arrow's validity bitmap (bit ``bit_offset + i``; empty: no
+    nulls). Releases the GIL: the reader thread decodes the next block meanwhile."""
     n = offsets.shape[0] - 1
     out = np.zeros(n, dtype=np.int64)
     m = np.uint64(buckets - 1)
+    check = validity.shape[0] > 0
     for i in numba.prange(n):
+        if check:
+            bit = bit_offset + i
+            if not (validity[bit >> 3] >> (bit & 7)) & 1:
+                continue
         lo, hi = offsets[i], offsets[i + 1]
-        if not valid[i] or hi == lo:
+        if hi == lo:
             continue
         h = _FNV_OFFSET
         for j in range(lo, hi):

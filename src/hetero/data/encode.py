@@ -15,13 +15,17 @@ fields null), dense as float64, the label as read. All work is pyarrow's vectori
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import zlib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from hetero.data.schema import Categorical, Cross, Schema, Transform
+from hetero.data.schema import Categorical, Cross, Schema, Transform, schema_from_dict, schema_to_dict
 from hetero.data.tabular import Feature, FeatureRole, Jagged, TabularDataset
 
 if TYPE_CHECKING:
@@ -52,7 +56,14 @@ class Encoding:
         out += [Feature(x.name, x.hash_buckets, False, FeatureRole.WIDE) for x in self.schema.crosses]
         return tuple(out)
 
-    def encode(self, table: pa.Table, source: str) -> TabularDataset:
+    def fingerprint(self) -> int:
+        """CRC-32 of the schema, vocabularies and statistics: another fit gives another value."""
+        crc = zlib.crc32(repr((self.schema, sorted(self.statistics.items()))).encode())
+        for name in sorted(self.vocabularies):
+            crc = zlib.crc32("\x1e".join([name, *self.vocabularies[name]]).encode(), crc)
+        return crc
+
+    def encode(self, table: pa.Table | pa.RecordBatch, source: str) -> TabularDataset:
         """``table``'s rows as model input.
 
         Raises:
@@ -95,62 +106,174 @@ class Encoding:
         return torch.nan_to_num(x, nan=0.0).float()  # a missing value: 0 after the transform (the mean)
 
 
-def fit(schema: Schema, train: pa.Table, source: str) -> Encoding:
+ENCODING_FILE, VOCABULARY_FILE = "encoding.json", "vocabularies.parquet"
+
+
+def save_encoding(encoding: Encoding, directory: Path) -> None:
+    """Write ``encoding`` into ``directory`` (``encoding.json``: the schema and statistics;
+    ``vocabularies.parquet``: one row per (feature, value), in id order), each file atomically,
+    so a run or a prepared cache can be scored later (``hetero predict``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [name for name, values in encoding.vocabularies.items() for _ in values]
+    table = pa.table({"feature": pa.array(names, pa.string()),
+                      "value": pa.array([v for values in encoding.vocabularies.values() for v in values], pa.string())})
+    tmp = directory / (VOCABULARY_FILE + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, directory / VOCABULARY_FILE)
+    doc = {"format_version": 1, "schema": schema_to_dict(encoding.schema),
+           "statistics": {k: list(v) for k, v in encoding.statistics.items()},
+           "vocabulary_sizes": {k: len(v) for k, v in encoding.vocabularies.items()}}
+    tmp = directory / (ENCODING_FILE + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, directory / ENCODING_FILE)
+
+
+def load_encoding(directory: Path) -> Encoding:
+    """The :class:`Encoding` :func:`save_encoding` wrote in ``directory``.
+
+    Raises:
+        FileNotFoundError: no ``encoding.json`` there (naming what wrote one).
+        ValueError: a vocabulary file that does not match it.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    path = directory / ENCODING_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no {ENCODING_FILE}: give the run directory of a `hetero train "
+                                f"--config` job or a `hetero data prepare` cache")
+    doc = json.loads(path.read_text())
+    schema = schema_from_dict(doc["schema"], str(path))
+    table = pq.read_table(directory / VOCABULARY_FILE)
+    vocabularies = {}
+    for name, size in doc["vocabulary_sizes"].items():
+        values = pc.filter(table.column("value"), pc.equal(table.column("feature"), name)).to_pylist()
+        if len(values) != size:
+            raise ValueError(f"{directory / VOCABULARY_FILE} holds {len(values)} values of {name!r}, {path} says {size}: "
+                             f"the files are from different runs")
+        vocabularies[name] = values
+    return Encoding(schema, vocabularies, {k: (float(a), float(b)) for k, (a, b) in doc["statistics"].items()})
+
+
+def fit(schema: Schema, train: pa.Table | pa.RecordBatch, source: str) -> Encoding:
     """Vocabularies (values seen at least ``min_count`` times, in order of first appearance) and
-    standardisation statistics of the training split ``train``.
+    standardisation statistics of the training split ``train`` (one table: :class:`Fitter` over
+    its rows).
 
     Raises:
         ValueError: a column the schema names is missing (naming ``source``).
     """
-    import pyarrow.compute as pc
+    fitter = Fitter(schema)
+    fitter.add(train, source)
+    return fitter.encoding()
 
-    schema.check(train.column_names, source, drop=False)  # read_table keeps the used columns
-    vocabularies = {}
-    for c in schema.categorical:
-        if c.hash_buckets is not None:
-            continue
-        col = _column(train, c.column)
-        if c.separator is not None:
-            col = pc.split_pattern(col, c.separator).flatten()
-        counts = pc.value_counts(col)
-        values, n = counts.field("values"), counts.field("counts")
-        keep = pc.and_(pc.and_(pc.is_valid(values), pc.not_equal(values, "")), pc.greater_equal(n, c.min_count))
-        vocabularies[c.column] = pc.filter(values, keep.fill_null(False)).to_pylist()
-    statistics = {}
-    for d in schema.dense:
-        if d.transform is Transform.STANDARDIZE:
-            x = _column(train, d.column).to_numpy(zero_copy_only=False).astype(np.float64)
+
+class Fitter:
+    """:func:`fit` over a training split that arrives in record batches (a stream larger than
+    memory): value counts merged as batches arrive (memory: the distinct values), dense moments
+    merged by Chan et al.'s pairwise update (exact to rounding, no second pass)."""
+
+    MERGE_ROWS = 1 << 20  # distinct (value, count) rows buffered before a merge
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.vocab_columns = [c for c in schema.categorical if c.hash_buckets is None]
+        self.counts: dict[str, list[pa.Table]] = {c.column: [] for c in self.vocab_columns}
+        self.seen = {c.column: 0 for c in self.vocab_columns}  # values so far: the order of first appearance
+        self.moments = {d.column: (0, 0.0, 0.0) for d in schema.dense if d.transform is Transform.STANDARDIZE}
+
+    def add(self, batch: pa.Table | pa.RecordBatch, source: str) -> None:
+        """Count ``batch``'s rows (raises as :func:`fit`)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        self.schema.check(batch.column_names, source, drop=False)  # the readers keep the used columns
+        for c in self.vocab_columns:
+            col = _column(batch, c.column)
+            if c.separator is not None:
+                col = pc.split_pattern(col, c.separator).flatten()
+            counts = pc.value_counts(col)
+            order = pa.array(np.arange(self.seen[c.column], self.seen[c.column] + len(counts), dtype=np.int64))
+            self.seen[c.column] += len(counts)
+            self.counts[c.column].append(pa.table({"value": counts.field("values"), "count": counts.field("counts"),
+                                                   "order": order}))
+            if sum(t.num_rows for t in self.counts[c.column]) > self.MERGE_ROWS:
+                self.counts[c.column] = [_merge(self.counts[c.column])]
+        for name, (n, mean, m2) in self.moments.items():
+            x = _column(batch, name).to_numpy(zero_copy_only=False).astype(np.float64)
             x = x[~np.isnan(x)]  # of the values present
-            mean, std = (float(x.mean()), float(x.std())) if x.size else (0.0, 1.0)
-            statistics[d.column] = (mean, std if std > 0 and math.isfinite(std) else 1.0)
-    return Encoding(schema, vocabularies, statistics)
+            if x.size:
+                bm, total = x.mean(), n + x.size
+                delta = bm - mean
+                self.moments[name] = (total, mean + delta * x.size / total,
+                                      m2 + float(((x - bm) ** 2).sum()) + delta * delta * n * x.size / total)
+
+    def encoding(self) -> Encoding:
+        """The :class:`Encoding` of the rows added."""
+        import pyarrow.compute as pc
+
+        vocabularies = {}
+        for c in self.vocab_columns:
+            merged = _merge(self.counts[c.column]).sort_by("order")
+            values, n = merged.column("value"), merged.column("count")
+            keep = pc.and_(pc.and_(pc.is_valid(values), pc.not_equal(values, "")), pc.greater_equal(n, c.min_count))
+            vocabularies[c.column] = pc.filter(values, keep.fill_null(False)).to_pylist()
+        statistics = {}
+        for name, (n, mean, m2) in self.moments.items():
+            std = math.sqrt(m2 / n) if n else 1.0
+            statistics[name] = (float(mean) if n else 0.0, std if std > 0 and math.isfinite(std) else 1.0)
+        return Encoding(self.schema, vocabularies, statistics)
 
 
-def hash_rows(col: pa.Array, buckets: int) -> torch.Tensor:
-    """Each string's row of a ``buckets``-row hashed table (see :mod:`hetero.data.schema`): int64."""
+def _merge(tables: list[pa.Table]) -> pa.Table:
+    """(value, count, order) tables as one: counts summed, the first order kept."""
+    import pyarrow as pa
+
+    if len(tables) == 1:
+        return tables[0]
+    if not tables:
+        return pa.table({"value": pa.array([], pa.string()), "count": pa.array([], pa.int64()),
+                         "order": pa.array([], pa.int64())})
+    merged = pa.concat_tables(tables).group_by("value").aggregate([("count", "sum"), ("order", "min")])
+    return merged.rename_columns({"count_sum": "count", "order_min": "order"}).select(["value", "count", "order"])
+
+
+def hash_rows(col: pa.Array | pa.ChunkedArray, buckets: int) -> torch.Tensor:
+    """Each string's row of a ``buckets``-row hashed table (see :mod:`hetero.data.schema`): int64.
+    Reads Arrow's buffers in place (no copy of the strings)."""
     import pyarrow as pa
 
     from hetero._numba import load
 
-    arr = col.cast(pa.large_string())  # int64 offsets, one layout for the kernel
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    validity, offsets, data = arr.buffers()
-    n = len(arr)
-    offsets_np = np.frombuffer(offsets, dtype=np.int64, count=arr.offset + n + 1)[arr.offset:]
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if col.type not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
+        col = col.cast(pa.string())
+    validity, offsets, data = col.buffers()
+    n, wide = len(col), col.type in (pa.large_string(), pa.large_binary())
+    offsets_np = np.frombuffer(offsets, dtype=np.int64 if wide else np.int32, count=col.offset + n + 1)[col.offset:]
     data_np = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, dtype=np.uint8)
-    valid = arr.is_valid().to_numpy(zero_copy_only=False)
-    return torch.from_numpy(load("hetero.data._hash_kernels").fnv1a_buckets(offsets_np, data_np, valid, buckets))
+    bits = np.frombuffer(validity, dtype=np.uint8) if validity is not None and col.null_count else _NO_NULLS
+    return torch.from_numpy(load("hetero.data._hash_kernels").fnv1a_buckets(offsets_np, data_np, bits, col.offset,
+                                                                             buckets))
 
 
-def _cross(x: Cross, table: pa.Table) -> torch.Tensor:
+_NO_NULLS = np.zeros(0, dtype=np.uint8)
+
+
+def _cross(x: Cross, table: pa.Table | pa.RecordBatch) -> torch.Tensor:
     import pyarrow.compute as pc
 
-    parts = [_column(table, c).fill_null("") for c in x.columns]
+    import pyarrow as pa
+
+    parts = [_column(table, c).cast(pa.string()).fill_null("") for c in x.columns]  # hashed ones arrive as bytes
     return hash_rows(pc.binary_join_element_wise(*parts, CROSS_JOIN), x.hash_buckets)
 
 
-def _label(schema: Schema, table: pa.Table, source: str) -> torch.Tensor:
+def _label(schema: Schema, table: pa.Table | pa.RecordBatch, source: str) -> torch.Tensor:
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -168,6 +291,10 @@ def _label(schema: Schema, table: pa.Table, source: str) -> torch.Tensor:
     return torch.from_numpy(positive.to_numpy(zero_copy_only=False).astype(np.float32))
 
 
-def _column(table: pa.Table, name: str) -> pa.Array:
+def _column(table: pa.Table | pa.RecordBatch, name: str) -> pa.Array:
+    import pyarrow as pa
+
     col = table.column(name)
-    return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if isinstance(col, pa.ChunkedArray):
+        return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    return col

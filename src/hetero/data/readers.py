@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import io
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +27,16 @@ from hetero.data.tabular import TabularDataset
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+log = logging.getLogger("hetero")
+
+
+class BadRows(enum.Enum):
+    """What a reader does with a row it cannot use: a field count other than the file's, or a
+    dense/threshold-label value that is not a number."""
+
+    ERROR = "error"  # stop, naming the file, row, column and value
+    SKIP = "skip"  # leave the row out and count it (BadRowCount), the first one named in the log
 
 
 class FileFormat(enum.Enum):
@@ -42,7 +55,8 @@ class ReaderConfig:
         delimiter: CSV: the field separator (``"\\t"`` for TSV).
         header: CSV: the first line names the columns.
         column_names: CSV without a header: the columns' names, in file order.
-        quote_char: CSV: the quote around fields holding the delimiter.
+        quote_char: CSV: the quote around fields holding the delimiter (``""``: none; faster).
+        on_bad_rows: :class:`BadRows`: stop at the first bad row, or skip and count them.
     """
 
     format: FileFormat = FileFormat.CSV
@@ -50,6 +64,7 @@ class ReaderConfig:
     header: bool = True
     column_names: tuple[str, ...] = ()
     quote_char: str = '"'
+    on_bad_rows: BadRows = BadRows.ERROR
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "column_names", tuple(self.column_names))
@@ -87,15 +102,46 @@ class Split:
             raise ValueError("a split by files needs both valid_path and test_path")
 
 
-def read_table(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(),
-               extra: tuple[str, ...] = ()) -> pa.Table:
-    """The schema's columns of ``path``, typed (see the module docstring), and the columns
-    ``extra`` as pyarrow infers them (e.g. a time column).
+@dataclasses.dataclass
+class BadRowCount:
+    """Rows skipped under ``BadRows.SKIP``: how many, and the first one's description."""
+
+    rows: int = 0
+    first: str = ""
+
+    def add(self, rows: int, what: str) -> None:
+        if rows and not self.rows:
+            self.first = what
+            log.warning("hetero: skipping bad rows (on_bad_rows = skip); the first: %s", what)
+        self.rows += rows
+
+
+def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
+    """A CSV file's column names (its header, or ``config.column_names``) and the byte offset
+    where its rows start (after the header line)."""
+    import pyarrow.csv as csv
+
+    if config.column_names:
+        return list(config.column_names), 0
+    with open(path, "rb") as f:  # the header is one line (no newlines inside quoted names)
+        header = f.readline()
+    names = csv.read_csv(io.BytesIO(header), parse_options=_parse_options(config)).schema.names  # parsed as CSV
+    return names, len(header)
+
+
+def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(),
+                   extra: tuple[str, ...] = (), byte_range: tuple[int, int] | None = None,
+                   block_bytes: int = 1 << 20, bad: BadRowCount | None = None) -> Iterator[pa.RecordBatch]:
+    """The schema's columns of ``path`` (or of its rows starting in ``byte_range``, a CSV file's
+    bytes ``[start, end)`` cut at line starts) in record batches of about ``block_bytes`` of
+    text, typed (see the module docstring), and the columns ``extra`` as pyarrow infers them.
+    Decoding is pyarrow's, on its own threads; memory holds a few blocks, not the file.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a column the schema names is missing (naming the file's columns), or a dense
-            or threshold-label value that is not a number (naming the file, row, column, value).
+        ValueError: a column the schema names is missing (naming the file's columns); under
+            ``BadRows.ERROR`` a row of another field count, or a dense or threshold-label value
+            that is not a number (naming the file, row, column, value).
     """
     import pyarrow as pa
     import pyarrow.csv as csv
@@ -104,21 +150,69 @@ def read_table(path: str | Path, schema: Schema, config: ReaderConfig = ReaderCo
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    numeric = [d.column for d in schema.dense] + ([schema.label.column] if schema.label.threshold is not None else [])
-    types = {c: pa.float64() if c in numeric else pa.string() for c in schema.columns}
+    bad = bad if bad is not None else BadRowCount()
+    types = _types(schema)
     wanted = schema.columns + [c for c in extra if c not in schema.columns]
     if config.format is FileFormat.PARQUET:
+        if byte_range is not None:
+            raise ValueError(f"{path}: a Parquet file is sharded by row groups, not bytes; prepare it with `hetero data "
+                             f"prepare` or give each rank its own file")
         _check_extra(schema, pq.read_schema(path).names, extra, path)
-        table = pq.read_table(path, columns=wanted)
-        return pa.table({c: table.column(c).cast(types[c]) if c in types else table.column(c) for c in wanted})
-    read = csv.ReadOptions(column_names=list(config.column_names) or None)
-    parse = csv.ParseOptions(delimiter=config.delimiter, quote_char=config.quote_char)
-    names = csv.open_csv(path, read_options=read, parse_options=parse).schema.names  # the header only
+        first = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=max(1, block_bytes // 64), columns=wanted):
+            yield _typed_batch(batch, types, wanted, path, first, config, bad)
+            first += batch.num_rows
+        return
+    names, data_start = column_names(path, config)
     _check_extra(schema, names, extra, path)
-    as_text = csv.ConvertOptions(column_types={c: pa.string() for c in schema.columns}, include_columns=wanted,
-                                 strings_can_be_null=True)
-    table = csv.read_csv(path, read_options=read, parse_options=parse, convert_options=as_text)
-    return pa.table({c: _typed(table.column(c), types[c], path, c) if c in types else table.column(c) for c in wanted})
+    start, end = byte_range if byte_range is not None else (data_start, path.stat().st_size)
+    lines = _LineCounter(path, start)
+    parse = _parse_options(config)
+    if config.on_bad_rows is BadRows.SKIP:
+        parse.invalid_row_handler = lambda row: (bad.add(1, f"{path}: a row of {row.actual_columns} fields, "
+                                                            f"{row.expected_columns} expected: {row.text[:80]!r}"),
+                                                 "skip")[1]
+    read = csv.ReadOptions(column_names=names, block_size=block_bytes)
+    # Numbers are decoded by pyarrow straight from the text (fast); a value that does not
+    # convert stops that reader, and the rows from the failing block on are read again as text
+    # and cast per block, which names the row (BadRows.ERROR) or drops it (SKIP, text from the
+    # start: pyarrow's count of skipped malformed rows cannot be rewound).
+    fast = config.on_bad_rows is BadRows.ERROR
+    first = 0
+    while True:
+        convert = csv.ConvertOptions(column_types=types if fast else {c: pa.string() for c in schema.columns},
+                                     include_columns=wanted, strings_can_be_null=True, null_values=[""])
+        with open(path, "rb") as f:
+            f.seek(start)
+            try:
+                skip = first
+                for batch in csv.open_csv(_Range(f, end - start), read_options=read, parse_options=parse,
+                                          convert_options=convert):
+                    if skip >= batch.num_rows:
+                        skip -= batch.num_rows
+                        continue
+                    batch, skip = batch.slice(skip) if skip else batch, 0
+                    yield _typed_batch(batch, types, wanted, path, first, config, bad, lines)
+                    first += batch.num_rows
+                return
+            except pa.ArrowInvalid as e:
+                if fast and "conversion error" in str(e):
+                    fast = False  # again as text from the row after the last one yielded
+                    continue
+                # a row of another field count (pyarrow names it)
+                raise ValueError(f"{path}: {str(e).splitlines()[0]}; fix the row, or set on_bad_rows = \"skip\"") \
+                    from None
+
+
+def read_table(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(),
+               extra: tuple[str, ...] = ()) -> pa.Table:
+    """The whole of :func:`record_batches` as one table (the same errors)."""
+    import pyarrow as pa
+
+    batches = list(record_batches(path, schema, config, extra))
+    if batches:
+        return pa.Table.from_batches(batches)
+    return pa.Table.from_batches([], schema=_empty_schema(schema, extra))
 
 
 def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(), split: Split = Split(),
@@ -163,22 +257,120 @@ def _check_extra(schema: Schema, names: list[str], extra: tuple[str, ...], path:
         raise ValueError(f"{path} has no column {missing[0]!r} (the split's time column); its columns are {names}")
 
 
-def _typed(col: pa.ChunkedArray, kind: pa.DataType, path: Path, name: str) -> pa.ChunkedArray:
-    """``col`` (text) as ``kind``; a value that does not convert is named with its row."""
+def _parse_options(config: ReaderConfig):  # noqa: ANN202 - pyarrow.csv.ParseOptions
+    import pyarrow.csv as csv
+
+    return csv.ParseOptions(delimiter=config.delimiter, quote_char=config.quote_char or False)
+
+
+def empty_batch(schema: Schema) -> pa.RecordBatch:
+    """No rows, the schema's columns typed as the readers type them."""
+    import pyarrow as pa
+
+    return pa.RecordBatch.from_pylist([], schema=_empty_schema(schema, ()))
+
+
+def _types(schema: Schema) -> dict[str, pa.DataType]:
+    """Each column's type as read: numbers float64, hashed categorical columns bytes (the hash
+    reads bytes; no UTF-8 validation, faster), other text UTF-8."""
+    import pyarrow as pa
+
+    numeric = [d.column for d in schema.dense] + ([schema.label.column] if schema.label.threshold is not None else [])
+    types = {c: pa.float64() if c in numeric else pa.string() for c in schema.columns}
+    types.update({c.column: pa.binary() for c in schema.categorical if c.hash_buckets is not None})
+    return types
+
+
+def _empty_schema(schema: Schema, extra: tuple[str, ...]) -> pa.Schema:
+    import pyarrow as pa
+
+    return pa.schema(list(_types(schema).items()) + [(c, pa.string()) for c in extra if c not in schema.columns])
+
+
+class _Range(io.RawIOBase):
+    """``size`` bytes of an open file from its position: one rank's shard of a CSV file."""
+
+    def __init__(self, f: io.BufferedReader, size: int) -> None:
+        self.f, self.left = f, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:
+        n = self.f.readinto(memoryview(buffer)[: min(len(buffer), self.left)])
+        self.left -= n
+        return n
+
+
+class _LineCounter:
+    """The file's line number of a shard's row (error messages only: it counts the lines before
+    the shard on first use)."""
+
+    def __init__(self, path: Path, start: int) -> None:
+        self.path, self.start, self.before = path, start, -1
+
+    def line(self, row: int) -> int:
+        if self.before < 0:
+            self.before = 0
+            with open(self.path, "rb") as f:
+                left = self.start
+                while left > 0:
+                    chunk = f.read(min(left, 1 << 24))
+                    self.before, left = self.before + chunk.count(b"\n"), left - len(chunk)
+        return self.before + row + 1
+
+
+def _typed_batch(batch: pa.RecordBatch, types: dict, wanted: list[str], path: Path, first: int,
+                 config: ReaderConfig, bad: BadRowCount, lines: _LineCounter | None = None) -> pa.RecordBatch:
+    """``batch`` with text columns cast to their types; rows with a value that does not convert
+    are named (the error) or dropped and counted (``BadRows.SKIP``)."""
+    import pyarrow as pa
+
+    columns, drop, first_bad = {}, None, ""
+    for name in wanted:
+        col = batch.column(name)
+        if name in types and col.type != types[name]:
+            col, rows = _typed(col, types[name])
+            if rows:
+                where = (f"{path}: {'line' if lines else 'row'} "
+                         f"{lines.line(first + rows[0]) if lines else first + rows[0] + 1}, column {name!r}: "
+                         f"{batch.column(name)[rows[0]].as_py()!r} is not a number")
+                if config.on_bad_rows is BadRows.ERROR:
+                    raise ValueError(f"{where}; fix the value, declare the column categorical, or set on_bad_rows = "
+                                     f"\"skip\"")
+                mask = np.zeros(len(batch), dtype=bool)
+                mask[rows] = True
+                drop = mask if drop is None else drop | mask
+                first_bad = first_bad or where
+        columns[name] = col
+    out = pa.RecordBatch.from_pydict(columns)
+    if drop is not None:
+        bad.add(int(drop.sum()), first_bad)
+        out = out.filter(pa.array(~drop))
+    return out
+
+
+def _typed(col: pa.Array, kind: pa.DataType) -> tuple[pa.Array, list[int]]:
+    """``col`` (text) as ``kind`` (an empty field null), and the rows whose value does not
+    convert (null in the result)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if kind == pa.string():
-        return col
+    try:
+        return col.cast(kind), []
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
     stripped = pc.utf8_trim_whitespace(col)
     stripped = pc.if_else(pc.equal(stripped, ""), None, stripped)  # an empty field is missing, not an error
     try:
-        return stripped.cast(kind)
+        return stripped.cast(kind), []
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        for row, value in enumerate(stripped.to_pylist()):  # the error path only: find the row
-            try:
-                float(value) if value is not None else None
-            except ValueError:
-                raise ValueError(f"{path}: row {row + 1}, column {name!r}: {value!r} is not a number; fix the value, "
-                                 f"or declare the column categorical") from None
-        raise
+        pass
+    values, rows = stripped.to_pylist(), []  # the error path only: find the rows
+    for row, value in enumerate(values):
+        try:
+            float(value) if value is not None else None
+        except ValueError:
+            rows.append(row)
+            values[row] = None
+    return pa.array(values, type=pa.string()).cast(kind), rows

@@ -26,8 +26,10 @@ preprocessing of DLRM (Naumov et al. 2019).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hetero.data.tabular import FeatureRole
 
@@ -193,3 +195,63 @@ def parse_enum(kind: type[enum.Enum], value: object, what: str) -> enum.Enum:
         return kind(value)
     except ValueError:
         raise ValueError(f"{what} {value!r} does not exist; valid values are {[k.value for k in kind]}") from None
+
+
+def schema_to_dict(schema: Schema) -> dict[str, Any]:
+    """``schema`` as plain data (enums as their values; :func:`schema_from_dict` reads it back)."""
+    def plain(value: Any) -> Any:  # noqa: ANN401 - JSON-able data
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+
+    return plain(schema)
+
+
+def schema_from_dict(table: Mapping[str, Any], where: str) -> Schema:
+    """A :class:`Schema` from a job file's ``[schema]`` table (or :func:`schema_to_dict`'s output);
+    errors name ``where`` and the closest valid key."""
+    check_keys(table, [f.name for f in dataclasses.fields(Schema)], where)
+    if "label" not in table:
+        raise ValueError(f"{where} has no label: add label = {{ column = \"...\", positive = [\"1\"] }}")
+    label = table["label"] if isinstance(table["label"], Mapping) else {"column": table["label"]}
+    return checked(where, Schema, build_dataclass(Label, label, f"{where} label"),
+                  tuple(build_dataclass(Categorical, c, f"{where} categorical[{i}]") for i, c in enumerate(table.get("categorical", ()))),
+                  tuple(build_dataclass(Dense, d, f"{where} dense[{i}]") for i, d in enumerate(table.get("dense", ()))),
+                  tuple(build_dataclass(Cross, x, f"{where} crosses[{i}]") for i, x in enumerate(table.get("crosses", ()))),
+                  tuple(table.get("drop", ())))
+
+
+def build_dataclass(cls: type, table: Mapping[str, Any], where: str) -> Any:  # noqa: ANN401 - an instance of cls
+    """``cls(**table)``: keys checked against its fields, an enum field's text converted, lists
+    made tuples; the dataclass's own checks run (their errors prefixed with ``where``)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    check_keys(table, fields, where)
+    kwargs = {}
+    for key, value in table.items():
+        default = fields[key].default
+        if isinstance(default, enum.Enum) and not isinstance(value, enum.Enum):
+            value = parse_enum(type(default), value, f"{where}: {key} =")
+        kwargs[key] = tuple(value) if isinstance(value, list) else value
+    return checked(where, cls, **kwargs)
+
+
+def checked(where: str, cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - an instance of cls
+    """``cls(*args, **kwargs)``, its own checks' errors prefixed with ``where``."""
+    try:
+        return cls(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def check_keys(table: Mapping[str, Any], valid: Any, where: str) -> None:  # noqa: ANN401 - names
+    """Raise ``ValueError`` for a key of ``table`` not in ``valid``, naming the closest valid key."""
+    valid = list(valid)
+    for key in table:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"{where}: no key {key!r}; {hint}valid keys are {valid}")

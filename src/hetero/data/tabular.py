@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import zlib
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -117,6 +118,27 @@ class TabularDataset:
     def num_dense(self) -> int:
         return self.dense.shape[1]
 
+    @property
+    def multi_hot(self) -> tuple[str, ...]:
+        return tuple(k for k, v in self.features.items() if isinstance(v, Jagged))
+
+    def batches(self, size: int) -> Iterator[Batch]:
+        """The samples in order, ``size`` at a time (evaluation)."""
+        for i in range(0, len(self), size):
+            yield self.select(torch.arange(i, min(i + size, len(self))))
+
+    def fingerprint(self) -> int:
+        """CRC-32 of the labels, dense features and ids (columns in name order): another file,
+        vocabulary or split gives another value. One pass over the data."""
+        crc = 0
+        columns = [self.label, self.dense]
+        for name in sorted(self.features):
+            col = self.features[name]
+            columns += [col.values, col.offsets] if isinstance(col, Jagged) else [col]
+        for c in columns:
+            crc = zlib.crc32(memoryview(c.contiguous().numpy()).cast("B"), crc)  # read in place, no copy
+        return crc
+
     def select(self, index: Tensor) -> Batch:
         feats = {k: (v.select(index) if isinstance(v, Jagged) else v[index]) for k, v in self.features.items()}
         return Batch(feats, self.dense[index], self.label[index])
@@ -125,6 +147,25 @@ class TabularDataset:
         b = self.select(index)
         return TabularDataset(b.features, b.dense, b.label, self.specs)
 
+    @staticmethod
+    def concat(parts: "list[TabularDataset]") -> "TabularDataset":
+        """The rows of ``parts`` (same features and specs) in order, as one dataset."""
+        if len(parts) == 1:
+            return parts[0]
+        features: dict[str, Tensor | Jagged] = {}
+        for name, col in parts[0].features.items():
+            cols = [p.features[name] for p in parts]
+            if isinstance(col, Jagged):
+                sizes = [int(c.offsets[-1] - c.offsets[0]) for c in cols]  # values per part
+                starts = [sum(sizes[:i]) for i in range(len(cols))]
+                offsets = torch.cat([torch.zeros(1, dtype=torch.int64)] +
+                                    [c.offsets[1:] - c.offsets[0] + s for c, s in zip(cols, starts)])
+                features[name] = Jagged(torch.cat([c.values[int(c.offsets[0]):int(c.offsets[-1])] for c in cols]), offsets)
+            else:
+                features[name] = torch.cat(cols)
+        return TabularDataset(features, torch.cat([p.dense for p in parts]), torch.cat([p.label for p in parts]),
+                              parts[0].specs)
+
     def split(self, fractions: tuple[float, ...], seed: int) -> list["TabularDataset"]:
         """Seeded random split into consecutive parts of the given fractions (e.g. 0.8, 0.1, 0.1)."""
         if abs(sum(fractions) - 1.0) > 1e-9 or any(f <= 0 for f in fractions):
@@ -132,6 +173,64 @@ class TabularDataset:
         perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
         bounds = [0] + [round(len(self) * sum(fractions[: i + 1])) for i in range(len(fractions))]
         return [self.subset(perm[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class Rows(Protocol):
+    """Samples addressable by index (:class:`TabularDataset`, a prepared cache's split): what
+    :class:`Batches` shuffles."""
+
+    def __len__(self) -> int: ...
+
+    def select(self, index: Tensor) -> Batch:
+        """The samples at ``index`` (int64 ``(M,)``), in that order."""
+        ...
+
+    def fingerprint(self) -> int:
+        """A checksum naming the data (another file, vocabulary or split gives another)."""
+        ...
+
+    @property
+    def multi_hot(self) -> tuple[str, ...]: ...
+
+
+class EvalData(Protocol):
+    """Samples a trainer scores (validation, test): a :class:`TabularDataset`, a streamed file
+    (:class:`hetero.data.stream.StreamEval`), a prepared cache's split."""
+
+    def batches(self, size: int) -> Iterator[Batch]:
+        """Every sample once, in a fixed order, at most ``size`` per batch."""
+        ...
+
+
+class TrainingData(Protocol):
+    """The training batches a :class:`hetero.train.Trainer` takes: :class:`Batches` (in memory
+    or over a prepared cache) or :class:`hetero.data.stream.StreamBatches` (a file streamed).
+
+    Attributes:
+        config: the batching (global batch size, seed, rank, world size).
+    """
+
+    config: "BatchConfig"
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        """This rank's part of global batches ``start, start + 1, ...`` of ``epoch``; the same
+        batches after a restart (the exact resumable position)."""
+        ...
+
+    def identity(self) -> dict[str, Any]:
+        """What names the samples behind a position (saved in checkpoints; a resume that
+        differs is refused)."""
+        ...
+
+    @property
+    def num_samples(self) -> int | None:
+        """Samples per epoch; ``None`` when unknown before reading (a stream)."""
+        ...
+
+    @property
+    def multi_hot(self) -> tuple[str, ...]:
+        """The multi-hot features (bags)."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +257,7 @@ class Batches:
     a mid-epoch resume needs.
     """
 
-    def __init__(self, dataset: TabularDataset, config: BatchConfig) -> None:
+    def __init__(self, dataset: Rows, config: BatchConfig) -> None:
         """Raises ``ValueError`` for a non-positive batch size, a bad rank, or a world size that
         does not divide the batch size."""
         if config.batch_size <= 0:
@@ -169,6 +268,22 @@ class Batches:
             raise ValueError(f"global batch size {config.batch_size} is not divisible by world size {config.world_size}; "
                              f"use a multiple of {config.world_size} (each rank gets batch_size / world_size)")
         self.dataset, self.config = dataset, config
+        self._fingerprint: int | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def multi_hot(self) -> tuple[str, ...]:
+        return self.dataset.multi_hot
+
+    def identity(self) -> dict[str, Any]:
+        """The batching config and the data (size and fingerprint, computed once)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.dataset.fingerprint()
+        return {"batch_size": self.config.batch_size, "seed": self.config.seed, "shuffle": self.config.shuffle,
+                "drop_last": self.config.drop_last, "train_samples": len(self.dataset), "train_crc": self._fingerprint}
 
     def __len__(self) -> int:
         n, b = len(self.dataset), self.config.batch_size

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from torch import nn
 from hetero import ps
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
 from hetero.checkpoint.sharded import load_sharded, read_bytes, resolve, save_sharded
-from hetero.data import Batch, Batches, Jagged, TabularDataset
+from hetero.data.tabular import Batch, EvalData, TrainingData
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.parallel import (
@@ -87,9 +86,9 @@ class Trainer:
         model: nn.Module,
         dense_optimizer: torch.optim.Optimizer,
         sparse_optimizers: Mapping[str, SparseOptimizer],
-        train: Batches,
-        valid: TabularDataset,
-        test: TabularDataset,
+        train: TrainingData,
+        valid: EvalData,
+        test: EvalData,
         config: TrainConfig,
         run_dir: str | Path,
         on_step: Callable[["Trainer"], None] | None = None,
@@ -98,7 +97,7 @@ class Trainer:
         if pipeline is not None and (config.checkpoint_format is CheckpointFormat.SHARDED or len(pipeline.modules) > 1):
             raise ValueError("a pipelined trainer runs one stage per rank and writes integrated checkpoints: use a "
                              "non-interleaved schedule and checkpoint_format=CheckpointFormat.INTEGRATED")
-        bags = sorted(k for k, v in train.dataset.features.items() if isinstance(v, Jagged))
+        bags = sorted(train.multi_hot)
         if pipeline is not None and bags:
             raise ValueError(f"a pipeline cuts each batch into micro-batches by rows, which cannot cut the multi-hot "
                              f"features {bags} (bags) yet: train them without a pipeline")
@@ -128,7 +127,7 @@ class Trainer:
         self.best_path = self.run_dir / config.checkpoint_format.best_name
         self.best: dict[str, Any] = {"score": None, "epoch": 0, "stopped": False}  # early stopping's record
         self.on_step = on_step
-        self._train_crc = _dataset_crc(train.dataset)
+        self._identity = train.identity()  # read once (a dataset's checksum is a pass over it)
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self, tables: bool = True) -> dict[str, Any]:
@@ -161,10 +160,8 @@ class Trainer:
 
     def run_identity(self) -> dict[str, Any]:
         """What names the samples behind a data position: the batching config and the training
-        data (size and CRC-32). Saved in checkpoints; a resume that differs is refused."""
-        c = self.train.config
-        return {"batch_size": c.batch_size, "seed": c.seed, "shuffle": c.shuffle, "drop_last": c.drop_last,
-                "train_samples": len(self.train.dataset), "train_crc": self._train_crc}
+        data (:meth:`TrainingData.identity`). Saved in checkpoints; a resume that differs is refused."""
+        return dict(self._identity)
 
     def check_resumable(self, state: Mapping[str, Any], path: Path) -> None:
         """Check, changing nothing, that ``state`` (a :meth:`state_dict`) continues this run.
@@ -180,17 +177,19 @@ class Trainer:
         names = {"batch_size": ("global batch size", "--batch-size"), "seed": ("seed", "--seed"),
                  "shuffle": ("shuffle", "the batching config"), "drop_last": ("drop_last", "the batching config")}
         for key, (what, flag) in names.items():
-            if saved[key] != ours[key]:
+            if saved.get(key) != ours[key]:
                 raise CheckpointError(
-                    f"checkpoint {path} was saved with {what} {saved[key]} and this run has {ours[key]} ({flag}): its "
-                    f"data position (epoch {state['position']['epoch']}, batch {state['position']['batch']}) would name "
-                    f"other samples{' and the seed draws another data split' if key == 'seed' else ''}; resume with "
-                    f"{flag} {saved[key]}")
-        if (saved["train_samples"], saved["train_crc"]) != (ours["train_samples"], ours["train_crc"]):
+                    f"checkpoint {path} was saved with {what} {saved.get(key)} and this run has {ours[key]} ({flag}): "
+                    f"its data position (epoch {state['position']['epoch']}, batch {state['position']['batch']}) would "
+                    f"name other samples{' and the seed draws another data split' if key == 'seed' else ''}; resume "
+                    f"with {flag} {saved.get(key)}")
+        data = sorted(k for k in set(saved) | set(ours) if k not in names and saved.get(k) != ours.get(k))
+        if data:
+            show = lambda run: ", ".join(f"{k} {run.get(k)!r}" for k in data)  # noqa: E731
             raise CheckpointError(
-                f"checkpoint {path} was trained on other data ({saved['train_samples']} training samples, CRC-32 "
-                f"{saved['train_crc']:08x}; this run has {ours['train_samples']}, {ours['train_crc']:08x}): another data "
-                f"file, vocabulary or split; resume with the data it was saved with")
+                f"checkpoint {path} was trained on other data ({show(saved)}; this run has {show(ours)}): another "
+                f"data file, vocabulary, split{', world size' if 'world_size' in data else ''} or stream setting; "
+                f"resume with the data it was saved with")
         if "model" in state:
             check_model_compatible(global_shapes(self.model), state["model"], path)
         groups, saved_groups = self.dense_optimizer.param_groups, state["dense_optimizer"]["param_groups"]
@@ -363,7 +362,9 @@ class Trainer:
         start = time.perf_counter()
         cfg, stop, steps_this_run = self.config, False, 0
         while self.epoch < cfg.epochs and not stop and not self.best["stopped"]:
-            bar = tqdm(total=len(self.train.dataset), initial=min(self.batch * self.train.config.batch_size, len(self.train.dataset)),
+            total = self.train.num_samples
+            done = self.batch * self.train.config.batch_size
+            bar = tqdm(total=total, initial=done if total is None else min(done, total),
                        unit="sample", unit_scale=True, desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
                        disable=not cfg.progress, leave=False)
             self.model.train()
@@ -420,15 +421,17 @@ class Trainer:
         return False
 
     @torch.no_grad()
-    def evaluate(self, data: TabularDataset) -> dict[str, float]:
+    def evaluate(self, data: EvalData) -> dict[str, float]:
         self.model.eval()
-        probs = []
+        probs, labels = [], []
         forward = self.pipeline.forward if self.pipeline is not None else self.model  # (through the stages)
-        for i in range(0, len(data), self.config.eval_batch_size):
-            b = data.select(torch.arange(i, min(i + self.config.eval_batch_size, len(data))))
+        for b in data.batches(self.config.eval_batch_size):
             probs.append(torch.sigmoid(forward(b.features, b.dense)).cpu())  # sync point: metrics run on the host
+            labels.append(b.label)
         self.model.train()
-        return binary_metrics(data.label.numpy(), torch.cat(probs).numpy())
+        if not probs:
+            raise ValueError("the evaluation data has no samples: give a validation/test file or split with rows")
+        return binary_metrics(torch.cat(labels).numpy(), torch.cat(probs).numpy())
 
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         best = self.config.keep_best or self.config.patience
@@ -476,16 +479,3 @@ def weighted_bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _fmt(metric: float | None) -> str:
     return "undefined" if metric is None else f"{metric:.4f}"
-
-
-def _dataset_crc(data: TabularDataset) -> int:
-    """CRC-32 of a dataset's labels, dense features and ids (columns in name order): another file,
-    vocabulary or split gives another value. One pass over the data at start."""
-    crc = 0
-    columns = [data.label, data.dense]
-    for name in sorted(data.features):
-        col = data.features[name]
-        columns += [col.values, col.offsets] if isinstance(col, Jagged) else [col]
-    for c in columns:
-        crc = zlib.crc32(memoryview(c.contiguous().numpy()).cast("B"), crc)  # read in place, no copy
-    return crc

@@ -1,0 +1,222 @@
+"""``hetero data prepare``: a raw file encoded once into a columnar cache of memory-mapped arrays,
+so later epochs (and later jobs) skip decoding and encoding.
+
+Layout of a cache directory (written under a temporary name, renamed when complete: a cache that
+exists is whole)::
+
+    manifest.json          format, source, per split: rows, checksum; feature layout; id dtype
+    encoding.json, vocabularies.parquet     the fitted schema (hetero.data.encode.save_encoding)
+    <split>/ids.bin        (N, F) int32 or int64, row-major: the single-valued features' ids
+    <split>/dense.bin      (N, K) float32
+    <split>/label.bin      (N,) float32
+    <split>/<bag>.values.bin, <bag>.offsets.bin    a multi-hot feature (jagged)
+
+Row-major ids make a shuffled batch one gather per sample (a row of ``F`` ids), not one per
+feature: measured 9.5M vs 2.5M rows/s on this project's 2-core VM for 26 features.
+
+Splits: files of their own, or a seeded random draw per row in file order (row ``i`` goes to
+train/valid/test by the ``i``-th uniform of a generator seeded by ``seed``: the same split
+however the file is read, fractions exact in expectation). The schema is fitted on the
+training rows only (a first pass, skipped when nothing needs fitting). A time-ordered split
+needs the rows sorted, which a stream cannot do: sort the file and give the parts as files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetero.data.encode import Encoding, Fitter, load_encoding, save_encoding
+from hetero.data.readers import ReaderConfig, Split, record_batches
+from hetero.data.schema import Schema
+from hetero.data.tabular import Batch, Feature, Jagged, TabularDataset
+
+MANIFEST = "manifest.json"
+SPLITS = ("train", "valid", "test")
+
+
+def prepare(path: str | Path, schema: Schema, out: str | Path, reader: ReaderConfig = ReaderConfig(),
+            split: Split = Split(), seed: int = 0, block_bytes: int = 1 << 22) -> Path:
+    """Encode ``path`` (and ``split``'s validation/test files) into the cache directory ``out``.
+
+    Raises:
+        FileExistsError: ``out`` exists (nothing is overwritten).
+        ValueError: a split by a time column; and every reader error (naming file, row, column,
+            value); nothing is left behind then.
+    """
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists: remove it or give another output directory")
+    if split.time_column is not None:
+        raise ValueError("prepare streams the file and cannot sort it by a time column: sort it, cut it into "
+                         "train/validation/test files and give valid_path and test_path")
+    sources = [(Path(path), None)] if split.valid_path is None else \
+        [(Path(path), "train"), (split.valid_path, "valid"), (split.test_path, "test")]
+
+    def parts(s: Split, fit_only: bool = False) -> Iterator[tuple[str, Any]]:
+        """(split name, record batch) in file order; random splits by per-row draws."""
+        for file, name in sources:
+            if fit_only and name not in (None, "train"):
+                continue
+            rng = np.random.default_rng(seed)
+            for batch in record_batches(file, schema, reader, block_bytes=block_bytes):
+                if name is not None:
+                    yield name, batch
+                    continue
+                u = rng.random(batch.num_rows)  # one draw per row, in file order
+                which = np.searchsorted(np.cumsum(s.fractions)[:2], u, side="right")
+                for k, part in enumerate(SPLITS):
+                    mask = which == k
+                    if mask.any():
+                        yield part, batch.filter(mask) if not mask.all() else batch
+
+    fitter = Fitter(schema)
+    if fitter.vocab_columns or fitter.moments:
+        for name, batch in parts(split, fit_only=True):
+            if name == "train":
+                fitter.add(batch, str(path))
+    encoding = fitter.encoding()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        writers = {name: _SplitWriter(tmp / name, encoding) for name in SPLITS}
+        for name, batch in parts(split):
+            writers[name].write(encoding.encode(batch, f"{path} ({name} split)"))
+        save_encoding(encoding, tmp)
+        manifest = {"format_version": 1, "source": str(path), "seed": seed,
+                    "splits": {name: w.close() for name, w in writers.items()}}
+        empty = [name for name, info in manifest["splits"].items() if not info["rows"]]
+        if empty:
+            raise ValueError(f"{path}: the {empty[0]} split has no rows; give a larger file or other fractions")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+class _SplitWriter:
+    """Appends encoded blocks to a split's files; ``close`` returns its manifest entry."""
+
+    def __init__(self, directory: Path, encoding: Encoding) -> None:
+        directory.mkdir()
+        self.dir, self.specs = directory, encoding.specs()
+        self.single = [f.name for f in self.specs if not f.multi_hot]
+        self.bags = [f.name for f in self.specs if f.multi_hot]
+        self.id_dtype = np.int32 if max((f.vocab_size for f in self.specs), default=0) < 2**31 else np.int64
+        self.files = {"ids": open(directory / "ids.bin", "wb"), "dense": open(directory / "dense.bin", "wb"),
+                      "label": open(directory / "label.bin", "wb")}
+        for b in self.bags:
+            self.files[f"{b}.values"] = open(directory / f"{b}.values.bin", "wb")
+            self.files[f"{b}.offsets"] = open(directory / f"{b}.offsets.bin", "wb")
+            self.files[f"{b}.offsets"].write(np.zeros(1, dtype=np.int64).tobytes())
+        self.rows, self.values, self.crc, self.num_dense = 0, {b: 0 for b in self.bags}, 0, 0
+
+    def write(self, part: TabularDataset) -> None:
+        ids = np.stack([part.features[n].numpy() for n in self.single], axis=1) if self.single else \
+            np.zeros((len(part), 0))
+        blocks = {"ids": ids.astype(self.id_dtype), "dense": part.dense.numpy(), "label": part.label.numpy()}
+        for b in self.bags:
+            bag = part.features[b]
+            blocks[f"{b}.values"] = bag.values.numpy()
+            blocks[f"{b}.offsets"] = (bag.offsets[1:] + self.values[b]).numpy()
+            self.values[b] += int(bag.offsets[-1])
+        for key, array in blocks.items():
+            data = np.ascontiguousarray(array).tobytes()
+            self.files[key].write(data)
+            self.crc = zlib.crc32(data, self.crc)
+        self.rows, self.num_dense = self.rows + len(part), part.dense.shape[1]
+
+    def close(self) -> dict[str, Any]:
+        for f in self.files.values():
+            f.close()
+        return {"rows": self.rows, "crc": self.crc, "single": self.single, "bags": self.bags,
+                "id_dtype": np.dtype(self.id_dtype).name, "num_dense": self.num_dense, "bag_values": self.values}
+
+
+@dataclasses.dataclass
+class PreparedDataset:
+    """One split of a prepared cache, memory-mapped: the :class:`~hetero.data.tabular.Rows` that
+    :class:`~hetero.data.tabular.Batches` shuffles, and the evaluation data of a trainer.
+    Pages are read by the OS as batches touch them; memory holds what the page cache keeps.
+
+    Attributes:
+        directory: the split's directory; ``info``: its manifest entry; ``specs``: the features.
+    """
+
+    directory: Path
+    info: dict[str, Any]
+    specs: tuple[Feature, ...]
+
+    def __post_init__(self) -> None:
+        n, info = self.info["rows"], self.info
+        mapped = lambda name, dtype, shape: np.memmap(self.directory / name, dtype=dtype, mode="r", shape=shape) \
+            if n else np.zeros(shape, dtype=dtype)  # noqa: E731 - (an empty file cannot be mapped)
+        self.ids = mapped("ids.bin", info["id_dtype"], (n, len(info["single"])))
+        self.dense = mapped("dense.bin", np.float32, (n, info["num_dense"]))
+        self.label = mapped("label.bin", np.float32, (n,))
+        self.bags = {b: (np.memmap(self.directory / f"{b}.values.bin", dtype=np.int64, mode="r") if
+                         info["bag_values"][b] else np.zeros(0, dtype=np.int64),
+                         np.memmap(self.directory / f"{b}.offsets.bin", dtype=np.int64, mode="r"))
+                     for b in info["bags"]}
+
+    def __len__(self) -> int:
+        return self.info["rows"]
+
+    @property
+    def num_dense(self) -> int:
+        return self.info["num_dense"]
+
+    @property
+    def multi_hot(self) -> tuple[str, ...]:
+        return tuple(self.info["bags"])
+
+    def fingerprint(self) -> int:
+        return self.info["crc"]  # of every byte written, computed by prepare
+
+    def select(self, index: torch.Tensor) -> Batch:
+        """The samples at ``index`` (int64 ``(M,)``): one gather of ``M`` rows of ids, dense
+        values and labels from the mapped files (a copy into memory)."""
+        i = index.numpy()
+        ids = torch.from_numpy(self.ids[i]).long()  # the copy out of the mapping
+        features: dict[str, torch.Tensor | Jagged] = {n: ids[:, j].contiguous() for j, n in enumerate(self.info["single"])}
+        for b, (values, offsets) in self.bags.items():
+            starts, ends = offsets[i], offsets[i + 1]
+            lengths = torch.from_numpy(ends - starts)
+            out = torch.zeros(len(i) + 1, dtype=torch.int64)
+            torch.cumsum(lengths, 0, out=out[1:])
+            where = np.repeat(starts - out[:-1].numpy(), lengths.numpy()) + np.arange(int(out[-1]))
+            features[b] = Jagged(torch.from_numpy(values[where].astype(np.int64)), out)
+        return Batch(features, torch.from_numpy(self.dense[i]), torch.from_numpy(self.label[i]))
+
+    def batches(self, size: int) -> Iterator[Batch]:
+        for at in range(0, len(self), size):
+            yield self.select(torch.arange(at, min(at + size, len(self))))
+
+
+def load_prepared(directory: str | Path) -> tuple[PreparedDataset, PreparedDataset, PreparedDataset, Encoding]:
+    """The train, validation and test splits of a cache :func:`prepare` wrote, and its encoding.
+
+    Raises:
+        FileNotFoundError: not a prepared cache (no manifest).
+    """
+    directory = Path(directory)
+    if not (directory / MANIFEST).is_file():
+        raise FileNotFoundError(f"{directory} is not a prepared cache (no {MANIFEST}): write one with `hetero data "
+                                f"prepare --config job.toml --out {directory}`")
+    manifest = json.loads((directory / MANIFEST).read_text())
+    encoding = load_encoding(directory)
+    specs = encoding.specs()
+    train, valid, test = (PreparedDataset(directory / name, manifest["splits"][name], specs) for name in SPLITS)
+    return train, valid, test, encoding

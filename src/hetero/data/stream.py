@@ -1,0 +1,343 @@
+"""Training from a file larger than memory: a CSV/TSV file streamed in record batches, encoded
+on a reader thread, shuffled within windows, sharded over ranks by bytes, resumable at a sample.
+
+* **Shards:** rank ``r`` of ``W`` reads the rows that start in bytes ``[c_r, c_{r+1})`` of the
+  file, the cuts ``c`` spread evenly and moved to line starts (:func:`byte_shards`): disjoint,
+  covering, and each rank decodes only its part. Fields may not hold newlines (pyarrow's default).
+* **Order:** a shard's rows are cut into windows of ``shuffle_window`` rows; window ``k`` of epoch
+  ``e`` is permuted by a generator seeded by ``(seed, e, rank, k)``, and local batches of
+  ``batch_size / W`` rows are cut from the permuted windows in turn. Memory holds a window, the
+  reader's queue and pyarrow's blocks - not the file.
+* **Position:** ``epoch(e, start=k)`` yields exactly the batches ``epoch(e)`` yields from batch
+  ``k`` on: the windows before the position are decoded but not encoded, the one holding it is
+  permuted as before and its first rows dropped. A checkpoint resumes at the same world size
+  (the shards depend on it; the run's identity records it).
+* **Global batches:** shards hold unequal row counts, so every step sums the ranks' batch sizes
+  (one all-reduce of an int64 over ``group``): a rank whose shard is done contributes empty
+  batches until every rank is, and the global size weighs the loss
+  (:func:`hetero.parallel.global_batch_mean`). Nothing is dropped or repeated.
+
+Thread contract: the reader thread runs pyarrow's decoder and the numba hash kernel, both of
+which release the GIL; it hands finished chunks over a bounded queue (``read_ahead``) and stops
+when the consumer stops iterating. Reference: tf.data's and torchdata's interleaved shuffle
+buffers; Hadoop's line-aligned byte splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import zlib
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hetero.data.encode import Encoding, Fitter
+from hetero.data.readers import BadRowCount, FileFormat, ReaderConfig, column_names, empty_batch, record_batches
+from hetero.data.schema import Schema
+from hetero.data.tabular import Batch, BatchConfig, TabularDataset
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """How a file is streamed.
+
+    Attributes:
+        block_bytes: text decoded per pyarrow block (bytes); also the granularity of the reader
+            thread's hand-over.
+        shuffle_window: rows permuted together (a larger window shuffles better and holds more
+            memory: about ``shuffle_window`` x the encoded row's bytes).
+        read_ahead: encoded blocks queued between the reader thread and training (bounds memory).
+    """
+
+    block_bytes: int = 1 << 20
+    shuffle_window: int = 1 << 17
+    read_ahead: int = 8
+
+    def __post_init__(self) -> None:
+        if self.block_bytes < 1 << 12 or self.shuffle_window < 1 or self.read_ahead < 1:
+            raise ValueError(f"stream config {self}: block_bytes >= 4096, shuffle_window >= 1 and read_ahead >= 1")
+
+
+def byte_shards(path: str | Path, world_size: int, data_start: int = 0) -> list[tuple[int, int]]:
+    """Rank ``r``'s bytes ``[start, end)`` of ``path``'s rows (from ``data_start``, after a header):
+    even cuts moved forward to the next line start; disjoint and covering (an empty range when a
+    rank's cut falls after the last line start)."""
+    path = Path(path)
+    size = path.stat().st_size
+    cuts = [data_start]
+    with open(path, "rb") as f:
+        for r in range(1, world_size):
+            pos = max(data_start + (size - data_start) * r // world_size, cuts[-1])
+            if pos > data_start:  # a line start: the byte before it is a newline
+                f.seek(pos - 1)
+                while True:
+                    chunk = f.read(1 << 16)
+                    at = chunk.find(b"\n")
+                    if at >= 0 or not chunk:
+                        pos = f.tell() - len(chunk) + at + 1 if at >= 0 else size
+                        break
+            cuts.append(min(pos, size))
+    cuts.append(size)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+class StreamBatches:
+    """This rank's batches of a file streamed under a fitted :class:`Encoding` (see the module
+    docstring); the :class:`~hetero.data.tabular.TrainingData` a :class:`hetero.train.Trainer` takes.
+
+    Args:
+        path: a CSV/TSV file.
+        encoding: the schema fitted on the training data (e.g. :func:`fit_stream`).
+        reader: how the file is read (``FileFormat.CSV``).
+        batches: the global batch size, seed, ``rank`` and ``world_size`` (``shuffle=False``
+            streams in file order; ``drop_last`` is not supported).
+        config: the :class:`StreamConfig`.
+        group: the process group summing batch sizes (a gloo group for host tensors; ``None``:
+            the default group). Unused at world size 1.
+
+    Raises:
+        ValueError: a Parquet file (prepare it: ``hetero data prepare``), ``drop_last``, or a
+            world size that does not divide the batch size.
+    """
+
+    def __init__(self, path: str | Path, encoding: Encoding, reader: ReaderConfig, batches: BatchConfig,
+                 config: StreamConfig = StreamConfig(), group: dist.ProcessGroup | None = None) -> None:
+        if reader.format is not FileFormat.CSV:
+            raise ValueError(f"{path}: streaming reads CSV/TSV files; convert a Parquet file with `hetero data prepare`")
+        if batches.drop_last:
+            raise ValueError("a stream keeps its last partial batch (drop_last=False): shards end unevenly")
+        if batches.batch_size <= 0 or batches.batch_size % batches.world_size:
+            raise ValueError(f"global batch size {batches.batch_size} must be a positive multiple of the world size "
+                             f"{batches.world_size} (each rank gets batch_size / world_size)")
+        self.path, self.encoding, self.reader, self.config, self.stream = Path(path), encoding, reader, batches, config
+        self.group = group
+        _, data_start = column_names(self.path, reader)
+        self.range = byte_shards(self.path, batches.world_size, data_start)[batches.rank]
+        self.bad = BadRowCount()
+        self.empty = encoding.encode(empty_batch(encoding.schema), str(self.path)).select(torch.arange(0))
+
+    @property
+    def num_samples(self) -> int | None:
+        return None  # unknown until read
+
+    @property
+    def multi_hot(self) -> tuple[str, ...]:
+        return tuple(c.column for c in self.encoding.schema.categorical if c.separator is not None)
+
+    def identity(self) -> dict[str, Any]:
+        """The file (path, size, CRC-32 of its first and last MiB), the encoding's fingerprint,
+        the world size and the shuffle window: what names the samples behind a position."""
+        c = self.config
+        return {"batch_size": c.batch_size, "seed": c.seed, "shuffle": c.shuffle, "drop_last": c.drop_last,
+                "stream": str(self.path), "stream_bytes": self.path.stat().st_size, "stream_crc": _ends_crc(self.path),
+                "encoding": self.encoding.fingerprint(), "world_size": self.config.world_size,
+                "shuffle_window": self.stream.shuffle_window}
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        """This rank's part of global batches ``start, start + 1, ...`` of ``epoch``; every rank
+        iterates until the last rank's shard is done (a collective per batch)."""
+        # the batches are cut and gathered on a thread of their own: training only takes them
+        local = _background(lambda: self._local(epoch, start), self.stream.read_ahead)
+        while True:
+            batch = next(local, None)
+            n = torch.tensor([len(batch) if batch is not None else 0], dtype=torch.int64)
+            if self.config.world_size > 1:
+                dist.all_reduce(n, group=self.group)  # sync point: the global batch's size weighs the loss
+            if int(n) == 0:
+                local.close()
+                return
+            if batch is None:
+                batch = _copy(self.empty)
+            batch.global_size = int(n)
+            yield batch
+
+    def _local(self, epoch: int, start: int) -> Iterator[Batch]:
+        c, window = self.config, self.stream.shuffle_window
+        b = c.batch_size // c.world_size
+        first = start * b // window  # the window holding the position
+        drop = start * b - first * window  # its rows before the position
+        rows = _background(lambda: self._encoded(first * window), self.stream.read_ahead)
+        rest: TabularDataset | None = None  # the last window's rows not yet batched (< b)
+        try:
+            for k, part in enumerate(_windows(rows, window), start=first):
+                order = torch.arange(len(part))
+                if c.shuffle:  # batches gather the window's rows in this order (no permuted copy)
+                    seed = (c.seed * 1_000_003 + epoch) * 1_000_003 + c.rank
+                    g = torch.Generator().manual_seed(zlib.crc32(np.array([seed, k], dtype=np.int64).tobytes()))
+                    order = torch.randperm(len(part), generator=g)
+                order, drop = order[drop:], 0
+                at = 0
+                if rest is not None:
+                    at = min(b - len(rest), len(order))
+                    rest = TabularDataset.concat([rest, part.subset(order[:at])])
+                    if len(rest) < b:
+                        continue
+                    yield rest.select(torch.arange(b))
+                    rest = None
+                while len(order) - at >= b:
+                    yield part.select(order[at : at + b])
+                    at += b
+                if at < len(order):
+                    rest = part.subset(order[at:])
+            if rest is not None and len(rest):
+                yield rest.select(torch.arange(len(rest)))
+        finally:
+            rows.close()
+
+    def _encoded(self, skip: int) -> Iterator[TabularDataset]:
+        """The shard's rows from its row ``skip`` on, encoded, a block at a time (the rows
+        before it are decoded to be counted, not encoded). Decoding and encoding run on two
+        threads of their own, so the three stages (with batching here) overlap."""
+        source = f"{self.path} (bytes {self.range[0]}-{self.range[1]})"
+
+        def decoded() -> Iterator:
+            rows = skip
+            for batch in record_batches(self.path, self.encoding.schema, self.reader, byte_range=self.range,
+                                        block_bytes=self.stream.block_bytes, bad=self.bad):
+                if rows >= batch.num_rows:
+                    rows -= batch.num_rows
+                    continue
+                if rows:
+                    batch, rows = batch.slice(rows), 0
+                yield batch
+
+        blocks = _background(decoded, self.stream.read_ahead)
+        try:
+            for batch in blocks:
+                yield self.encoding.encode(batch, source)
+        finally:
+            blocks.close()
+
+
+class StreamEval:
+    """A validation or test file streamed whole, in file order, on every rank (the metrics of a
+    replicated model need every sample once): ``batches(size)`` for :meth:`Trainer.evaluate`."""
+
+    def __init__(self, path: str | Path, encoding: Encoding, reader: ReaderConfig,
+                 config: StreamConfig = StreamConfig()) -> None:
+        self.path, self.encoding, self.reader, self.stream = Path(path), encoding, reader, config
+        if not self.path.is_file():
+            raise FileNotFoundError(f"data file {self.path} does not exist")
+
+    def batches(self, size: int) -> Iterator[Batch]:
+        rows = _background(self._encoded, self.stream.read_ahead)
+        rest: TabularDataset | None = None
+        try:
+            for part in rows:
+                part = part if rest is None else TabularDataset.concat([rest, part])
+                at = 0
+                while len(part) - at >= size:
+                    yield part.select(torch.arange(at, at + size))
+                    at += size
+                rest = part.subset(torch.arange(at, len(part))) if at < len(part) else None
+            if rest is not None:
+                yield rest.select(torch.arange(len(rest)))
+        finally:
+            rows.close()
+
+    def _encoded(self) -> Iterator[TabularDataset]:
+        for batch in record_batches(self.path, self.encoding.schema, self.reader, block_bytes=self.stream.block_bytes):
+            yield self.encoding.encode(batch, str(self.path))
+
+
+def fit_stream(path: str | Path, schema: Schema, reader: ReaderConfig,
+               config: StreamConfig = StreamConfig()) -> Encoding:
+    """:func:`~hetero.data.encode.fit` over a training file streamed in blocks (memory: the
+    distinct values of the vocabulary columns); no pass at all when every categorical column
+    is hashed and no dense column is standardised."""
+    fitter = Fitter(schema)
+    if fitter.vocab_columns or fitter.moments:
+        for batch in record_batches(path, schema, reader, block_bytes=config.block_bytes):
+            fitter.add(batch, str(path))
+    else:
+        schema.check(_names(Path(path), reader), str(path))
+    return fitter.encoding()
+
+
+def _names(path: Path, reader: ReaderConfig) -> list[str]:
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    return column_names(path, reader)[0] if reader.format is FileFormat.CSV else pq.read_schema(path).names
+
+
+def _windows(rows: Iterator[TabularDataset], size: int) -> Iterator[TabularDataset]:
+    """Blocks of rows regrouped into windows of exactly ``size`` rows (the last one shorter)."""
+    parts, n = [], 0
+    for part in rows:
+        while len(part):
+            take = min(size - n, len(part))
+            parts.append(part if take == len(part) else part.subset(torch.arange(take)))
+            part = part.subset(torch.arange(take, len(part))) if take < len(part) else part.subset(torch.arange(0))
+            n += take
+            if n == size:
+                yield TabularDataset.concat(parts)
+                parts, n = [], 0
+    if n:
+        yield TabularDataset.concat(parts)
+
+
+class _background(Iterator):  # noqa: N801 - used as a function: a generator run on a thread
+    """``make()``'s items, produced on a daemon thread into a queue of ``depth`` items; the
+    thread's exception is raised here; ``close()`` stops it."""
+
+    _END = object()
+
+    def __init__(self, make: Callable[[], Iterator], depth: int) -> None:
+        self.queue: queue.Queue = queue.Queue(depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(make,), daemon=True, name="hetero-stream")
+        self.thread.start()
+
+    def _run(self, make: Callable[[], Iterator]) -> None:
+        items = make()
+        try:
+            for item in items:
+                if not self._put(item):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            self._put(e)
+        finally:
+            if isinstance(items, Generator):  # closed: its own finally stops the stages it started
+                items.close()
+
+    def _put(self, item: object) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __next__(self) -> Any:  # noqa: ANN401 - the generator's item
+        item = self.queue.get()
+        if item is self._END:
+            self.queue.put(self._END)  # a later next() ends too
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _copy(batch: Batch) -> Batch:
+    return Batch(dict(batch.features), batch.dense, batch.label)
+
+
+def _ends_crc(path: Path, size: int = 1 << 20) -> int:
+    with open(path, "rb") as f:
+        crc = zlib.crc32(f.read(size))
+        f.seek(max(0, path.stat().st_size - size))
+        return zlib.crc32(f.read(size), crc)

@@ -1,0 +1,203 @@
+"""Data larger than memory: a file streamed in blocks (sharded over ranks by bytes, resumable at a
+sample) and the prepared columnar cache (``hetero data prepare``), each checked against the file
+read whole into memory."""
+
+import json
+
+import pytest
+import torch
+
+from hetero.cli import main
+from hetero.data.encode import fit, load_encoding
+from hetero.data.prepare import load_prepared, prepare
+from hetero.data.readers import BadRows, ReaderConfig, Split, read_table
+from hetero.data.schema import Categorical, Dense, Label, Schema, Transform
+from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, byte_shards, fit_stream
+from hetero.data.tabular import BatchConfig
+from tests.conftest import run_ranks
+from tests.test_jobfile import JOB, _clicks
+
+# "row" is each line's number, a dense column passed through untransformed: it names the sample
+SCHEMA = Schema(Label("clicked", positive=("yes", "1")),
+                (Categorical("city"), Categorical("tags", separator="|"), Categorical("note", hash_buckets=64)),
+                (Dense("row", Transform.NONE), Dense("age", Transform.STANDARDIZE)))
+
+
+def _file(tmp_path, n=997, name="clicks.csv", seed=0):
+    path = tmp_path / name
+    _clicks(path, n, seed)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows = [lines[0] + ",row"] + [f"{line},{i}" for i, line in enumerate(lines[1:])]
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+def _rows(batches):
+    return [int(r) for b in batches for r in b.dense[:, 0].tolist()]
+
+
+def _stream(path, rank=0, world=1, window=100, block=4096, batch=24, shuffle=True, seed=1):
+    enc = fit_stream(path, SCHEMA, ReaderConfig())
+    return StreamBatches(path, enc, ReaderConfig(), BatchConfig(batch, shuffle, seed, rank=rank, world_size=world),
+                         StreamConfig(block_bytes=block, shuffle_window=window))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_read_disjoint_covering_shards(tmp_path, world):
+    path = _file(tmp_path)
+    shards = byte_shards(path, world, len(path.read_bytes().split(b"\n")[0]) + 1)
+    assert shards[0][0] > 0 and shards[-1][1] == path.stat().st_size
+    assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))  # no byte twice, none left out
+    seen = []
+    for rank in range(world):  # each rank's local batches (the per-step sum is a collective: below)
+        got = _rows(_stream(path, rank, world, shuffle=False)._local(0, 0))
+        assert got == sorted(got) and got  # its rows, in file order
+        seen += got
+    assert seen == list(range(997))
+
+
+def test_resume_mid_file_is_sample_exact(tmp_path):
+    path = _file(tmp_path)
+    for rank, world in ((0, 1), (1, 3)):
+        stream = _stream(path, rank, world, window=100, batch=24)
+        whole = [b.dense[:, 0].tolist() for b in stream._local(2, 0)]
+        assert sorted(r for b in whole for r in b) != [r for b in whole for r in b]  # shuffled
+        for start in (1, 4, 5, len(whole) - 1):  # batches crossing window edges, the last one
+            again = [b.dense[:, 0].tolist() for b in stream._local(2, start)]
+            assert again == whole[start:], (rank, world, start)
+        other = [b.dense[:, 0].tolist() for b in stream._local(3, 0)]
+        assert other != whole  # another epoch, another order
+
+
+def _stream_on_ranks(path, world):
+    from hetero import parallel
+
+    stream = _stream(path, parallel.rank(), world, window=64, batch=32)
+    steps = [(b.global_size, b.dense[:, 0].tolist(), b.label.sum().item()) for b in stream.epoch(0)]
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, steps)
+    return gathered
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_step_together_to_the_last_rank_and_cover_the_file_once(tmp_path, world):
+    path = _file(tmp_path, n=997)
+    per_rank = run_ranks(tmp_path, world, _stream_on_ranks, path, world)
+    assert len({len(s) for s in per_rank}) == 1  # every rank takes the same number of steps
+    for step in zip(*per_rank):
+        assert {s[0] for s in step} == {sum(len(s[1]) for s in step)}  # the global size is the sum of the shares
+    rows = sorted(int(r) for steps in per_rank for s in steps for r in s[1])
+    assert rows == list(range(997))
+    assert any(len(s[1]) == 0 for steps in per_rank for s in steps) or world == 2  # done ranks send empty shares
+
+
+def test_evaluation_streams_the_whole_file_in_order(tmp_path):
+    path = _file(tmp_path, n=300)
+    enc = fit(SCHEMA, read_table(path, SCHEMA), "x")
+    want = enc.encode(read_table(path, SCHEMA), "x")
+    got = list(StreamEval(path, enc, ReaderConfig(), StreamConfig(block_bytes=4096)).batches(64))
+    assert [len(b) for b in got] == [64] * 4 + [44]
+    torch.testing.assert_close(torch.cat([b.dense for b in got]), want.dense)
+    bags = [b.features["tags"] for b in got]
+    assert torch.cat([b.values for b in bags]).tolist() == want.features["tags"].values.tolist()
+
+
+def test_bad_rows_are_named_or_skipped_and_counted(tmp_path):
+    path = _file(tmp_path, n=200)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    lines[150] = lines[150].rsplit(",", 1)[0] + ",x150"  # row 149: a value that is not a number
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    enc = fit(SCHEMA, read_table(path, SCHEMA, ReaderConfig(on_bad_rows=BadRows.SKIP)), "x")
+    # the line number is the file's, also from the second rank's shard
+    stream = StreamBatches(path, enc, ReaderConfig(), BatchConfig(10, rank=1, world_size=2), StreamConfig(4096))
+    with pytest.raises(ValueError, match=r"clicks.csv: line 151, column 'row': 'x150' is not a number; fix the "
+                                         r"value, declare the column categorical, or set on_bad_rows"):
+        list(stream._local(0, 0))
+    good, lines[150] = lines[150], "yes,Paris"  # a row of two fields instead
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"clicks.csv: CSV parse error: Expected 6 columns, got 2: yes,Paris; fix the "
+                                         r"row, or set on_bad_rows = \"skip\""):
+        list(StreamBatches(path, enc, ReaderConfig(), BatchConfig(10), StreamConfig(4096))._local(0, 0))
+    lines[150], lines[180] = good, "yes,Paris"  # both
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    skip = StreamBatches(path, enc, ReaderConfig(on_bad_rows=BadRows.SKIP), BatchConfig(10, shuffle=False),
+                         StreamConfig(block_bytes=4096))
+    rows = _rows(skip._local(0, 0))
+    assert rows == [r for r in range(200) if r not in (149, 179)] and skip.bad.rows == 2
+    assert "a row of 2 fields, 6 expected: 'yes,Paris'" in skip.bad.first or "'x150' is not a number" in skip.bad.first
+
+
+def _job(tmp_path, n=1500):
+    """A job over train/valid/test files of a generated CSV (the split a stream needs)."""
+    for name, seed, size in (("train.csv", 0, n), ("valid.csv", 1, 300), ("test.csv", 2, 300)):
+        _clicks(tmp_path / name, size, seed)
+    job = tmp_path / "job.toml"
+    text = JOB.format(path=tmp_path / "train.csv").replace(
+        "split = [0.7, 0.15, 0.15]", f'valid_path = "{tmp_path / "valid.csv"}"\ntest_path = "{tmp_path / "test.csv"}"')
+    job.write_text(text.replace("epochs = 4", "epochs = 3"), encoding="utf-8")
+    return job
+
+
+def _metrics(capsys):
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_prepared_cache_trains_exactly_as_the_file_read_into_memory(tmp_path, capsys):
+    job = _job(tmp_path)
+    assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "memory")]) == 0
+    want = _metrics(capsys)
+    assert main(["data", "prepare", "--config", str(job), "--out", str(tmp_path / "cache")]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 1500
+    assert main(["train", "--config", str(job), "--prepared", str(tmp_path / "cache"),
+                 "--run-dir", str(tmp_path / "prepared")]) == 0
+    got = _metrics(capsys)
+    assert got["test_auc"] == want["test_auc"] > 0.75
+    assert (tmp_path / "prepared/losses.csv").read_text() == (tmp_path / "memory/losses.csv").read_text()
+    assert load_encoding(tmp_path / "cache") == load_encoding(tmp_path / "memory")  # saved with the run
+    assert main(["data", "prepare", "--config", str(job), "--out", str(tmp_path / "cache")]) == 1
+    assert "cache exists: remove it or give another output directory" in capsys.readouterr().err
+
+
+def test_a_random_prepared_split_is_disjoint_covering_and_fits_on_train_only(tmp_path):
+    path = _file(tmp_path, n=2000)
+    prepare(path, SCHEMA, tmp_path / "cache", split=Split((0.8, 0.1, 0.1)), seed=5)
+    train, valid, test, enc = load_prepared(tmp_path / "cache")
+    rows = [_rows(part.batches(128)) for part in (train, valid, test)]
+    assert sorted(rows[0] + rows[1] + rows[2]) == list(range(2000))
+    assert 1500 < len(rows[0]) < 1700 and len(rows[1]) > 100 and len(rows[2]) > 100
+    table = read_table(path, SCHEMA)
+    ref = fit(SCHEMA, table.take(rows[0]), "train")  # fitted on exactly the training rows
+    assert enc.vocabularies["city"] == ref.vocabularies["city"] and enc.statistics == ref.statistics
+    whole = ref.encode(table, "all")
+    for part, index in zip((train, valid, test), rows):  # every value as the file read whole encodes it
+        got = part.select(torch.arange(len(part)))
+        want = whole.select(torch.tensor(index))
+        for k in want.features:
+            assert str(got.features[k]) == str(want.features[k]), k
+        torch.testing.assert_close(got.dense, want.dense)
+        torch.testing.assert_close(got.label, want.label)
+
+
+def test_a_failed_prepare_leaves_nothing(tmp_path):
+    path = _file(tmp_path, n=300)
+    path.write_text(path.read_text(encoding="utf-8").replace(",250\n", ",x\n"), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 252, column 'row': 'x' is not a number"):
+        prepare(path, SCHEMA, tmp_path / "cache", split=Split((0.8, 0.1, 0.1)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clicks.csv"]
+    with pytest.raises(ValueError, match=r"cannot sort it by a time column"):
+        prepare(path, SCHEMA, tmp_path / "cache", split=Split(time_column="age"))
+
+
+def test_a_streamed_run_resumed_mid_epoch_equals_the_uninterrupted_run(tmp_path, capsys):
+    job = _job(tmp_path)
+    common = ["train", "--config", str(job), "--stream", "--shuffle-window", "256"]
+    assert main([*common, "--run-dir", str(tmp_path / "whole")]) == 0
+    want = _metrics(capsys)
+    assert main([*common, "--run-dir", str(tmp_path / "cut"), "--max-steps", "53"]) == 0  # mid-epoch 2 (47 a epoch)
+    capsys.readouterr()
+    assert main([*common, "--run-dir", str(tmp_path / "cut"), "--resume"]) == 0
+    got = _metrics(capsys)
+    assert got["test_auc"] == want["test_auc"] > 0.75 and got["steps"] == want["steps"] == 141
+    assert (tmp_path / "cut/losses.csv").read_text() == (tmp_path / "whole/losses.csv").read_text()
+    assert main([*common, "--run-dir", str(tmp_path / "cut"), "--resume", "--shuffle-window", "128"]) == 1
+    assert "shuffle_window 256" in capsys.readouterr().err  # another order: refused, naming the setting
