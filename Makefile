@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/host_adam.py
 	$(PY) benchmarks/ps.py
+	$(PY) benchmarks/data_pipeline.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache

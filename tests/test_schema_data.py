@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hetero.data.encode import fit, hash_rows
-from hetero.data.readers import FileFormat, ReaderConfig, read_dataset, read_table
+from hetero.data.readers import BadRows, FileFormat, ReaderConfig, read_dataset, read_table
 from hetero.data.schema import Categorical, Cross, Dense, Label, Schema, Transform
 from hetero.data.tabular import FeatureRole, Jagged
 
@@ -171,3 +171,27 @@ def test_a_split_by_time_and_a_split_by_files(tmp_path):
         Split(valid_path=files[1])
     with pytest.raises(ValueError, match=r"split fractions \[0.5, 0.5, 0.0\]: give three positive fractions"):
         Split((0.5, 0.5, 0.0))
+
+
+def test_libsvm_and_libfm_read_as_categorical_columns(tmp_path):
+    libfm = tmp_path / "clicks.libfm"
+    libfm.write_text("1 0:17:1 1:5:1 2:9:1\n0 0:3:1 2:9:1 2:11:1\n1 1:5:1\n", encoding="utf-8")
+    schema = Schema(Label("label"), (Categorical("0"), Categorical("1"), Categorical("2", separator="|")))
+    config = ReaderConfig(FileFormat.LIBFM)
+    table = read_table(libfm, schema, config)
+    assert table.column("label").to_pylist() == ["1", "0", "1"]
+    assert table.column("0").to_pylist() == ["17", "3", None]  # a field the row lacks: missing
+    assert table.column("2").to_pylist() == ["9", "9|11", None]  # a field twice: a bag
+    data = fit(schema, table, "x").encode(table, "x")
+    assert data.features["0"].tolist() == [1, 2, 0] and data.label.tolist() == [1.0, 0.0, 1.0]
+    libsvm = tmp_path / "clicks.libsvm"
+    libsvm.write_text("1 4:1 7:1\n0 7:1\n-1 2:1 4:1 9:1\n", encoding="utf-8")
+    svm = Schema(Label("label", positive=("1",)), (Categorical("features", separator="|"),))
+    table = read_table(libsvm, svm, ReaderConfig(FileFormat.LIBSVM))
+    assert table.column("features").to_pylist() == ["4|7", "7", "2|4|9"]
+    libsvm.write_text("1 4:1 7:1\n0 7:0.5\n1 2:1\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"clicks.libsvm: line 2: '7:0.5' is not index:1; hetero reads libsvm "
+                                         r"features as categorical ids of value 1"):
+        read_table(libsvm, svm, ReaderConfig(FileFormat.LIBSVM))
+    skipped = read_table(libsvm, svm, ReaderConfig(FileFormat.LIBSVM, on_bad_rows=BadRows.SKIP))
+    assert skipped.column("features").to_pylist() == ["4|7", "2"]

@@ -10,7 +10,7 @@ import torch
 from hetero.cli import main
 from hetero.data.encode import fit, load_encoding
 from hetero.data.prepare import load_prepared, prepare
-from hetero.data.readers import BadRows, ReaderConfig, Split, read_table
+from hetero.data.readers import BadRows, FileFormat, ReaderConfig, Split, read_table
 from hetero.data.schema import Categorical, Dense, Label, Schema, Transform
 from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, byte_shards, fit_stream
 from hetero.data.tabular import BatchConfig
@@ -201,3 +201,72 @@ def test_a_streamed_run_resumed_mid_epoch_equals_the_uninterrupted_run(tmp_path,
     assert (tmp_path / "cut/losses.csv").read_text() == (tmp_path / "whole/losses.csv").read_text()
     assert main([*common, "--run-dir", str(tmp_path / "cut"), "--resume", "--shuffle-window", "128"]) == 1
     assert "shuffle_window 256" in capsys.readouterr().err  # another order: refused, naming the setting
+
+
+def test_predict_reproduces_the_test_auc_from_the_best_checkpoint(tmp_path, capsys):
+    import pyarrow.parquet as pq
+    from sklearn.metrics import roc_auc_score
+
+    job = _job(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(job), "--epochs", "25", "--patience", "2", "--keep-best",
+                 "--run-dir", str(run)]) == 0
+    metrics = _metrics(capsys)
+    assert metrics["best_epoch"] < metrics["epochs"]  # not the last epoch: the test split is scored with best.pt
+    for out in (tmp_path / "scores.parquet", tmp_path / "scores.csv"):
+        assert main(["predict", "--checkpoint", str(run / "best.pt"), "--data", str(tmp_path / "test.csv"),
+                     "--out", str(out), "--config", str(job), "--batch-size", "100"]) == 0
+        capsys.readouterr()
+        scores = pq.read_table(out) if out.suffix == ".parquet" else __import__("pyarrow.csv").csv.read_csv(out)
+        assert scores.num_rows == 300
+        assert roc_auc_score(scores.column("label").to_numpy(), scores.column("score").to_numpy()) == \
+            pytest.approx(metrics["test_auc"], abs=1e-9)
+    last = tmp_path / "last.parquet"
+    assert main(["predict", "--checkpoint", str(run / "checkpoint.pt"), "--data", str(tmp_path / "test.csv"),
+                 "--out", str(last), "--config", str(job)]) == 0
+    got = pq.read_table(last).column("score").to_numpy()
+    assert not (got == pq.read_table(tmp_path / "scores.parquet").column("score").to_numpy()).all()  # another model
+    assert main(["predict", "--checkpoint", str(run / "nope.pt"), "--data", str(tmp_path / "test.csv"),
+                 "--out", str(last)]) == 1
+    assert capsys.readouterr().err.strip().endswith("nope.pt does not exist")
+
+
+def _predict_on_ranks(run, data, out):
+    from hetero import parallel
+    from hetero.predict import predict
+
+    return predict(run / "checkpoint.pt", data, out, ReaderConfig(), 64, parallel.global_rank(), parallel.world_size())
+
+
+def test_predict_on_ranks_equals_one_process(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    job = _job(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(job), "--epochs", "1", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    one = tmp_path / "one.parquet"
+    assert main(["predict", "--checkpoint", str(run / "checkpoint.pt"), "--data", str(tmp_path / "test.csv"),
+                 "--out", str(one)]) == 0
+    three = tmp_path / "three.parquet"
+    run_ranks(tmp_path, 3, _predict_on_ranks, run, tmp_path / "test.csv", three)
+    got, want = pq.read_table(three), pq.read_table(one)
+    assert got.column("label").equals(want.column("label"))  # the same rows, in file order
+    # (the same scores up to the matrix products' rounding at other batch compositions)
+    torch.testing.assert_close(torch.tensor(got.column("score").to_numpy()),
+                               torch.tensor(want.column("score").to_numpy()), rtol=1e-6, atol=1e-7)
+    assert sorted(p.name for p in tmp_path.iterdir() if "part" in p.name) == []
+
+
+def test_a_libfm_file_streams_in_disjoint_covering_shards(tmp_path):
+    path = tmp_path / "clicks.libfm"
+    path.write_text("".join(f"{i % 2} 0:{i % 7}:1 1:{i}:1\n" for i in range(500)), encoding="utf-8")
+    schema = Schema(Label("label"), (Categorical("0"), Categorical("1")))
+    reader = ReaderConfig(FileFormat.LIBFM)
+    enc = fit_stream(path, schema, reader)  # field 1's vocabulary in first appearance: line i is id i + 1
+    seen = []
+    for rank in range(3):
+        stream = StreamBatches(path, enc, reader, BatchConfig(30, seed=0, rank=rank, world_size=3),
+                               StreamConfig(block_bytes=4096, shuffle_window=64))
+        seen += [int(i) - 1 for b in stream._local(0, 0) for i in b.features["1"].tolist()]
+    assert sorted(seen) == list(range(500))

@@ -1,4 +1,7 @@
-"""``hetero train``: the Wide & Deep main job on MovieLens-100K (default) or a Criteo TSV file.
+"""``hetero train``: the main job - Wide & Deep (or DLRM) on MovieLens-100K (default), a Criteo TSV
+file, or a user's file described by a job config (``--config``; ``--stream``, ``--prepared``).
+``hetero data prepare``: a job's data encoded once into a columnar cache (``hetero.data.prepare``).
+``hetero predict``: a run's checkpoint scoring a file (``hetero.predict``).
 ``hetero checkpoint merge``: a sharded checkpoint into one integrated file (for inference).
 
 Each component gets its own small config built from the flags; nothing else is shared.
@@ -23,28 +26,26 @@ from hetero import parallel, ps
 from hetero.data import (
     BatchConfig,
     Batches,
-    CriteoConfig,
     FeatureRole,
-    load_movielens_100k,
-    read_criteo_tsv,
 )
-from hetero.data.encode import Encoding, save_encoding
-from hetero.data.prepare import load_prepared, prepare
-from hetero.data.readers import read_dataset
-from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, fit_stream
-from hetero.data.tabular import EvalData, Feature, Rows
+from hetero.cli_data import job_data, prepare_cache
+from hetero.data.encode import save_encoding
+from hetero.data.readers import ReaderConfig
+from hetero.data.stream import StreamBatches
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.jobfile import JobFile, read_job_file
+from hetero.models.dlrm import DLRM, DLRMConfig
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig, mlp_sharding_plan, pipeline_split_points
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.optim.accounting import storage_bytes
 from hetero.parallel import DataParallelConfig
-from hetero.parallel.env import host_group, set_data_parallel_group
+from hetero.parallel.env import set_data_parallel_group
 from hetero.parallel.parallelize import ParallelPlan, parallelize
 from hetero.parallel.pipeline import pipeline
 from hetero.parallel.pipeline_plan import PipelineConfig, Schedule
 from hetero.parallel.zero import ZeroConfig, local_elements, zero_optimizer
 from hetero.placement import Target, resolve_device
+from hetero.predict import ModelRecord, predict
 from hetero.ps import PSConfig, PSMode
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
 from hetero.train.trainer import weighted_bce
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=256, help="global batch (split over the ranks under torchrun)")
     g.add_argument("--seed", type=int, default=0, help="seeds the split, the shuffling and the initialisation")
     g = t.add_argument_group("model")
+    g.add_argument("--model", choices=["wide_deep", "dlrm"], default="wide_deep",
+                   help="Wide & Deep (--hidden: its MLP) or DLRM (--bottom, --hidden: the top MLP)")
+    g.add_argument("--bottom", type=_ints, default=DLRMConfig.bottom, help="DLRM: the bottom MLP's widths")
     g.add_argument("--embedding-dim", type=int, default=WideDeepConfig.embedding_dim)
     g.add_argument("--hidden", type=_ints, default=(256, 128), help="MLP widths, comma-separated")
     g.add_argument("--dropout", type=float, default=0.3)
@@ -135,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--out", type=Path, required=True, help="the cache directory to write (must not exist)")
     dp.add_argument("--data-path", type=Path, help="the file, if [data] names none")
     dp.add_argument("--seed", type=int, default=0, help="seeds a random split")
+    pr = sub.add_parser("predict", help="score a schema-described file with a run's checkpoint (hetero.predict)",
+                        formatter_class=defaults)
+    pr.add_argument("--checkpoint", type=Path, required=True, help="an integrated checkpoint of a `hetero train "
+                    "--config` run (best.pt, checkpoint.pt); its run directory holds the encoding and model record")
+    pr.add_argument("--data", type=Path, required=True, help="the file to score (with the schema's columns)")
+    pr.add_argument("--out", type=Path, required=True, help="scores.parquet or scores.csv (score, label per row)")
+    pr.add_argument("--config", type=Path, help="a job config file whose [data] says how to read --data")
+    pr.add_argument("--batch-size", type=int, default=8192)
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True)
     m = csub.add_parser("merge", help="merge a sharded checkpoint (a checkpoint.dcp directory) into one integrated file",
@@ -211,90 +223,26 @@ def _pipeline_mesh(args: argparse.Namespace):  # noqa: ANN202 - a DeviceMesh
     return mesh
 
 
-@dataclasses.dataclass
-class _Data:
-    """A job's data: the training rows (in memory or a prepared cache) or stream, the
-    validation and test data, the features, and the fitted encoding of a schema job."""
-
-    train: Rows | StreamBatches
-    valid: EvalData
-    test: EvalData
-    specs: tuple[Feature, ...]
-    num_dense: int
-    encoding: Encoding | None = None
-
-
-def _data(args: argparse.Namespace, job: JobFile | None) -> _Data:
-    """A prepared cache (``--prepared``); a job file's schema over its (or ``--data-path``'s)
-    file, streamed (``--stream``) or read, fitted on the training split; else a built-in data
-    set split 80/10/10."""
-    if args.prepared is not None:
-        train, valid, test, encoding = load_prepared(args.prepared)
-        return _Data(train, valid, test, encoding.specs(), train.num_dense, encoding)
-    if job is not None and job.schema is not None:
-        path = job.source.path or args.data_path
-        if path is None:
-            raise ValueError(f"{args.config} has a schema but no data: set path in its [data] section, or --data-path")
-        if args.stream:
-            split = job.source.split
-            if split.valid_path is None:
-                raise ValueError(f"--stream reads the training file once per epoch and cannot split it: give valid_path "
-                                 f"and test_path in {args.config} [data], or prepare a cache with a random split "
-                                 f"(hetero data prepare) and train with --prepared")
-            encoding = fit_stream(path, job.schema, job.source.reader)
-            stream = StreamConfig(shuffle_window=args.shuffle_window)
-            batches = BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed, rank=parallel.rank(),
-                                  world_size=parallel.world_size())
-            return _Data(StreamBatches(path, encoding, job.source.reader, batches, stream, host_group()),
-                         StreamEval(split.valid_path, encoding, job.source.reader, stream),
-                         StreamEval(split.test_path, encoding, job.source.reader, stream),
-                         encoding.specs(), len(job.schema.dense), encoding)
-        train, valid, test, encoding = read_dataset(path, job.schema, job.source.reader, job.source.split, args.seed)
-        source, n = path, len(train) + len(valid) + len(test)
-    else:
-        encoding = None
-        if args.stream:
-            raise ValueError("--stream streams a job file's data: give --config job.toml with [data] and [schema]")
-        if args.data == "movielens-100k":
-            data = load_movielens_100k(args.data_path, args.cache_dir)
-        else:
-            if args.data_path is None:
-                raise ValueError("--data criteo needs --data-path FILE.tsv (Criteo Kaggle/Terabyte TSV format)")
-            data = read_criteo_tsv(args.data_path, CriteoConfig(hash_buckets=args.hash_buckets))
-        source, n = args.data_path or args.data, len(data)
-        if n >= 10:
-            train, valid, test = data.split((0.8, 0.1, 0.1), seed=args.seed)
-    if n < 10 or not (len(train) and len(valid) and len(test)):
-        raise ValueError(f"{source} has {n} samples: the 80/10/10 train/validation/test split needs at least 10; "
-                         f"use a larger file")
-    return _Data(train, valid, test, train.specs, train.num_dense, encoding)
-
-
-def prepare_cache(args: argparse.Namespace, flags: dict[str, bool]) -> Path:
-    """``hetero data prepare``: the job file's data encoded into ``args.out`` (``flags``: those of
-    ``hetero train``, which the file's [train] section may hold)."""
-    job = read_job_file(args.config, flags)
-    if job.schema is None:
-        raise ValueError(f"{args.config} has no [schema]: prepare encodes a schema's columns")
-    path = job.source.path or args.data_path
-    if path is None:
-        raise ValueError(f"{args.config} names no data: set path in its [data] section, or --data-path")
-    return prepare(path, job.schema, args.out, job.source.reader, job.source.split, args.seed)
-
-
 def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: ANN001 - a DeviceMesh
                   job: JobFile | None = None) -> Trainer | None:
     """The trainer of this process; ``None`` on a parameter server, which has served the job by
     the time this returns. With ``mesh`` (``--tp``), the deep MLP is operator-parallel on it;
     with ``job``, its schema and data (``--config``)."""
     torch.manual_seed(args.seed)
-    data = _data(args, job)
+    data = job_data(args, job)
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
                          deep=f.role is not FeatureRole.WIDE) for f in data.specs]
-    model_config = WideDeepConfig(embedding_dim=args.embedding_dim, hidden=args.hidden, dropout=args.dropout)
     # a parameter server runs no model: it keeps it on the host and leaves the accelerator alone
     device = torch.device("cpu") if ps.role() is ps.Role.SERVER else resolve_device(Target.DEVICE)
-    model = WideDeep(slots, data.num_dense, model_config).to(device)
+    if args.model == "dlrm":
+        for flag, used in (("--pp", args.pp > 1), ("--tp", args.tp > 1), ("--zero", args.zero)):
+            if used:
+                raise ValueError(f"{flag} splits Wide & Deep's MLP; --model dlrm trains data-parallel: drop {flag}")
+        model_config = DLRMConfig(embedding_dim=args.embedding_dim, bottom=args.bottom, top=args.hidden)
+        model = DLRM(slots, data.num_dense, model_config).to(device)
+    else:
+        model_config = WideDeepConfig(embedding_dim=args.embedding_dim, hidden=args.hidden, dropout=args.dropout)
+        model = WideDeep(slots, data.num_dense, model_config).to(device)
     pipe = None
     if args.pp > 1:
         pp_config = PipelineConfig(Schedule(args.schedule), args.micro_batches or args.pp,
@@ -310,10 +258,10 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
     elif args.table_sharding == "row":
         parallel.shard_rows(model)
     tables = host_tables(model)
-    sparse = {
-        "wide": _sparse_optimizer(args.wide_optimizer, {k: v for k, v in tables.items() if k.startswith("wide.")}, args.wide_lr, args),
-        "deep": _sparse_optimizer(args.deep_optimizer, {k: v for k, v in tables.items() if k.startswith("deep.")}, args.deep_lr, args),
-    } if tables else {}  # a later pipeline stage holds no tables
+    parts = {"wide": (args.wide_optimizer, args.wide_lr), "deep": (args.deep_optimizer, args.deep_lr)}
+    sparse = {part: _sparse_optimizer(kind, own, lr, args) for part, (kind, lr) in parts.items()
+              if (own := {k: v for k, v in tables.items() if k.startswith(f"{part}.")})}  # (DLRM: no wide tables;
+    # a later pipeline stage: none)
     if args.ps_servers:
         ps.start(model, sparse)  # memory budgets checked on every rank; a server serves here until the workers stop
         if ps.role() is ps.Role.SERVER:
@@ -356,12 +304,33 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
                          data_parallel=DataParallelConfig(dense_sharded=args.zero >= 2))
     set_num_threads(args.threads)
     if data.encoding is not None and parallel.global_rank() == 0:
-        save_encoding(data.encoding, args.run_dir)  # with the run: what `hetero predict` encodes new files with
+        # with the run: what `hetero predict` encodes new files with and rebuilds the model from
+        save_encoding(data.encoding, args.run_dir)
+        ModelRecord(args.model, dataclasses.asdict(model_config), data.num_dense).save(args.run_dir)
     batches = data.train if isinstance(data.train, StreamBatches) else Batches(
         data.train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed, rank=parallel.rank(),
                                 world_size=parallel.world_size()))
     return Trainer(model, dense, sparse, batches, data.valid, data.test, config, args.run_dir, on_step=on_step,
                    pipeline=pipe)
+
+
+def _predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``hetero predict`` on this process's rank (under torchrun: each rank its shard)."""
+    failed = True
+    try:
+        reader = read_job_file(args.config, _train_flags(parser)).source.reader if args.config else ReaderConfig()
+        parallel.init(parallel.DistConfig(backend="gloo"))  # scoring runs on the host: gloo for the barrier
+        out = predict(args.checkpoint, args.data, args.out, reader, args.batch_size, parallel.global_rank(),
+                      parallel.world_size())
+        failed = False
+    except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed
+        report_error(e)
+        return 1
+    finally:
+        parallel.shutdown(clean=not failed)
+    if out is not None:
+        print(json.dumps({"scores": str(out), "checkpoint": str(args.checkpoint), "data": str(args.data)}))
+    return 0
 
 
 def report_error(e: BaseException, *own: Path) -> None:
@@ -427,6 +396,8 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
             return 1
         print(json.dumps({"prepared": str(out), **json.loads((out / "manifest.json").read_text())["splits"]["train"]}))
         return 0
+    if args.command == "predict":
+        return _predict(args, parser)
     if args.command == "checkpoint":
         try:
             out = merge(args.source, args.output)

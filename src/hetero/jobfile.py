@@ -35,8 +35,6 @@ that does not exist is an error naming the closest valid key; nothing runs or is
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import enum
 import sys
 from collections.abc import Mapping
 from pathlib import Path

@@ -75,9 +75,12 @@ class Encoding:
             features[c.column] = self._categorical(c, _column(table, c.column))
         for x in self.schema.crosses:
             features[x.name] = _cross(x, table)
-        dense = [self._dense(d.column, d.transform, _column(table, d.column)) for d in self.schema.dense]
-        dense_t = torch.stack(dense, dim=1) if dense else torch.zeros(table.num_rows, 0)
-        return TabularDataset(features, dense_t, _label(self.schema, table, source), self.specs())
+        # numpy, not torch: encoding runs on a reader thread, where torch's intra-op thread team
+        # would spin beside pyarrow's decoders (measured: half the rows/s on 2 cores)
+        dense = np.empty((table.num_rows, len(self.schema.dense)), dtype=np.float32)
+        for j, d in enumerate(self.schema.dense):
+            dense[:, j] = self._dense(d.column, d.transform, _column(table, d.column))
+        return TabularDataset(features, torch.from_numpy(dense), _label(self.schema, table, source), self.specs())
 
     def _categorical(self, c: Categorical, col: pa.Array) -> torch.Tensor | Jagged:
         import pyarrow as pa
@@ -96,14 +99,14 @@ class Encoding:
             ids = torch.from_numpy(pc.add(index.fill_null(-1), 1).to_numpy(zero_copy_only=False).astype(np.int64))
         return ids if offsets is None else Jagged(ids, offsets)
 
-    def _dense(self, name: str, transform: Transform, col: pa.Array) -> torch.Tensor:
-        x = torch.from_numpy(col.to_numpy(zero_copy_only=False).astype(np.float64))  # nulls are NaN
+    def _dense(self, name: str, transform: Transform, col: pa.Array) -> np.ndarray:
+        x = col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)  # nulls are NaN
         if transform is Transform.LOG1P:
-            x = torch.log1p(x.clamp(min=0))
+            x = np.log1p(np.maximum(x, 0))  # (NaN stays NaN)
         elif transform is Transform.STANDARDIZE:
             mean, std = self.statistics[name]
             x = (x - mean) / std
-        return torch.nan_to_num(x, nan=0.0).float()  # a missing value: 0 after the transform (the mean)
+        return np.nan_to_num(x, nan=0.0)  # a missing value: 0 after the transform (the mean)
 
 
 ENCODING_FILE, VOCABULARY_FILE = "encoding.json", "vocabularies.parquet"

@@ -161,8 +161,9 @@ class PreparedDataset:
 
     def __post_init__(self) -> None:
         n, info = self.info["rows"], self.info
-        mapped = lambda name, dtype, shape: np.memmap(self.directory / name, dtype=dtype, mode="r", shape=shape) \
-            if n else np.zeros(shape, dtype=dtype)  # noqa: E731 - (an empty file cannot be mapped)
+        # copy-on-write mappings ("c"): torch takes them without a read-only warning; nothing writes
+        mapped = lambda name, dtype, shape: torch.from_numpy(  # noqa: E731
+            np.memmap(self.directory / name, dtype=dtype, mode="c", shape=shape) if n else np.zeros(shape, dtype=dtype))
         self.ids = mapped("ids.bin", info["id_dtype"], (n, len(info["single"])))
         self.dense = mapped("dense.bin", np.float32, (n, info["num_dense"]))
         self.label = mapped("label.bin", np.float32, (n,))
@@ -189,8 +190,9 @@ class PreparedDataset:
         """The samples at ``index`` (int64 ``(M,)``): one gather of ``M`` rows of ids, dense
         values and labels from the mapped files (a copy into memory)."""
         i = index.numpy()
-        ids = torch.from_numpy(self.ids[i]).long()  # the copy out of the mapping
-        features: dict[str, torch.Tensor | Jagged] = {n: ids[:, j].contiguous() for j, n in enumerate(self.info["single"])}
+        ids = self.ids.index_select(0, index)  # the copy out of the mapping: one row of ids per sample
+        columns = ids.long().t().contiguous().unbind(0)  # one (F, M) int64 block: each feature's row a view
+        features: dict[str, torch.Tensor | Jagged] = dict(zip(self.info["single"], columns))
         for b, (values, offsets) in self.bags.items():
             starts, ends = offsets[i], offsets[i + 1]
             lengths = torch.from_numpy(ends - starts)
@@ -198,7 +200,7 @@ class PreparedDataset:
             torch.cumsum(lengths, 0, out=out[1:])
             where = np.repeat(starts - out[:-1].numpy(), lengths.numpy()) + np.arange(int(out[-1]))
             features[b] = Jagged(torch.from_numpy(values[where].astype(np.int64)), out)
-        return Batch(features, torch.from_numpy(self.dense[i]), torch.from_numpy(self.label[i]))
+        return Batch(features, self.dense.index_select(0, index), self.label.index_select(0, index))
 
     def batches(self, size: int) -> Iterator[Batch]:
         for at in range(0, len(self), size):
