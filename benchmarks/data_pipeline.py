@@ -156,7 +156,6 @@ def main() -> None:
     batches = Batches(train_split, BatchConfig(batch_size=4096, seed=0))
     sum(len(b) for b in batches.epoch(0))  # the page cache warm: the epochs after the first
     result["prepared_rows_per_s"] = rate("prepared, shuffled", lambda: sum(len(b) for b in batches.epoch(1)))
-    del train_split, batches, stream
 
     job, job_tenth = job_file(work, big, args.buckets), job_file(work, tenth, args.buckets)
     streamed = train(job, work / "run_stream", args.steps, "--stream")
