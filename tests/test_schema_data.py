@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hetero.data.encode import fit, hash_rows
-from hetero.data.readers import BadRows, FileFormat, ReaderConfig, read_dataset, read_table
+from hetero.data.readers import FileFormat, ReaderConfig, read_dataset, read_table
+from hetero.data.rows import BadRows
 from hetero.data.schema import Categorical, Cross, Dense, Label, Schema, Transform
 from hetero.data.tabular import FeatureRole, Jagged
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,21 +21,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hetero.data.encode import Encoding, fit
+from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, typed_batch
 from hetero.data.schema import Schema
+from hetero.data.svmlight import sparse_format_batches
 from hetero.data.tabular import TabularDataset
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-log = logging.getLogger("hetero")
-
-
-class BadRows(enum.Enum):
-    """What a reader does with a row it cannot use: a field count other than the file's, or a
-    dense/threshold-label value that is not a number."""
-
-    ERROR = "error"  # stop, naming the file, row, column and value
-    SKIP = "skip"  # leave the row out and count it (BadRowCount), the first one named in the log
 
 
 class FileFormat(enum.Enum):
@@ -104,20 +96,6 @@ class Split:
             raise ValueError("a split by files needs both valid_path and test_path")
 
 
-@dataclasses.dataclass
-class BadRowCount:
-    """Rows skipped under ``BadRows.SKIP``: how many, and the first one's description."""
-
-    rows: int = 0
-    first: str = ""
-
-    def add(self, rows: int, what: str) -> None:
-        if rows and not self.rows:
-            self.first = what
-            log.warning("hetero: skipping bad rows (on_bad_rows = skip); the first: %s", what)
-        self.rows += rows
-
-
 def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
     """A CSV file's column names (its header, or ``config.column_names``) and the byte offset
     where its rows start (after the header line)."""
@@ -169,15 +147,16 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
         _check_extra(schema, pq.read_schema(path).names, extra, path)
         first = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=max(1, block_bytes // 64), columns=wanted):
-            yield _typed_batch(batch, types, wanted, path, first, config, bad)
+            yield typed_batch(batch, types, wanted, path, first, config.on_bad_rows, bad)
             first += batch.num_rows
         return
     names, data_start = column_names(path, config)
     _check_extra(schema, names, extra, path)
     start, end = byte_range if byte_range is not None else (data_start, path.stat().st_size)
-    lines = _LineCounter(path, start)
+    lines = LineCounter(path, start)
     if config.format in (FileFormat.LIBSVM, FileFormat.LIBFM):
-        yield from _sparse_format(path, schema, config, start, end, block_bytes, lines, types, wanted, bad)
+        yield from sparse_format_batches(path, schema, config, config.format is FileFormat.LIBFM, start, end,
+                                         block_bytes, lines, types, wanted, bad)
         return
     parse = _parse_options(config)
     if config.on_bad_rows is BadRows.SKIP:
@@ -198,13 +177,13 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
             f.seek(start)
             try:
                 skip = first
-                for batch in csv.open_csv(_Range(f, end - start), read_options=read, parse_options=parse,
+                for batch in csv.open_csv(ByteRange(f, end - start), read_options=read, parse_options=parse,
                                           convert_options=convert):
                     if skip >= batch.num_rows:
                         skip -= batch.num_rows
                         continue
                     batch, skip = batch.slice(skip) if skip else batch, 0
-                    yield _typed_batch(batch, types, wanted, path, first, config, bad, lines)
+                    yield typed_batch(batch, types, wanted, path, first, config.on_bad_rows, bad, lines)
                     first += batch.num_rows
                 return
             except pa.ArrowInvalid as e:
@@ -269,69 +248,6 @@ def _check_extra(schema: Schema, names: list[str], extra: tuple[str, ...], path:
         raise ValueError(f"{path} has no column {missing[0]!r} (the split's time column); its columns are {names}")
 
 
-def _sparse_format(path: Path, schema: Schema, config: ReaderConfig, start: int, end: int, block_bytes: int,
-                   lines: _LineCounter, types: dict, wanted: list[str], bad: BadRowCount) -> Iterator[pa.RecordBatch]:
-    """libsvm/libfm lines as record batches of the schema's columns: the label's text and, per
-    field column, the row's ids joined by ``|`` (null when the row has none). Feature values
-    must be 1 (categorical ids, as CTR data sets write them); another value is an error naming
-    the line (or, under ``BadRows.SKIP``, its row is skipped)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.csv as csv
-
-    libfm = config.format is FileFormat.LIBFM
-    read = csv.ReadOptions(column_names=["line"], block_size=block_bytes)
-    parse = csv.ParseOptions(delimiter="\x1f", quote_char=False)  # one field per line
-    convert = csv.ConvertOptions(column_types={"line": pa.string()})
-    first = 0
-    with open(path, "rb") as f:
-        f.seek(start)
-        for batch in csv.open_csv(_Range(f, end - start), read_options=read, parse_options=parse,
-                                  convert_options=convert):
-            n = batch.num_rows
-            parts = pc.split_pattern(pc.utf8_trim_whitespace(batch.column("line")), " ", max_splits=None)
-            counts = pc.list_value_length(parts).to_numpy(zero_copy_only=False)
-            tokens = parts.flatten()
-            row = np.repeat(np.arange(n), counts)
-            head = np.zeros(len(tokens), dtype=bool)
-            head[np.concatenate([[0], np.cumsum(counts)[:-1]])[counts > 0]] = True  # each row's label
-            label = pc.list_element(parts, 0)
-            tokens, row = tokens.filter(pa.array(~head)), row[~head]
-            pieces = pc.split_pattern(tokens, ":")
-            want = 3 if libfm else 2
-            value = pc.list_element(pieces, want - 1) if len(tokens) else pa.array([], pa.string())
-            wrong = (pc.list_value_length(pieces).to_numpy(zero_copy_only=False) != want) | \
-                pc.not_equal(value, "1").fill_null(True).to_numpy(zero_copy_only=False)
-            drop = np.zeros(n, dtype=bool)
-            if wrong.any():
-                at = int(np.flatnonzero(wrong)[0])
-                where = (f"{path}: line {lines.line(first + int(row[at]))}: {tokens[at].as_py()!r} is not "
-                         f"{'field:index:1' if libfm else 'index:1'}")
-                if config.on_bad_rows is BadRows.ERROR:
-                    raise ValueError(f"{where}; hetero reads {config.format.value} features as categorical ids of "
-                                     f"value 1: write other values as a CSV with dense columns, or set on_bad_rows = "
-                                     f"\"skip\"")
-                drop[row[wrong]] = True
-                bad.add(int(drop.sum()), where)
-            field = pc.list_element(pieces, 0) if libfm else None
-            index = pc.list_element(pieces, want - 2) if len(tokens) else pa.array([], pa.string())
-            columns = {}
-            for name in wanted:
-                if name == "label":
-                    columns[name] = label
-                    continue
-                mask = np.ones(len(tokens), dtype=bool) if field is None else \
-                    pc.equal(field, name).to_numpy(zero_copy_only=False)
-                mask &= ~wrong
-                per_row = np.bincount(row[mask], minlength=n)
-                offsets = pa.array(np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32))
-                joined = pc.binary_join(pa.ListArray.from_arrays(offsets, index.filter(pa.array(mask))), "|")
-                columns[name] = pc.if_else(pa.array(per_row == 0), pa.nulls(n, pa.string()), joined)
-            out = _typed_batch(pa.RecordBatch.from_pydict(columns), types, wanted, path, first, config, bad, lines)
-            yield out.filter(pa.array(~drop)) if drop.any() else out
-            first += n
-
-
 def _parse_options(config: ReaderConfig):  # noqa: ANN202 - pyarrow.csv.ParseOptions
     import pyarrow.csv as csv
 
@@ -362,90 +278,3 @@ def _empty_schema(schema: Schema, extra: tuple[str, ...]) -> pa.Schema:
     return pa.schema(list(_types(schema).items()) + [(c, pa.string()) for c in extra if c not in schema.columns])
 
 
-class _Range(io.RawIOBase):
-    """``size`` bytes of an open file from its position: one rank's shard of a CSV file."""
-
-    def __init__(self, f: io.BufferedReader, size: int) -> None:
-        self.f, self.left = f, size
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview) -> int:
-        n = self.f.readinto(memoryview(buffer)[: min(len(buffer), self.left)])
-        self.left -= n
-        return n
-
-
-class _LineCounter:
-    """The file's line number of a shard's row (error messages only: it counts the lines before
-    the shard on first use)."""
-
-    def __init__(self, path: Path, start: int) -> None:
-        self.path, self.start, self.before = path, start, -1
-
-    def line(self, row: int) -> int:
-        if self.before < 0:
-            self.before = 0
-            with open(self.path, "rb") as f:
-                left = self.start
-                while left > 0:
-                    chunk = f.read(min(left, 1 << 24))
-                    self.before, left = self.before + chunk.count(b"\n"), left - len(chunk)
-        return self.before + row + 1
-
-
-def _typed_batch(batch: pa.RecordBatch, types: dict, wanted: list[str], path: Path, first: int,
-                 config: ReaderConfig, bad: BadRowCount, lines: _LineCounter | None = None) -> pa.RecordBatch:
-    """``batch`` with text columns cast to their types; rows with a value that does not convert
-    are named (the error) or dropped and counted (``BadRows.SKIP``)."""
-    import pyarrow as pa
-
-    columns, drop, first_bad = {}, None, ""
-    for name in wanted:
-        col = batch.column(name)
-        if name in types and col.type != types[name]:
-            col, rows = _typed(col, types[name])
-            if rows:
-                where = (f"{path}: {'line' if lines else 'row'} "
-                         f"{lines.line(first + rows[0]) if lines else first + rows[0] + 1}, column {name!r}: "
-                         f"{batch.column(name)[rows[0]].as_py()!r} is not a number")
-                if config.on_bad_rows is BadRows.ERROR:
-                    raise ValueError(f"{where}; fix the value, declare the column categorical, or set on_bad_rows = "
-                                     f"\"skip\"")
-                mask = np.zeros(len(batch), dtype=bool)
-                mask[rows] = True
-                drop = mask if drop is None else drop | mask
-                first_bad = first_bad or where
-        columns[name] = col
-    out = pa.RecordBatch.from_pydict(columns)
-    if drop is not None:
-        bad.add(int(drop.sum()), first_bad)
-        out = out.filter(pa.array(~drop))
-    return out
-
-
-def _typed(col: pa.Array, kind: pa.DataType) -> tuple[pa.Array, list[int]]:
-    """``col`` (text) as ``kind`` (an empty field null), and the rows whose value does not
-    convert (null in the result)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    try:
-        return col.cast(kind), []
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        pass
-    stripped = pc.utf8_trim_whitespace(col)
-    stripped = pc.if_else(pc.equal(stripped, ""), None, stripped)  # an empty field is missing, not an error
-    try:
-        return stripped.cast(kind), []
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        pass
-    values, rows = stripped.to_pylist(), []  # the error path only: find the rows
-    for row, value in enumerate(values):
-        try:
-            float(value) if value is not None else None
-        except ValueError:
-            rows.append(row)
-            values[row] = None
-    return pa.array(values, type=pa.string()).cast(kind), rows

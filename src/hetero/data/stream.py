@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from hetero.data.encode import Encoding, Fitter
-from hetero.data.readers import BadRowCount, FileFormat, ReaderConfig, column_names, empty_batch, record_batches
+from hetero.data.readers import FileFormat, ReaderConfig, column_names, empty_batch, record_batches
+from hetero.data.rows import BadRowCount
 from hetero.data.schema import Schema
 from hetero.data.tabular import Batch, BatchConfig, Jagged, TabularDataset
 
@@ -144,7 +145,7 @@ class StreamBatches:
         """This rank's part of global batches ``start, start + 1, ...`` of ``epoch``; every rank
         iterates until the last rank's shard is done (a collective per batch)."""
         # the batches are cut and gathered on a thread of their own: training only takes them
-        local = _background(lambda: self._local(epoch, start), self.stream.read_ahead)
+        local = _Background(lambda: self._local(epoch, start), self.stream.read_ahead)
         while True:
             batch = next(local, None)
             n = torch.tensor([len(batch) if batch is not None else 0], dtype=torch.int64)
@@ -163,7 +164,7 @@ class StreamBatches:
         b = c.batch_size // c.world_size
         first = start * b // window  # the window holding the position
         drop = start * b - first * window  # its rows before the position
-        rows = _background(lambda: self._encoded(first * window), self.stream.read_ahead)
+        rows = _Background(lambda: self._encoded(first * window), self.stream.read_ahead)
         rest: TabularDataset | None = None  # the last window's rows not yet batched (< b)
         try:
             for k, part in enumerate(_windows(rows, window), start=first):
@@ -219,7 +220,7 @@ def encoded_blocks(path: str | Path, encoding: Encoding, reader: ReaderConfig, b
                 batch, rows = batch.slice(rows), 0
             yield batch
 
-    blocks = _background(decoded, config.read_ahead)
+    blocks = _Background(decoded, config.read_ahead)
     try:
         for batch in blocks:
             yield encoding.encode(batch, source)
@@ -238,7 +239,7 @@ class StreamEval:
             raise FileNotFoundError(f"data file {self.path} does not exist")
 
     def batches(self, size: int) -> Iterator[Batch]:
-        rows = _background(self._encoded, self.stream.read_ahead)
+        rows = _Background(self._encoded, self.stream.read_ahead)
         rest: TabularDataset | None = None
         try:
             for part in rows:
@@ -313,7 +314,7 @@ def _windows(rows: Iterator[TabularDataset], size: int) -> Iterator[TabularDatas
         yield TabularDataset.concat(parts)
 
 
-class _background(Iterator):  # noqa: N801 - used as a function: a generator run on a thread
+class _Background(Iterator):
     """``make()``'s items, produced on a daemon thread into a queue of ``depth`` items; the
     thread's exception is raised here; ``close()`` stops it."""
 

@@ -65,7 +65,9 @@ class Trainer:
         model: already on its device (host tables stay on the host by construction).
         dense_optimizer: a ``torch.optim`` optimizer over ``dense_parameters(model)``.
         sparse_optimizers: name -> :class:`SparseOptimizer` (e.g. ``{"wide": FTRL, "deep": LazyAdam}``).
-        train: the training batches; ``valid``/``test``: evaluated each epoch / at the end.
+        train: the training batches (:class:`~hetero.data.tabular.TrainingData`: in memory, a
+            prepared cache, or a stream); ``valid``/``test`` (:class:`~hetero.data.tabular.EvalData`):
+            evaluated each epoch / at the end.
         run_dir: where the checkpoint, ``metrics.json``, ``losses.csv`` and ``curves.png`` go.
         on_step: called after every step (and its checkpoint, if one is due) with the trainer.
         pipeline: the model pipelined (:func:`hetero.parallel.pipeline.pipeline`, one stage per

@@ -1,0 +1,129 @@
+"""Rows as a reader hands them on: text cast to the schema's types, a bad row named (file, line,
+column, value) or skipped and counted, a rank's byte range of a file, the file's line numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+log = logging.getLogger("hetero")
+
+
+class BadRows(enum.Enum):
+    """What a reader does with a row it cannot use: a field count other than the file's, or a
+    dense/threshold-label value that is not a number."""
+
+    ERROR = "error"  # stop, naming the file, row, column and value
+    SKIP = "skip"  # leave the row out and count it (BadRowCount), the first one named in the log
+
+
+@dataclasses.dataclass
+class BadRowCount:
+    """Rows skipped under ``BadRows.SKIP``: how many, and the first one's description."""
+
+    rows: int = 0
+    first: str = ""
+
+    def add(self, rows: int, what: str) -> None:
+        if rows and not self.rows:
+            self.first = what
+            log.warning("hetero: skipping bad rows (on_bad_rows = skip); the first: %s", what)
+        self.rows += rows
+
+
+class ByteRange(io.RawIOBase):
+    """``size`` bytes of an open file from its position: one rank's shard of a CSV file."""
+
+    def __init__(self, f: io.BufferedReader, size: int) -> None:
+        self.f, self.left = f, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:
+        n = self.f.readinto(memoryview(buffer)[: min(len(buffer), self.left)])
+        self.left -= n
+        return n
+
+
+class LineCounter:
+    """The file's line number of a shard's row (error messages only: it counts the lines before
+    the shard on first use)."""
+
+    def __init__(self, path: Path, start: int) -> None:
+        self.path, self.start, self.before = path, start, -1
+
+    def line(self, row: int) -> int:
+        if self.before < 0:
+            self.before = 0
+            with open(self.path, "rb") as f:
+                left = self.start
+                while left > 0:
+                    chunk = f.read(min(left, 1 << 24))
+                    self.before, left = self.before + chunk.count(b"\n"), left - len(chunk)
+        return self.before + row + 1
+
+
+def typed_batch(batch: pa.RecordBatch, types: dict, wanted: list[str], path: Path, first: int,
+                on_bad_rows: BadRows, bad: BadRowCount, lines: LineCounter | None = None) -> pa.RecordBatch:
+    """``batch`` with text columns cast to their types; rows with a value that does not convert
+    are named (the error) or dropped and counted (``BadRows.SKIP``)."""
+    import pyarrow as pa
+
+    columns, drop, first_bad = {}, None, ""
+    for name in wanted:
+        col = batch.column(name)
+        if name in types and col.type != types[name]:
+            col, rows = _typed(col, types[name])
+            if rows:
+                where = (f"{path}: {'line' if lines else 'row'} "
+                         f"{lines.line(first + rows[0]) if lines else first + rows[0] + 1}, column {name!r}: "
+                         f"{batch.column(name)[rows[0]].as_py()!r} is not a number")
+                if on_bad_rows is BadRows.ERROR:
+                    raise ValueError(f"{where}; fix the value, declare the column categorical, or set on_bad_rows = "
+                                     f"\"skip\"")
+                mask = np.zeros(len(batch), dtype=bool)
+                mask[rows] = True
+                drop = mask if drop is None else drop | mask
+                first_bad = first_bad or where
+        columns[name] = col
+    out = pa.RecordBatch.from_pydict(columns)
+    if drop is not None:
+        bad.add(int(drop.sum()), first_bad)
+        out = out.filter(pa.array(~drop))
+    return out
+
+
+def _typed(col: pa.Array, kind: pa.DataType) -> tuple[pa.Array, list[int]]:
+    """``col`` (text) as ``kind`` (an empty field null), and the rows whose value does not
+    convert (null in the result)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        return col.cast(kind), []
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    stripped = pc.utf8_trim_whitespace(col)
+    stripped = pc.if_else(pc.equal(stripped, ""), None, stripped)  # an empty field is missing, not an error
+    try:
+        return stripped.cast(kind), []
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    values, rows = stripped.to_pylist(), []  # the error path only: find the rows
+    for row, value in enumerate(values):
+        try:
+            float(value) if value is not None else None
+        except ValueError:
+            rows.append(row)
+            values[row] = None
+    return pa.array(values, type=pa.string()).cast(kind), rows
