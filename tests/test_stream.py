@@ -271,3 +271,19 @@ def test_a_libfm_file_streams_in_disjoint_covering_shards(tmp_path):
                                StreamConfig(block_bytes=4096, shuffle_window=64))
         seen += [int(i) - 1 for b in stream._local(0, 0) for i in b.features["1"].tolist()]
     assert sorted(seen) == list(range(500))
+
+
+def test_the_criteo_example_config_trains_a_criteo_file(tmp_path, capsys):
+    from pathlib import Path
+
+    from tests.conftest import criteo_lines
+
+    path = tmp_path / "train.txt"
+    path.write_text(criteo_lines(600, seed=3))
+    config = Path(__file__).resolve().parents[1] / "examples" / "criteo.toml"
+    assert main(["train", "--config", str(config), "--data-path", str(path), "--batch-size", "64", "--hidden", "8",
+                 "--no-progress", "--run-dir", str(tmp_path / "run")]) == 0
+    assert _metrics(capsys)["steps"] == 8  # 480 training rows, batches of 64
+    assert main(["data", "prepare", "--config", str(config), "--data-path", str(path), "--out",
+                 str(tmp_path / "cache")]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] > 400
