@@ -287,3 +287,15 @@ def test_the_criteo_example_config_trains_a_criteo_file(tmp_path, capsys):
     assert main(["data", "prepare", "--config", str(config), "--data-path", str(path), "--out",
                  str(tmp_path / "cache")]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] > 400
+
+
+def test_a_stream_closed_early_stops_its_threads(tmp_path):
+    import threading
+
+    path = _file(tmp_path, n=2000)
+    before = threading.active_count()
+    batches = _stream(path, block=4096, window=64).epoch(0)
+    next(batches)  # its reader, encoder and batching threads are running
+    assert threading.active_count() > before
+    batches.close()  # a max_steps stop
+    assert threading.active_count() == before

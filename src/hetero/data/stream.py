@@ -146,18 +146,20 @@ class StreamBatches:
         iterates until the last rank's shard is done (a collective per batch)."""
         # the batches are cut and gathered on a thread of their own: training only takes them
         local = _Background(lambda: self._local(epoch, start), self.stream.read_ahead)
-        while True:
-            batch = next(local, None)
-            n = torch.tensor([len(batch) if batch is not None else 0], dtype=torch.int64)
-            if self.config.world_size > 1:
-                dist.all_reduce(n, group=self.group)  # sync point: the global batch's size weighs the loss
-            if int(n) == 0:
-                local.close()
-                return
-            if batch is None:
-                batch = _copy(self.empty)
-            batch.global_size = int(n)
-            yield batch
+        try:  # (closed early too - a max_steps stop: the threads and the file go with it)
+            while True:
+                batch = next(local, None)
+                n = torch.tensor([len(batch) if batch is not None else 0], dtype=torch.int64)
+                if self.config.world_size > 1:
+                    dist.all_reduce(n, group=self.group)  # sync point: the global batch's size weighs the loss
+                if int(n) == 0:
+                    return
+                if batch is None:
+                    batch = _copy(self.empty)
+                batch.global_size = int(n)
+                yield batch
+        finally:
+            local.close()
 
     def _local(self, epoch: int, start: int) -> Iterator[Batch]:
         c, window = self.config, self.stream.shuffle_window
