@@ -222,6 +222,14 @@ def test_predict_reproduces_the_test_auc_from_the_best_checkpoint(tmp_path, caps
         assert scores.num_rows == 300
         assert roc_auc_score(scores.column("label").to_numpy(), scores.column("score").to_numpy()) == \
             pytest.approx(metrics["test_auc"], abs=1e-9)
+    lines = (tmp_path / "test.csv").read_text(encoding="utf-8").splitlines()  # the same rows, no label column
+    (tmp_path / "new.csv").write_text("\n".join(line.split(",", 1)[1] for line in lines) + "\n", encoding="utf-8")
+    unlabelled = tmp_path / "new.parquet"
+    assert main(["predict", "--checkpoint", str(run / "best.pt"), "--data", str(tmp_path / "new.csv"),
+                 "--out", str(unlabelled), "--config", str(job), "--batch-size", "100"]) == 0
+    got = pq.read_table(unlabelled)
+    assert got.column_names == ["score"]
+    assert got.column("score").equals(pq.read_table(tmp_path / "scores.parquet").column("score"))
     last = tmp_path / "last.parquet"
     assert main(["predict", "--checkpoint", str(run / "checkpoint.pt"), "--data", str(tmp_path / "test.csv"),
                  "--out", str(last), "--config", str(job)]) == 0

@@ -6,8 +6,8 @@ scoring needs: ``encoding.json`` + ``vocabularies.parquet`` (the fitted schema:
 streams the file in blocks (:func:`hetero.data.stream.encoded_blocks`), memory bounded as in
 training; under torchrun each rank scores its byte shard (:func:`hetero.data.stream.byte_shards`)
 and rank 0 joins the parts in file order. The output (Parquet, or CSV by the suffix) has one row
-per input row: ``score`` (the predicted probability, float64) and ``label`` (0/1 by the
-schema's rule; the file needs its label column).
+per input row: ``score`` (the predicted probability, float64) and, when the file has the label
+column, ``label`` (0/1 by the schema's rule).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
     run = checkpoint.parent
     encoding, record = load_encoding(run), ModelRecord.load(run)
     names = _parquet_names(data) if reader.format is FileFormat.PARQUET else column_names(data, reader)[0]
-    if encoding.schema.label.column not in names:
-        raise ValueError(f"{data} has no label column {encoding.schema.label.column!r} (its columns are {names}): "
-                         f"predict scores labelled files; add the column (any value) to score unlabelled rows")
+    labelled = encoding.schema.label.column in names
+    if not labelled:  # rows to score, no labels: the output has no label column
+        encoding = dataclasses.replace(encoding, schema=encoding.schema.unlabelled())
     model = _model(encoding.specs(), record)
     state = load_checkpoint(checkpoint)["model"]
     check_model_compatible(model.state_dict(), state, checkpoint)
@@ -108,8 +108,9 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
             for b in block.batches(batch_size):
                 scores.append(torch.sigmoid(model(b.features, b.dense)).double())
                 labels.append(b.label)
-    columns = {"score": torch.cat(scores).numpy() if scores else torch.zeros(0, dtype=torch.float64).numpy(),
-               "label": torch.cat(labels).numpy().astype("int8") if labels else torch.zeros(0).numpy().astype("int8")}
+    columns = {"score": torch.cat(scores).numpy() if scores else torch.zeros(0, dtype=torch.float64).numpy()}
+    if labelled:
+        columns["label"] = torch.cat(labels).numpy().astype("int8") if labels else torch.zeros(0).numpy().astype("int8")
     as_csv = out.suffix == ".csv"
     _write(pa.table(columns), part, as_csv)
     if world_size == 1:

@@ -281,6 +281,8 @@ def _label(schema: Schema, table: pa.Table | pa.RecordBatch, source: str) -> tor
     import pyarrow.compute as pc
 
     label = schema.label
+    if not label.column:  # an unlabelled schema (Schema.unlabelled): scoring rows without labels
+        return torch.zeros(table.num_rows)
     col = _column(table, label.column)
     missing = pc.indices_nonzero(pc.is_null(col)) if col.null_count else None
     if missing is not None and len(missing):

@@ -173,8 +173,14 @@ class Schema:
 
     @property
     def columns(self) -> list[str]:
-        """The columns the schema reads."""
-        return [self.label.column, *(c.column for c in self.categorical), *(d.column for d in self.dense)]
+        """The columns the schema reads (the label's unless :meth:`unlabelled`)."""
+        label = [self.label.column] if self.label.column else []
+        return [*label, *(c.column for c in self.categorical), *(d.column for d in self.dense)]
+
+    def unlabelled(self) -> "Schema":
+        """This schema for rows without the label column (scoring): the label is not read and
+        encodes as 0."""
+        return dataclasses.replace(self, label=Label(""))
 
     def check(self, columns: Sequence[str], source: str, drop: bool = True) -> None:
         """Check that ``source`` (a file's name) has every column the schema reads (and, with
