@@ -307,3 +307,20 @@ def test_a_stream_closed_early_stops_its_threads(tmp_path):
     assert threading.active_count() > before
     batches.close()  # a max_steps stop
     assert threading.active_count() == before
+
+
+def test_an_empty_training_stream_is_an_error_not_a_silent_epoch(tmp_path):
+    path = _file(tmp_path, n=5)
+    path.write_text(path.read_text(encoding="utf-8").splitlines()[0] + "\n", encoding="utf-8")  # the header only
+    enc = fit(SCHEMA, read_table(_file(tmp_path, n=50, name="other.csv"), SCHEMA), "x")
+    stream = StreamBatches(path, enc, ReaderConfig(), BatchConfig(8), StreamConfig(4096))
+    with pytest.raises(ValueError, match=r"clicks.csv has no rows to train on"):
+        list(stream.epoch(0))
+
+
+def test_more_ranks_than_lines_leave_some_shards_empty(tmp_path):
+    path = _file(tmp_path, n=2)
+    shards = byte_shards(path, 4, len(path.read_bytes().split(b"\n")[0]) + 1)
+    assert sum(a == b for a, b in shards) >= 1  # empty ranges
+    rows = [_rows(_stream(path, r, 4, batch=4, shuffle=False)._local(0, 0)) for r in range(4)]
+    assert sorted(r for part in rows for r in part) == [0, 1]

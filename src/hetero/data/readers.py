@@ -154,6 +154,8 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
     _check_extra(schema, names, extra, path)
     start, end = byte_range if byte_range is not None else (data_start, path.stat().st_size)
     lines = LineCounter(path, start)
+    if end <= start:  # an empty shard (more ranks than lines) or a file of a header only: no rows
+        return
     if config.format in (FileFormat.LIBSVM, FileFormat.LIBFM):
         yield from sparse_format_batches(path, schema, config, config.format is FileFormat.LIBFM, start, end,
                                          block_bytes, lines, types, wanted, bad)

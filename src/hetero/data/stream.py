@@ -143,9 +143,15 @@ class StreamBatches:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         """This rank's part of global batches ``start, start + 1, ...`` of ``epoch``; every rank
-        iterates until the last rank's shard is done (a collective per batch)."""
+        iterates until the last rank's shard is done (a collective per batch).
+
+        Raises:
+            ValueError: the file has no rows (an epoch from its start yields nothing), or as
+                :func:`~hetero.data.readers.record_batches`.
+        """
         # the batches are cut and gathered on a thread of their own: training only takes them
         local = _Background(lambda: self._local(epoch, start), self.stream.read_ahead)
+        first = True
         try:  # (closed early too - a max_steps stop: the threads and the file go with it)
             while True:
                 batch = next(local, None)
@@ -153,7 +159,11 @@ class StreamBatches:
                 if self.config.world_size > 1:
                     dist.all_reduce(n, group=self.group)  # sync point: the global batch's size weighs the loss
                 if int(n) == 0:
+                    if start == 0 and first:  # a whole epoch of nothing: never a silent no-op
+                        raise ValueError(f"{self.path} has no rows to train on (every rank's shard is empty): give a "
+                                         f"file with data rows")
                     return
+                first = False
                 if batch is None:
                     batch = _copy(self.empty)
                 batch.global_size = int(n)
