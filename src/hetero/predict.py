@@ -21,7 +21,7 @@ import torch
 
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint
 from hetero.data.encode import load_encoding
-from hetero.data.readers import FileFormat, ReaderConfig, column_names
+from hetero.data.readers import FileFormat, ReaderConfig, column_names, file_columns
 from hetero.data.stream import StreamConfig, byte_shards, encoded_blocks
 from hetero.data.tabular import FeatureRole
 from hetero.models.dlrm import DLRM, DLRMConfig
@@ -86,7 +86,7 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
         raise ValueError(f"--out {out}: give a .parquet or .csv file")
     run = checkpoint.parent
     encoding, record = load_encoding(run), ModelRecord.load(run)
-    names = _parquet_names(data) if reader.format is FileFormat.PARQUET else column_names(data, reader)[0]
+    names = file_columns(data, reader)
     labelled = encoding.schema.label.column in names
     if not labelled:  # rows to score, no labels: the output has no label column
         encoding = dataclasses.replace(encoding, schema=encoding.schema.unlabelled())
@@ -134,14 +134,6 @@ def _model(specs: tuple, record: ModelRecord) -> WideDeep | DLRM:
     if record.kind == "wide_deep":
         return WideDeep(slots, record.num_dense, WideDeepConfig(**fields))
     raise ValueError(f"{MODEL_FILE}: model {record.kind!r} cannot be scored here (known: 'wide_deep', 'dlrm')")
-
-
-def _parquet_names(path: Path) -> list[str]:
-    import pyarrow.parquet as pq
-
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    return pq.read_schema(path).names
 
 
 def _write(table, path: Path, as_csv: bool) -> None:  # noqa: ANN001 - a pyarrow Table

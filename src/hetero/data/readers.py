@@ -116,6 +116,21 @@ def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
     return names, len(header)
 
 
+def file_columns(path: str | Path, config: ReaderConfig) -> list[str]:
+    """The columns a file has, in any format (a CSV file's header or ``column_names``, a Parquet
+    file's schema, the svmlight formats' implied columns).
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    return pq.read_schema(path).names if config.format is FileFormat.PARQUET else column_names(path, config)[0]
+
+
 def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(),
                    extra: tuple[str, ...] = (), byte_range: tuple[int, int] | None = None,
                    block_bytes: int = 1 << 20, bad: BadRowCount | None = None) -> Iterator[pa.RecordBatch]:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.data.encode import Encoding, Fitter
-from hetero.data.readers import FileFormat, ReaderConfig, column_names, empty_batch, record_batches
+from hetero.data.readers import FileFormat, ReaderConfig, column_names, empty_batch, file_columns, record_batches
 from hetero.data.rows import BadRowCount
 from hetero.data.schema import Schema
 from hetero.data.tabular import Batch, BatchConfig, Jagged, TabularDataset
@@ -252,17 +252,9 @@ class StreamEval:
 
     def batches(self, size: int) -> Iterator[Batch]:
         rows = _Background(self._encoded, self.stream.read_ahead)
-        rest: TabularDataset | None = None
-        try:
-            for part in rows:
-                part = part if rest is None else TabularDataset.concat([rest, part])
-                at = 0
-                while len(part) - at >= size:
-                    yield part.select(torch.arange(at, at + size))
-                    at += size
-                rest = part.subset(torch.arange(at, len(part))) if at < len(part) else None
-            if rest is not None:
-                yield rest.select(torch.arange(len(rest)))
+        try:  # blocks regrouped into batches of exactly ``size`` rows (the last one shorter)
+            for part in _windows(rows, size):
+                yield part.select(torch.arange(len(part)))
         finally:
             rows.close()
 
@@ -280,16 +272,8 @@ def fit_stream(path: str | Path, schema: Schema, reader: ReaderConfig,
         for batch in record_batches(path, schema, reader, block_bytes=config.block_bytes):
             fitter.add(batch, str(path))
     else:
-        schema.check(_names(Path(path), reader), str(path))
+        schema.check(file_columns(path, reader), str(path))
     return fitter.encoding()
-
-
-def _names(path: Path, reader: ReaderConfig) -> list[str]:
-    import pyarrow.parquet as pq
-
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    return pq.read_schema(path).names if reader.format is FileFormat.PARQUET else column_names(path, reader)[0]
 
 
 class _Packed:
