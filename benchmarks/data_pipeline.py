@@ -175,7 +175,7 @@ def main() -> None:
 
 def _all_train_split(work: Path):  # noqa: ANN202 - a Split
     """The benchmark's split: the generated file trains; validation and test are files of their own."""
-    from hetero.data.readers import Split
+    from hetero.data.split import Split
 
     return Split(valid_path=work / "valid.tsv", test_path=work / "test.tsv")
 

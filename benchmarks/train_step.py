@@ -18,7 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from hetero.data import BatchConfig, Batches, CriteoConfig, Feature, TabularDataset, read_criteo_tsv  # noqa: E402
+from hetero.data import BatchConfig, Batches, Feature, TabularDataset  # noqa: E402
+from hetero.data.encode import fit  # noqa: E402
+from hetero.data.readers import ReaderConfig, read_table  # noqa: E402
+from hetero.data.schema import Categorical, Dense, Label, Schema, Transform  # noqa: E402
 from hetero.embedding import dense_parameters, host_tables  # noqa: E402
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig  # noqa: E402
 from hetero.optim import FTRL, LazyAdam  # noqa: E402
@@ -32,6 +35,15 @@ def synthetic(n: int, rows: int) -> TabularDataset:
     return TabularDataset(feats, torch.randn(n, 13, generator=g), torch.randint(0, 2, (n,), generator=g).float(), specs)
 
 
+def criteo(path: Path, buckets: int) -> TabularDataset:
+    """A Criteo TSV file (examples/criteo.toml's schema, ``buckets`` rows per table), encoded whole."""
+    columns = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
+    schema = Schema(Label("label"), tuple(Categorical(c, hash_buckets=buckets) for c in columns[14:]),
+                    tuple(Dense(c, Transform.LOG1P) for c in columns[1:14]))
+    table = read_table(path, schema, ReaderConfig(delimiter="\t", header=False, column_names=columns, quote_char=""))
+    return fit(schema, table, str(path)).encode(table, str(path))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch-size", type=int, default=4096)
@@ -43,8 +55,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     n = args.batch_size * (args.steps + args.warmup)
-    data = (read_criteo_tsv(args.criteo, CriteoConfig(hash_buckets=args.rows)) if args.criteo
-            else synthetic(n, args.rows))
+    data = criteo(args.criteo, args.rows) if args.criteo else synthetic(n, args.rows)
     device = resolve_device(Target.DEVICE)
     slots = [FeatureSlot(f.name, f.vocab_size) for f in data.specs]
     model = WideDeep(slots, data.num_dense, WideDeepConfig(embedding_dim=16, hidden=(256, 128))).to(device)

@@ -1,4 +1,5 @@
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,24 @@ def write_ml100k(directory, n_users=40, n_items=60, n_ratings=1200, seed=0):
     for name, lines in (("user", users), ("item", items), ("inter", inter)):
         (directory / f"ml-100k.{name}").write_text("\n".join(lines) + "\n")
     return directory
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def movielens(ml_dir):
+    """``hetero train`` flags for the demo's job file (examples/movielens.toml) on the files in
+    ``ml_dir`` (written by :func:`write_ml100k`: no download)."""
+    return ["--config", str(EXAMPLES / "movielens.toml"), "--data-dir", str(ml_dir)]
+
+
+def criteo_job(directory, buckets=64):
+    """examples/criteo.toml with ``buckets`` rows per table (tests' tables stay small); its path."""
+    text = (EXAMPLES / "criteo.toml").read_text().replace("hash_buckets = 262144", f"hash_buckets = {buckets}")
+    assert f"hash_buckets = {buckets}" in text
+    path = Path(directory) / f"criteo_{buckets}.toml"
+    path.write_text(text)
+    return path
 
 
 # Multi-rank tests run every rank on the CPU with gloo: one machine's single GPU cannot host two

@@ -9,7 +9,9 @@ import torch
 import torch.multiprocessing as mp
 
 from hetero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from hetero.cli import build_parser, build_trainer, main, merge
+from hetero.cli import build_trainer, main, merge, parse_args
+
+from conftest import movielens
 
 ARGS = ["--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8", "--hidden", "16,8", "--dropout", "0"]
 
@@ -27,9 +29,9 @@ def _worker(r, n, port, ml_dir, run_dir):
     torch.set_num_threads(1)
     assert parallel.init()
     try:
-        args = build_parser().parse_args(["train", "--data-path", ml_dir, *ARGS, "--max-steps", "5", "--table-sharding", "row",
-                                          "--checkpoint-format", "sharded", "--run-dir", run_dir])
-        trainer = build_trainer(args)
+        args, job = parse_args(["train", *movielens(ml_dir), *ARGS, "--max-steps", "5", "--table-sharding", "row",
+                                "--checkpoint-format", "sharded", "--run-dir", run_dir])
+        trainer = build_trainer(args, job=job)
         trainer.fit()  # ends with the sharded checkpoint at step 5
         state = trainer.state_dict()  # the integrated state of the same step (gathers the shards)
         if r == 0:
@@ -93,7 +95,7 @@ def test_a_missing_or_truncated_shard_is_a_clear_error_and_nothing_is_overwritte
     assert str(e.value) == expected
     assert not (tmp_path / "merged.pt").exists()
     # resume in one process: the same error, before the model is touched; the checkpoint stays as it was
-    assert main(["train", "--data-path", str(ml), *ARGS, "--checkpoint-format", "sharded", "--resume",
+    assert main(["train", *movielens(ml), *ARGS, "--checkpoint-format", "sharded", "--resume",
                  "--run-dir", str(bad)]) == 1
     assert f"hetero: error: {expected}" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in (bad / "checkpoint.dcp").iterdir()} == before
@@ -102,7 +104,7 @@ def test_a_missing_or_truncated_shard_is_a_clear_error_and_nothing_is_overwritte
 def test_a_checkpoint_of_another_table_size_names_the_table_and_both_shapes(two_rank_run, tmp_path, capsys):
     run, ml = two_rank_run
     shutil.copytree(run, tmp_path / "run")
-    assert main(["train", "--data-path", str(ml), *ARGS, "--embedding-dim", "4", "--checkpoint-format", "sharded",
+    assert main(["train", *movielens(ml), *ARGS, "--embedding-dim", "4", "--checkpoint-format", "sharded",
                  "--resume", "--run-dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert "checkpoint.dcp: 'tables.deep." in err and ".weight' has global shape (" in err
@@ -141,7 +143,7 @@ def test_a_crafted_metadata_pickle_runs_no_code_on_merge_or_resume(two_rank_run,
     (bad / "checkpoint.dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     with pytest.raises(CheckpointError, match=r"unreadable \.metadata \(refused global posix\.system"):
         merge(bad / "checkpoint.dcp", tmp_path / "merged.pt")
-    assert main(["train", "--data-path", str(ml), *ARGS, "--checkpoint-format", "sharded", "--resume",
+    assert main(["train", *movielens(ml), *ARGS, "--checkpoint-format", "sharded", "--resume",
                  "--run-dir", str(bad)]) == 1
     assert "refused global posix.system" in capsys.readouterr().err
     assert not marker.exists()
@@ -163,7 +165,7 @@ def test_a_corrupted_shard_or_file_is_detected_naming_it(two_rank_run, tmp_path,
     with pytest.raises(CheckpointError) as e:
         merge(bad / "checkpoint.dcp", tmp_path / "merged.pt")
     assert str(e.value) == expected
-    assert main(["train", "--data-path", str(ml), *ARGS, "--checkpoint-format", "sharded", "--resume",
+    assert main(["train", *movielens(ml), *ARGS, "--checkpoint-format", "sharded", "--resume",
                  "--run-dir", str(bad)]) == 1
     assert expected in capsys.readouterr().err
     # the integrated format: the zip archive's CRC-32 per record

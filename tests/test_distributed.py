@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import make_dataset
+from conftest import make_dataset, movielens
 
 from hetero.data import BatchConfig, Batches, FeatureRole
 from hetero.embedding import RowPlacement, dense_parameters, host_tables
@@ -205,7 +205,7 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tm
     import sys
     from pathlib import Path
 
-    args = ["--data-path", str(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
+    args = [*movielens(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
             "--hidden", "16,8", "--dropout", "0", "--checkpoint-every", "4", "--resume", "auto"]
     # pytorch/pytorch#135712: with the rendezvous store shared, restarted workers can read the
     # previous attempt's addresses; a separate store per attempt avoids it (documented in README).
@@ -242,7 +242,7 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout
     from hetero.cli import main, merge
 
     fmt, sharding = layout
-    args = ["--data-path", str(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
+    args = [*movielens(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
             "--hidden", "16,8", "--dropout", "0", "--checkpoint-format", fmt]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -354,7 +354,7 @@ def test_wide_deep_with_a_sharded_dense_part_trains_and_resumes_as_one_process(t
     from hetero.cli import main, merge
 
     tp = n if mode == "tp" else 1
-    args = ["--data-path", str(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
+    args = [*movielens(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
             "--hidden", "16,8", "--dropout", "0", "--checkpoint-format", fmt]
     sharding = ["--tp", str(n)] if mode == "tp" else ["--zero", mode[-1]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -412,7 +412,7 @@ def test_wide_deep_with_a_sharded_dense_part_trains_and_resumes_as_one_process(t
 def test_tp_without_its_ranks_or_with_sharded_tables_is_refused_naming_the_fix(tmp_path, ml_dir, capsys):
     from hetero.cli import main
 
-    base = ["train", "--data-path", str(ml_dir), "--epochs", "1", "--no-progress", "--run-dir", str(tmp_path)]
+    base = ["train", *movielens(ml_dir), "--epochs", "1", "--no-progress", "--run-dir", str(tmp_path)]
     assert main([*base, "--tp", "2"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "hetero: error: --tp 2 runs every rank operator-parallel: start torchrun --nproc-per-node 2 (this job has 1 "

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from conftest import criteo_lines
+from conftest import criteo_job, criteo_lines, movielens
 
 from hetero.cli import main
 
-ARGS = ["train", "--data", "criteo", "--epochs", "2", "--batch-size", "32", "--no-progress", "--embedding-dim", "4",
-        "--hidden", "16,8", "--dropout", "0", "--hash-buckets", "64"]
+ARGS = ["train", "--epochs", "2", "--batch-size", "32", "--no-progress", "--embedding-dim", "4", "--hidden", "16,8",
+        "--dropout", "0"]
 
 
 @pytest.fixture
@@ -26,16 +26,21 @@ def criteo(tmp_path):
     return path
 
 
+def _data(path):
+    """The Criteo job file (64 rows per table) on ``path``."""
+    return ["--config", str(criteo_job(path.parent)), "--data-path", str(path)]
+
+
 def _torchrun(data, run_dir, *extra, args=ARGS, ok=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "hetero",
-           *args, "--data-path", str(data), "--run-dir", str(run_dir), "--pp", "2", *extra]
+           *args, *data, "--run-dir", str(run_dir), "--pp", "2", *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert (run.returncode == 0) == ok, run.stderr[-3000:]
     return run
 
 
 def _single(data, run_dir, *extra):
-    assert main([*ARGS, "--data-path", str(data), "--run-dir", str(run_dir), *extra]) == 0
+    assert main([*ARGS, *_data(data), "--run-dir", str(run_dir), *extra]) == 0
 
 
 def _assert_same_run(got, want, name):
@@ -63,24 +68,24 @@ def _assert_same_run(got, want, name):
 @pytest.mark.parametrize("schedule,micro", [("1f1b", "4"), ("gpipe", "2")])
 def test_the_pipelined_main_job_equals_the_unpipelined_one(tmp_path, criteo, schedule, micro, cpu_ranks):
     _single(criteo, tmp_path / "one")
-    run = _torchrun(criteo, tmp_path / "pp", "--schedule", schedule, "--micro-batches", micro)
+    run = _torchrun(_data(criteo), tmp_path / "pp", "--schedule", schedule, "--micro-batches", micro)
     assert "stage 0 (rank 0): wide, deep, wide_dense, mlp.0, mlp.1; parameters" in run.stderr  # tables in stage 0
     _assert_same_run(tmp_path / "pp", tmp_path / "one", schedule)
 
 
 def test_a_pipelined_checkpoint_resumes_without_the_pipeline_and_back(tmp_path, criteo, cpu_ranks):
     _single(criteo, tmp_path / "one")
-    _torchrun(criteo, tmp_path / "pp", "--max-steps", "3")  # mid-epoch 1
+    _torchrun(_data(criteo), tmp_path / "pp", "--max-steps", "3")  # mid-epoch 1
     shutil.copytree(tmp_path / "pp", tmp_path / "pp_then_one")
     _single(criteo, tmp_path / "pp_then_one", "--resume")
     _assert_same_run(tmp_path / "pp_then_one", tmp_path / "one", "pp 2 -> 1")
     _single(criteo, tmp_path / "one_then_pp", "--max-steps", "6")  # mid-epoch 2, after the short batch
-    _torchrun(criteo, tmp_path / "one_then_pp", "--resume")
+    _torchrun(_data(criteo), tmp_path / "one_then_pp", "--resume")
     _assert_same_run(tmp_path / "one_then_pp", tmp_path / "one", "pp 1 -> 2")
 
 
 def test_bad_pipeline_flags_are_refused_naming_the_fix(tmp_path, criteo, capsys, ml_dir):
-    base = [*ARGS, "--data-path", str(criteo), "--run-dir", str(tmp_path / "r")]
+    base = [*ARGS, *_data(criteo), "--run-dir", str(tmp_path / "r")]
     assert main([*base, "--pp", "2"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "hetero: error: --pp 2 runs one stage per rank: start torchrun --nproc-per-node 2 (this job has 1 ranks); "
@@ -90,7 +95,7 @@ def test_bad_pipeline_flags_are_refused_naming_the_fix(tmp_path, criteo, capsys,
         "hetero: error: --pp runs the pipeline alone in hetero train (replicated tables, integrated checkpoints): "
         "drop --zero, --prefetch")
     # MovieLens' genres are bags: rows cannot cut them into micro-batches (yet)
-    run = _torchrun(ml_dir, tmp_path / "ml", args=["train", "--epochs", "1", "--no-progress"], ok=False)
+    run = _torchrun(movielens(ml_dir), tmp_path / "ml", args=["train", "--epochs", "1", "--no-progress"], ok=False)
     assert ("hetero: error: a pipeline cuts each batch into micro-batches by rows, which cannot cut the multi-hot "
-            "features ['age_x_genre', 'gender_x_genre', 'genres', 'user_x_genre'] (bags) yet: train them without a "
-            "pipeline") in run.stderr
+            "features ['age_group_x_genres', 'gender_x_genres', 'genres', 'user_x_genres'] (bags) yet: train them "
+            "without a pipeline") in run.stderr

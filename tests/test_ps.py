@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import CPU_RANKS, write_ml100k
+from conftest import CPU_RANKS, movielens, write_ml100k
 
 from hetero import ps
 from hetero.cli import main, merge
@@ -53,7 +53,7 @@ def _assert_same_training(ref_path, dcp_dir, tmp_path):
 
 
 def test_sync_mode_equals_one_process_with_tables_no_single_server_could_hold(tmp_path, ml_dir):
-    data = ["--data-path", str(ml_dir), *ARGS]
+    data = [*movielens(ml_dir), *ARGS]
     assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
     # What the whole tables need: a 1-server job reports it before allocating, on every rank, and stops.
     tiny = _torchrun(2, *data, "--ps-servers", "1", "--ps-server-memory-mb", "0.001", "--run-dir", str(tmp_path / "x"),
@@ -75,7 +75,7 @@ def test_sync_mode_equals_one_process_with_tables_no_single_server_could_hold(tm
 
 
 def test_a_killed_server_restarts_the_job_from_the_last_checkpoint(tmp_path, ml_dir):
-    data = ["--data-path", str(ml_dir), *ARGS]
+    data = [*movielens(ml_dir), *ARGS]
     assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
     # pytorch/pytorch#135712: a separate rendezvous store per attempt (see the README)
     env_ = {"KILL_AT_STEP": "10", "KILL_MARKER": str(tmp_path / "killed"), "VICTIM_RANK": "3",
@@ -94,7 +94,7 @@ def test_a_killed_server_restarts_the_job_from_the_last_checkpoint(tmp_path, ml_
 def test_async_mode_converges_to_the_auc_of_sync(tmp_path):
     """Sync mode is the 1-process run (previous tests); async reaches its test AUC within 0.01."""
     ml = write_ml100k(tmp_path / "ml", n_users=300, n_items=400, n_ratings=12000)
-    data = ["--data-path", str(ml), *ARGS, "--epochs", "3", "--batch-size", "256"]
+    data = [*movielens(ml), *ARGS, "--epochs", "3", "--batch-size", "256"]
     assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
     _torchrun(4, *data, "--ps-servers", "2", "--ps-mode", "async", "--run-dir", str(tmp_path / "async"))
     sync = json.loads((tmp_path / "one" / "metrics.json").read_text())["test_auc"]
@@ -107,7 +107,7 @@ def test_async_mode_converges_to_the_auc_of_sync(tmp_path):
 def test_a_cuda_worker_beside_a_cpu_server_equals_one_cuda_process(tmp_path, ml_dir):
     """The CUDA path of a multi-process job: the worker's dense part on the GPU (its data-parallel
     group NCCL), the server on the CPU (gloo), rows through pinned buffers."""
-    data = ["--data-path", str(ml_dir), *ARGS]
+    data = [*movielens(ml_dir), *ARGS]
     assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0  # one process, on the GPU
     env_ = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -278,7 +278,7 @@ def test_ps_config_and_launch_errors_name_the_fix(tmp_path, ml_dir, capsys, monk
         ps.PSConfig(num_servers=0)
     for v in env.TORCHRUN_VARS:
         monkeypatch.delenv(v, raising=False)
-    assert main(["train", "--data-path", str(ml_dir), *ARGS, "--ps-servers", "2", "--run-dir", str(tmp_path)]) == 1
+    assert main(["train", *movielens(ml_dir), *ARGS, "--ps-servers", "2", "--run-dir", str(tmp_path)]) == 1
     assert ("hetero: error: a parameter server needs a multi-process job: launch with torchrun --nproc-per-node 2+W "
             "(servers + workers)") in capsys.readouterr().err
 

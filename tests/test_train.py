@@ -13,11 +13,11 @@ from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRL, LazyAdam
 from hetero.train import TrainConfig, Trainer
 
-from conftest import criteo_lines, make_dataset
+from conftest import criteo_job, criteo_lines, make_dataset, movielens
 
 
 def _cli(ml_dir, run_dir, *extra):
-    return main(["train", "--data-path", str(ml_dir), "--run-dir", str(run_dir), "--epochs", "2",
+    return main(["train", *movielens(ml_dir), "--run-dir", str(run_dir), "--epochs", "2",
                  "--batch-size", "64", "--no-progress", "--embedding-dim", "8", "--hidden", "16,8", *extra])
 
 
@@ -182,18 +182,18 @@ def test_cli_errors_of_hetero_are_one_line_and_others_keep_their_traceback(ml_di
 def test_an_empty_or_tiny_file_is_a_clear_error_before_the_model_is_built(tmp_path, capsys, rows):
     path = tmp_path / "small.tsv"
     path.write_text(criteo_lines(rows))
-    assert main(["train", "--data", "criteo", "--data-path", str(path), "--run-dir", str(tmp_path / "run"),
-                 "--no-progress"]) == 1
+    assert main(["train", "--config", str(criteo_job(tmp_path)), "--data-path", str(path), "--run-dir",
+                 str(tmp_path / "run"), "--no-progress"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"hetero: error: {path} has {rows} samples: the 80/10/10 train/validation/test split needs at least 10; "
-        f"use a larger file")
+        f"hetero: error: {path} has {rows} samples: its train/validation/test split leaves a part empty; use a larger "
+        f"file")
 
 
 def test_a_single_class_evaluation_writes_valid_json_with_null(tmp_path, capsys):
     path = tmp_path / "negatives.tsv"
     path.write_text(criteo_lines(60, label=0))
-    assert main(["train", "--data", "criteo", "--data-path", str(path), "--run-dir", str(tmp_path / "run"),
-                 "--no-progress", "--epochs", "1", "--batch-size", "16"]) == 0
+    assert main(["train", "--config", str(criteo_job(tmp_path)), "--data-path", str(path), "--run-dir",
+                 str(tmp_path / "run"), "--no-progress", "--epochs", "1", "--batch-size", "16"]) == 0
 
     def no_nan(token):
         raise AssertionError(f"{token} in JSON")

@@ -1,5 +1,6 @@
-"""``hetero train``: the main job - Wide & Deep (or DLRM) on MovieLens-100K (default), a Criteo TSV
-file, or a user's file described by a job config (``--config``; ``--stream``, ``--prepared``).
+"""``hetero train``: the main job - Wide & Deep (or DLRM) on a file described by a job config
+(``--config``: ``examples/movielens.toml`` is the demo's, ``examples/criteo.toml`` the Criteo
+format; ``--stream``, ``--prepared``).
 ``hetero data prepare``: a job's data encoded once into a columnar cache (``hetero.data.prepare``).
 ``hetero predict``: a run's checkpoint scoring a file (``hetero.predict``).
 ``hetero checkpoint merge``: a sharded checkpoint into one integrated file (for inference).
@@ -63,17 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
     t = sub.add_parser("train", help="train Wide & Deep with host-resident embedding tables", formatter_class=defaults)
     g = t.add_argument_group("data")
-    g.add_argument("--config", type=Path, help="a job config file (TOML): a schema and data for your own file, and "
-                   "any of these flags by name; flags given here override it (see hetero.jobfile)")
-    g.add_argument("--data", choices=["movielens-100k", "criteo"], default="movielens-100k",
-                   help="a built-in data set (ignored when --config has a schema)")
-    g.add_argument("--data-path", type=Path, help="ml-100k atomic-file dir, or the Criteo TSV file")
+    g.add_argument("--config", type=Path, help="a job config file (TOML): the data, its schema, and any of these "
+                   "flags by name; flags given here override it (see hetero.jobfile; examples/movielens.toml)")
+    g.add_argument("--data-path", type=Path, help="the data file (instead of the job file's path)")
+    g.add_argument("--data-dir", type=Path, help="the directory the job file's relative paths are in (default: the "
+                   "fetched data set's, else the current directory)")
     g.add_argument("--stream", action="store_true", help="a job file's data streamed from disk in blocks, not read "
                    "into memory (needs valid_path and test_path in [data]; see hetero.data.stream)")
     g.add_argument("--prepared", type=Path, help="train on a cache written by `hetero data prepare` (memory-mapped)")
     g.add_argument("--shuffle-window", type=int, default=1 << 17, help="--stream: rows shuffled together")
     g.add_argument("--cache-dir", type=Path, help="download cache (default $HETERO_CACHE or ~/.cache/hetero)")
-    g.add_argument("--hash-buckets", type=int, help="Criteo: hash categorical values into this many rows per table")
     g.add_argument("--batch-size", type=int, default=256, help="global batch (split over the ranks under torchrun)")
     g.add_argument("--seed", type=int, default=0, help="seeds the split, the shuffling and the initialisation")
     g = t.add_argument_group("model")
@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--config", type=Path, required=True, help="the job config file: its [data] and [schema]")
     dp.add_argument("--out", type=Path, required=True, help="the cache directory to write (must not exist)")
     dp.add_argument("--data-path", type=Path, help="the file, if [data] names none")
+    dp.add_argument("--data-dir", type=Path, help="the directory the job file's relative paths are in")
+    dp.add_argument("--cache-dir", type=Path, help="download cache (default $HETERO_CACHE or ~/.cache/hetero)")
     dp.add_argument("--seed", type=int, default=0, help="seeds a random split")
     pr = sub.add_parser("predict", help="score a schema-described file with a run's checkpoint (hetero.predict)",
                         formatter_class=defaults)
@@ -145,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "--config` run (best.pt, checkpoint.pt); its run directory holds the encoding and model record")
     pr.add_argument("--data", type=Path, required=True, help="the file to score (with the schema's columns)")
     pr.add_argument("--out", type=Path, required=True, help="scores.parquet or scores.csv (score, label per row)")
-    pr.add_argument("--config", type=Path, help="a job config file whose [data] says how to read --data")
+    pr.add_argument("--config", type=Path, help="a job config file whose [data] says how to read --data (and joins)")
+    pr.add_argument("--data-dir", type=Path, help="the directory the job file's relative paths are in")
+    pr.add_argument("--cache-dir", type=Path, help="download cache (default $HETERO_CACHE or ~/.cache/hetero)")
     pr.add_argument("--batch-size", type=int, default=8192)
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True)
@@ -318,7 +322,8 @@ def _predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hetero predict`` on this process's rank (under torchrun: each rank its shard)."""
     failed = True
     try:
-        reader = read_job_file(args.config, _train_flags(parser)).source.reader if args.config else ReaderConfig()
+        reader = (read_job_file(args.config, _train_flags(parser)).source.located(args.data_dir, args.cache_dir).reader
+                  if args.config else ReaderConfig())
         parallel.init(parallel.DistConfig(backend="gloo"))  # scoring runs on the host: gloo for the barrier
         out = predict(args.checkpoint, args.data, args.out, reader, args.batch_size, parallel.global_rank(),
                       parallel.world_size())
@@ -373,20 +378,32 @@ def _raised_by(e: BaseException, sources: tuple[Path, ...]) -> bool:
 _PACKAGE = Path(__file__).resolve().parent
 
 
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None
+               ) -> tuple[argparse.Namespace, JobFile | None]:
+    """The command line ``argv`` (without the program's name) and, for ``train --config``, its
+    job file, whose ``[train]`` flags come first so the command line's win.
+
+    Raises:
+        FileNotFoundError, ValueError: the job file is missing or bad (see :func:`read_job_file`).
+    """
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "train" or args.config is None:
+        return args, None
+    job = read_job_file(args.config, _train_flags(parser))
+    at = argv.index("train") + 1  # the file's flags first: the command line's, after them, win
+    return parser.parse_args([*argv[:at], *job.argv, *argv[at:]]), job
+
+
 def main(argv: list[str] | None = None, on_step=None) -> int:
     """Run the command line; ``on_step`` (see :class:`Trainer`) is for embedding callers."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    job = None
-    if args.command == "train" and args.config is not None:
-        try:
-            job = read_job_file(args.config, _train_flags(parser))
-        except (OSError, ValueError) as e:
-            print(f"hetero: error: {e}", file=sys.stderr)
-            return 1
-        at = argv.index("train") + 1  # the file's flags first: the command line's, after them, win
-        args = parser.parse_args([*argv[:at], *job.argv, *argv[at:]])
+    try:
+        args, job = parse_args(argv, parser)
+    except (OSError, ValueError) as e:
+        print(f"hetero: error: {e}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.command == "data":
         try:

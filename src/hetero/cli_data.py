@@ -9,13 +9,13 @@ import dataclasses
 from pathlib import Path
 
 from hetero import parallel
-from hetero.data import BatchConfig, CriteoConfig, load_movielens_100k, read_criteo_tsv
+from hetero.data import BatchConfig
 from hetero.data.encode import Encoding
 from hetero.data.prepare import load_prepared, prepare
-from hetero.data.readers import read_dataset
+from hetero.data.split import read_dataset
 from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, fit_stream
 from hetero.data.tabular import EvalData, Feature, Rows
-from hetero.jobfile import JobFile, read_job_file
+from hetero.jobfile import DataSource, JobFile, read_job_file
 from hetero.parallel.env import host_group
 
 
@@ -32,50 +32,47 @@ class JobData:
     encoding: Encoding | None = None
 
 
+def job_source(args: argparse.Namespace, job: JobFile) -> tuple[Path, DataSource]:
+    """The job file's main data file (``--data-path`` wins) and its source, paths located
+    (``--data-dir``, else a fetched public data set's directory)."""
+    source = job.source.located(args.data_dir, args.cache_dir)
+    path = args.data_path or source.path
+    if path is None:
+        raise ValueError(f"{args.config} names no data: set path in its [data] section, or --data-path")
+    return path, source
+
+
 def job_data(args: argparse.Namespace, job: JobFile | None) -> JobData:
-    """A prepared cache (``--prepared``); a job file's schema over its (or ``--data-path``'s)
-    file, streamed (``--stream``) or read, fitted on the training split; else a built-in data
-    set split 80/10/10."""
+    """A prepared cache (``--prepared``), else a job file's schema over its (or ``--data-path``'s)
+    file, streamed (``--stream``) or read, fitted on the training split."""
     if args.prepared is not None:
         train, valid, test, encoding = load_prepared(args.prepared)
         return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding)
-    if job is not None and job.schema is not None:
-        path = job.source.path or args.data_path
-        if path is None:
-            raise ValueError(f"{args.config} has a schema but no data: set path in its [data] section, or --data-path")
-        if args.stream:
-            split = job.source.split
-            if split.valid_path is None:
-                raise ValueError(f"--stream reads the training file once per epoch and cannot split it: give valid_path "
-                                 f"and test_path in {args.config} [data], or prepare a cache with a random split "
-                                 f"(hetero data prepare) and train with --prepared")
-            encoding = fit_stream(path, job.schema, job.source.reader)
-            stream = StreamConfig(shuffle_window=args.shuffle_window)
-            batches = BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed, rank=parallel.rank(),
-                                  world_size=parallel.world_size())
-            return JobData(StreamBatches(path, encoding, job.source.reader, batches, stream, host_group()),
-                         StreamEval(split.valid_path, encoding, job.source.reader, stream),
-                         StreamEval(split.test_path, encoding, job.source.reader, stream),
-                         encoding.specs(), len(job.schema.dense), encoding)
-        train, valid, test, encoding = read_dataset(path, job.schema, job.source.reader, job.source.split, args.seed)
-        source, n = path, len(train) + len(valid) + len(test)
-    else:
-        encoding = None
-        if args.stream:
-            raise ValueError("--stream streams a job file's data: give --config job.toml with [data] and [schema]")
-        if args.data == "movielens-100k":
-            data = load_movielens_100k(args.data_path, args.cache_dir)
-        else:
-            if args.data_path is None:
-                raise ValueError("--data criteo needs --data-path FILE.tsv (Criteo Kaggle/Terabyte TSV format)")
-            data = read_criteo_tsv(args.data_path, CriteoConfig(hash_buckets=args.hash_buckets))
-        source, n = args.data_path or args.data, len(data)
-        if n >= 10:
-            train, valid, test = data.split((0.8, 0.1, 0.1), seed=args.seed)
-    if n < 10 or not (len(train) and len(valid) and len(test)):
-        raise ValueError(f"{source} has {n} samples: the 80/10/10 train/validation/test split needs at least 10; "
-                         f"use a larger file")
-    return JobData(train, valid, test, train.specs, train.num_dense, encoding)
+    if job is None or job.schema is None:
+        raise ValueError("hetero train needs data: --config job.toml with [data] and [schema] (examples/movielens.toml "
+                         "is the demo's), or --prepared DIR")
+    path, source = job_source(args, job)
+    reader = source.reader
+    if args.stream:
+        split = source.split
+        if split.valid_path is None:
+            raise ValueError(f"--stream reads the training file once per epoch and cannot split it: give valid_path "
+                             f"and test_path in {args.config} [data], or prepare a cache with a random split "
+                             f"(hetero data prepare) and train with --prepared")
+        encoding = fit_stream(path, job.schema, reader)
+        stream = StreamConfig(shuffle_window=args.shuffle_window)
+        batches = BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed, rank=parallel.rank(),
+                              world_size=parallel.world_size())
+        return JobData(StreamBatches(path, encoding, reader, batches, stream, host_group()),
+                       StreamEval(split.valid_path, encoding, reader, stream),
+                       StreamEval(split.test_path, encoding, reader, stream),
+                       encoding.specs(), len(job.schema.dense), encoding)
+    train, valid, test, encoding = read_dataset(path, job.schema, reader, source.split, args.seed)
+    n = len(train) + len(valid) + len(test)
+    if not (len(train) and len(valid) and len(test)):
+        raise ValueError(f"{path} has {n} samples: its train/validation/test split leaves a part empty; use a larger "
+                         f"file")
+    return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding)
 
 
 def prepare_cache(args: argparse.Namespace, flags: dict[str, bool]) -> Path:
@@ -84,7 +81,5 @@ def prepare_cache(args: argparse.Namespace, flags: dict[str, bool]) -> Path:
     job = read_job_file(args.config, flags)
     if job.schema is None:
         raise ValueError(f"{args.config} has no [schema]: prepare encodes a schema's columns")
-    path = job.source.path or args.data_path
-    if path is None:
-        raise ValueError(f"{args.config} names no data: set path in its [data] section, or --data-path")
-    return prepare(path, job.schema, args.out, job.source.reader, job.source.split, args.seed)
+    path, source = job_source(args, job)
+    return prepare(path, job.schema, args.out, source.reader, source.split, args.seed)

@@ -4,12 +4,20 @@ Sections (every one optional)::
 
     [data]                      # a user's file, read on pyarrow (hetero.data.readers)
     path = "clicks.csv"         # or --data-path
-    format = "csv"              # "csv" (any delimiter) or "parquet"
+    format = "csv"              # "csv" (any delimiter), "parquet", "libsvm", "libfm"
     delimiter = ","
-    header = true               # else column_names = ["label", "city", ...]
+    header = true               # else column_names = ["label", "city", ...] (with a header: renamed)
+    null_values = ["NA"]        # texts read as missing (besides the empty field)
     split = [0.8, 0.1, 0.1]     # train/validation/test: random (seeded by --seed), or
     time_column = "ts"          # in this column's order (the latest rows test), or
     valid_path = "valid.csv"    # files of their own (with test_path; path then trains)
+    fetch = "movielens-100k"    # a public data set hetero downloads (checked); relative paths are in it
+    [[data.join]]               # a side table's columns joined to every row by a key
+    path = "users.csv"
+    on = "user_id"              # and any reader key above for the side file (default: [data]'s)
+
+Relative paths resolve against ``--data-dir`` if given, else the fetched data set's directory,
+else the current directory.
 
     [schema]                    # what the columns mean (hetero.data.schema)
     label = { column = "clicked", positive = ["yes"] }     # or threshold = 4
@@ -40,7 +48,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hetero.data.readers import ReaderConfig, Split
+from hetero.data.readers import Join, ReaderConfig
+from hetero.data.split import Split
 from hetero.data.schema import Schema, build_dataclass, check_keys, checked, schema_from_dict
 
 SECTIONS = ("data", "schema", "train")
@@ -52,13 +61,38 @@ class DataSource:
 
     Attributes:
         path: the file (``None``: given by ``--data-path``).
-        reader: how it is read.
+        reader: how it is read (and its joins).
         split: how its rows become train / validation / test (random ones seeded by ``--seed``).
+        fetch: a public data set (:data:`hetero.data.fetch.PUBLIC_DATA`) to download; relative
+            paths are in its directory.
     """
 
     path: Path | None = None
     reader: ReaderConfig = ReaderConfig()
     split: Split = Split()
+    fetch: str | None = None
+
+    def located(self, data_dir: Path | None, cache_dir: Path | None = None) -> "DataSource":
+        """This source with relative paths under ``data_dir``, else under the fetched data set's
+        directory (downloaded into ``cache_dir`` if needed), else as they are.
+
+        Raises:
+            ValueError: ``fetch`` names no public data set (naming the valid ones).
+            RuntimeError: the download failed or did not match its pinned SHA-256.
+        """
+        from hetero.data.fetch import fetch_public
+
+        base = data_dir if data_dir is not None else fetch_public(self.fetch, cache_dir) if self.fetch else None
+        if base is None:
+            return self
+
+        def under(p: Path | None) -> Path | None:
+            return p if p is None or p.is_absolute() else base / p
+
+        joins = tuple(dataclasses.replace(j, path=under(j.path)) for j in self.reader.joins)
+        split = dataclasses.replace(self.split, valid_path=under(self.split.valid_path),
+                                    test_path=under(self.split.test_path))
+        return DataSource(under(self.path), dataclasses.replace(self.reader, joins=joins), split, self.fetch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +134,22 @@ def read_job_file(path: Path, flags: Mapping[str, bool]) -> JobFile:
     data = dict(doc.get("data", {}))
     where = f"{path} [data]"
     split_keys = {"split": "fractions", "time_column": "time_column", "valid_path": "valid_path", "test_path": "test_path"}
-    check_keys(data, ("path", *split_keys, *(f.name for f in dataclasses.fields(ReaderConfig))), where)
+    reader_keys = [f.name for f in dataclasses.fields(ReaderConfig) if f.name != "joins"]
+    check_keys(data, ("path", "fetch", "join", *split_keys, *reader_keys), where)
     split = {split_keys[k]: Path(v) if k.endswith("_path") else v for k, v in data.items() if k in split_keys}
+    reader = {k: v for k, v in data.items() if k in reader_keys}
+    joins = []
+    for i, table in enumerate(data.get("join", ())):
+        at = f"{where} join[{i}]"
+        check_keys(table, ("path", "on", *reader_keys), at)
+        if "path" not in table or "on" not in table:
+            raise ValueError(f"{at}: a join needs path (the side table) and on (the key column)")
+        own = {k: v for k, v in reader.items() if k != "column_names"} | {k: v for k, v in table.items()
+                                                                           if k in reader_keys}
+        joins.append(checked(at, Join, Path(table["path"]), table["on"], build_dataclass(ReaderConfig, own, at)))
     source = DataSource(Path(data["path"]) if "path" in data else None,
-                        build_dataclass(ReaderConfig, {k: v for k, v in data.items() if k != "path" and k not in split_keys}, where),
-                        checked(where, Split, **split))
+                        build_dataclass(ReaderConfig, {**reader, "joins": tuple(joins)}, where),
+                        checked(where, Split, **split), data.get("fetch"))
     schema = schema_from_dict(doc["schema"], f"{path} [schema]") if "schema" in doc else None
     return JobFile(schema, source, _argv(doc.get("train", {}), flags, f"{path} [train]"))
 

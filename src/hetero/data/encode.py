@@ -9,7 +9,8 @@ training does reach (through the training split's rare and empty values).
 
 Columns arrive as ``pyarrow`` arrays (``hetero.data.readers``): categorical as strings (empty
 fields null), dense as float64, the label as read. All work is pyarrow's vectorised compute
-(``value_counts``, ``index_in``, ``split_pattern``) and one numba kernel for the hash.
+(``value_counts``, ``index_in``, ``split_pattern``), numpy for buckets and the bags of crosses,
+and one numba kernel for the hash.
 """
 
 from __future__ import annotations
@@ -51,10 +52,18 @@ class Encoding:
 
     def specs(self) -> tuple[Feature, ...]:
         """The features' :class:`~hetero.data.tabular.Feature` specs (table sizes include row 0)."""
-        out = [Feature(c.column, c.hash_buckets or len(self.vocabularies[c.column]) + 1, c.separator is not None, c.role)
-               for c in self.schema.categorical]
-        out += [Feature(x.name, x.hash_buckets, False, FeatureRole.WIDE) for x in self.schema.crosses]
+        schema = self.schema
+        out = [Feature(c.name, self.table_rows(c), c.separator is not None, c.role) for c in schema.categorical]
+        for x in schema.crosses:  # a bag when it crosses a multi-hot feature
+            bags = any(schema.categorical_feature(n).separator is not None for n in x.columns)
+            out.append(Feature(x.name, x.hash_buckets, bags, FeatureRole.WIDE))
         return tuple(out)
+
+    def table_rows(self, c: Categorical) -> int:
+        """Rows of categorical feature ``c``'s table (row 0 included)."""
+        if c.hash_buckets is not None:
+            return c.hash_buckets
+        return len(c.boundaries) + 2 if c.numeric else len(self.vocabularies[c.name]) + 1
 
     def fingerprint(self) -> int:
         """CRC-32 of the schema, vocabularies and statistics: another fit gives another value."""
@@ -71,10 +80,11 @@ class Encoding:
         """
         self.schema.check(table.column_names, source, drop=False)
         features: dict[str, torch.Tensor | Jagged] = {}
+        tokens = {c.name: _tokens(c, table) for c in self.schema.categorical}
         for c in self.schema.categorical:
-            features[c.column] = self._categorical(c, _column(table, c.column))
+            features[c.name] = self._categorical(c, *tokens[c.name])
         for x in self.schema.crosses:
-            features[x.name] = _cross(x, table)
+            features[x.name] = _cross(x, [tokens[n] for n in x.columns], table.num_rows)
         # numpy, not torch: encoding runs on a reader thread, where torch's intra-op thread team
         # would spin beside pyarrow's decoders (measured: half the rows/s on 2 cores)
         dense = np.empty((table.num_rows, len(self.schema.dense)), dtype=np.float32)
@@ -82,22 +92,19 @@ class Encoding:
             dense[:, j] = self._dense(d.column, d.transform, _column(table, d.column))
         return TabularDataset(features, torch.from_numpy(dense), _label(self.schema, table, source), self.specs())
 
-    def _categorical(self, c: Categorical, col: pa.Array) -> torch.Tensor | Jagged:
+    def _categorical(self, c: Categorical, values: pa.Array, offsets: np.ndarray | None) -> torch.Tensor | Jagged:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        offsets = None
-        if c.separator is not None:  # a bag per row; an empty field is a bag of one empty value
-            lists = pc.split_pattern(col.fill_null(""), c.separator)
-            offsets = torch.from_numpy(lists.offsets.to_numpy().astype(np.int64) - lists.offsets[0].as_py())
-            col = lists.flatten()
-        if c.hash_buckets is not None:
-            ids = hash_rows(col, c.hash_buckets)
+        if c.numeric:  # the bucket ids themselves (as text, for crosses)
+            ids = torch.from_numpy(values.to_numpy(zero_copy_only=False, writable=True))
+        elif c.hash_buckets is not None:
+            ids = hash_rows(values, c.hash_buckets)
         else:
-            vocab = pa.array(self.vocabularies[c.column], type=pa.string())
-            index = pc.index_in(pc.if_else(pc.equal(col, ""), None, col), value_set=vocab)  # "" -> null -> row 0
+            vocab = pa.array(self.vocabularies[c.name], type=pa.string())
+            index = pc.index_in(pc.if_else(pc.equal(values, ""), None, values), value_set=vocab)  # "" -> null -> row 0
             ids = torch.from_numpy(pc.add(index.fill_null(-1), 1).to_numpy(zero_copy_only=False).astype(np.int64))
-        return ids if offsets is None else Jagged(ids, offsets)
+        return ids if offsets is None else Jagged(ids, torch.from_numpy(offsets))
 
     def _dense(self, name: str, transform: Transform, col: pa.Array) -> np.ndarray:
         x = col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)  # nulls are NaN
@@ -183,9 +190,9 @@ class Fitter:
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self.vocab_columns = [c for c in schema.categorical if c.hash_buckets is None]
-        self.counts: dict[str, list[pa.Table]] = {c.column: [] for c in self.vocab_columns}
-        self.seen = {c.column: 0 for c in self.vocab_columns}  # values so far: the order of first appearance
+        self.vocab_columns = [c for c in schema.categorical if c.vocabulary]
+        self.counts: dict[str, list[pa.Table]] = {c.name: [] for c in self.vocab_columns}
+        self.seen = {c.name: 0 for c in self.vocab_columns}  # values so far: the order of first appearance
         self.moments = {d.column: (0, 0.0, 0.0) for d in schema.dense if d.transform is Transform.STANDARDIZE}
 
     def add(self, batch: pa.Table | pa.RecordBatch, source: str) -> None:
@@ -195,16 +202,13 @@ class Fitter:
 
         self.schema.check(batch.column_names, source, drop=False)  # the readers keep the used columns
         for c in self.vocab_columns:
-            col = _column(batch, c.column)
-            if c.separator is not None:
-                col = pc.split_pattern(col, c.separator).flatten()
-            counts = pc.value_counts(col)
-            order = pa.array(np.arange(self.seen[c.column], self.seen[c.column] + len(counts), dtype=np.int64))
-            self.seen[c.column] += len(counts)
-            self.counts[c.column].append(pa.table({"value": counts.field("values"), "count": counts.field("counts"),
-                                                   "order": order}))
-            if sum(t.num_rows for t in self.counts[c.column]) > self.MERGE_ROWS:
-                self.counts[c.column] = [_merge(self.counts[c.column])]
+            counts = pc.value_counts(_tokens(c, batch)[0])
+            order = pa.array(np.arange(self.seen[c.name], self.seen[c.name] + len(counts), dtype=np.int64))
+            self.seen[c.name] += len(counts)
+            self.counts[c.name].append(pa.table({"value": counts.field("values"), "count": counts.field("counts"),
+                                                 "order": order}))
+            if sum(t.num_rows for t in self.counts[c.name]) > self.MERGE_ROWS:
+                self.counts[c.name] = [_merge(self.counts[c.name])]
         for name, (n, mean, m2) in self.moments.items():
             x = _column(batch, name).to_numpy(zero_copy_only=False).astype(np.float64)
             x = x[~np.isnan(x)]  # of the values present
@@ -220,10 +224,10 @@ class Fitter:
 
         vocabularies = {}
         for c in self.vocab_columns:
-            merged = _merge(self.counts[c.column]).sort_by("order")
+            merged = _merge(self.counts[c.name]).sort_by("order")
             values, n = merged.column("value"), merged.column("count")
             keep = pc.and_(pc.and_(pc.is_valid(values), pc.not_equal(values, "")), pc.greater_equal(n, c.min_count))
-            vocabularies[c.column] = pc.filter(values, keep.fill_null(False)).to_pylist()
+            vocabularies[c.name] = pc.filter(values, keep.fill_null(False)).to_pylist()
         statistics = {}
         for name, (n, mean, m2) in self.moments.items():
             std = math.sqrt(m2 / n) if n else 1.0
@@ -267,13 +271,56 @@ def hash_rows(col: pa.Array | pa.ChunkedArray, buckets: int) -> torch.Tensor:
 _NO_NULLS = np.zeros(0, dtype=np.uint8)
 
 
-def _cross(x: Cross, table: pa.Table | pa.RecordBatch) -> torch.Tensor:
+def _tokens(c: Categorical, table: pa.Table | pa.RecordBatch) -> tuple[pa.Array, np.ndarray | None]:
+    """Categorical feature ``c``'s values in ``table`` after its derivation (prefix, bucket), as
+    one array (a bag's values in row order) and, multi-hot, the bags' int64 offsets ``(N + 1,)``.
+    Bucket ids come as int64, other values as text (a column read as numbers for another feature:
+    its numbers as text, ``1995.0`` as ``"1995"``)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    import pyarrow as pa
+    col = _column(table, c.column)
+    if c.numeric:
+        x = col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)  # nulls are NaN
+        ids = np.searchsorted(np.asarray(c.boundaries), x, side="right") + 1
+        return pa.array(np.where(np.isnan(x), 0, ids).astype(np.int64)), None
+    if pa.types.is_floating(col.type):
+        col = col.cast(pa.string())
+    offsets = None
+    if c.separator is not None:  # a bag per row; an empty field is a bag of one empty value
+        lists = pc.split_pattern(col.fill_null(""), c.separator)
+        offsets = lists.offsets.to_numpy().astype(np.int64) - lists.offsets[0].as_py()
+        col = lists.flatten()
+    if c.prefix is not None:
+        col = pc.utf8_slice_codeunits(col, 0, c.prefix)
+    return col, offsets
 
-    parts = [_column(table, c).cast(pa.string()).fill_null("") for c in x.columns]  # hashed ones arrive as bytes
-    return hash_rows(pc.binary_join_element_wise(*parts, CROSS_JOIN), x.hash_buckets)
+
+def _cross(x: Cross, parts: list[tuple[pa.Array, np.ndarray | None]], rows: int) -> torch.Tensor | Jagged:
+    """Cross ``x`` of its features' values (:func:`_tokens`): joined and hashed; with multi-hot
+    features, every combination of the row's values (a bag of the bags' sizes' product)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    # one type for the join (bucket ids as their digits); bytes: no UTF-8 check
+    values = [(v.cast(pa.string()) if pa.types.is_integer(v.type) else v).cast(pa.binary()).fill_null(b"")
+              for v, _ in parts]
+    if all(o is None for _, o in parts):
+        return hash_rows(pc.binary_join_element_wise(*values, CROSS_JOIN.encode()), x.hash_buckets)
+    single = np.arange(rows + 1, dtype=np.int64)
+    joined, offsets = values[0], parts[0][1] if parts[0][1] is not None else single
+    for more, (_, more_offsets) in zip(values[1:], parts[1:]):
+        more_offsets = more_offsets if more_offsets is not None else single
+        a, b = np.diff(offsets), np.diff(more_offsets)
+        new = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(a * b, out=new[1:])
+        row = np.repeat(np.arange(rows), a * b)
+        k = np.arange(new[-1]) - new[row]  # the pair's rank in its row: (left k // |b|, right k % |b|)
+        left, right = offsets[row] + k // b[row], more_offsets[row] + k % b[row]
+        joined = pc.binary_join_element_wise(joined.take(pa.array(left)), more.take(pa.array(right)),
+                                             CROSS_JOIN.encode())
+        offsets = new
+    return Jagged(hash_rows(joined, x.hash_buckets), torch.from_numpy(offsets))
 
 
 def _label(schema: Schema, table: pa.Table | pa.RecordBatch, source: str) -> torch.Tensor:

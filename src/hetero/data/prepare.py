@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from hetero.data.encode import Encoding, Fitter, load_encoding, save_encoding
-from hetero.data.readers import ReaderConfig, Split, record_batches
+from hetero.data.readers import ReaderConfig, record_batches
+from hetero.data.split import Split
 from hetero.data.schema import Schema
 from hetero.data.tabular import Batch, Feature, Jagged, TabularDataset
 

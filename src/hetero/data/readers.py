@@ -3,8 +3,12 @@ delimiter, with a header or named columns, quoted fields) and Parquet, into a ``
 of the schema's columns - categorical as strings (an empty field is null), dense as float64, the
 label as text (positive values) or float64 (a threshold). Decoding is pyarrow's, multithreaded.
 
-:func:`read_dataset` reads a file, splits it (seeded, random), fits the schema on the training
-split and encodes all three (:mod:`hetero.data.encode`).
+**Joins** (:class:`Join`): columns of side tables - small files read whole, such as a ratings
+file's users and items - joined to every row by a key, a left join that keeps the rows' order
+(a row whose key the side table lacks gets missing values there; a key on two rows of a side
+table is an error). The joined rows stream with the main file; only the side tables are held.
+
+:mod:`hetero.data.split` splits what these read into train / validation / test.
 
 Reference: Apache Arrow's CSV and Parquet readers.
 """
@@ -18,13 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 
-from hetero.data.encode import Encoding, fit
 from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, typed_batch
 from hetero.data.schema import Schema
 from hetero.data.svmlight import sparse_format_batches
-from hetero.data.tabular import TabularDataset
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -49,8 +50,12 @@ class ReaderConfig:
         delimiter: CSV: the field separator (``"\\t"`` for TSV).
         header: CSV: the first line names the columns.
         column_names: CSV without a header: the columns' names, in file order.
+            With a header, they replace its names (the header line is skipped).
         quote_char: CSV: the quote around fields holding the delimiter (``""``: none; faster).
+        null_values: CSV: texts read as a missing value (``"NA"``, ``"unknown"``); the empty
+            field always is.
         on_bad_rows: :class:`BadRows`: stop at the first bad row, or skip and count them.
+        joins: side tables joined to every row (:class:`Join`).
     """
 
     format: FileFormat = FileFormat.CSV
@@ -58,10 +63,13 @@ class ReaderConfig:
     header: bool = True
     column_names: tuple[str, ...] = ()
     quote_char: str = '"'
+    null_values: tuple[str, ...] = ()
     on_bad_rows: BadRows = BadRows.ERROR
+    joins: tuple[Join, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "column_names", tuple(self.column_names))
+        for name in ("column_names", "null_values", "joins"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.format is FileFormat.CSV and not self.header and not self.column_names:
             raise ValueError("a CSV file without a header needs column_names: the columns' names in file order")
         if len(self.delimiter) != 1:
@@ -69,31 +77,25 @@ class ReaderConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Split:
-    """How a file's rows become train / validation / test.
+class Join:
+    """Columns of a side table joined to every row of a file by a key (see the module docstring).
 
     Attributes:
-        fractions: the three parts' shares of the rows (positive, summing to 1).
-        time_column: ``None``: a random split, seeded; else the rows in this column's order
-            (numbers, or ISO-8601 text), the earliest the training part and the latest the test
-            part - no future row trains a model scored on the past.
-        valid_path, test_path: the validation and test rows in files of their own (the first
-            file then trains, whole; ``fractions`` and ``time_column`` are unused).
+        path: the side table's file, read whole into memory.
+        on: the key column, named so in both files; the side table's other columns join the
+            rows (a name the main file has too is an error: rename one with ``column_names``).
+        reader: how the side table is read (its own joins: none).
     """
 
-    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
-    time_column: str | None = None
-    valid_path: Path | None = None
-    test_path: Path | None = None
+    path: Path
+    on: str
+    reader: ReaderConfig = ReaderConfig()
 
     def __post_init__(self) -> None:
-        fr = tuple(self.fractions)
-        object.__setattr__(self, "fractions", fr)
-        if len(fr) != 3 or any(f <= 0 for f in fr) or abs(sum(fr) - 1) > 1e-9:
-            raise ValueError(f"split fractions {list(fr)}: give three positive fractions summing to 1 (train, "
-                             f"validation, test)")
-        if (self.valid_path is None) != (self.test_path is None):
-            raise ValueError("a split by files needs both valid_path and test_path")
+        object.__setattr__(self, "path", Path(self.path))
+        if self.reader.joins:
+            raise ValueError(f"join of {self.path}: a side table has no joins of its own; join every table to the main "
+                             f"file")
 
 
 def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
@@ -108,27 +110,52 @@ def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
             head = f.read(1 << 20).decode("utf-8", errors="replace").splitlines()[:-1] or [""]
         fields = {t.split(":")[0] for line in head for t in line.split()[1:]}
         return ["label", *sorted(fields, key=lambda x: (len(x), x))], 0
-    if config.column_names:
+    if config.column_names and not config.header:
         return list(config.column_names), 0
     with open(path, "rb") as f:  # the header is one line (no newlines inside quoted names)
         header = f.readline()
     names = csv.read_csv(io.BytesIO(header), parse_options=_parse_options(config)).schema.names  # parsed as CSV
+    if config.column_names:  # the header's names replaced
+        if len(config.column_names) != len(names):
+            raise ValueError(f"{path}: column_names gives {len(config.column_names)} names, the header has "
+                             f"{len(names)} columns ({names}); give one name per column")
+        return list(config.column_names), len(header)
     return names, len(header)
 
 
 def file_columns(path: str | Path, config: ReaderConfig) -> list[str]:
-    """The columns a file has, in any format (a CSV file's header or ``column_names``, a Parquet
-    file's schema, the svmlight formats' implied columns).
+    """The columns a file's rows have, in any format (a CSV file's header or ``column_names``, a
+    Parquet file's schema, the svmlight formats' implied columns), then its joins' columns.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file (or side table).
+        ValueError: a join whose key a file lacks, or whose columns the file has already.
     """
+    return _own_columns(Path(path), config) + [c for j in config.joins for c in _joined_columns(Path(path), config, j)]
+
+
+def _own_columns(path: Path, config: ReaderConfig) -> list[str]:
     import pyarrow.parquet as pq
 
-    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     return pq.read_schema(path).names if config.format is FileFormat.PARQUET else column_names(path, config)[0]
+
+
+def _joined_columns(path: Path, config: ReaderConfig, join: Join) -> list[str]:
+    """The columns ``join`` adds to ``path``'s rows (checked: the key in both, no name twice)."""
+    own, side = _own_columns(path, config), _own_columns(join.path, join.reader)
+    for where, names in ((path, own), (join.path, side)):
+        if join.on not in names:
+            raise ValueError(f"{where} has no column {join.on!r}, the key of the join of {join.path}; its columns are "
+                             f"{names}")
+    added = [c for c in side if c != join.on]
+    earlier = own + [c for j in config.joins[:config.joins.index(join)] for c in _own_columns(j.path, j.reader)]
+    twice = [c for c in added if c in earlier]
+    if twice:
+        raise ValueError(f"{join.path} joins column {twice[0]!r}, which {path} or an earlier join has already: rename "
+                         f"one (column_names = [...] in its reader)")
+    return added
 
 
 def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(),
@@ -136,44 +163,93 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
                    block_bytes: int = 1 << 20, bad: BadRowCount | None = None) -> Iterator[pa.RecordBatch]:
     """The schema's columns of ``path`` (or of its rows starting in ``byte_range``, a CSV file's
     bytes ``[start, end)`` cut at line starts) in record batches of about ``block_bytes`` of
-    text, typed (see the module docstring), and the columns ``extra`` as pyarrow infers them.
-    Decoding is pyarrow's, on its own threads; memory holds a few blocks, not the file.
+    text, typed (see the module docstring), its joins' columns added, and the columns ``extra``
+    as pyarrow infers them. Decoding is pyarrow's, on its own threads; memory holds a few
+    blocks and the side tables, not the file.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file (or side table).
         ValueError: a column the schema names is missing (naming the file's columns); under
             ``BadRows.ERROR`` a row of another field count, or a dense or threshold-label value
-            that is not a number (naming the file, row, column, value).
+            that is not a number (naming the file, row, column, value); a side table's key on
+            two rows.
     """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    path = Path(path)
+    bad = bad if bad is not None else BadRowCount()
+    types = _types(schema)
+    wanted = schema.columns + [c for c in extra if c not in schema.columns]
+    joined = {c: j for j in config.joins for c in _joined_columns(path, config, j)}
+    _check_extra(schema, _own_columns(path, config) + list(joined), extra, path)
+    sides = []
+    for j in config.joins:  # each side table with the columns the schema takes from it, keyed
+        own = [c for c in wanted if joined.get(c) is j]
+        if own:
+            sides.append((j, own, _side_table(j, {**{c: types[c] for c in own}, j.on: pa.string()}, block_bytes)))
+    read = [c for c in wanted if c not in joined] + [j.on for j, _, _ in sides if j.on not in wanted]
+    for batch in _typed_batches(path, {c: t for c, t in types.items() if c not in joined}, read, config, byte_range,
+                                block_bytes, bad):
+        if sides:
+            columns = {c: batch.column(c) for c in read}
+            for j, own, table in sides:
+                index = pc.index_in(columns[j.on].cast(pa.string()), value_set=table.column(j.on))  # null: no such key
+                columns.update({c: table.column(c).take(index) for c in own})
+            batch = pa.RecordBatch.from_arrays([_chunk(columns[c]) for c in wanted], names=wanted)
+        yield batch
+
+
+def _side_table(join: Join, types: dict, block_bytes: int) -> pa.Table:
+    """``join``'s side table: the key (rows without one dropped, each key once) and ``types``'
+    columns, typed."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    wanted = list(types)
+    table = pa.Table.from_batches(list(_typed_batches(join.path, types, wanted, join.reader, None, block_bytes,
+                                                      BadRowCount())), schema=pa.schema(types.items()))
+    table = table.filter(pc.is_valid(table.column(join.on))).combine_chunks()
+    if pc.count_distinct(table.column(join.on)).as_py() != table.num_rows:
+        counts = pc.value_counts(table.column(join.on))
+        twice = pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))[0].as_py()
+        raise ValueError(f"{join.path}: key {join.on} = {twice!r} is on more than one row; a joined side table holds "
+                         f"one row per key")
+    return table
+
+
+def _chunk(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    import pyarrow as pa
+
+    if isinstance(col, pa.ChunkedArray):
+        return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    return col
+
+
+def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderConfig,
+                   byte_range: tuple[int, int] | None, block_bytes: int, bad: BadRowCount) -> Iterator[pa.RecordBatch]:
+    """``wanted`` columns of the file itself (no joins), typed by ``types`` (others as read)."""
     import pyarrow as pa
     import pyarrow.csv as csv
     import pyarrow.parquet as pq
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    bad = bad if bad is not None else BadRowCount()
-    types = _types(schema)
-    wanted = schema.columns + [c for c in extra if c not in schema.columns]
     if config.format is FileFormat.PARQUET:
         if byte_range is not None:
             raise ValueError(f"{path}: a Parquet file is sharded by row groups, not bytes; prepare it with `hetero data "
                              f"prepare` or give each rank its own file")
-        _check_extra(schema, pq.read_schema(path).names, extra, path)
         first = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=max(1, block_bytes // 64), columns=wanted):
             yield typed_batch(batch, types, wanted, path, first, config.on_bad_rows, bad)
             first += batch.num_rows
         return
     names, data_start = column_names(path, config)
-    _check_extra(schema, names, extra, path)
     start, end = byte_range if byte_range is not None else (data_start, path.stat().st_size)
     lines = LineCounter(path, start)
     if end <= start:  # an empty shard (more ranks than lines) or a file of a header only: no rows
         return
     if config.format in (FileFormat.LIBSVM, FileFormat.LIBFM):
-        yield from sparse_format_batches(path, schema, config, config.format is FileFormat.LIBFM, start, end,
-                                         block_bytes, lines, types, wanted, bad)
+        yield from sparse_format_batches(path, config, config.format is FileFormat.LIBFM, start, end, block_bytes,
+                                         lines, types, wanted, bad)
         return
     parse = _parse_options(config)
     if config.on_bad_rows is BadRows.SKIP:
@@ -187,9 +263,10 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
     # start: pyarrow's count of skipped malformed rows cannot be rewound).
     fast = config.on_bad_rows is BadRows.ERROR
     first = 0
+    nulls = ["", *config.null_values]
     while True:
-        convert = csv.ConvertOptions(column_types=types if fast else {c: pa.string() for c in schema.columns},
-                                     include_columns=wanted, strings_can_be_null=True, null_values=[""])
+        convert = csv.ConvertOptions(column_types=types if fast else {c: pa.string() for c in types},
+                                     include_columns=wanted, strings_can_be_null=True, null_values=nulls)
         with open(path, "rb") as f:
             f.seek(start)
             try:
@@ -223,41 +300,6 @@ def read_table(path: str | Path, schema: Schema, config: ReaderConfig = ReaderCo
     return pa.Table.from_batches([], schema=_empty_schema(schema, extra))
 
 
-def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(), split: Split = Split(),
-                 seed: int = 0) -> tuple[TabularDataset, TabularDataset, TabularDataset, Encoding]:
-    """``path`` split into train/validation/test by ``split`` (random ones seeded by ``seed``),
-    the schema fitted on the training rows only, each part encoded; and the :class:`Encoding`.
-
-    Raises:
-        ValueError: as :func:`read_table` (also for the validation and test files).
-    """
-    import pyarrow.compute as pc
-
-    if split.valid_path is not None:
-        parts = [read_table(p, schema, config) for p in (path, split.valid_path, split.test_path)]
-        sources = [str(p) for p in (path, split.valid_path, split.test_path)]
-    else:
-        extra = (split.time_column,) if split.time_column is not None else ()
-        table = read_table(path, schema, config, extra)
-        n, fr = table.num_rows, split.fractions
-        if split.time_column is not None:  # stable: rows of one time keep their file order
-            times = table.column(split.time_column)
-            if times.null_count:
-                row = pc.indices_nonzero(pc.is_null(times))[0].as_py()
-                raise ValueError(f"{path}: row {row + 1} has no value in the time column {split.time_column!r}; fill it "
-                                 f"or drop the row")
-            order = np.asarray(table.column(split.time_column).to_numpy(zero_copy_only=False).argsort(kind="stable"))
-            table = table.drop_columns([c for c in extra if c not in schema.columns])
-        else:
-            order = np.random.default_rng(seed).permutation(n)
-        bounds = [0, round(n * fr[0]), round(n * (fr[0] + fr[1])), n]
-        parts = [table.take(order[a:b]) for a, b in zip(bounds, bounds[1:])]
-        sources = [f"{path} ({part} split)" for part in ("training", "validation", "test")]
-    encoding = fit(schema, parts[0], sources[0])
-    train, valid, test = (encoding.encode(t, source) for t, source in zip(parts, sources))
-    return train, valid, test, encoding
-
-
 def _check_extra(schema: Schema, names: list[str], extra: tuple[str, ...], path: Path) -> None:
     schema.check(names, str(path))
     missing = [c for c in extra if c not in names]
@@ -279,13 +321,16 @@ def empty_batch(schema: Schema) -> pa.RecordBatch:
 
 
 def _types(schema: Schema) -> dict[str, pa.DataType]:
-    """Each column's type as read: numbers float64, hashed categorical columns bytes (the hash
-    reads bytes; no UTF-8 validation, faster), other text UTF-8."""
+    """Each column's type as read: numbers float64 (dense, bucketised, a threshold label), columns
+    that only hashed features read bytes (the hash reads bytes; no UTF-8 validation, faster),
+    other text UTF-8."""
     import pyarrow as pa
 
-    numeric = [d.column for d in schema.dense] + ([schema.label.column] if schema.label.threshold is not None else [])
+    numeric = schema.numeric_columns
     types = {c: pa.float64() if c in numeric else pa.string() for c in schema.columns}
-    types.update({c.column: pa.binary() for c in schema.categorical if c.hash_buckets is not None})
+    hashed = {c.column for c in schema.categorical if c.hash_buckets is not None and c.prefix is None}
+    text = {c.column for c in schema.categorical if c.hash_buckets is None or c.prefix is not None}
+    types.update({c: pa.binary() for c in hashed - text - set(numeric)})
     return types
 
 

@@ -8,13 +8,18 @@ and the dense features, and how each becomes model input.
   ``min_count`` times, in order of first appearance, ids ``1..n``; row 0 is the out-of-vocabulary
   row: unseen, rare and empty values) or from **hashing** into ``hash_buckets`` rows (row 0 for
   empty values, else ``1 + fnv1a64(utf8(value)) mod (hash_buckets - 1)``: FNV-1a, 64-bit, stable
-  across processes and runs - Python's ``hash`` is salted per process).
+  across processes and runs - Python's ``hash`` is salted per process). A feature may derive its
+  values from its column: the first ``prefix`` characters (a zip code's region), or the bucket of a
+  number between ``boundaries`` (an age group; TensorFlow's bucketized column). A feature has a
+  ``name`` of its own (default: the column's), so one column can feed several features.
 * **Dense** (:class:`Dense`): float; ``Transform.NONE``, ``LOG1P`` (``log(1 + max(x, 0))``, the
   DLRM preprocessing) or ``STANDARDIZE`` (``(x - mean) / std`` with the mean and standard
   deviation of the training split's values); an empty field is 0 after the transform (the mean,
   standardised).
-* **Crossed** (:class:`Cross`): for the wide part, the values of several categorical columns
-  joined (``"a\\x1fb"``) and hashed into ``hash_buckets`` rows.
+* **Crossed** (:class:`Cross`): for the wide part, the values of several categorical features
+  (after their derivation) joined (``"a\\x1fb"``) and hashed into ``hash_buckets`` rows; crossing
+  a multi-hot feature gives a bag, the cartesian product of the crossed values (user x each of
+  the movie's genres).
 * **Dropped:** every other column (named in ``drop`` to say so; a column neither used nor dropped
   is allowed and ignored).
 
@@ -67,12 +72,17 @@ class Label:
 
 @dataclasses.dataclass(frozen=True)
 class Categorical:
-    """A categorical column.
+    """A categorical feature of a column.
 
     Attributes:
-        column: the column's name (the feature takes it).
+        column: the column it reads.
+        name: the feature's name (default: the column's); features of one column need their own.
         separator: multi-hot: the values of a row are this string's pieces (a bag); ``None``:
             one value per row.
+        prefix: use the first ``prefix`` characters of each value (``None``: the whole value).
+        boundaries: a number's bucket instead of a vocabulary: increasing numbers ``b_1 < ... <
+            b_k``; a value ``x`` gets id ``1 + #{i: b_i <= x}`` (``1..k+1``), a missing value id 0.
+            The column is read as numbers.
         hash_buckets: rows of the hashed table (>= 2); ``None``: a vocabulary.
         min_count: vocabulary mode: a value seen fewer times in the training split maps to the
             out-of-vocabulary row 0.
@@ -80,20 +90,43 @@ class Categorical:
     """
 
     column: str
+    name: str = ""
     separator: str | None = None
+    prefix: int | None = None
+    boundaries: tuple[float, ...] = ()
     hash_buckets: int | None = None
     min_count: int = 1
     role: FeatureRole = FeatureRole.WIDE_AND_DEEP
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "name", self.name or self.column)
+        object.__setattr__(self, "boundaries", tuple(float(b) for b in self.boundaries))
+        b = self.boundaries
+        if b and any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"categorical {self.name!r}: boundaries {list(b)} must increase strictly")
+        if b and (self.separator is not None or self.prefix is not None or self.hash_buckets is not None):
+            raise ValueError(f"categorical {self.name!r}: boundaries bucket one number per row; drop separator, prefix "
+                             f"and hash_buckets")
+        if self.prefix is not None and self.prefix < 1:
+            raise ValueError(f"categorical {self.name!r}: prefix={self.prefix}; give at least 1 character")
         if self.hash_buckets is not None and self.hash_buckets < 2:
-            raise ValueError(f"categorical {self.column!r}: hash_buckets={self.hash_buckets}; give at least 2 (row 0 is "
+            raise ValueError(f"categorical {self.name!r}: hash_buckets={self.hash_buckets}; give at least 2 (row 0 is "
                              f"the empty value's)")
         if self.min_count < 1:
-            raise ValueError(f"categorical {self.column!r}: min_count={self.min_count}; give at least 1")
+            raise ValueError(f"categorical {self.name!r}: min_count={self.min_count}; give at least 1")
         if self.separator == "":
-            raise ValueError(f"categorical {self.column!r}: an empty separator; give the string between values, or "
+            raise ValueError(f"categorical {self.name!r}: an empty separator; give the string between values, or "
                              f"None for one value per row")
+
+    @property
+    def vocabulary(self) -> bool:
+        """Whether the ids come from a vocabulary fitted on the training split."""
+        return self.hash_buckets is None and not self.boundaries
+
+    @property
+    def numeric(self) -> bool:
+        """Whether the column is read as numbers (bucketised)."""
+        return bool(self.boundaries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +143,11 @@ class Dense:
 
 @dataclasses.dataclass(frozen=True)
 class Cross:
-    """A crossed feature of several categorical columns, hashed (wide part only).
+    """A crossed feature of several categorical features, hashed (wide part only).
 
     Attributes:
-        columns: the crossed columns (at least 2).
+        columns: the crossed categorical features, by name (at least 2); a multi-hot one makes
+            the cross a bag (the cartesian product of the rows' values).
         hash_buckets: rows of its table (>= 2).
         name: the feature's name (default: the columns joined by ``"_x_"``).
     """
@@ -153,29 +187,45 @@ class Schema:
     def __post_init__(self) -> None:
         for name in ("categorical", "dense", "crosses", "drop"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        used = [self.label.column, *(c.column for c in self.categorical), *(d.column for d in self.dense)]
-        twice = sorted({c for c in used if used.count(c) > 1})
+        dense = [d.column for d in self.dense]
+        twice = sorted({c for c in dense if dense.count(c) > 1})
         if twice:
-            raise ValueError(f"schema uses columns {twice} more than once (label, categorical and dense features each "
-                             f"take their own column)")
-        dropped = sorted(set(self.drop) & set(used))
+            raise ValueError(f"schema has dense columns {twice} more than once: each dense column is one input")
+        if self.label.column in {c.column for c in self.categorical} | set(dense):
+            raise ValueError(f"schema uses the label column {self.label.column!r} as a feature: the model would see its "
+                             f"answer; remove the feature")
+        dropped = sorted(set(self.drop) & set(self.columns))
         if dropped:
             raise ValueError(f"schema drops columns {dropped} that it also uses: remove them from drop")
-        names = [c.column for c in self.categorical] + [x.name for x in self.crosses]
+        names = [c.name for c in self.categorical] + [x.name for x in self.crosses]
         clash = sorted({n for n in names if names.count(n) > 1})
         if clash:
-            raise ValueError(f"schema has two features named {clash}: give the crosses other names")
-        categorical = {c.column for c in self.categorical}
+            raise ValueError(f"schema has two features named {clash}: give each feature of one column its own name "
+                             f"(name = ...), and the crosses other names")
+        categorical = {c.name for c in self.categorical}
         for x in self.crosses:
             missing = [c for c in x.columns if c not in categorical]
             if missing:
-                raise ValueError(f"cross {x.name!r} joins {missing}, which are not categorical features of the schema")
+                raise ValueError(f"cross {x.name!r} joins {missing}, which are not categorical features of the schema "
+                                 f"(by name: {sorted(categorical)})")
 
     @property
     def columns(self) -> list[str]:
         """The columns the schema reads (the label's unless :meth:`unlabelled`)."""
         label = [self.label.column] if self.label.column else []
-        return [*label, *(c.column for c in self.categorical), *(d.column for d in self.dense)]
+        used = [*label, *(c.column for c in self.categorical), *(d.column for d in self.dense)]
+        return list(dict.fromkeys(used))  # a column feeding several features is read once
+
+    @property
+    def numeric_columns(self) -> list[str]:
+        """The columns read as numbers: dense ones, bucketised ones, a threshold label's."""
+        label = [self.label.column] if self.label.column and self.label.threshold is not None else []
+        return list(dict.fromkeys([*label, *(d.column for d in self.dense),
+                                   *(c.column for c in self.categorical if c.numeric)]))
+
+    def categorical_feature(self, name: str) -> Categorical:
+        """The categorical feature called ``name``."""
+        return next(c for c in self.categorical if c.name == name)
 
     def unlabelled(self) -> "Schema":
         """This schema for rows without the label column (scoring): the label is not read and

@@ -130,7 +130,7 @@ class StreamBatches:
 
     @property
     def multi_hot(self) -> tuple[str, ...]:
-        return tuple(c.column for c in self.encoding.schema.categorical if c.separator is not None)
+        return tuple(f.name for f in self.encoding.specs() if f.multi_hot)
 
     def identity(self) -> dict[str, Any]:
         """The file (path, size, CRC-32 of its first and last MiB), the encoding's fingerprint,

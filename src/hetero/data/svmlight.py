@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, typed_batch
-from hetero.data.schema import Schema
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
     from hetero.data.readers import ReaderConfig
 
 
-def sparse_format_batches(path: Path, schema: Schema, config: ReaderConfig, libfm: bool, start: int, end: int,
+def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: int, end: int,
                           block_bytes: int, lines: LineCounter, types: dict, wanted: list[str],
                           bad: BadRowCount) -> Iterator[pa.RecordBatch]:
     """libsvm/libfm lines as record batches of the schema's columns: the label's text and, per

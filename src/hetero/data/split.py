@@ -1,0 +1,79 @@
+"""A file's rows as train / validation / test: a seeded random split, a split by a time column,
+or files of their own (:class:`Split`); :func:`read_dataset` reads a file whole
+(:mod:`hetero.data.readers`), splits it, fits the schema on the training rows only and encodes
+the three parts (:mod:`hetero.data.encode`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from hetero.data.encode import Encoding, fit
+from hetero.data.readers import ReaderConfig, read_table
+from hetero.data.schema import Schema
+from hetero.data.tabular import TabularDataset
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a file's rows become train / validation / test.
+
+    Attributes:
+        fractions: the three parts' shares of the rows (positive, summing to 1).
+        time_column: ``None``: a random split, seeded; else the rows in this column's order
+            (numbers, or ISO-8601 text), the earliest the training part and the latest the test
+            part - no future row trains a model scored on the past.
+        valid_path, test_path: the validation and test rows in files of their own (the first
+            file then trains, whole; ``fractions`` and ``time_column`` are unused).
+    """
+
+    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    time_column: str | None = None
+    valid_path: Path | None = None
+    test_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        fr = tuple(self.fractions)
+        object.__setattr__(self, "fractions", fr)
+        if len(fr) != 3 or any(f <= 0 for f in fr) or abs(sum(fr) - 1) > 1e-9:
+            raise ValueError(f"split fractions {list(fr)}: give three positive fractions summing to 1 (train, "
+                             f"validation, test)")
+        if (self.valid_path is None) != (self.test_path is None):
+            raise ValueError("a split by files needs both valid_path and test_path")
+
+
+def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(), split: Split = Split(),
+                 seed: int = 0) -> tuple[TabularDataset, TabularDataset, TabularDataset, Encoding]:
+    """``path`` split into train/validation/test by ``split`` (random ones seeded by ``seed``),
+    the schema fitted on the training rows only, each part encoded; and the :class:`Encoding`.
+
+    Raises:
+        ValueError: as :func:`read_table` (also for the validation and test files).
+    """
+    import pyarrow.compute as pc
+
+    if split.valid_path is not None:
+        parts = [read_table(p, schema, config) for p in (path, split.valid_path, split.test_path)]
+        sources = [str(p) for p in (path, split.valid_path, split.test_path)]
+    else:
+        extra = (split.time_column,) if split.time_column is not None else ()
+        table = read_table(path, schema, config, extra)
+        n, fr = table.num_rows, split.fractions
+        if split.time_column is not None:  # stable: rows of one time keep their file order
+            times = table.column(split.time_column)
+            if times.null_count:
+                row = pc.indices_nonzero(pc.is_null(times))[0].as_py()
+                raise ValueError(f"{path}: row {row + 1} has no value in the time column {split.time_column!r}; fill it "
+                                 f"or drop the row")
+            order = np.asarray(table.column(split.time_column).to_numpy(zero_copy_only=False).argsort(kind="stable"))
+            table = table.drop_columns([c for c in extra if c not in schema.columns])
+        else:
+            order = np.random.default_rng(seed).permutation(n)
+        bounds = [0, round(n * fr[0]), round(n * (fr[0] + fr[1])), n]
+        parts = [table.take(order[a:b]) for a, b in zip(bounds, bounds[1:])]
+        sources = [f"{path} ({part} split)" for part in ("training", "validation", "test")]
+    encoding = fit(schema, parts[0], sources[0])
+    train, valid, test = (encoding.encode(t, source) for t, source in zip(parts, sources))
+    return train, valid, test, encoding
