@@ -14,7 +14,7 @@ from hetero.data.readers import FileFormat, ReaderConfig, read_table
 from hetero.data.split import Split
 from hetero.data.rows import BadRows
 from hetero.data.schema import Categorical, Dense, Label, Schema, Transform
-from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, byte_shards, fit_stream
+from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, byte_shards, file_shards, fit_stream
 from hetero.data.tabular import BatchConfig
 from tests.conftest import run_ranks
 from tests.test_jobfile import JOB, _clicks
@@ -34,13 +34,26 @@ def _file(tmp_path, n=997, name="clicks.csv", seed=0):
     return path
 
 
+def _parquet(tmp_path, n=997, group=64):
+    """The rows of :func:`_file` as a Parquet file of ``group``-row row groups."""
+    import pyarrow.csv as csv
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "clicks.parquet"
+    pq.write_table(csv.read_csv(_file(tmp_path, n)), path, row_group_size=group)
+    return path
+
+
+PARQUET = ReaderConfig(format=FileFormat.PARQUET)
+
+
 def _rows(batches):
     return [int(r) for b in batches for r in b.dense[:, 0].tolist()]
 
 
-def _stream(path, rank=0, world=1, window=100, block=4096, batch=24, shuffle=True, seed=1):
-    enc = fit_stream(path, SCHEMA, ReaderConfig())
-    return StreamBatches(path, enc, ReaderConfig(), BatchConfig(batch, shuffle, seed, rank=rank, world_size=world),
+def _stream(path, rank=0, world=1, window=100, block=4096, batch=24, shuffle=True, seed=1, reader=ReaderConfig()):
+    enc = fit_stream(path, SCHEMA, reader)
+    return StreamBatches(path, enc, reader, BatchConfig(batch, shuffle, seed, rank=rank, world_size=world),
                          StreamConfig(block_bytes=block, shuffle_window=window))
 
 
@@ -69,6 +82,23 @@ def test_resume_mid_file_is_sample_exact(tmp_path):
             assert again == whole[start:], (rank, world, start)
         other = [b.dense[:, 0].tolist() for b in stream._local(3, 0)]
         assert other != whole  # another epoch, another order
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 20])
+def test_a_parquet_file_streams_in_row_group_shards_and_resumes_exactly(tmp_path, world):
+    path = _parquet(tmp_path)  # 16 row groups (15 of 64 rows, 1 of 37)
+    shards = file_shards(path, PARQUET, world)
+    assert shards[0][0] == 0 and shards[-1][1] == 16 and all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+    seen = []
+    for rank in range(world):
+        got = _rows(_stream(path, rank, world, batch=8 * world, shuffle=False, reader=PARQUET)._local(0, 0))
+        assert got == sorted(got)
+        seen += got
+    assert seen == list(range(997))  # disjoint and covering (20 ranks: 4 have no row group)
+    stream = _stream(path, world - 1 if world < 20 else 0, world, window=100, batch=8 * world, reader=PARQUET)
+    whole = [b.dense[:, 0].tolist() for b in stream._local(1, 0)]
+    for start in (1, 3, len(whole) - 1):
+        assert [b.dense[:, 0].tolist() for b in stream._local(1, start)] == whole[start:]
 
 
 def _stream_on_ranks(path, world):

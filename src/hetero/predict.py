@@ -4,7 +4,7 @@ A run trained from a schema (``hetero train --config``) keeps beside its checkpo
 scoring needs: ``encoding.json`` + ``vocabularies.parquet`` (the fitted schema:
 :func:`hetero.data.encode.save_encoding`) and ``model.json`` (:class:`ModelRecord`). Prediction
 streams the file in blocks (:func:`hetero.data.stream.encoded_blocks`), memory bounded as in
-training; under torchrun each rank scores its byte shard (:func:`hetero.data.stream.byte_shards`)
+training; under torchrun each rank scores its shard (:func:`hetero.data.stream.file_shards`)
 and rank 0 joins the parts in file order. The output (Parquet, or CSV by the suffix) has one row
 per input row: ``score`` (the predicted probability, float64) and, when the file has the label
 column, ``label`` (0/1 by the schema's rule).
@@ -21,8 +21,8 @@ import torch
 
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint
 from hetero.data.encode import load_encoding
-from hetero.data.readers import FileFormat, ReaderConfig, column_names, file_columns
-from hetero.data.stream import StreamConfig, byte_shards, encoded_blocks
+from hetero.data.readers import ReaderConfig, file_columns
+from hetero.data.stream import StreamConfig, encoded_blocks, file_shards
 from hetero.data.tabular import FeatureRole
 from hetero.models.dlrm import DLRM, DLRMConfig
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
@@ -95,12 +95,7 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
     check_model_compatible(model.state_dict(), state, checkpoint)
     model.load_state_dict(state)
     model.eval()
-    shard = None
-    if world_size > 1:
-        if reader.format is FileFormat.PARQUET:
-            raise ValueError(f"{data}: scoring on {world_size} ranks shards a line format (CSV, libsvm, libfm) by "
-                             f"bytes; score a Parquet file on one process")
-        shard = byte_shards(data, world_size, column_names(data, reader)[1])[rank]
+    shard = file_shards(data, reader, world_size)[rank] if world_size > 1 else None
     part = out if world_size == 1 else out.with_name(f"{out.name}.part-{rank}")
     scores, labels = [], []
     with torch.no_grad():

@@ -159,12 +159,12 @@ def _joined_columns(path: Path, config: ReaderConfig, join: Join) -> list[str]:
 
 
 def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(),
-                   extra: tuple[str, ...] = (), byte_range: tuple[int, int] | None = None,
+                   extra: tuple[str, ...] = (), shard: tuple[int, int] | None = None,
                    block_bytes: int = 1 << 20, bad: BadRowCount | None = None) -> Iterator[pa.RecordBatch]:
-    """The schema's columns of ``path`` (or of its rows starting in ``byte_range``, a CSV file's
-    bytes ``[start, end)`` cut at line starts) in record batches of about ``block_bytes`` of
-    text, typed (see the module docstring), its joins' columns added, and the columns ``extra``
-    as pyarrow infers them. Decoding is pyarrow's, on its own threads; memory holds a few
+    """The schema's columns of ``path`` (or of its ``shard``: bytes ``[start, end)`` of a line
+    format, cut at line starts, or row groups ``[start, end)`` of a Parquet file) in record
+    batches of about ``block_bytes`` of text, typed (see the module docstring), its joins'
+    columns added, and the columns ``extra`` as pyarrow infers them. Decoding is pyarrow's, on its own threads; memory holds a few
     blocks and the side tables, not the file.
 
     Raises:
@@ -189,7 +189,7 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
         if own:
             sides.append((j, own, _side_table(j, {**{c: types[c] for c in own}, j.on: pa.string()}, block_bytes)))
     read = [c for c in wanted if c not in joined] + [j.on for j, _, _ in sides if j.on not in wanted]
-    for batch in _typed_batches(path, {c: t for c, t in types.items() if c not in joined}, read, config, byte_range,
+    for batch in _typed_batches(path, {c: t for c, t in types.items() if c not in joined}, read, config, shard,
                                 block_bytes, bad):
         if sides:
             columns = {c: batch.column(c) for c in read}
@@ -227,23 +227,24 @@ def _chunk(col: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderConfig,
-                   byte_range: tuple[int, int] | None, block_bytes: int, bad: BadRowCount) -> Iterator[pa.RecordBatch]:
-    """``wanted`` columns of the file itself (no joins), typed by ``types`` (others as read)."""
+                   shard: tuple[int, int] | None, block_bytes: int, bad: BadRowCount) -> Iterator[pa.RecordBatch]:
+    """``wanted`` columns of the file itself (no joins) or its ``shard``, typed by ``types``
+    (others as read)."""
     import pyarrow as pa
     import pyarrow.csv as csv
     import pyarrow.parquet as pq
 
     if config.format is FileFormat.PARQUET:
-        if byte_range is not None:
-            raise ValueError(f"{path}: a Parquet file is sharded by row groups, not bytes; prepare it with `hetero data "
-                             f"prepare` or give each rank its own file")
-        first = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=max(1, block_bytes // 64), columns=wanted):
+        first, groups = 0, None if shard is None else list(range(*shard))
+        if groups == []:  # an empty shard (more ranks than row groups)
+            return
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=max(1, block_bytes // 64), row_groups=groups,
+                                                       columns=wanted):
             yield typed_batch(batch, types, wanted, path, first, config.on_bad_rows, bad)
             first += batch.num_rows
         return
     names, data_start = column_names(path, config)
-    start, end = byte_range if byte_range is not None else (data_start, path.stat().st_size)
+    start, end = shard if shard is not None else (data_start, path.stat().st_size)
     lines = LineCounter(path, start)
     if end <= start:  # an empty shard (more ranks than lines) or a file of a header only: no rows
         return

@@ -1,9 +1,11 @@
 """Training from a file larger than memory: a CSV/TSV file streamed in record batches, encoded
 on a reader thread, shuffled within windows, sharded over ranks by bytes, resumable at a sample.
 
-* **Shards:** rank ``r`` of ``W`` reads the rows that start in bytes ``[c_r, c_{r+1})`` of the
-  file, the cuts ``c`` spread evenly and moved to line starts (:func:`byte_shards`): disjoint,
-  covering, and each rank decodes only its part. Fields may not hold newlines (pyarrow's default).
+* **Shards:** rank ``r`` of ``W`` reads the rows that start in bytes ``[c_r, c_{r+1})`` of a
+  line-format file, the cuts ``c`` spread evenly and moved to line starts (:func:`byte_shards`),
+  or row groups ``[c_r, c_{r+1})`` of a Parquet file, cut where the rows before are closest to
+  ``r / W`` of them (:func:`file_shards`): disjoint, covering, and each rank decodes only its
+  part. Fields may not hold newlines (pyarrow's default).
 * **Order:** a shard's rows are cut into windows of ``shuffle_window`` rows; window ``k`` of epoch
   ``e`` is permuted by a generator seeded by ``(seed, e, rank, k)``, and local batches of
   ``batch_size / W`` rows are cut from the permuted windows in turn. Memory holds a window, the
@@ -65,6 +67,27 @@ class StreamConfig:
             raise ValueError(f"stream config {self}: block_bytes >= 4096, shuffle_window >= 1 and read_ahead >= 1")
 
 
+def file_shards(path: str | Path, reader: ReaderConfig, world_size: int) -> list[tuple[int, int]]:
+    """Each rank's shard of ``path`` (see the module docstring): bytes of a line format
+    (:func:`byte_shards`, after a header), row groups of a Parquet file.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    if reader.format is not FileFormat.PARQUET:
+        return byte_shards(path, world_size, column_names(path, reader)[1])
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    meta = pq.ParquetFile(path).metadata
+    before = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    cuts = [int(np.abs(before - before[-1] * r / world_size).argmin()) for r in range(world_size + 1)]
+    cuts = np.maximum.accumulate(cuts)  # (increasing: a group holds a run of rows)
+    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
 def byte_shards(path: str | Path, world_size: int, data_start: int = 0) -> list[tuple[int, int]]:
     """Rank ``r``'s bytes ``[start, end)`` of ``path``'s rows (from ``data_start``, after a header):
     even cuts moved forward to the next line start; disjoint and covering (an empty range when a
@@ -93,9 +116,9 @@ class StreamBatches:
     docstring); the :class:`~hetero.data.tabular.TrainingData` a :class:`hetero.train.Trainer` takes.
 
     Args:
-        path: a CSV/TSV file.
+        path: a CSV/TSV, libsvm, libfm or Parquet file.
         encoding: the schema fitted on the training data (e.g. :func:`fit_stream`).
-        reader: how the file is read (a line format: CSV/TSV, libsvm, libfm).
+        reader: how the file is read.
         batches: the global batch size, seed, ``rank`` and ``world_size`` (``shuffle=False``
             streams in file order; ``drop_last`` is not supported).
         config: the :class:`StreamConfig`.
@@ -103,15 +126,11 @@ class StreamBatches:
             the default group). Unused at world size 1.
 
     Raises:
-        ValueError: a Parquet file (prepare it: ``hetero data prepare``), ``drop_last``, or a
-            world size that does not divide the batch size.
+        ValueError: ``drop_last``, or a world size that does not divide the batch size.
     """
 
     def __init__(self, path: str | Path, encoding: Encoding, reader: ReaderConfig, batches: BatchConfig,
                  config: StreamConfig = StreamConfig(), group: dist.ProcessGroup | None = None) -> None:
-        if reader.format is FileFormat.PARQUET:
-            raise ValueError(f"{path}: streaming shards line formats (CSV/TSV, libsvm, libfm) by bytes; encode a "
-                             f"Parquet file with `hetero data prepare` and train with --prepared")
         if batches.drop_last:
             raise ValueError("a stream keeps its last partial batch (drop_last=False): shards end unevenly")
         if batches.batch_size <= 0 or batches.batch_size % batches.world_size:
@@ -119,8 +138,7 @@ class StreamBatches:
                              f"{batches.world_size} (each rank gets batch_size / world_size)")
         self.path, self.encoding, self.reader, self.config, self.stream = Path(path), encoding, reader, batches, config
         self.group = group
-        _, data_start = column_names(self.path, reader)
-        self.range = byte_shards(self.path, batches.world_size, data_start)[batches.rank]
+        self.range = file_shards(self.path, reader, batches.world_size)[batches.rank]
         self.bad = BadRowCount()
         self.empty = encoding.encode(empty_batch(encoding.schema), str(self.path)).select(torch.arange(0))
 
@@ -209,21 +227,22 @@ class StreamBatches:
         return encoded_blocks(self.path, self.encoding, self.reader, self.range, self.stream, skip, self.bad)
 
 
-def encoded_blocks(path: str | Path, encoding: Encoding, reader: ReaderConfig, byte_range: tuple[int, int] | None = None,
+def encoded_blocks(path: str | Path, encoding: Encoding, reader: ReaderConfig, shard: tuple[int, int] | None = None,
                    config: StreamConfig = StreamConfig(), skip: int = 0,
                    bad: BadRowCount | None = None) -> Generator[TabularDataset, None, None]:
-    """The rows of ``path`` (or of ``byte_range``) from row ``skip`` on, encoded, a block at a
+    """The rows of ``path`` (or of its ``shard``, :func:`file_shards`) from row ``skip`` on, encoded, a block at a
     time; the rows before ``skip`` are decoded to be counted, not encoded. Decoding runs on a
     thread of its own (pyarrow's decoder releases the GIL), so it overlaps the encoding here.
 
     Raises:
         ValueError: as :func:`~hetero.data.readers.record_batches`.
     """
-    source = f"{path}" if byte_range is None else f"{path} (bytes {byte_range[0]}-{byte_range[1]})"
+    unit = "row groups" if reader.format is FileFormat.PARQUET else "bytes"
+    source = f"{path}" if shard is None else f"{path} ({unit} {shard[0]}-{shard[1]})"
 
     def decoded() -> Iterator:
         rows = skip
-        for batch in record_batches(path, encoding.schema, reader, byte_range=byte_range,
+        for batch in record_batches(path, encoding.schema, reader, shard=shard,
                                     block_bytes=config.block_bytes, bad=bad):
             if rows >= batch.num_rows:
                 rows -= batch.num_rows
