@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # hetero.explain / hetero.partition load torch.fx machinery on first use only.
+    # hetero.explain / partition / plan / apply load torch.fx and the planner on first use only.
     if name == "explain":
         from hetero.report import explain
 
@@ -21,12 +21,22 @@ def __getattr__(name: str):
         from hetero.placement.partitioner import partition
 
         return partition
+    if name == "plan":
+        from hetero.planner.planner import plan
+
+        return plan
+    if name == "apply":
+        from hetero.planner.apply import apply
+
+        return apply
     raise AttributeError(f"module 'hetero' has no attribute {name!r}")
 
 __all__ = [
     "HostEmbedding",
+    "apply",
     "explain",
     "partition",
+    "plan",
     "HostEmbeddingCollection",
     "Pooling",
     "StorageTier",

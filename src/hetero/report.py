@@ -21,13 +21,16 @@ from hetero.parallel.zero import ZeroConfig
 from hetero.placement.annotate import PlacementSpec
 from hetero.placement.explainer import Explanation
 from hetero.placement.explainer import explain as explain_placement
+from hetero.planner.plan import Plan
 
 
-def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSpec | None = None, *,
+def explain(model: nn.Module | Plan, example_inputs: tuple[Any, ...] = (), spec: PlacementSpec | None = None, *,
             sharding: ShardingPlan | None = None, mesh: Mapping[MeshDim, int] | None = None,
             all_to_all: bool = True, fusion: CommFusion = CommFusion(), zero: ZeroConfig = ZeroConfig(),
-            pipeline: PipelineConfig | Pipeline | None = None) -> Explanation:
-    """Describe what hetero makes of ``model`` on ``example_inputs``, without changing it.
+            pipeline: PipelineConfig | Pipeline | None = None) -> Explanation | Plan:
+    """Describe what hetero makes of ``model`` on ``example_inputs``, without changing it; or,
+    given a :class:`~hetero.planner.plan.Plan` (``hetero.plan``), the plan: every decision with
+    its predicted time and bytes and the runner-up it beat (the plan itself; print it).
 
     Args:
         spec: host/device placement (see :func:`hetero.placement.explainer.explain`).
@@ -50,6 +53,8 @@ def explain(model: nn.Module, example_inputs: tuple[Any, ...], spec: PlacementSp
             :func:`hetero.parallel.sharding_graph.explain_sharding`, or a plan without ``mesh``,
             or a data-parallel plan with an operator-sharded one (not modelled together yet).
     """
+    if isinstance(model, Plan):
+        return model
     report = explain_placement(model, example_inputs, spec)
     if sharding is not None:
         if not mesh:

@@ -23,8 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from hetero.embedding.capture import HostPool, capture_device_grad
+from hetero.embedding.config import Pooling
 from hetero.embedding.exchange import LocalRows, RowExchange
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import kernels
@@ -87,7 +89,12 @@ class TableGroup:
 
     def lookup(self, requests: list[Request], plan: LookupPlan | None = None) -> list[Tensor]:
         """Outputs of ``requests`` on the device of the first table's anchor (autograd-aware),
-        wherever the rows live (``exchange``); ``plan``: one a prefetcher built."""
+        wherever the rows live (``exchange``); ``plan``: one a prefetcher built.
+
+        Fake ids (``torch._subclasses.FakeTensorMode``: :mod:`hetero.planner` capturing a model's
+        costs) give outputs of the right shape that read no row."""
+        if is_fake(requests[0].ids):
+            return [_shape_only(r) for r in requests]
         return self.exchange.lookup(self, requests, plan)
 
     def _dedup_scratch(self, n: int) -> tuple[int, np.ndarray]:
@@ -224,3 +231,13 @@ class TableGroup:
     def track_row_versions(self) -> None:
         if self.row_version is None:
             self.row_version = np.zeros(self.num_rows, np.int64)
+
+
+def _shape_only(request: Request) -> Tensor:
+    """A fake lookup's output: one row per bag (pooled) or per id, on the anchor's device, as a
+    leaf that takes a gradient (what the backward would send to the host)."""
+    table, anchor = request.table, request.table._device_anchor
+    pooled = request.offsets is not None and table.config.pooling is not Pooling.NONE
+    rows = request.offsets.numel() - 1 if pooled else request.ids.numel()
+    return torch.zeros(rows, table.config.embedding_dim, dtype=anchor.dtype, device=anchor.device,
+                       requires_grad=torch.is_grad_enabled())

@@ -32,8 +32,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
+from torch.utils import _pytree as pytree
 
 from hetero.placement.annotate import PlacementSpec, current_region, module_target
+from hetero.placement.tagging import TARGET, tag_between
 from hetero.placement.threads import ThreadContext
 from hetero.placement.target import Target, copy_to, resolve_device
 
@@ -246,7 +248,12 @@ def _schedule(graph: fx.Graph, targets: dict[str, Target]) -> list[fx.Node]:
 def _run(sub: nn.Module, args, kwargs, env, context: ThreadContext):
     with context.applied():  # the caller's grad mode, device, stream and autocast, on this worker
         res = lambda a: fx.node.map_aggregate(fx.node.map_arg(a, lambda n: env[n]), _value)  # noqa: E731
-        return sub(*res(args), **res(kwargs))
+        inputs, named = res(args), res(kwargs)
+        out = sub(*inputs, **named)
+        if torch.is_grad_enabled():  # its backward is host work too (hetero.placement.tagging)
+            leaves = lambda x: [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]  # noqa: E731
+            tag_between(leaves(out), leaves((inputs, named)), TARGET, Target.HOST.value)
+        return out
 
 
 def _check_names(model: nn.Module, spec: PlacementSpec, graph: fx.Graph) -> None:

@@ -1,0 +1,188 @@
+"""``hetero.apply(model, plan)``: a plan made real on one rank, in the order of
+``hetero.parallel.parallelize`` - recompute regions first (module names unchanged), then the
+host/device partition (``hetero.partition``: host units' ops run on the host, their parameters
+live there, the copies inserted), then the optimizers where the plan puts their state: torch's
+beside device parameters, ``HostAdamW`` (all offloaded) or ``PartialOffloadAdamW`` (a ratio),
+torch's on the host for host units; host tables get their sparse optimizers. :class:`Applied`
+runs a training step with the plan's micro-batches (gradients accumulated, one update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from hetero.embedding import HostEmbedding, dense_parameters, host_tables
+from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind
+from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
+from hetero.parallel.recompute import apply_recompute
+from hetero.placement import Target, resolve_device
+from hetero.planner.plan import Plan
+from hetero.planner.space import OptimizerKind, StateHome
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The dense optimizer's hyperparameters (its kind is the plan's).
+
+    Attributes:
+        lr: learning rate; ``weight_decay``: AdamW's decoupled decay (SGD: L2).
+        betas, eps: AdamW's; ``momentum``: SGD's.
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.9
+
+
+@dataclasses.dataclass
+class Applied:
+    """A model as a plan runs it.
+
+    Attributes:
+        model: the runnable model (partitioned when some unit is on the host).
+        optimizer: the dense optimizer of the device units' parameters (torch's, HostAdamW or
+            PartialOffloadAdamW, as the plan says; ``None``: every unit is on the host).
+        host_optimizers: the host units' dense optimizer and the host tables' sparse ones.
+        micro_batches: passes per step (:meth:`step` splits the batch into them).
+        plan: the plan.
+        host_tensors: the parameters and buffers that live on the host (host units', tables').
+        host_work: the context :meth:`step` runs the host optimizers' updates in (a meter
+            attributes the work; default: none).
+    """
+
+    model: nn.Module
+    optimizer: Any
+    host_optimizers: list[Any]
+    micro_batches: int
+    plan: Plan
+    host_tensors: set[torch.Tensor]
+    host_work: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    def step(self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> float:  # noqa: ANN401
+        """One training step: the batch ``inputs`` (and ``target``) cut into the plan's
+        micro-batches along the first dimension of every tensor, forward and backward on each
+        (the loss divided by the micro-batches: the gradients sum to the whole batch's mean),
+        then every optimizer's update. Returns the batch's mean loss (a host sync point).
+
+        Raises:
+            ValueError: a tensor of another first dimension than the batch's (bags cannot be
+                cut by rows) with more than one micro-batch.
+        """
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        for opt in optimizers + self.host_optimizers:
+            opt.zero_grad()
+        m, total = self.micro_batches, 0.0
+        for part_inputs, part_target in zip(_split(inputs, m), _split(target, m)):
+            loss = loss_fn(self.model(*part_inputs), part_target) / m
+            loss.backward()
+            total += float(loss.detach())  # sync point: the reported loss
+        for opt in optimizers:
+            opt.step()
+        with self.host_work():
+            for opt in self.host_optimizers:
+                opt.step()
+        return total
+
+
+def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfig(),
+          sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}) -> Applied:
+    """Make ``plan`` real on ``model`` (changed in place; see the module docstring).
+
+    Args:
+        config: the dense optimizer's hyperparameters.
+        sparse_optimizers: host tables' sparse optimizers by qualified-name prefix (default
+            LazyAdam, each with its default config).
+
+    Raises:
+        ValueError: the plan names units the model does not have (another model's plan), or
+            its mesh needs several ranks (apply it per rank with ``hetero.parallel`` - not yet
+            here).
+    """
+    from hetero.planner.capture import plan_units
+
+    units = plan_units(model)
+    missing = [n for n in plan.units if n not in units]
+    if missing:
+        raise ValueError(f"the plan is for a model with units {missing}, which {type(model).__name__} does not have; "
+                         f"plan this model (hetero.plan)")
+    c = plan.candidate
+    if c.pp * c.dp * c.tp > 1:
+        raise ValueError(f"the plan's mesh pp {c.pp} x dp {c.dp} x tp {c.tp} runs on several ranks; hetero.apply "
+                         f"makes single-rank plans real so far")
+    apply_recompute(model, plan.recompute_config())
+    host_dense = [n for n in plan.host_units() if not any(isinstance(m, HostEmbedding) for m in units[n].modules())]
+    device = resolve_device(Target.DEVICE)
+    if host_dense:
+        from hetero.placement.partitioner import partition
+        from hetero.placement import PlacementSpec
+
+        spec = PlacementSpec()
+        for name in host_dense:
+            spec.module(name, Target.HOST)
+        runnable: nn.Module = partition(model, spec)  # moves every parameter to its target
+    else:
+        runnable = model.to(device)
+    on_host = {p for n in host_dense for p in units[n].parameters()}  # (tensors hash by identity)
+    dense = set(dense_parameters(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host and p in dense]
+    host_optimizers = []
+    if on_host:
+        host_optimizers.append(_torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config))
+    tables = host_tables(model)
+    for kind in SparseOptimizerKind:
+        own = {k: t for k, t in tables.items() if _kind(k, sparse_optimizers) is kind}
+        if own:
+            host_optimizers.append(kind.optimizer(own, kind.optimizer.Config()))
+    host_tensors = on_host | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
+    return Applied(runnable, _device_optimizer(named, plan, config) if named else None, host_optimizers,
+                   c.micro_batches, plan, host_tensors)
+
+
+def _kind(table: str, mapping: Mapping[str, SparseOptimizerKind]) -> SparseOptimizerKind:
+    matches = [prefix for prefix in mapping if table.startswith(prefix)]
+    return mapping[max(matches, key=len)] if matches else SparseOptimizerKind.LAZY_ADAM
+
+
+def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig) -> torch.optim.Optimizer:
+    if kind is OptimizerKind.ADAMW:
+        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+    return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+
+
+def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: OptimizerConfig) -> Any:  # noqa: ANN401
+    state = plan.candidate.state
+    if state is StateHome.DEVICE or plan.optimizer is not OptimizerKind.ADAMW:
+        return _torch_optimizer([p for _, p in named], plan.optimizer, c)
+    # the device keeps its weights in their own dtype: the update is AdamW's, exactly
+    host = HostOffloadConfig(device_dtype=named[0][1].dtype, accumulate=plan.candidate.micro_batches)
+    if state is StateHome.HOST:
+        return HostAdamW(named, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, config=host)
+    return PartialOffloadAdamW(named, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                               config=PartialOffloadConfig(plan.candidate.offload_ratio, host))
+
+
+def _split(tree: Any, parts: int) -> list[Any]:  # noqa: ANN401 - a pytree of batch tensors
+    """``tree`` cut into ``parts`` along the first dimension of every tensor."""
+    if parts == 1:
+        return [tree]
+    leaves, spec = pytree.tree_flatten(tree)
+    batch = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor)), None)
+    pieces = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            if t.shape[0] != batch:
+                raise ValueError(f"a tensor of {t.shape[0]} rows in a batch of {batch}: micro-batches cut every tensor "
+                                 f"by rows (bags cannot be cut so); plan with micro_batches=(1,)")
+            pieces.append(torch.tensor_split(t, parts))
+        else:
+            pieces.append([t] * parts)
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]

@@ -1,0 +1,244 @@
+"""A candidate's predicted step time and bytes: the :class:`CostModel` seam the search runs on,
+and :class:`MeasuredCost`, the one priced from a captured model and this machine's calibration.
+
+The search sees a model as a sequence of units, each with a few options (:class:`UnitChoice`),
+under a model-wide :class:`Candidate`. A cost model gives, per unit and option, a
+:class:`UnitCost`; per boundary ``i`` (into unit ``i``; ``0``: the batch into the first unit,
+``n``: the last unit's output into the loss, both on the device), given the options on its two
+sides, a :class:`BoundaryCost` - the copies' seconds when the sides are on different targets,
+and the boundary tensors the device keeps, which depends on both sides (a tensor the unit before
+keeps as its output and the unit after as its input is one tensor on one target, two on two);
+and the costs no unit decides (:class:`FixedCost`). With the kept bytes in order ``b_0, u_0,
+b_1, u_1, ..., b_n``, they combine as
+
+* step seconds = fixed + the units' + the boundaries';
+* device peak = fixed + the units' static bytes + ``max(sum of kept + fixed during,
+  max_i(kept before u_i + during_i))``: in backward, unit ``i`` holds what it and everything
+  before it kept, plus what its own backward rebuilds (a recomputed unit's activations) and its
+  gradient workspace;
+* host bytes = fixed + the units'.
+
+Reference: Checkmate (Jain et al. 2020) for the activation-memory model of recomputation;
+ZeRO-Offload (Ren et al. 2021) for the offloaded optimizer's bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Protocol
+
+from hetero.optim import SparseOptimizerKind
+from hetero.placement import Target
+from hetero.planner.calibration import Calibration
+from hetero.planner.capture import ModelGraph, OpCost, Unit
+from hetero.planner.space import UNIT_CHOICES, Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    """One unit under one option.
+
+    Attributes:
+        seconds: its forward, backward, recompute and optimizer update per step.
+        device_static: its parameters, gradients and optimizer state on the device (bytes).
+        device_kept: activations its forward keeps on the device until its backward.
+        device_during: device bytes its backward holds (``device_kept`` and more).
+        host_bytes: what it holds on the host.
+    """
+
+    seconds: float
+    device_static: int = 0
+    device_kept: int = 0
+    device_during: int = 0
+    host_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryCost:
+    """A boundary between two units: the copies' seconds, the tensors the device keeps there."""
+
+    seconds: float = 0.0
+    device_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedCost:
+    """What no unit's option changes: seconds by part, device and host bytes, and the device
+    bytes the ops of no unit hold in their backward on top of everything kept (the loss's
+    backward comes first, when every activation is alive)."""
+
+    parts: Mapping[str, float]
+    device_bytes: int = 0
+    host_bytes: int = 0
+    device_during: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+
+class CostModel(Protocol):
+    """What the search needs of a model (see the module docstring)."""
+
+    def names(self) -> list[str]:
+        """The units' names, in order."""
+
+    def options(self, i: int) -> tuple[UnitChoice, ...]:
+        """Unit ``i``'s allowed options (an annotation pins one target)."""
+
+    def unit(self, i: int, choice: UnitChoice, candidate: Candidate) -> UnitCost:
+        """Unit ``i``'s cost under ``choice``."""
+
+    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None,
+                 candidate: Candidate) -> BoundaryCost:
+        """Boundary ``i`` with unit ``i - 1`` under ``before`` and unit ``i`` under ``after``
+        (``None``: the batch, or the loss - the device's)."""
+
+    def fixed(self, candidate: Candidate) -> FixedCost:
+        """The costs of ``candidate`` that no unit's option changes."""
+
+
+_STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.SGD: 4}  # per fp32 element: moments / momentum
+_TABLE_STATE = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.FTRL: 2, SparseOptimizerKind.ADAGRAD: 1,
+                SparseOptimizerKind.ROWWISE_ADAGRAD: 0, SparseOptimizerKind.SGD: 0}  # table-sized states
+HOST_ADAMW_BYTES = 16  # per parameter on the host: fp32 master, two moments, the gradient buffer
+
+
+class MeasuredCost:
+    """:class:`CostModel` of a captured model on this machine's calibration.
+
+    Args:
+        graph: the captured model (its unit ``""`` - ops of no unit - runs on the device).
+        calibration: this machine's rates (its exact-shape timings already added for ``graph``).
+        optimizer: the dense optimizer (:class:`OptimizerKind`).
+        sparse: each host table's sparse optimizer, by the start of its qualified name (longest
+            match; default LazyAdam).
+        pinned: unit name -> the target a user annotation gives it.
+    """
+
+    def __init__(self, graph: ModelGraph, calibration: Calibration, optimizer: OptimizerKind,
+                 sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {}) -> None:
+        self.graph, self.cal, self.optimizer = graph, calibration, optimizer
+        self.units = [u for u in graph.units if u.name]
+        self.root = next(u for u in graph.units if not u.name)
+        self.sparse, self.pinned = sparse, pinned
+
+    def names(self) -> list[str]:
+        return [u.name for u in self.units]
+
+    def options(self, i: int) -> tuple[UnitChoice, ...]:
+        u = self.units[i]
+        if u.tables:  # host tables: their lookups run where their rows are
+            return (UnitChoice(Target.HOST),)
+        out = [c for c in UNIT_CHOICES if not (c.recompute and not u.saved_bytes)]
+        pin = self.pinned.get(u.name)
+        return tuple(c for c in out if pin is None or c.target is pin)
+
+    def _scale(self, c: Candidate) -> float:
+        return 1.0 / (c.dp * c.micro_batches)  # a pass's share of the captured batch
+
+    def _passes(self, ops: list[OpCost], target: Target, c: Candidate) -> float:
+        s = self._scale(c)
+        return c.micro_batches * sum(self.cal.op_seconds(target.value, op, s) for op in ops)
+
+    def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
+        u = self.units[i]
+        if u.tables:
+            return self._tables(u, c)
+        s = self._scale(c)
+        compute = self._passes(u.forward, choice.target, c) * (2 if choice.recompute else 1) + \
+            self._passes(u.backward, choice.target, c)
+        activations = int(u.saved_bytes * s)  # its own; its inputs are the boundary's
+        if choice.target is Target.HOST:  # everything of it is the host's; torch's optimizer there
+            rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
+            state = _STATE_BYTES[self.optimizer] * u.params
+            return UnitCost(compute + rate.seconds(u.params, u.param_tensors) - rate.fixed,
+                            host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s))
+        kept = 0 if choice.recompute else activations
+        during = activations + int((u.input_bytes + u.output_bytes) * s)  # its activations + gradient workspace
+        static, host, seconds = self._dense_state(u, c)
+        if c.state is not StateHome.DEVICE and c.micro_batches == 1:
+            during += u.largest_param_bytes  # gradients stream to the host one at a time
+        return UnitCost(compute + seconds, static, kept, during, host)
+
+    def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float]:
+        """Device bytes, host bytes and update seconds of a device unit's parameters."""
+        ratio = {StateHome.DEVICE: 0.0, StateHome.HOST: 1.0, StateHome.PARTIAL: c.offload_ratio}[c.state]
+        device_part = (1 - ratio) * u.params
+        # offloaded gradients stream to the host as backward makes them - unless micro-batches
+        # accumulate them on the device first (HostOffloadConfig.accumulate): then they stay
+        held = 1.0 if c.micro_batches > 1 else 1 - ratio
+        state, grads, params = _STATE_BYTES[self.optimizer] * device_part, held * u.param_bytes, u.param_bytes
+        zero = c.zero
+        state = state / c.dp if zero >= 1 else state
+        grads = grads / c.dp if zero >= 2 else grads
+        params = params / c.dp if zero >= 3 else params
+        rate, host_rate = self.cal.optimizers[self.optimizer.value], self.cal.optimizers["host_adamw"]
+        update_elems = device_part / c.dp if zero >= 1 else device_part
+        seconds = rate.seconds(update_elems, u.param_tensors) - rate.fixed if device_part else 0.0
+        offloaded = ratio * u.params
+        if offloaded:
+            host_s = host_rate.seconds(offloaded, u.param_tensors) - host_rate.fixed
+            copies = 0.0 if self.cal.host_is_device else \
+                self.cal.d2h.seconds(offloaded * 4) + self.cal.h2d.seconds(offloaded * 4)
+            seconds += host_s + copies
+        return int(params + grads + state), int(HOST_ADAMW_BYTES * offloaded), seconds
+
+    def _tables(self, u: Unit, c: Candidate) -> UnitCost:
+        seconds, host = 0.0, 0
+        for t in u.tables:
+            kind = self._sparse_kind(t.name)
+            traffic = self.graph.traffic.get(t.name)
+            ids = traffic.ids_per_batch / (c.dp * c.micro_batches) if traffic else 0.0
+            rows = traffic.unique(ids * c.micro_batches) if traffic else 0.0
+            rate = self.cal.tables[kind.value]
+            seconds += rate.seconds(ids * c.micro_batches, rows, t.dim)
+            state_rows = t.rows * (1 + _TABLE_STATE[kind]) if kind is not SparseOptimizerKind.ROWWISE_ADAGRAD \
+                else t.rows + t.rows / t.dim
+            host += int(state_rows * t.row_bytes / (c.dp if c.tables is TablePlacement.ROW_SHARDED else 1))
+        # the lookups' outputs reach the device each pass (the boundary after this unit copies them)
+        return UnitCost(seconds, host_bytes=host)
+
+    def _sparse_kind(self, table: str) -> SparseOptimizerKind:
+        matches = [prefix for prefix in self.sparse if table.startswith(prefix)]
+        return self.sparse[max(matches, key=len)] if matches else SparseOptimizerKind.LAZY_ADAM
+
+    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
+        on = [x.target if x is not None else Target.DEVICE for x in (before, after)]
+        seconds = 0.0
+        if on[0] is not on[1]:
+            into_host = on[1] is Target.HOST and not self.units[i].tables
+            seconds = self.cal.handoff_s * c.micro_batches if into_host else 0.0  # a host subgraph's hand-off
+            if not self.cal.host_is_device:  # (on a host-only machine hetero makes no copy)
+                nbytes = (self.units[i - 1].output_bytes if i > 0 else self.graph.input_bytes) * self._scale(c)
+                seconds += c.micro_batches * (self.cal.h2d.seconds(nbytes) + self.cal.d2h.seconds(nbytes))
+        if i == 0 or after is None:
+            return BoundaryCost(seconds)  # the batch and the loss's input: the fixed part's
+        u = self.units[i]
+        mine = after.target is Target.DEVICE  # the unit after keeps its inputs (all of them, recomputing)
+        theirs = before.target is Target.DEVICE and not before.recompute  # the unit before keeps its outputs
+        if mine and after.recompute:
+            kept = u.input_free_bytes
+        elif mine and theirs:
+            kept = u.input_either_bytes
+        else:
+            kept = u.input_own_bytes if mine else u.input_prev_bytes if theirs else 0
+        return BoundaryCost(seconds, int(kept * self._scale(c)))
+
+    def fixed(self, c: Candidate) -> FixedCost:
+        s = self._scale(c)
+        root = self._passes(self.root.forward, Target.DEVICE, c) + self._passes(self.root.backward, Target.DEVICE, c)
+        rate = self.cal.optimizers[self.optimizer.value]
+        parts = {"compute (ops of no unit)": root, "optimizer fixed": rate.fixed}
+        device = int((self.graph.input_bytes + self.root.saved_bytes) * s) + \
+            self.root.param_bytes * (2 + _STATE_BYTES[self.optimizer] // 4)
+        if c.state is not StateHome.DEVICE:
+            parts["optimizer fixed"] += self.cal.optimizers["host_adamw"].fixed
+        dense_bytes = sum(u.param_bytes for u in self.graph.units)
+        if c.dp > 1:
+            curves = self.cal.collectives.get(f"gloo:{c.dp}", {})
+            if curves:
+                factor = 1.5 if c.zero == 3 else 1.0  # ZeRO-3 also gathers the parameters twice
+                parts["gradient collectives"] = factor * curves["all_reduce"].seconds(dense_bytes)
+        return FixedCost(parts, device, 0, int(2 * self.root.grad_bytes * s))

@@ -1,0 +1,214 @@
+"""The plan: one value that says what a run does (see ``shared/design/parallel.md``), its file
+and its report.
+
+A :class:`Plan` holds the mesh and the model-wide decisions (:class:`~hetero.planner.space.Candidate`),
+each unit's decision, the user's annotations it kept, the predicted step time and peaks, and for
+every decision what it beat (:class:`Decision`). ``plan.save(path)`` writes the strategy file of
+the operator-parallel mechanism (:func:`hetero.parallel.save_strategy`: ``mesh`` and ``layout``,
+the placements of every sharded parameter) with the plan under ``"plan"``; :meth:`Plan.load`
+reads it back, checking every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hetero.placement import PlacementSpec, Target
+from hetero.parallel.recompute import RecomputeConfig
+from hetero.planner.space import Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts of a step.
+
+    Attributes:
+        seconds: the step time; ``parts``: seconds by part (they add up to it).
+        device_bytes, host_bytes: the peaks.
+    """
+
+    seconds: float
+    device_bytes: int
+    host_bytes: int
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One decision and the best alternative it beat.
+
+    Attributes:
+        what: the decision (``"unit blocks.0"``, ``"optimizer state"``, ``"micro-batches"``...).
+        chosen: the chosen value in words; ``seconds``, ``device_bytes``: the plan's prediction
+            with it (for a unit: the unit's own seconds and device bytes).
+        runner_up: the best other value (``""``: there was no other), with the whole plan's
+            predicted seconds and device peak, or why it lost (``"over the device budget"``).
+    """
+
+    what: str
+    chosen: str
+    seconds: float
+    device_bytes: int
+    runner_up: str = ""
+    runner_up_seconds: float | None = None
+    runner_up_device_bytes: int | None = None
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchReport:
+    """How the plan was found: the per-unit search's method, the candidates of the outer
+    enumeration tried and feasible, and the seconds of capture, calibration and search."""
+
+    method: str
+    candidates: int
+    feasible: int
+    capture_seconds: float
+    calibration_seconds: float
+    search_seconds: float
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything a run decides (see the module docstring).
+
+    Attributes:
+        model: the model's class name; ``batch``: the global batch it was planned for.
+        world_size: ranks; ``device_memory``, ``host_memory``: the budgets (bytes per rank;
+            ``None``: unlimited).
+        optimizer: the dense optimizer (its math; the plan decides where it runs).
+        candidate: the mesh and model-wide decisions.
+        units: each unit's decision, by qualified name, in model order.
+        annotations: the user's pinned targets the plan kept, by unit.
+        predicted: the chosen plan's prediction.
+        decisions: every decision with its runner-up.
+        search: how it was found.
+        machine: the calibrated machine, in words; ``host_is_device``: it has no accelerator
+            (the device part runs on the host's cores, and the plan says so).
+    """
+
+    model: str
+    batch: int
+    world_size: int
+    device_memory: int | None
+    host_memory: int | None
+    optimizer: OptimizerKind
+    candidate: Candidate
+    units: dict[str, UnitChoice]
+    annotations: dict[str, Target]
+    predicted: Prediction
+    decisions: list[Decision]
+    search: SearchReport
+    machine: str
+    host_is_device: bool
+
+    # ---------------------------------------------------------------- what it asks of a model
+    def host_units(self) -> list[str]:
+        """The units placed on the host (host tables included)."""
+        return [name for name, c in self.units.items() if c.target is Target.HOST]
+
+    def placement_spec(self) -> PlacementSpec:
+        """The plan's host/device placement as a :class:`~hetero.placement.PlacementSpec`."""
+        spec = PlacementSpec()
+        for name in self.host_units():
+            spec.module(name, Target.HOST)
+        return spec
+
+    def recompute_config(self) -> RecomputeConfig:
+        """The units that recompute their activations."""
+        return RecomputeConfig(tuple(name for name, c in self.units.items() if c.recompute))
+
+    # ---------------------------------------------------------------- file
+    def to_dict(self) -> dict[str, Any]:
+        c = self.candidate
+        return {
+            "format_version": FORMAT_VERSION, "model": self.model, "batch": self.batch, "world_size": self.world_size,
+            "device_memory": self.device_memory, "host_memory": self.host_memory, "optimizer": self.optimizer.value,
+            "candidate": {**dataclasses.asdict(c), "state": c.state.value, "tables": c.tables.value},
+            "units": {k: {"target": v.target.value, "recompute": v.recompute} for k, v in self.units.items()},
+            "annotations": {k: v.value for k, v in self.annotations.items()},
+            "predicted": dataclasses.asdict(self.predicted),
+            "decisions": [dataclasses.asdict(d) for d in self.decisions],
+            "search": dataclasses.asdict(self.search), "machine": self.machine, "host_is_device": self.host_is_device,
+        }
+
+    @staticmethod
+    def from_dict(doc: dict[str, Any], where: str = "plan") -> "Plan":
+        """Raises: ValueError: another format version or a field that does not parse (naming it)."""
+        if doc.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{where}: plan format {doc.get('format_version')!r}; this hetero reads {FORMAT_VERSION}")
+        try:
+            cand = dict(doc["candidate"])
+            cand["state"], cand["tables"] = StateHome(cand["state"]), TablePlacement(cand["tables"])
+            return Plan(doc["model"], doc["batch"], doc["world_size"], doc["device_memory"], doc["host_memory"],
+                        OptimizerKind(doc["optimizer"]), Candidate(**cand),
+                        {k: UnitChoice(Target(v["target"]), v["recompute"]) for k, v in doc["units"].items()},
+                        {k: Target(v) for k, v in doc["annotations"].items()}, Prediction(**doc["predicted"]),
+                        [Decision(**d) for d in doc["decisions"]], SearchReport(**doc["search"]), doc["machine"],
+                        doc["host_is_device"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: not a hetero plan ({type(e).__name__}: {e})") from None
+
+    def save(self, path: str | Path) -> Path:
+        """Write the strategy file (``mesh``, ``layout``) with the plan under ``"plan"``,
+        atomically (a temporary file renamed into place)."""
+        path = Path(path)
+        c = self.candidate
+        doc = {"mesh": {"shape": [c.pp, c.dp, c.tp], "dim_names": ["pp", "dp", "tp"]}, "layout": {},
+               "plan": self.to_dict()}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        """Read a plan file :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: no such file. ValueError: not a plan file (naming it).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"plan file {path} does not exist")
+        try:
+            doc = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+        if "plan" not in doc:
+            raise ValueError(f"{path} is a strategy file without a plan: write one with hetero.plan(...).save(path)")
+        return Plan.from_dict(doc["plan"], str(path))
+
+    # ---------------------------------------------------------------- report
+    def __str__(self) -> str:
+        def mb(b: float | None) -> str:
+            return "unlimited" if b is None else f"{b / 2**20:.1f} MiB"
+
+        p = self.predicted
+        lines = [f"plan for {self.model}: batch {self.batch}, {self.world_size} rank(s); budgets: device "
+                 f"{mb(self.device_memory)}, host {mb(self.host_memory)} per rank",
+                 f"machine: {self.machine}" + ("; no accelerator: the device part runs on the host's cores, "
+                                               "calibrated as such" if self.host_is_device else ""),
+                 f"predicted step {p.seconds * 1e3:.2f} ms; device peak {mb(p.device_bytes)}, host {mb(p.host_bytes)}",
+                 "  " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in p.parts.items() if v),
+                 f"search: {self.search.method}, {self.search.feasible} of {self.search.candidates} settings fit; "
+                 f"capture {self.search.capture_seconds:.2f} s, calibration {self.search.calibration_seconds:.2f} s "
+                 f"(cached), search {self.search.search_seconds:.2f} s",
+                 f"optimizer: {self.optimizer.value}"]
+        if self.annotations:
+            lines.append("kept annotations: " + ", ".join(f"{k} on {v.value}" for k, v in self.annotations.items()))
+        lines.append("decisions (predicted step and device peak with it; the runner-up it beat):")
+        for d in self.decisions:
+            line = f"  {d.what}: {d.chosen} ({d.seconds * 1e3:.2f} ms, {mb(d.device_bytes)})"
+            if d.runner_up:
+                alt = f"{d.runner_up_seconds * 1e3:.2f} ms, {mb(d.runner_up_device_bytes)}" \
+                    if d.runner_up_seconds is not None else d.why
+                line += f"; runner-up {d.runner_up} ({alt}{'; ' + d.why if d.why and d.runner_up_seconds else ''})"
+            lines.append(line)
+        return "\n".join(lines)

@@ -1,0 +1,322 @@
+"""``hetero.plan``: capture the model, price it on this machine's calibration, search every
+model-wide setting and, under each, every unit's option; keep the fastest plan within the
+budgets, with the runner-up each decision beat.
+
+Order of work: capture on fake tensors (:mod:`hetero.planner.capture`) -> the calibration from
+the cache, the model's op shapes timed once (:mod:`hetero.planner.calibration`) -> for each
+candidate of the outer enumeration (:func:`hetero.planner.space.candidates`) the per-unit search
+(:mod:`hetero.planner.search`) -> runner-ups: the best plan with each decision changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from hetero.optim import SparseOptimizerKind
+from hetero.placement import PlacementSpec, Target
+from hetero.planner.calibration import calibrate, time_shapes
+from hetero.planner.capture import capture
+from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
+from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
+from hetero.planner.search import Assignment, brute_force, dynamic_programming, evaluate, ilp
+from hetero.planner.space import Candidate, OptimizerKind, UnitChoice, candidates
+
+
+class SearchMethod(enum.Enum):
+    """The per-unit search (:mod:`hetero.planner.search`)."""
+
+    AUTO = "auto"  # the ILP up to ILP_UNITS units, the dynamic program beyond
+    DYNAMIC_PROGRAMMING = "dynamic_programming"
+    ILP = "ilp"
+    BRUTE_FORCE = "brute_force"
+
+
+ILP_UNITS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerConfig:
+    """How the planner searches.
+
+    Attributes:
+        method: the per-unit search (:class:`SearchMethod`).
+        micro_batches: gradient-accumulation counts to try (those dividing the per-rank batch).
+        offload_ratios: partial-offload ratios to try (AdamW only).
+        cache_dir: where the calibration is cached (default: hetero's cache directory).
+    """
+
+    method: SearchMethod = SearchMethod.AUTO
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    offload_ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
+    cache_dir: Path | None = None
+
+
+class NoPlanError(ValueError):
+    """No plan fits the budgets; the message gives the smallest budget that works and what
+    dominates it."""
+
+
+class Planner:
+    """A model captured and priced on this machine: :meth:`plan` searches under budgets,
+    :meth:`price` predicts a given plan (a hand-written one) with the same cost model.
+
+    Args: as :func:`plan` (the budgets apart).
+
+    Raises:
+        ValueError: as :func:`plan`.
+    """
+
+    def __init__(self, model: nn.Module, example_inputs: tuple[Any, ...], *, world_size: int = 1,
+                 loss_fn: Callable[[Any], Any] | None = None, optimizer: OptimizerKind = OptimizerKind.ADAMW,
+                 sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}, placement: PlacementSpec | None = None,
+                 sample_batches: tuple[tuple[Any, ...], ...] = (), config: PlannerConfig = PlannerConfig()) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: give the number of ranks the job runs on (>= 1)")
+        self.model_name, self.world_size, self.optimizer, self.config = type(model).__name__, world_size, optimizer, config
+        self.graph = capture(model, example_inputs, loss_fn, sample_batches)
+        self.pinned = _pins(placement, [u.name for u in self.graph.units if u.name])
+        start = time.perf_counter()
+        self.calibration = calibrate(config.cache_dir)
+        time_shapes(self.calibration, self.graph, ("device", "host"), config.cache_dir)
+        self.calibration_seconds = time.perf_counter() - start
+        self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned)
+        leaves = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+        splittable = all(t.dim() and t.shape[0] == self.graph.batch for t in leaves)  # bags cannot be cut by rows
+        self.settings = candidates(world_size, optimizer, self.graph.batch, any(u.tables for u in self.graph.units),
+                                   config.micro_batches if splittable else (1,), config.offload_ratios)
+
+    def plan(self, device_memory: int | None = None, host_memory: int | None = None) -> Plan:
+        """The fastest plan within the budgets (bytes per rank; ``None``: unlimited).
+
+        Raises:
+            ValueError: a budget below zero. NoPlanError: no plan fits.
+        """
+        for name, budget in (("device_memory", device_memory), ("host_memory", host_memory)):
+            if budget is not None and budget < 0:
+                raise ValueError(f"{name}={budget}: give a budget in bytes (>= 0), or None for unlimited")
+        start = time.perf_counter()
+        device_budget = float("inf") if device_memory is None else float(device_memory)
+        host_budget = float("inf") if host_memory is None else float(host_memory)
+        method = self.config.method
+        if method is SearchMethod.AUTO:
+            method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
+        search = _SEARCH[method]
+        results = [(c, search(self.cost, c, device_budget, host_budget)) for c in self.settings]
+        feasible = [(c, a) for c, a in results if a is not None]
+        if not feasible:
+            raise NoPlanError(_no_plan(self.cost, self.settings, search, device_budget, host_budget))
+        best_c, best = min(feasible, key=lambda ca: ca[1].seconds)
+        decisions = _global_decisions(best_c, best, results) + \
+            _unit_decisions(self.cost, best_c, best, search, device_budget, host_budget)
+        report = SearchReport(method.value, len(self.settings), len(feasible), self.graph.seconds,
+                              self.calibration_seconds, time.perf_counter() - start)
+        return self._plan(best_c, best, device_memory, host_memory, decisions, report)
+
+    def price(self, candidate: Candidate, units: Mapping[str, UnitChoice] = {}) -> Plan:
+        """``candidate`` with ``units``' decisions (the rest on the device) as a plan, priced by
+        the same cost model (no search; it may not fit any budget).
+
+        Raises:
+            ValueError: a unit the model does not have, or an option it cannot take.
+        """
+        names = self.cost.names()
+        for name in units:
+            if name not in names:
+                raise ValueError(f"no unit {name!r}; the model's units are {names}")
+        choices = []
+        for i, name in enumerate(names):
+            options = self.cost.options(i)
+            choice = units.get(name, options[0])
+            if choice not in options:
+                raise ValueError(f"unit {name!r} cannot take {choice}; its options are {[str(o) for o in options]}")
+            choices.append(choice)
+        a = evaluate(self.cost, candidate, choices)
+        report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0)
+        return self._plan(candidate, a, None, None, [], report)
+
+    def _plan(self, c: Candidate, a: Assignment, device_memory: int | None, host_memory: int | None,
+              decisions: list[Decision], report: SearchReport) -> Plan:
+        return Plan(self.model_name, self.graph.batch, self.world_size, device_memory, host_memory, self.optimizer, c,
+                    dict(zip(self.cost.names(), a.choices)), dict(self.pinned), _prediction(self.cost, c, a), decisions,
+                    report, self.calibration.machine, self.calibration.host_is_device)
+
+
+def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: int | None = None,
+         host_memory: int | None = None, world_size: int = 1, loss_fn: Callable[[Any], Any] | None = None,
+         optimizer: OptimizerKind = OptimizerKind.ADAMW, sparse_optimizers: Mapping[str, SparseOptimizerKind] = {},
+         placement: PlacementSpec | None = None, sample_batches: tuple[tuple[Any, ...], ...] = (),
+         config: PlannerConfig = PlannerConfig()) -> Plan:
+    """The fastest plan for training ``model`` within the budgets (see the module docstring).
+
+    Args:
+        example_inputs: one training batch as ``forward`` takes it (the plan is for its size).
+        device_memory, host_memory: budgets in bytes per rank (``None``: unlimited).
+        world_size: ranks the job will run on (the mesh ``pp x dp x tp`` is chosen for it).
+        loss_fn: the loss of the model's output (default: the sum of its outputs).
+        optimizer: the dense optimizer (:class:`OptimizerKind`); its math is kept.
+        sparse_optimizers: host tables' sparse optimizers by qualified-name prefix (default LazyAdam).
+        placement: the user's annotations: ``placement.module(unit, target)`` pins a unit; kept.
+        sample_batches: more batches whose table ids join the id statistics.
+        config: the search (:class:`PlannerConfig`).
+
+    Raises:
+        ValueError: an annotation naming no unit of the model (listing the units), a budget
+            below zero, or ``world_size < 1``.
+        NoPlanError: no plan fits (the smallest budget that works and what dominates it).
+    """
+    planner = Planner(model, example_inputs, world_size=world_size, loss_fn=loss_fn, optimizer=optimizer,
+                      sparse_optimizers=sparse_optimizers, placement=placement, sample_batches=sample_batches,
+                      config=config)
+    return planner.plan(device_memory, host_memory)
+
+
+def _search_brute(cost: CostModel, c: Candidate, device: float, host: float) -> Assignment | None:
+    if len(cost.names()) > 14:
+        raise ValueError(f"brute force over {len(cost.names())} units would try 3^{len(cost.names())} assignments: "
+                         f"use SearchMethod.ILP or DYNAMIC_PROGRAMMING")
+    return brute_force(cost, c, device, host)
+
+
+_SEARCH = {SearchMethod.DYNAMIC_PROGRAMMING: dynamic_programming, SearchMethod.ILP: ilp,
+           SearchMethod.BRUTE_FORCE: _search_brute}
+
+
+def _pins(placement: PlacementSpec | None, units: list[str]) -> dict[str, Target]:
+    """The units a user's annotations pin. Raises ValueError for a name that is no unit."""
+    if placement is None:
+        return {}
+    if placement.params or placement.ops:
+        raise ValueError("the planner keeps module annotations (placement.module(unit, target)); parameter and op "
+                         "pins are decided by the plan: place whole units")
+    for name in placement.modules:
+        if name not in units:
+            raise ValueError(f"annotation names {name!r}, which is not a unit of the model; its units are {units}")
+    return dict(placement.modules)
+
+
+def _prediction(cost: MeasuredCost, c: Candidate, a: Assignment) -> Prediction:
+    fixed = cost.fixed(c)
+    parts = dict(fixed.parts)
+    crossings, previous = 0.0, None
+    for i, choice in enumerate(a.choices):
+        u = cost.units[i]
+        key = "host tables" if u.tables else f"units on the {choice.target.value}"
+        parts[key] = parts.get(key, 0.0) + cost.unit(i, choice, c).seconds
+        crossings += cost.boundary(i, previous, choice, c).seconds
+        previous = choice
+    crossings += cost.boundary(len(a.choices), previous, None, c).seconds
+    parts["host<->device copies and hand-offs"] = crossings
+    return Prediction(a.seconds, a.device_bytes, a.host_bytes, parts)
+
+
+def _global_decisions(best_c: Candidate, best: Assignment,
+                      results: list[tuple[Candidate, Assignment | None]]) -> list[Decision]:
+    out = []
+    chosen = best_c.describe()
+    for what, value in chosen.items():
+        others = [(c, a) for c, a in results if c.describe()[what] != value]
+        if not others:
+            out.append(Decision(what, value, best.seconds, best.device_bytes))
+            continue
+        fitting = [(c, a) for c, a in others if a is not None]
+        if fitting:
+            c, a = min(fitting, key=lambda ca: ca[1].seconds)
+            out.append(Decision(what, value, best.seconds, best.device_bytes, c.describe()[what], a.seconds,
+                                a.device_bytes, "slower"))
+        else:
+            out.append(Decision(what, value, best.seconds, best.device_bytes, others[0][0].describe()[what],
+                                why="no assignment of it fits the budgets"))
+    return out
+
+
+@dataclasses.dataclass
+class _Pinned:
+    """A cost model with one unit's options restricted (the runner-up searches)."""
+
+    inner: CostModel
+    index: int
+    allowed: tuple[UnitChoice, ...]
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def options(self, i: int) -> tuple[UnitChoice, ...]:
+        return self.allowed if i == self.index else self.inner.options(i)
+
+    def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
+        return self.inner.unit(i, choice, c)
+
+    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
+        return self.inner.boundary(i, before, after, c)
+
+    def fixed(self, c: Candidate):  # noqa: ANN201 - FixedCost
+        return self.inner.fixed(c)
+
+
+def _unit_decisions(cost: MeasuredCost, c: Candidate, best: Assignment, search: Callable,
+                    device: float, host: float) -> list[Decision]:
+    out = []
+    for i, (name, choice) in enumerate(zip(cost.names(), best.choices)):
+        u = cost.unit(i, choice, c)
+        others = [o for o in cost.options(i) if o != choice]
+        if not others:
+            why = "host tables" if cost.units[i].tables else "pinned by an annotation"
+            out.append(Decision(f"unit {name}", f"{choice} ({why})", u.seconds, u.device_static + u.device_kept))
+            continue
+        alt = search(_Pinned(cost, i, tuple(others)), c, device, host)
+        if alt is None:
+            out.append(Decision(f"unit {name}", str(choice), u.seconds, u.device_static + u.device_kept,
+                                " / ".join(map(str, others)), why="no assignment with it fits the budgets"))
+        else:
+            out.append(Decision(f"unit {name}", str(choice), u.seconds, u.device_static + u.device_kept,
+                                str(alt.choices[i]), alt.seconds, alt.device_bytes, "slower"))
+    return out
+
+
+def _no_plan(cost: MeasuredCost, settings: list[Candidate], search: Callable, device: float, host: float) -> str:
+    """The error text: the smallest device (or host) budget that works and what dominates it."""
+    def fits(budget_device: float, budget_host: float) -> tuple[Candidate, Assignment] | None:
+        found = [(c, search(cost, c, budget_device, budget_host)) for c in settings]
+        found = [(c, a) for c, a in found if a is not None]
+        return min(found, key=lambda ca: ca[1].device_bytes) if found else None
+
+    if fits(float("inf"), host) is None:
+        least = fits(float("inf"), float("inf"))
+        need = min(a.host_bytes for _, a in [least]) if least else 0
+        return (f"no plan fits the host budget of {host / 2**20:.1f} MiB: the smallest that works is "
+                f"{need / 2**20:.1f} MiB (host tables, their optimizer state and offloaded optimizer state dominate)")
+    low, high = 0.0, fits(float("inf"), host)[1].device_bytes
+    while high - low > max(1.0, high * 1e-3):  # the smallest device budget that some plan meets
+        mid = (low + high) / 2
+        if fits(mid, host) is None:
+            low = mid
+        else:
+            high = mid
+    c, a = fits(high, host)
+    return (f"no plan fits the device budget of {device / 2**20:.1f} MiB; the smallest that works is "
+            f"{high / 2**20:.1f} MiB ({_dominant(cost, c, a)})")
+
+
+def _dominant(cost: MeasuredCost, c: Candidate, a: Assignment) -> str:
+    fixed = cost.fixed(c)
+    costs = [cost.unit(i, ch, c) for i, ch in enumerate(a.choices)]
+    static = sum(u.device_static for u in costs)
+    parts = {"parameters, gradients and optimizer state of the device units": static,
+             "the batch and the ops of no unit": fixed.device_bytes,
+             "activations held in backward": a.device_bytes - static - fixed.device_bytes}
+    what, nbytes = max(parts.items(), key=lambda kv: kv[1])
+    detail = ""
+    if what.startswith("parameters"):
+        i = max(range(len(costs)), key=lambda i: costs[i].device_static)
+        detail = f"; the largest: unit {cost.names()[i]!r}, {costs[i].device_static / 2**20:.1f} MiB"
+    return f"dominated by {what}: {nbytes / 2**20:.1f} MiB{detail}, with {c.describe()['optimizer state']} optimizer " \
+           f"state and {c.micro_batches} micro-batches"

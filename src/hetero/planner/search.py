@@ -1,0 +1,227 @@
+"""The per-unit search under one :class:`~hetero.planner.space.Candidate`: each unit's option
+minimising the predicted step time with the device and host peaks within their budgets.
+
+* :func:`evaluate` combines a cost model's parts into a step's seconds and peaks (the one rule,
+  see :mod:`hetero.planner.cost`); every search is checked against it.
+* :func:`dynamic_programming` walks the unit sequence keeping, per option of the last unit (a
+  boundary's cost depends on both its sides), the Pareto frontier of partial assignments over
+  (seconds, device static bytes, kept bytes, the running backward peak, host bytes): exact (a
+  label is dropped only when another is no worse in every part), and a frontier past
+  ``max_labels`` is thinned by rounding bytes to ``1 / resolution`` of the budget (then
+  near-exact).
+* :func:`ilp`: the same problem as a mixed-integer program solved by HiGHS
+  (``scipy.optimize.milp``): one binary per unit and option, one per pair of options across a
+  boundary (forced to 1 when both sides are chosen), and the backward peak as a variable above
+  each unit's prefix sum - exact.
+* :func:`brute_force`: every assignment (small graphs; the reference in tests).
+
+Reference: Checkmate (Jain et al. 2020) for recomputation as an integer program; Alpa (Zheng et
+al. 2022) and the reference design's ``dynamic_programming`` mode for DP over layer sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from hetero.planner.cost import CostModel
+from hetero.planner.space import Candidate, UnitChoice
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """Each unit's option, and what they add up to.
+
+    Attributes:
+        choices: per unit, in order.
+        seconds: the predicted step time.
+        device_bytes, host_bytes: the predicted peaks.
+    """
+
+    choices: tuple[UnitChoice, ...]
+    seconds: float
+    device_bytes: int
+    host_bytes: int
+
+
+def evaluate(cost: CostModel, candidate: Candidate, choices: Sequence[UnitChoice]) -> Assignment:
+    """The step seconds and peaks of ``choices`` under ``candidate`` (see :mod:`hetero.planner.cost`)."""
+    fixed = cost.fixed(candidate)
+    seconds, static, kept, peak, host = fixed.seconds, 0, 0, 0, fixed.host_bytes
+    previous: UnitChoice | None = None
+    for i, choice in enumerate(choices):
+        b = cost.boundary(i, previous, choice, candidate)
+        u = cost.unit(i, choice, candidate)
+        seconds += b.seconds + u.seconds
+        kept += b.device_bytes
+        static += u.device_static
+        peak = max(peak, kept + u.device_during)
+        kept += u.device_kept
+        host += u.host_bytes
+        previous = choice
+    b = cost.boundary(len(choices), previous, None, candidate)
+    seconds, kept = seconds + b.seconds, kept + b.device_bytes
+    return Assignment(tuple(choices), seconds, fixed.device_bytes + static + max(kept + fixed.device_during, peak),
+                      host)
+
+
+def brute_force(cost: CostModel, candidate: Candidate, device_budget: float, host_budget: float) -> Assignment | None:
+    """The best assignment within the budgets by trying every one (``None``: none fits)."""
+    best = None
+    for choices in itertools.product(*(cost.options(i) for i in range(len(cost.names())))):
+        a = evaluate(cost, candidate, choices)
+        if a.device_bytes <= device_budget and a.host_bytes <= host_budget and (best is None or a.seconds < best.seconds):
+            best = a
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class _Label:
+    seconds: float
+    static: int
+    kept: int
+    peak: int
+    host: int
+    choices: tuple[UnitChoice, ...]
+
+    def dominates(self, other: "_Label") -> bool:
+        return (self.seconds <= other.seconds and self.static <= other.static and self.kept <= other.kept
+                and self.peak <= other.peak and self.host <= other.host)
+
+
+def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: float, host_budget: float,
+                        max_labels: int = 4000, resolution: int = 2000) -> Assignment | None:
+    """The best assignment within the budgets (see the module docstring; ``None``: none fits)."""
+    fixed = cost.fixed(candidate)
+    n = len(cost.names())
+    frontier: dict[UnitChoice | None, list[_Label]] = {None: [_Label(fixed.seconds, 0, 0, 0, fixed.host_bytes, ())]}
+    quantum = max(1.0, device_budget / resolution) if device_budget != float("inf") else 1.0
+    for i in range(n):
+        grown: dict[UnitChoice | None, list[_Label]] = {}
+        options = [(c, cost.unit(i, c, candidate)) for c in cost.options(i)]
+        for previous, labels in frontier.items():
+            for choice, u in options:
+                b = cost.boundary(i, previous, choice, candidate)
+                for label in labels:
+                    kept = label.kept + b.device_bytes
+                    new = _Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
+                                 kept + u.device_kept, max(label.peak, kept + u.device_during), label.host + u.host_bytes,
+                                 label.choices + (choice,))
+                    if fixed.device_bytes + new.static + max(new.kept + fixed.device_during, new.peak) > device_budget \
+                            or new.host > host_budget:
+                        continue  # every part only grows: it never fits again
+                    grown.setdefault(choice, []).append(new)
+        frontier = {c: _pareto(labels, max_labels, quantum) for c, labels in grown.items()}
+        if not frontier:
+            return None
+    best = None
+    for last, labels in frontier.items():
+        b = cost.boundary(n, last, None, candidate)
+        for label in labels:
+            device = fixed.device_bytes + label.static + max(label.kept + b.device_bytes + fixed.device_during,
+                                                             label.peak)
+            if device > device_budget:
+                continue
+            if best is None or label.seconds + b.seconds < best.seconds:
+                best = Assignment(label.choices, label.seconds + b.seconds, device, label.host)
+    return best
+
+
+def _pareto(labels: list[_Label], max_labels: int, quantum: float) -> list[_Label]:
+    """The labels no other dominates (sorted by seconds); past ``max_labels``, bytes compare
+    rounded up to ``quantum``."""
+    labels.sort(key=lambda x: (x.seconds, x.static + x.kept + x.peak + x.host))
+    kept: list[_Label] = []
+    for label in labels:
+        if not any(k.dominates(label) for k in kept):
+            kept.append(label)
+    if len(kept) > max_labels:
+        def rounded(x: _Label) -> tuple:
+            return tuple(-(-v // quantum) for v in (x.static, x.kept, x.peak, x.host))
+
+        coarse: list[_Label] = []
+        for label in kept:
+            r = rounded(label)
+            if not any(all(a <= b for a, b in zip(rounded(k), r)) for k in coarse):
+                coarse.append(label)
+        kept = coarse
+    return kept
+
+
+def ilp(cost: CostModel, candidate: Candidate, device_budget: float, host_budget: float,
+        retries: int = 3) -> Assignment | None:
+    """The best assignment within the budgets as a mixed-integer program on HiGHS
+    (``scipy.optimize.milp``; see the module docstring). ``None``: none fits."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    n = len(cost.names())
+    fixed = cost.fixed(candidate)
+    options = [[(c, cost.unit(i, c, candidate)) for c in cost.options(i)] for i in range(n)]
+    x = {(i, k): j for j, (i, k) in enumerate((i, k) for i in range(n) for k in range(len(options[i])))}
+    pairs = {(i, a, b): len(x) + j for j, (i, a, b) in enumerate(
+        (i, a, b) for i in range(1, n) for a in range(len(options[i - 1])) for b in range(len(options[i])))}
+    peak = len(x) + len(pairs)
+    nv = peak + 1
+    budget = device_budget if 0 < device_budget < float("inf") else 1e6
+    scale = 1.0 / budget  # bytes as fractions of the budget: moderate coefficients for the solver
+    c = np.zeros(nv)
+    kept_boundary = [np.zeros(nv) for _ in range(n + 1)]  # kept bytes of boundary i (as rows)
+    kept_unit = [np.zeros(nv) for _ in range(n)]
+    during = [np.zeros(nv) for _ in range(n)]
+    device, host = np.zeros(nv), np.zeros(nv)
+    for (i, k), j in x.items():
+        choice, u = options[i][k]
+        ends = cost.boundary(0, None, choice, candidate) if i == 0 else None
+        tail = cost.boundary(n, choice, None, candidate) if i == n - 1 else None
+        c[j] = u.seconds + (ends.seconds if ends else 0.0) + (tail.seconds if tail else 0.0)
+        kept_unit[i][j] = u.device_kept * scale
+        if ends:
+            kept_boundary[0][j] = ends.device_bytes * scale
+        if tail:
+            kept_boundary[n][j] = tail.device_bytes * scale
+        during[i][j] = u.device_during * scale
+        device[j], host[j] = u.device_static * scale, u.host_bytes * scale
+    for (i, a, b), j in pairs.items():
+        bc = cost.boundary(i, options[i - 1][a][0], options[i][b][0], candidate)
+        c[j] = bc.seconds
+        kept_boundary[i][j] = bc.device_bytes * scale
+    rows, lo, hi = [], [], []
+
+    def add(r: np.ndarray, low: float, high: float) -> None:
+        rows.append(r), lo.append(low), hi.append(high)
+
+    for i in range(n):  # one option per unit
+        r = np.zeros(nv)
+        for k in range(len(options[i])):
+            r[x[i, k]] = 1
+        add(r, 1, 1)
+    for (i, a, b), j in pairs.items():  # z >= x_a + x_b - 1: the pair is on when both sides are
+        r = np.zeros(nv)
+        r[x[i - 1, a]], r[x[i, b]], r[j] = 1, 1, -1
+        add(r, -np.inf, 1)
+    prefix = np.zeros(nv)
+    for i in range(n):  # peak >= everything kept before unit i's backward (boundary i included) + its backward
+        prefix = prefix + kept_boundary[i]
+        r = prefix + during[i]
+        r[peak] = -1
+        add(r, -np.inf, 0)
+        prefix = prefix + kept_unit[i]
+    total = prefix + kept_boundary[n]
+    total[peak] = -1
+    add(total, -np.inf, -fixed.device_during * scale)  # peak >= everything kept + the loss's backward
+    device[peak] = 1
+    add(device, -np.inf, (device_budget - fixed.device_bytes) * scale)
+    add(host, -np.inf, (host_budget - fixed.host_bytes) * scale)
+    integrality = np.r_[np.ones(len(x)), np.zeros(len(pairs) + 1)]
+    bounds = Bounds(np.zeros(nv), np.r_[np.ones(len(x) + len(pairs)), np.inf])
+    result = milp(c, integrality=integrality, bounds=bounds, constraints=LinearConstraint(np.array(rows), lo, hi))
+    if result.x is None:
+        return None
+    choices = [options[i][max(range(len(options[i])), key=lambda k: result.x[x[i, k]])][0] for i in range(n)]
+    found = evaluate(cost, candidate, choices)
+    over = max(found.device_bytes - device_budget, 0), max(found.host_bytes - host_budget, 0)
+    if any(over) and retries:  # within the solver's tolerance but over: the budgets are hard
+        return ilp(cost, candidate, device_budget - 2 * over[0], host_budget - 2 * over[1], retries - 1)
+    return None if any(over) else found

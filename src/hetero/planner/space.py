@@ -1,0 +1,123 @@
+"""What a plan decides: the typed vocabulary of the search space.
+
+Per unit (:class:`UnitChoice`): host or device, and whether it recomputes its activations in
+backward. Per model (:class:`Candidate`, the outer enumeration): the mesh ``(pp, dp, tp)``, where
+the dense optimizer's state lives and updates (:class:`StateHome`, with the offload ratio of a
+partial offload), gradient-accumulation micro-batches, the ZeRO stage, and where the host tables
+live across ranks (:class:`TablePlacement`). Reference: the reference design's strategy search
+(``auto_parallel_search_mode``) and ZeRO-Offload's placement of optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from hetero.placement import Target
+
+
+class OptimizerKind(enum.Enum):
+    """The model's dense optimizer - the math, which a plan never changes (only where it runs)."""
+
+    ADAMW = "adamw"  # torch.optim.AdamW; offloaded: HostAdamW (the same update)
+    SGD = "sgd"  # torch.optim.SGD with momentum; its state stays beside its parameters
+
+
+class StateHome(enum.Enum):
+    """Where the dense optimizer's state (and the fp32 master weights) of device-placed
+    parameters lives and updates."""
+
+    DEVICE = "device"  # torch's optimizer beside the parameters
+    HOST = "host"  # HostAdamW: masters and moments on the host, gradients streamed (ZeRO-Offload)
+    PARTIAL = "partial"  # PartialOffloadAdamW: ``offload_ratio`` of the elements on the host
+
+
+class TablePlacement(enum.Enum):
+    """Where host tables live across the data-parallel ranks."""
+
+    HOST = "host"  # one process: its host holds every table
+    REPLICATED = "replicated"  # every rank's host holds whole tables; sparse gradients all-gathered
+    ROW_SHARDED = "row_sharded"  # each rank holds 1/dp of every table's rows; ids and rows all-to-all
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class UnitChoice:
+    """One unit's decision.
+
+    Attributes:
+        target: where its ops run and its parameters live.
+        recompute: its activations are dropped after forward and recomputed in backward
+            (``torch.utils.checkpoint``; device units only).
+    """
+
+    target: Target = Target.DEVICE
+    recompute: bool = False
+
+    def __str__(self) -> str:
+        return self.target.value + (" + recompute" if self.recompute else "")
+
+
+UNIT_CHOICES = (UnitChoice(Target.DEVICE), UnitChoice(Target.DEVICE, True), UnitChoice(Target.HOST))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A model-wide setting the per-unit search runs under.
+
+    Attributes:
+        pp, dp, tp: the mesh (``pp * dp * tp`` = world size).
+        state: where the dense optimizer's state lives (:class:`StateHome`).
+        offload_ratio: with ``StateHome.PARTIAL``, the fraction of elements on the host.
+        micro_batches: gradient-accumulation passes per step (pipeline micro-batches when
+            ``pp > 1``): a pass holds ``1 / micro_batches`` of the activations.
+        zero: ZeRO stage over ``dp`` (1: optimizer state, 2: + gradients, 3: + parameters).
+        tables: where host tables live (:class:`TablePlacement`).
+    """
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    state: StateHome = StateHome.DEVICE
+    offload_ratio: float = 0.0
+    micro_batches: int = 1
+    zero: int = 0
+    tables: TablePlacement = TablePlacement.HOST
+
+    def describe(self) -> dict[str, str]:
+        """The candidate's decisions in words, by name (as ``hetero.explain`` prints them)."""
+        state = self.state.value + (f" ({self.offload_ratio:.2f} on the host)" if self.state is StateHome.PARTIAL else "")
+        return {"mesh": f"pp {self.pp} x dp {self.dp} x tp {self.tp}", "optimizer state": state,
+                "micro-batches": str(self.micro_batches), "ZeRO stage": str(self.zero), "host tables": self.tables.value}
+
+
+def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables: bool,
+               micro_batches: tuple[int, ...] = (1, 2, 4, 8), ratios: tuple[float, ...] = (0.25, 0.5, 0.75),
+               max_pp: int = 1, max_tp: int = 1) -> list[Candidate]:
+    """The outer enumeration: every mesh shape of ``world_size`` ranks (``pp <= max_pp``,
+    ``tp <= max_tp``), state home (offload for AdamW only), micro-batch count dividing the
+    per-rank batch, ZeRO stage (with ``dp > 1``), and table placement (with ``dp > 1``)."""
+    out = []
+    for pp in range(1, max_pp + 1):
+        for tp in range(1, max_tp + 1):
+            if world_size % (pp * tp):
+                continue
+            dp = world_size // (pp * tp)
+            if batch % dp:
+                continue
+            per_rank = batch // dp
+            homes = [(StateHome.DEVICE, 0.0)]
+            if optimizer is OptimizerKind.ADAMW:
+                homes += [(StateHome.HOST, 1.0)] + [(StateHome.PARTIAL, r) for r in ratios]
+            tables = [TablePlacement.HOST] if dp == 1 or not has_tables else \
+                [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED]
+            zeros = [0] if dp == 1 else [0, 1, 2, 3]
+            for m in micro_batches:
+                if per_rank % m or (pp > 1 and m < pp):
+                    continue
+                for state, ratio in homes:
+                    for zero in zeros:
+                        if zero and state is not StateHome.DEVICE:
+                            continue  # an offloaded state shards itself (ShardedHostAdamW) - not modelled yet
+                        for placement in tables:
+                            out.append(Candidate(pp, dp, tp, state, ratio, m, zero, placement))
+    return out
