@@ -105,7 +105,7 @@ def test_plans_fit_their_budgets_as_measured_from_everything_fits_down_to_a_tent
 
 @pytest.mark.parametrize("kind,state,atol", [
     (OptimizerKind.ADAMW, StateHome.PARTIAL, 1e-4),  # Adam: another order of the micro-batch sums, normalised
-    (OptimizerKind.SGD, StateHome.DEVICE, 1e-6),  # SGD sees a wrong micro-batch scale (Adam would not)
+    (OptimizerKind.SGD_MOMENTUM, StateHome.DEVICE, 1e-6),  # SGD sees a wrong micro-batch scale (Adam would not)
 ])
 def test_an_applied_plan_trains_as_the_unplaced_model(cache, kind, state, atol):
     x, y = _batch()
@@ -145,10 +145,12 @@ def test_a_budget_no_plan_meets_names_the_smallest_that_works(cache):
 def test_annotations_are_kept_and_an_unknown_unit_is_refused_naming_the_units(cache):
     x, y = _batch()
     config = PlannerConfig(cache_dir=cache)
+    free = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=config).plan()
+    assert free.units["layers.1"].target is Target.DEVICE and not free.annotations  # no budget: the device
     pinned = PlacementSpec().module("layers.1", Target.HOST)
     plan = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), placement=pinned, config=config).plan()
     assert plan.units["layers.1"].target is Target.HOST and plan.annotations == {"layers.1": Target.HOST}
-    assert plan.units["layers.0"].target is Target.DEVICE  # unpinned: the faster device (no budget)
+    assert "unit layers.1: host (pinned by an annotation)" in str(plan)
     with pytest.raises(ValueError, match=r"annotation names 'layers\.9', which is not a unit of the model; its units "
                                          r"are \['inp', 'layers\.0', 'layers\.1', 'layers\.2', 'layers\.3', 'out'\]"):
         Planner(MLP(), (x,), placement=PlacementSpec().module("layers.9", Target.HOST), config=config)
@@ -202,3 +204,32 @@ def test_the_calibration_is_read_from_its_cache_and_never_from_another_machines(
     monkeypatch.setattr(calibration_module, "measure", lambda: measured.append(1) or first)
     calibrate(other)
     assert measured == [1]  # another machine's file: measured here instead
+
+
+def test_hetero_plan_writes_a_plan_that_hetero_train_applies_without_changing_the_training(ml_dir, tmp_path, capsys,
+                                                                                            cache, monkeypatch):
+    from hetero.cli import main
+
+    monkeypatch.setenv("HETERO_CACHE", str(cache))  # the session's calibration (the CLI's cache directory)
+    from conftest import movielens
+
+    job = [*movielens(ml_dir), "--batch-size", "64", "--epochs", "1", "--no-progress", "--embedding-dim", "8",
+           "--hidden", "16,8", "--dropout", "0"]
+    assert main(["plan", *job, "--device-memory", "64KiB", "--out", str(tmp_path / "plan.json")]) == 0
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.candidate.state is not StateHome.DEVICE  # 64 KiB: the MLP's Adam state goes to the host
+    assert plan.predicted.device_bytes <= 64 << 10
+    assert main(["train", *job, "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "planned")]) == 0
+    assert main(["train", *job, "--run-dir", str(tmp_path / "plain")]) == 0
+    planned = [float(r.split(",")[-1]) for r in (tmp_path / "planned" / "losses.csv").read_text().splitlines()[1:]]
+    plain = [float(r.split(",")[-1]) for r in (tmp_path / "plain" / "losses.csv").read_text().splitlines()[1:]]
+    assert planned == pytest.approx(plain, abs=1e-5)  # HostAdamW is Adam, recompute changes no value
+    from hetero.checkpoint import load_checkpoint
+
+    state = load_checkpoint(tmp_path / "planned" / "checkpoint.pt")["dense_optimizer"]["state"]
+    assert all(isinstance(k, str) for k in state)  # HostAdamW's state, by parameter name (torch's: by index)
+    assert Plan.load(tmp_path / "planned" / "plan.json").to_dict() == plan.to_dict()
+    assert main(["plan", *job, "--device-memory", "1KiB", "--out", str(tmp_path / "none.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hetero: error: no plan fits the device budget of 0.0 MiB; the smallest that works is ")
+    assert not (tmp_path / "none.json").exists()

@@ -35,7 +35,8 @@ class Synthetic:
     def boundary(self, i, before, after, candidate):
         targets = [c.target if c is not None else Target.DEVICE for c in (before, after)]
         seconds = self.crossings[i] if targets[0] is not targets[1] else 0.0
-        return BoundaryCost(seconds, self.kept.get((i, before, after), 0))
+        kept, during = self.kept.get((i, before, after), (0, 0))
+        return BoundaryCost(seconds, kept, during)
 
     def fixed(self, candidate):
         return self.fixed_cost
@@ -54,7 +55,7 @@ def synthetic(rng, n):
     for i in range(n + 1):
         for before in ((None,) if i == 0 else UNIT_CHOICES):
             for after in ((None,) if i == n else UNIT_CHOICES):
-                kept[i, before, after] = rng.randint(0, 25)
+                kept[i, before, after] = rng.randint(0, 25), rng.randint(0, 40)
     return Synthetic(costs, [rng.uniform(0, 2) for _ in range(n + 1)], FixedCost({"x": 1.0}, rng.randint(0, 30), 5, rng.randint(0, 40)),
                      kept)
 

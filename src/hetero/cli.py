@@ -30,13 +30,15 @@ from hetero.data import (
     FeatureRole,
 )
 from hetero.cli_data import job_data, prepare_cache
+from hetero.cli_plan import add_plan_arguments, apply_job_plan, build_model, dense_optimizer, job_plan, plan_job, \
+    planning_batches
 from hetero.data.encode import save_encoding
 from hetero.data.readers import ReaderConfig
 from hetero.data.stream import StreamBatches
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.jobfile import JobFile, read_job_file
-from hetero.models.dlrm import DLRM, DLRMConfig
-from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig, mlp_sharding_plan, pipeline_split_points
+from hetero.models.dlrm import DLRMConfig
+from hetero.models.wide_deep import FeatureSlot, WideDeepConfig, mlp_sharding_plan, pipeline_split_points
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.optim.accounting import storage_bytes
 from hetero.parallel import DataParallelConfig
@@ -44,6 +46,7 @@ from hetero.parallel.env import set_data_parallel_group
 from hetero.parallel.parallelize import ParallelPlan, parallelize
 from hetero.parallel.pipeline import pipeline
 from hetero.parallel.pipeline_plan import PipelineConfig, Schedule
+from hetero.parallel.recompute import apply_recompute
 from hetero.parallel.zero import ZeroConfig, local_elements, zero_optimizer
 from hetero.placement import Target, resolve_device
 from hetero.predict import ModelRecord, predict
@@ -58,11 +61,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetero", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    defaults = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
-    t = sub.add_parser("train", help="train Wide & Deep with host-resident embedding tables", formatter_class=defaults)
+def _train_arguments(t: argparse.ArgumentParser) -> None:
+    """``hetero train``'s flags (``hetero plan`` takes them too: the job it plans)."""
     g = t.add_argument_group("data")
     g.add_argument("--config", type=Path, help="a job config file (TOML): the data, its schema, and any of these "
                    "flags by name; flags given here override it (see hetero.jobfile; examples/movielens.toml)")
@@ -131,6 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ps-server-memory-mb", type=float, default=0.0,
                    help="each server's memory budget for its shard of rows and optimizer state (0: unlimited)")
     g.add_argument("--ps-timeout", type=float, default=60.0, help="seconds a worker waits for a server's answer")
+    g = t.add_argument_group("planning (hetero.plan)")
+    g.add_argument("--plan", help="auto: plan the job for this machine and world size (rank 0 plans, every rank "
+                   "applies it: dense optimizer state, recompute, table placement, ZeRO); or a plan file from "
+                   "`hetero plan`. The plan is written to RUN_DIR/plan.json")
+    add_plan_arguments(g)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hetero", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    defaults = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
+    t = sub.add_parser("train", help="train Wide & Deep with host-resident embedding tables", formatter_class=defaults)
+    _train_arguments(t)
+    pl = sub.add_parser("plan", help="plan a job (hetero.plan): placement and parallel strategy under memory budgets",
+                        formatter_class=defaults)
+    _train_arguments(pl)
+    pl.add_argument("--world-size", type=int, default=1, help="ranks the job will run on")
+    pl.add_argument("--out", type=Path, default=Path("plan.json"), help="the plan file to write")
     d = sub.add_parser("data", help="data tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
     dp = dsub.add_parser("prepare", help="encode a job file's data once into a columnar cache (hetero.data.prepare)",
@@ -238,15 +256,15 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
                          deep=f.role is not FeatureRole.WIDE) for f in data.specs]
     # a parameter server runs no model: it keeps it on the host and leaves the accelerator alone
     device = torch.device("cpu") if ps.role() is ps.Role.SERVER else resolve_device(Target.DEVICE)
-    if args.model == "dlrm":
-        for flag, used in (("--pp", args.pp > 1), ("--tp", args.tp > 1), ("--zero", args.zero)):
-            if used:
-                raise ValueError(f"{flag} splits Wide & Deep's MLP; --model dlrm trains data-parallel: drop {flag}")
-        model_config = DLRMConfig(embedding_dim=args.embedding_dim, bottom=args.bottom, top=args.hidden)
-        model = DLRM(slots, data.num_dense, model_config).to(device)
-    else:
-        model_config = WideDeepConfig(embedding_dim=args.embedding_dim, hidden=args.hidden, dropout=args.dropout)
-        model = WideDeep(slots, data.num_dense, model_config).to(device)
+    model, model_config = build_model(args, slots, data.num_dense, device)
+    plan = None
+    if args.plan:
+        if isinstance(data.train, StreamBatches) or args.pp > 1 or args.tp > 1 or args.ps_servers:
+            raise ValueError("--plan plans a data-parallel job on in-memory or prepared data: drop --stream (prepare a "
+                             "cache: hetero data prepare), --pp, --tp and --ps-servers")
+        plan = job_plan(args, model, planning_batches(args, data.train))
+        apply_job_plan(args, plan)  # the table placement and ZeRO stage it chose
+        apply_recompute(model, plan.recompute_config())
     pipe = None
     if args.pp > 1:
         pp_config = PipelineConfig(Schedule(args.schedule), args.micro_batches or args.pp,
@@ -288,8 +306,12 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
             parallel.save_strategy(args.run_dir / "strategy.json", mesh, layout)  # the resolved layout, for predict runs
     # foreach=False under --tp: the parameters mix DTensor shards and plain tensors
     foreach = None if mesh is None or args.tp == 1 else False
-    dense = (zero_optimizer(dense_parameters(model), torch.optim.Adam, zero, mesh, lr=args.dense_lr, foreach=foreach)
-             if mesh is not None and pipe is None else torch.optim.Adam(dense_parameters(model), lr=args.dense_lr))
+    if plan is not None and mesh is None:  # where the plan puts the dense optimizer's state
+        named = [(n, p) for n, p in model.named_parameters() if p in set(dense_parameters(model))]
+        dense = dense_optimizer(plan, named, args.dense_lr)
+    else:
+        dense = (zero_optimizer(dense_parameters(model), torch.optim.Adam, zero, mesh, lr=args.dense_lr, foreach=foreach)
+                 if mesh is not None and pipe is None else torch.optim.Adam(dense_parameters(model), lr=args.dense_lr))
     if args.zero:
         log.info("hetero: ZeRO stage %d over %d data-parallel ranks: this rank updates %d of %d dense parameter "
                  "elements", args.zero, parallel.world_size(), local_elements(dense),
@@ -388,10 +410,10 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None
     """
     parser = parser or build_parser()
     args = parser.parse_args(argv)
-    if args.command != "train" or args.config is None:
+    if args.command not in ("train", "plan") or args.config is None:
         return args, None
     job = read_job_file(args.config, _train_flags(parser))
-    at = argv.index("train") + 1  # the file's flags first: the command line's, after them, win
+    at = argv.index(args.command) + 1  # the file's flags first: the command line's, after them, win
     return parser.parse_args([*argv[:at], *job.argv, *argv[at:]]), job
 
 
@@ -415,6 +437,14 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         return 0
     if args.command == "predict":
         return _predict(args, parser)
+    if args.command == "plan":
+        try:
+            out = plan_job(args, job)
+        except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed
+            report_error(e)
+            return 1
+        print(json.dumps({"plan": str(out)}))
+        return 0
     if args.command == "checkpoint":
         try:
             out = merge(args.source, args.output)

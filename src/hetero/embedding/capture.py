@@ -18,6 +18,8 @@ from torch import Tensor
 from hetero.embedding.exchange import RowSpace
 from hetero.embedding.grad import SparseGrad
 from hetero.embedding.kernels import kernels
+from hetero.placement.tagging import TARGET
+from hetero.placement.target import Target
 
 if TYPE_CHECKING:
     from hetero.embedding.group import TableGroup
@@ -43,6 +45,8 @@ class HostPool(torch.autograd.Function):
     The backward hands the group a :class:`SparseGrad` that keeps the gradient per id; the
     optimizer coalesces it into one row per unique id as it updates (no gradient flows to
     ``rows``, which is a copy). On CUDA, ``F.embedding_bag``'s backward coalesces on the device.
+    Its autograd node is marked as host work (:mod:`hetero.placement.tagging`): the table's
+    backward is the host's, whatever thread runs it.
     """
 
     @staticmethod
@@ -55,13 +59,17 @@ class HostPool(torch.autograd.Function):
             scale_np = scale.numpy() if scale is not None else np.empty(0, np.float32)
             kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
         ctx.group, ctx.plan = group, plan  # index tensors only: nothing autograd needs to version-check
+        ctx.metadata[TARGET] = Target.HOST.value
         return out  # fp32 whatever the storage dtype: the backward then receives an fp32 gradient
 
     @staticmethod
     def backward(ctx, grad_out):
         plan = ctx.plan
-        # Keep the gradient per id: the optimizer coalesces it and updates in one pass.
-        src = grad_out.detach().float().contiguous()
+        # Keep the gradient per id: the optimizer coalesces it and updates in one pass. It is
+        # copied into memory of the table's own (copy: B x D floats), as the device path copies
+        # it to the host: the device's gradient - often a slice of a larger one - is then free
+        # as soon as backward moves on, not held until the step (micro-batches would pile up).
+        src = grad_out.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         scale = plan.scale if plan.scale is not None else torch.empty(0)
         ctx.group.pending.add(SparseGrad(plan.unique, None, RowSpace.GROUP, per_id=(src, plan.inverse, plan.offsets, scale),
                                          chain=(plan.first, plan.next)))

@@ -42,10 +42,18 @@ from hetero.placement.target import Target, copy_to, resolve_device
 
 @torch.fx.wrap
 def transfer(x: torch.Tensor, target: str) -> torch.Tensor:
-    """Copy ``x`` to the device of ``target`` (differentiable). Host->device is pinned and async."""
+    """Copy ``x`` to the device of ``target`` (differentiable). Host->device is pinned and async.
+
+    On a host-only machine (the device is the CPU too) the copy is made all the same, memory to
+    memory: each side then owns its tensors as it would beside an accelerator (the device's copy
+    is freed when the device is done with it, whatever the host keeps), so the device part's
+    memory - as :mod:`hetero.planner.meter` counts it - and the planner's model of it agree with
+    an accelerator's. It costs one memcpy of the boundary's bytes per crossing."""
     device = resolve_device(Target(target))
     if _recorder.active is not None:  # logical bytes across the boundary, also where both are the CPU
         _recorder.add(target, x.numel() * x.element_size())
+    if x.device == device:
+        return x.clone()  # copy: a host-only machine's stand-in for the host<->device copy
     if device.type == "cpu":
         return x.to(device)  # device -> host; on CUDA a sync point: the host subgraph needs the values
     return copy_to(x, device)
@@ -323,6 +331,16 @@ def _check_pins_honoured(model: nn.Module, spec: PlacementSpec, graph: fx.Graph,
                                  f"(PlacementSpec().module({prefix!r}, {pin.value!r})) or drop the pin")
 
 
+def capture_failure(model: nn.Module) -> str | None:
+    """Why :func:`partition` cannot capture ``model``'s graph (it then falls back to module-level
+    placement with hooks), or ``None`` when it can."""
+    try:
+        _Tracer().trace(model)
+    except Exception as e:  # noqa: BLE001 - any failure of symbolic tracing means: no graph
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: bool = True) -> HeteroModule:
     """Split ``model`` into host and device subgraphs per ``spec`` and the marks in the model.
 
@@ -443,9 +461,42 @@ def _fallback(model: nn.Module, spec: PlacementSpec, reason: str) -> HeteroModul
             if not _host_resident(m):
                 p.data = p.data.to(resolve_device(spec.params.get(full, t)))
         _move_own(m, resolve_device(t), parameters=False)
-        if name in placed or not name:
+        if (name in placed or not name) and not _on_the_worker(spec, name, m):
             m.register_forward_pre_hook(lambda mod, args, t=t: tuple(
                 transfer(a, t.value) if isinstance(a, torch.Tensor) else a for a in args))
     hm = HeteroModule(model, None, [], concurrent=False)
     hm.fallback_reason = reason
+    for name, m in model.named_modules():  # host modules run as host subgraphs do: on the worker
+        if _on_the_worker(spec, name, m):
+            m.forward = _on_worker(hm, m.forward)  # (its name and state unchanged)
     return hm
+
+
+def _on_the_worker(spec: PlacementSpec, name: str, module: nn.Module) -> bool:
+    """A module the spec places on the host, which does not manage its own residency (a table)."""
+    return spec.modules.get(name) is Target.HOST and not _host_resident(module)
+
+
+def _on_worker(hm: HeteroModule, forward: Any) -> Any:  # noqa: ANN401 - a module's bound forward
+    """``forward`` run on ``hm``'s host worker thread (the caller waits), as a host subgraph runs:
+    its inputs copied to the host there, its autograd nodes marked as host work, its outputs
+    copied back to the device."""
+    def moved(tree: Any, target: Target) -> Any:  # noqa: ANN401
+        return pytree.tree_map(lambda t: transfer(t, target.value) if isinstance(t, torch.Tensor) else t, tree)
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        context = ThreadContext.capture()
+
+        def work() -> Any:  # noqa: ANN401
+            with context.applied():
+                inputs, named = moved((args, kwargs), Target.HOST)
+                out = forward(*inputs, **named)
+                if torch.is_grad_enabled():
+                    leaves = lambda x: [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]  # noqa: E731
+                    tag_between(leaves(out), leaves((inputs, named)), TARGET, Target.HOST.value)
+                return out
+
+        return moved(hm._worker().submit(work).result(), Target.DEVICE)  # sync point: the caller needs it
+
+    return run

@@ -33,14 +33,14 @@ class OptimizerConfig:
 
     Attributes:
         lr: learning rate; ``weight_decay``: AdamW's decoupled decay (SGD: L2).
-        betas, eps: AdamW's; ``momentum``: SGD's.
+        betas, eps: AdamW's; ``momentum``: momentum SGD's.
     """
 
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    momentum: float = 0.9
+    momentum: float = 0.9  # OptimizerKind.SGD_MOMENTUM's (plain SGD has none)
 
 
 @dataclasses.dataclass
@@ -81,7 +81,7 @@ class Applied:
         for opt in optimizers + self.host_optimizers:
             opt.zero_grad()
         m, total = self.micro_batches, 0.0
-        for part_inputs, part_target in zip(_split(inputs, m), _split(target, m)):
+        for part_inputs, part_target in zip(split_batch(inputs, m), split_batch(target, m)):
             loss = loss_fn(self.model(*part_inputs), part_target) / m
             loss.backward()
             total += float(loss.detach())  # sync point: the reported loss
@@ -107,7 +107,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
             its mesh needs several ranks (apply it per rank with ``hetero.parallel`` - not yet
             here).
     """
-    from hetero.planner.capture import plan_units
+    from hetero.planner.graph import plan_units
 
     units = plan_units(model)
     missing = [n for n in plan.units if n not in units]
@@ -155,7 +155,8 @@ def _kind(table: str, mapping: Mapping[str, SparseOptimizerKind]) -> SparseOptim
 def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig) -> torch.optim.Optimizer:
     if kind is OptimizerKind.ADAMW:
         return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
-    return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+    momentum = c.momentum if kind is OptimizerKind.SGD_MOMENTUM else 0.0
+    return torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay)
 
 
 def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: OptimizerConfig) -> Any:  # noqa: ANN401
@@ -170,7 +171,7 @@ def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: Opti
                                config=PartialOffloadConfig(plan.candidate.offload_ratio, host))
 
 
-def _split(tree: Any, parts: int) -> list[Any]:  # noqa: ANN401 - a pytree of batch tensors
+def split_batch(tree: Any, parts: int) -> list[Any]:  # noqa: ANN401 - a pytree of batch tensors
     """``tree`` cut into ``parts`` along the first dimension of every tensor."""
     if parts == 1:
         return [tree]

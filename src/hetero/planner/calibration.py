@@ -4,9 +4,8 @@
   and backward) and attention by FLOPs, bandwidth-bound ops by bytes, views by count - each a
   :class:`Curve` through timed points of representative shapes (fp32, torch's own kernels, its
   intra-op threads) - and the eager overhead of an op under autograd (the Python call, the
-  autograd node, the backward engine). Host ops are timed as the partitioner runs them, on a
-  worker thread the caller waits on (on a host-only machine that thread's own OpenMP team
-  shares the cores with the caller's: measured 13-27% slower per op on 2 cores). A model's ops are also timed at their exact shapes the
+  autograd node, the backward engine), and the hand-off of a host subgraph to the partitioner's
+  worker thread after device work (its thread team wakes up). A model's ops are also timed at their exact shapes the
   first time a model with them is planned (:func:`time_shapes`; a convolution's or a batch norm's
   speed depends on its shapes far more than on its FLOPs or bytes), and cached with the rest. On a host-only machine the device is the host: one measurement serves both
   targets and the calibration says so (``host_is_device``); a copy between them costs nothing
@@ -26,80 +25,32 @@ torch's ``RuntimeEstimator`` roofline mode for per-op rates; the STREAM triad fo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import platform
-import statistics
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from hetero.planner.capture import ModelGraph, OpCost, OpFamily
+from hetero.planner.calibration_types import Curve, LinearRate, TableRate
+from hetero.planner.graph import ModelGraph, OpCost, OpFamily
+from hetero.planner.timing import (
+    copy_curves,
+    eager_seconds_per_op,
+    handoff_seconds,
+    host_adamw_rate,
+    op_curves,
+    optimizer_rate,
+    table_rates,
+    time_replays,
+)
 
-VERSION = 1  # bump when what is measured changes: older cache files are measured again
-
-
-@dataclasses.dataclass(frozen=True)
-class Curve:
-    """Seconds as a function of an amount of work (FLOPs, bytes, elements): measured points,
-    piecewise linear in log-log space between them, proportional to the work beyond the largest
-    and the smallest point's time below it (a fixed cost dominates small work)."""
-
-    points: tuple[tuple[float, float], ...]
-
-    def seconds(self, work: float) -> float:
-        pts = self.points
-        if work <= pts[0][0]:
-            return pts[0][1]
-        if work >= pts[-1][0]:
-            return pts[-1][1] * work / pts[-1][0]
-        lw = math.log(work)
-        for (w0, s0), (w1, s1) in zip(pts, pts[1:]):
-            if work <= w1:
-                f = (lw - math.log(w0)) / (math.log(w1) - math.log(w0))
-                return math.exp(math.log(s0) + f * (math.log(s1) - math.log(s0)))
-        return pts[-1][1]  # pragma: no cover - the loop always returns
-
-    @staticmethod
-    def through(points: list[tuple[float, float]]) -> "Curve":
-        """A curve through ``points`` (work, seconds); points of equal work are averaged."""
-        merged: dict[float, list[float]] = {}
-        for w, s in points:
-            merged.setdefault(float(w), []).append(max(float(s), 1e-9))
-        return Curve(tuple((w, statistics.fmean(v)) for w, v in sorted(merged.items())))
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearRate:
-    """Seconds = ``fixed + per_element * elements + per_tensor * tensors`` (an optimizer step)."""
-
-    fixed: float
-    per_element: float
-    per_tensor: float
-
-    def seconds(self, elements: float, tensors: float) -> float:
-        return max(0.0, self.fixed + self.per_element * elements + self.per_tensor * tensors) if elements else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class TableRate:
-    """A host table's step with one sparse optimizer: seconds = ``fixed + per_id_element *
-    ids * dim + per_row_element * unique_rows * dim`` (lookup, backward and update)."""
-
-    fixed: float
-    per_id_element: float
-    per_row_element: float
-
-    def seconds(self, ids: float, rows: float, dim: int) -> float:
-        return self.fixed + (self.per_id_element * ids + self.per_row_element * rows) * dim
+VERSION = 9  # bump when what is measured changes: older cache files are measured again
 
 
 @dataclasses.dataclass
@@ -113,11 +64,12 @@ class Calibration:
         ops: target (``"host"``/``"device"``) -> op family value -> :class:`Curve` (FLOPs,
             bytes, or one op for views).
         h2d, d2h: copy seconds by bytes (``None`` where the host is the device: no copy).
-        optimizers: ``"adamw"``, ``"sgd"`` (torch's, on the device), ``"adamw_host"``,
-            ``"sgd_host"`` (torch's on the host), ``"host_adamw"`` -> :class:`LinearRate`.
+        optimizers: ``"adamw"``, ``"sgd"``, ``"sgd_momentum"`` (torch's, on the device), the same
+            with ``"_host"`` (torch's on the host), ``"host_adamw"`` -> :class:`LinearRate`.
         tables: sparse optimizer kind value -> :class:`TableRate`.
         op_overhead_s: an op's eager overhead beyond its kernel (Python call, autograd).
-        handoff_s: handing a host subgraph to the partitioner's worker thread and waiting.
+        handoff_s: handing a host subgraph to the partitioner's worker thread after device work
+            (its thread team wakes up) and waiting: a boundary's.
         shapes: target -> op signature -> seconds at its exact shapes (NaN: not replayable).
         collectives: ``"<backend>:<world>"`` -> collective name -> :class:`Curve` by bytes.
         seconds: how long the measurement took.
@@ -139,17 +91,21 @@ class Calibration:
     seconds: float = 0.0
 
     def op_seconds(self, target: str, op: OpCost, scale: float = 1.0) -> float:
-        """One op's predicted seconds on ``target`` with its work scaled by ``scale`` (a
-        micro-batch's share): its exact-shape time if measured (scaled along its family's
-        curve), else the curve's; plus the eager overhead (none for a view)."""
-        curve = self.ops[target][op.family.value]
+        """One op's predicted seconds on ``target`` with its work scaled by ``scale`` (1: as
+        captured): its exact-shape time if measured (scaled along its family's curve), else the
+        curve's; plus the eager overhead (none for a view). On a host-only machine host and device
+        ops are the same kernels on the same cores: one timing serves both (two noisy timings of
+        one kernel would rank host and device by chance); what host placement costs there is the
+        hand-off at its boundaries."""
+        shapes_of = "device" if self.host_is_device else target
+        curve = self.ops[shapes_of][op.family.value]
         if op.family is OpFamily.VIEW:
             return curve.points[0][1]
-        work = op.nbytes if op.family is OpFamily.MEMORY else max(op.flops, 1.0)
-        exact = self.shapes.get(target, {}).get(op.signature) if op.signature else None
-        t = curve.seconds(work * scale)
+        work = (op.nbytes if op.family is OpFamily.MEMORY else max(op.flops, 1.0)) * scale
+        t = curve.seconds(work)
+        exact = self.shapes.get(shapes_of, {}).get(op.signature) if op.signature else None
         if exact is not None and not math.isnan(exact):
-            t = exact if scale == 1.0 else exact * t / curve.seconds(work)
+            t = exact * curve.seconds(work) / curve.seconds(work / scale)
         return t + self.op_overhead_s
 
     def to_json(self) -> dict[str, Any]:
@@ -217,6 +173,23 @@ def calibrate(cache_dir: Path | None = None, refresh: bool = False) -> Calibrati
         return result
 
 
+def collectives(calibration: Calibration, world: int, cache_dir: Path | None = None, backend: str = "gloo") -> None:
+    """Add the collectives of ``world`` ranks (``backend``) to ``calibration`` if missing: measured
+    on spawned processes of this host (seconds), then cached with the rest."""
+    from filelock import FileLock
+
+    from hetero.planner.timing import collective_curves
+
+    key = f"{backend}:{world}"
+    if world < 2 or key in calibration.collectives:
+        return
+    calibration.collectives[key] = collective_curves(world, backend)
+    path = cache_path(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        _write(path, calibration)
+
+
 def _read(path: Path) -> Calibration | None:
     try:
         doc = json.loads(path.read_text())
@@ -231,28 +204,6 @@ def _write(path: Path, result: Calibration) -> None:
     os.replace(tmp, path)
 
 
-def _timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05, max_repeats: int = 50) -> float:
-    """Median seconds of ``fn()`` over repeats filling about ``budget_s`` (after one warm-up);
-    on CUDA each repeat is bracketed by synchronisations (sync points: the kernels' time)."""
-    def once() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    first = once()
-    times = [once()]
-    repeats = min(max_repeats, max(2, int(budget_s / max(times[0], first, 1e-7))))
-    times += [once() for _ in range(repeats - 1)]
-    return statistics.median(times)
-
-
-timed = _timed
-
-
 def measure() -> Calibration:
     """Measure every rate (see the module docstring); about 10 s on a 2-core host."""
     from hetero.placement import Target, resolve_device
@@ -261,20 +212,21 @@ def measure() -> Calibration:
     key, text = machine_key()
     device = resolve_device(Target.DEVICE)
     host_is_device = device.type == "cpu"
-    handoff = _handoff_seconds()
-    ops = {"host": _op_curves(torch.device("cpu"), True, handoff), "device": _op_curves(device)}
+    ops = {"device": op_curves(device)}
+    ops["host"] = ops["device"] if host_is_device else op_curves(torch.device("cpu"))  # the same kernels there
     h2d = d2h = None
     if not host_is_device:
-        h2d, d2h = _copy_curves(device)
-    optimizers = {"adamw": _optimizer_rate(device, "adamw"), "sgd": _optimizer_rate(device, "sgd")}
-    optimizers["adamw_host"] = optimizers["adamw"] if host_is_device else _optimizer_rate(torch.device("cpu"), "adamw")
-    optimizers["sgd_host"] = optimizers["sgd"] if host_is_device else _optimizer_rate(torch.device("cpu"), "sgd")
-    optimizers["host_adamw"] = _host_adamw_rate()
-    tables = _table_rates()
+        h2d, d2h = copy_curves(device)
+    kinds = ("adamw", "sgd", "sgd_momentum")
+    optimizers = {k: optimizer_rate(device, k) for k in kinds}
+    optimizers.update({f"{k}_host": optimizers[k] if host_is_device else optimizer_rate(torch.device("cpu"), k)
+                       for k in kinds})
+    optimizers["host_adamw"] = host_adamw_rate()
+    tables = table_rates()
     small = ops["device"]["memory"].points[0][1]  # a direct call's cost, in the curves already
-    overhead = max(0.0, _eager_seconds_per_op(device) - small)
+    overhead = max(0.0, eager_seconds_per_op(device) - small)
     return Calibration(key, text, "cpu" if host_is_device else torch.cuda.get_device_name(device), host_is_device, ops,
-                       h2d, d2h, optimizers, tables, overhead, handoff, {}, {}, time.perf_counter() - start)
+                       h2d, d2h, optimizers, tables, overhead, handoff_seconds(), {}, {}, time.perf_counter() - start)
 
 
 def time_shapes(calibration: Calibration, graph: ModelGraph, targets: tuple[str, ...] = ("device",),
@@ -287,12 +239,13 @@ def time_shapes(calibration: Calibration, graph: ModelGraph, targets: tuple[str,
 
     todo = []
     for target in targets:
+        if target == "host" and calibration.host_is_device:
+            continue  # derived from the device's (see Calibration.op_seconds)
         known = calibration.shapes.setdefault(target, {})
         todo += [(target, sig) for sig in graph.replays if sig not in known]
     if not todo:
         return 0
-    with _worker() as wrap:
-        _time_replays(calibration, graph, todo, wrap, calibration.handoff_s)
+    time_replays(calibration, graph, todo)
     path = cache_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
@@ -305,233 +258,3 @@ def time_shapes(calibration: Calibration, graph: ModelGraph, targets: tuple[str,
     return len(todo)
 
 
-def _time_replays(calibration: Calibration, graph: ModelGraph, todo: list[tuple[str, str]], wrap: Callable,
-                  handoff: float) -> None:
-    from hetero.placement import Target, resolve_device
-
-    for target, sig in todo:
-        device = resolve_device(Target.HOST if target == "host" else Target.DEVICE)
-        replay = graph.replays[sig]
-        args, kwargs = _materialise((replay.args, replay.kwargs), device)
-
-        def run(replay: Any = replay, args: Any = args, kwargs: Any = kwargs) -> object:  # noqa: ANN401
-            return replay.op(*args, **kwargs)
-
-        try:  # host ops as the partitioner runs them: on a worker thread (the hand-off is the boundary's)
-            seconds = timed(run, device, budget_s=0.01, max_repeats=10) if target != "host" else \
-                max(timed(wrap(run), device, budget_s=0.01, max_repeats=10) - handoff, 1e-7)
-        except Exception:  # noqa: BLE001 - an op that needs real values (an index, a shape): the curve serves
-            seconds = float("nan")
-        calibration.shapes[target][sig] = seconds
-
-
-def _materialise(tree: Any, device: torch.device) -> Any:  # noqa: ANN401 - a pytree of replay arguments
-    """Replay arguments with random tensors of their specs on ``device``."""
-    from torch.utils import _pytree as pytree
-
-    from hetero.planner.capture import TensorSpec
-
-    def make(x: Any) -> Any:  # noqa: ANN401
-        if not isinstance(x, TensorSpec):
-            return x
-        size = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride)) if all(x.shape) else 0
-        base = torch.rand(max(size, 1), device=device).to(x.dtype) if x.dtype.is_floating_point else \
-            torch.zeros(max(size, 1), dtype=x.dtype, device=device)
-        return base.as_strided(x.shape, x.stride)
-
-    return pytree.tree_map(make, tree)
-
-
-def _eager_seconds_per_op(device: torch.device) -> float:
-    """Seconds per aten op of a chain of small elementwise ops run forward and backward from
-    Python under autograd (what a model's many small ops cost beyond their kernels)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    x = torch.rand(16, device=device, requires_grad=True)
-
-    def run() -> None:
-        y = x
-        for _ in range(25):
-            y = torch.relu(y * 1.0001 + 0.0001)
-        y.sum().backward()
-
-    count = [0]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            count[0] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        run()
-    return timed(run, device, budget_s=0.1) / count[0]
-
-
-def _flops(fn: Callable[[], object]) -> int:
-    """FLOPs of the aten ops ``fn`` runs, counted as the capture counts them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from hetero.planner.capture import op_flops
-
-    total = [0]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            out = func(*args, **(kwargs or {}))
-            total[0] += op_flops(func, args, kwargs or {}, out)
-            return out
-
-    with Count():
-        fn()
-    return total[0]
-
-
-@contextlib.contextmanager
-def _worker() -> Iterator[Callable[[Callable[[], object]], Callable[[], object]]]:
-    """A function making ``fn`` run on one worker thread the caller waits on (how the
-    partitioner runs host subgraphs); the thread ends with the block."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-calibration") as pool:
-        yield lambda fn: (lambda: pool.submit(fn).result())
-
-
-def _handoff_seconds() -> float:
-    """Seconds of handing a task to a worker thread and waiting for it (per host subgraph run)."""
-    with _worker() as wrap:
-        return _timed(wrap(lambda: None), torch.device("cpu"), budget_s=0.05)
-
-
-def _op_curves(device: torch.device, on_worker: bool = False, handoff: float = 0.0) -> dict[str, Curve]:
-    if not on_worker:
-        return _op_curves_with(device, lambda fn: fn, 0.0)
-    with _worker() as wrap:
-        return _op_curves_with(device, wrap, handoff)
-
-
-def _op_curves_with(device: torch.device, wrap: Callable, handoff: float) -> dict[str, Curve]:
-    import torch.nn.functional as F
-
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def timed(fn: Callable[[], object], device: torch.device, **kwargs: Any) -> float:  # noqa: ANN401
-        return max(_timed(wrap(fn), device, **kwargs) - handoff, 1e-7)  # the hand-off is the boundary's
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=g, device=device)
-
-    out: dict[str, list[tuple[float, float]]] = {f.value: [] for f in OpFamily}
-    for m, k, n in [(8, 8, 8), (32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512),
-                    (1024, 1024, 1024), (1536, 1536, 1536), (2048, 64, 64), (4096, 256, 256), (256, 1024, 4096),
-                    (32, 784, 512), (8192, 128, 64)]:
-        a, b = rand(m, k), rand(k, n)
-        out["matmul"].append((2 * m * k * n, timed(lambda: a @ b, device)))
-    for cin, cout, hw, kernel, stride in [(3, 64, 32, 7, 2), (16, 16, 8, 3, 1), (64, 64, 16, 1, 1), (64, 64, 16, 3, 1),
-                                          (64, 256, 8, 1, 1), (128, 128, 8, 3, 1), (256, 256, 4, 3, 1),
-                                          (512, 512, 2, 3, 1), (1024, 256, 2, 1, 1), (256, 64, 16, 1, 1)]:
-        x, w = rand(8, cin, hw, hw), rand(cout, cin, kernel, kernel)
-        y = F.conv2d(x, w, stride=stride, padding=kernel // 2)
-        fwd = lambda: F.conv2d(x, w, stride=stride, padding=kernel // 2)  # noqa: E731
-        bwd = lambda: torch.ops.aten.convolution_backward(  # noqa: E731
-            y, x, w, None, [stride] * 2, [kernel // 2] * 2, [1, 1], False, [0, 0], 1, [True, True, False])
-        out["conv"].append((_flops(fwd), timed(fwd, device)))
-        out["conv_backward"].append((_flops(bwd), timed(bwd, device)))
-    for b, h, t, d in [(2, 2, 32, 32), (4, 4, 64, 32), (8, 4, 128, 64), (8, 8, 256, 64), (4, 8, 512, 64)]:
-        q, k_, v = (rand(b, h, t, d).requires_grad_() for _ in range(3))
-        fwd = lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True)  # noqa: E731
-        y = fwd()
-        grad = torch.ones_like(y)
-        bwd = lambda: torch.autograd.grad(y, (q, k_, v), grad, retain_graph=True)  # noqa: E731
-        out["attention"].append((_flops(fwd), timed(fwd, device)))
-        out["attention"].append((_flops(bwd), timed(bwd, device)))
-    for n in [1 << 8, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]:
-        a, b, c = rand(n), rand(n), rand(n)
-        out["memory"].append((12 * n, timed(lambda: torch.add(a, b, out=c), device)))
-    a = rand(64)
-    out["view"].append((1, timed(lambda: [a.view(8, 8) for _ in range(100)], device) / 100))
-    return {k: Curve.through(v) for k, v in out.items()}
-
-
-def _copy_curves(device: torch.device) -> tuple[Curve, Curve]:
-    up, down = [], []
-    for n in [1 << 12, 1 << 16, 1 << 20, 1 << 24]:
-        host = torch.empty(n, dtype=torch.uint8).pin_memory()
-        dev = torch.empty(n, dtype=torch.uint8, device=device)
-        up.append((n, timed(lambda: dev.copy_(host, non_blocking=True), device)))
-        down.append((n, timed(lambda: host.copy_(dev, non_blocking=True), device)))
-    return Curve.through(up), Curve.through(down)
-
-
-def _fit(rows: list[tuple[float, ...]], seconds: list[float]) -> np.ndarray:
-    """Least-squares coefficients (non-negative where the data allow) of ``seconds ~ rows``."""
-    coef, *_ = np.linalg.lstsq(np.array(rows, dtype=np.float64), np.array(seconds), rcond=None)
-    return np.maximum(coef, 0.0)
-
-
-def _optimizer_rate(device: torch.device, kind: str) -> LinearRate:
-    rows, seconds = [], []
-    for total, tensors in [(1 << 16, 4), (1 << 20, 4), (1 << 22, 8), (1 << 20, 64), (1 << 16, 64)]:
-        params = [torch.nn.Parameter(torch.rand(total // tensors, device=device)) for _ in range(tensors)]
-        for p in params:
-            p.grad = torch.rand_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3) if kind == "adamw" else torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-        rows.append((1.0, total, tensors))
-        seconds.append(timed(opt.step, device))
-    return LinearRate(*map(float, _fit(rows, seconds)))
-
-
-def _host_adamw_rate() -> LinearRate:
-    from hetero.optim import HostAdamW, HostOffloadConfig
-
-    rows, seconds = [], []
-    for total, tensors in [(1 << 16, 4), (1 << 20, 4), (1 << 22, 8), (1 << 20, 64)]:
-        params = [torch.nn.Parameter(torch.rand(total // tensors)) for _ in range(tensors)]
-        opt = HostAdamW([(f"p{i}", p) for i, p in enumerate(params)], lr=1e-3,
-                        config=HostOffloadConfig(device_dtype=torch.float32))
-        for p in params:
-            opt.grad_buffer(p).copy_(torch.rand(p.numel()))
-        rows.append((1.0, total, tensors))
-        seconds.append(timed(opt.update_from_host_gradients, torch.device("cpu")))
-    return LinearRate(*map(float, _fit(rows, seconds)))
-
-
-def _table_rates() -> dict[str, TableRate]:
-    from hetero.embedding import HostEmbeddingCollection, TableConfig
-    from hetero.optim import SparseOptimizerKind
-
-    rng = np.random.default_rng(0)
-    rows = 1 << 18
-    cases = [(4096, rows), (32768, rows), (32768, 512)]  # (ids, distinct rows drawn from)
-    out = {}
-    for kind in SparseOptimizerKind:
-        xs, ys = [], []
-        for dim in (8, 32):
-            collection = HostEmbeddingCollection([TableConfig("t", rows, dim)])
-            optimizer = kind.optimizer(dict(collection.tables.items()), kind.optimizer.Config())
-            for n, span in cases:
-                ids = torch.from_numpy(rng.integers(0, span, n))
-
-                def step(ids: torch.Tensor = ids) -> None:
-                    optimizer.zero_grad()
-                    collection({"t": ids})["t"].sum().backward()
-                    optimizer.step()
-
-                xs.append((1.0, n * dim, int(torch.unique(ids).numel()) * dim))
-                ys.append(timed(step, torch.device("cpu")))
-        out[kind.value] = TableRate(*map(float, _fit(xs, ys)))
-    return out
-
-
-def collective_curves(world: int, backend: str = "gloo") -> dict[str, Curve]:
-    """All-reduce, all-gather and reduce-scatter seconds by bytes per rank on ``world`` spawned
-    ``backend`` processes of this host (loopback)."""
-    import torch.multiprocessing as mp
-
-    from hetero.planner._collectives import measure_rank, free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(measure_rank, args=(world, free_port(), backend, queue), nprocs=world, join=True,
-                       start_method="spawn")
-    result = queue.get()
-    return {name: Curve.through([tuple(p) for p in pts]) for name, pts in result.items()}

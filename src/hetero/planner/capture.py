@@ -21,248 +21,18 @@ fake-tensor capture); Paleo (Qi et al. 2017) for per-layer cost models.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection
 from hetero.placement.tagging import tag_between
-
-
-class OpFamily(enum.Enum):
-    """How an op's time is predicted (:mod:`hetero.planner.calibration` measures each)."""
-
-    MATMUL = "matmul"  # mm, addmm, bmm, baddbmm: FLOP-bound
-    CONV = "conv"  # convolution forward
-    CONV_BACKWARD = "conv_backward"
-    ATTENTION = "attention"  # scaled dot-product attention, forward and backward
-    MEMORY = "memory"  # elementwise ops, reductions, norms, copies: bandwidth-bound
-    VIEW = "view"  # no data moved (views, metadata): dispatch only
-
-
-_MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
-_VIEW = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach", "alias", "as_strided", "slice",
-         "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "reshape", "_reshape_alias",
-         "lift_fresh", "device", "numel", "sym_size", "sym_stride", "is_same_size", "view_as", "expand_as"}
-
-
-def op_family(name: str) -> OpFamily:
-    """The :class:`OpFamily` of an aten op by its overload packet's name (``"mm"``, ``"add_"``)."""
-    base = name.split(".")[-1]
-    if base in _MATMUL:
-        return OpFamily.MATMUL
-    if base == "convolution":
-        return OpFamily.CONV
-    if base == "convolution_backward":
-        return OpFamily.CONV_BACKWARD
-    if "scaled_dot_product" in base:
-        return OpFamily.ATTENTION
-    if base in _VIEW:
-        return OpFamily.VIEW
-    return OpFamily.MEMORY
-
-
-def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:  # noqa: ANN401 - an aten op and its values
-    """FLOPs of one aten op: torch's ``flop_counter`` formulas; for attention kernels it has none
-    for (the CPU's flash attention), ``4 B H T S D`` forward and 2.5 times that backward
-    (FlashAttention's count: two matmuls forward, five backward)."""
-    from torch.utils.flop_counter import flop_registry
-
-    packet = func._overloadpacket
-    if packet in flop_registry:
-        return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    name = str(packet)
-    if "scaled_dot_product" not in name:
-        return 0
-    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
-    backward = name.endswith("_backward")
-    q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
-    b, h, t, d = q.shape
-    flops = 4 * b * h * t * k.shape[-2] * d
-    return int(flops * 2.5) if backward else flops
-
-
-@dataclasses.dataclass(frozen=True)
-class OpCost:
-    """One op: its family, FLOPs and bytes of its tensors (inputs and outputs), and (but for a
-    view) the key of its exact shapes (:class:`Replay`)."""
-
-    family: OpFamily
-    flops: int
-    nbytes: int
-    signature: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """A tensor argument's metadata (what a replay builds a random tensor of)."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class Replay:
-    """An op with its exact argument shapes: :mod:`hetero.planner.calibration` times it once per
-    machine (cached by :attr:`OpCost.signature`)."""
-
-    op: Any  # a torch OpOverload
-    args: tuple
-    kwargs: dict
-
-
-def _replay(func: Any, args: tuple, kwargs: dict) -> tuple[str, Replay]:  # noqa: ANN401 - an OpOverload
-    def spec(x: Any) -> Any:  # noqa: ANN401
-        return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else x
-
-    args, kwargs = pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
-    return f"{func}|{args}|{sorted(kwargs.items())}", Replay(func, args, kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class TableInfo:
-    """A host table as the planner sees it.
-
-    Attributes:
-        name: the table's qualified name in the model.
-        rows, dim: its shape; ``row_bytes``: bytes of one row as stored.
-        pooled: bags pooled into one output row each (else one output row per id).
-    """
-
-    name: str
-    rows: int
-    dim: int
-    row_bytes: int
-    pooled: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class TableTraffic:
-    """A host table's ids in sample batches: how many per batch, and their frequencies.
-
-    Attributes:
-        ids_per_batch: ids looked up per batch of the captured size (mean over the samples).
-        unique_per_batch: distinct ids per batch (mean): the rows a step's update touches.
-        counts: how often each distinct id occurred, over all sample batches (descending).
-    """
-
-    ids_per_batch: float
-    unique_per_batch: float
-    counts: tuple[int, ...]
-
-    def unique(self, ids: float) -> float:
-        """Expected distinct ids among ``ids`` looked up (a micro-batch's, a rank's share): the
-        observed distinct ids per batch, scaled by how the observed frequencies' expectation
-        ``sum_i 1 - exp(-n p_i)`` changes from ``ids_per_batch`` to ``ids``."""
-        if ids <= 0 or not self.counts:
-            return 0.0
-        p = np.asarray(self.counts, dtype=np.float64) / sum(self.counts)
-
-        def expected(n: float) -> float:
-            return float(np.sum(-np.expm1(-n * p)))
-
-        return self.unique_per_batch * expected(ids) / expected(self.ids_per_batch)
-
-
-@dataclasses.dataclass
-class Unit:
-    """What one unit of a model costs at the captured batch.
-
-    Attributes:
-        name: the module's qualified name (``""``: the ops of no unit).
-        params: parameter elements; ``param_bytes``: their bytes as stored (host tables apart);
-            ``param_tensors``: how many parameters.
-        largest_param_bytes: the largest parameter's bytes (HostAdamW holds one gradient at a time).
-        forward, backward: the ops of each pass, in order.
-        saved_bytes: activations its forward keeps for backward that are no unit's input (dropped
-            when it recomputes, rebuilt during its backward).
-        input_bytes: its input activations (what a recompute keeps); the next four count its
-            inputs that the ops of no unit (always on the device) do not keep:
-        input_own_bytes: those it keeps itself (``A``); ``input_prev_bytes``: those the unit
-            before it keeps (its outputs, ``B``); ``input_either_bytes``: ``|A u B|``;
-            ``input_free_bytes``: all of them (``I``). Where the two units run decides where a
-            boundary's tensors are kept (:mod:`hetero.planner.cost`).
-        output_bytes: its output activations (what crosses a host/device boundary after it).
-        grad_bytes: the largest tensor one of its backward ops makes (a gradient in flight).
-        linear: an ``nn.Linear`` (operator parallel can cut it).
-        tables: host tables it holds (their rows and state are on the host).
-    """
-
-    name: str
-    params: int = 0
-    param_bytes: int = 0
-    param_tensors: int = 0
-    largest_param_bytes: int = 0
-    forward: list[OpCost] = dataclasses.field(default_factory=list)
-    backward: list[OpCost] = dataclasses.field(default_factory=list)
-    saved_bytes: int = 0
-    input_bytes: int = 0
-    input_own_bytes: int = 0
-    input_prev_bytes: int = 0
-    input_either_bytes: int = 0
-    input_free_bytes: int = 0
-    output_bytes: int = 0
-    grad_bytes: int = 0
-    linear: bool = False
-    tables: tuple[TableInfo, ...] = ()
-
-    @property
-    def flops(self) -> int:
-        """FLOPs of its forward and backward passes."""
-        return sum(o.flops for o in self.forward) + sum(o.flops for o in self.backward)
-
-
-@dataclasses.dataclass
-class ModelGraph:
-    """A captured model.
-
-    Attributes:
-        units: in the order they first run; the unit ``""`` (ops of no unit) last.
-        batch: samples in the captured batch (the first dimension of the first tensor input).
-        input_bytes: bytes of the batch's tensors.
-        seconds: how long the capture took.
-        replays: the ops' exact shapes by signature (views apart).
-        traffic: each host table's id statistics, by its qualified name.
-    """
-
-    units: list[Unit]
-    batch: int
-    input_bytes: int
-    seconds: float
-    replays: dict[str, Replay] = dataclasses.field(default_factory=dict)
-    traffic: dict[str, TableTraffic] = dataclasses.field(default_factory=dict)
-
-    def unit(self, name: str) -> Unit:
-        """The unit called ``name``.
-
-        Raises:
-            ValueError: no such unit (naming the units).
-        """
-        for u in self.units:
-            if u.name == name:
-                return u
-        raise ValueError(f"the model has no unit {name!r}; its units are {[u.name for u in self.units if u.name]}")
-
-
-def plan_units(model: nn.Module) -> dict[str, nn.Module]:
-    """``model``'s units by qualified name (see the module docstring), in registration order:
-    its children, a container child (``nn.Sequential``, ``nn.ModuleDict``, ``nn.ModuleList``)
-    replaced by its own children (one level: a block that is itself a container stays whole)."""
-    out: dict[str, nn.Module] = {}
-    for name, child in model.named_children():
-        if isinstance(child, (nn.Sequential, nn.ModuleDict, nn.ModuleList)):
-            out.update({f"{name}.{sub}": grandchild for sub, grandchild in child.named_children()})
-        else:
-            out[name] = child
-    return out
+from hetero.planner.graph import ModelGraph, OpCost, OpFamily, TableInfo, TableTraffic, Unit, op_family, op_flops, \
+    plan_units, replay
 
 
 _TAG = "hetero.planner.unit"  # autograd node metadata: the unit whose forward created the node
@@ -277,7 +47,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         self.units = units
         self.forward_unit = ""
         self.order: list[str] = []
-        self.replays: dict[str, Replay] = {}
+        self.replays: dict[str, Any] = {}  # signature -> graph.Replay
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
         kwargs = kwargs or {}
@@ -298,8 +68,8 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
             self.units[unit].grad_bytes = max([self.units[unit].grad_bytes, *made])
         family, signature = op_family(str(packet)), ""
         if family is not OpFamily.VIEW:
-            signature, replay = _replay(func, args, kwargs)
-            self.replays.setdefault(signature, replay)
+            signature, spec = replay(func, args, kwargs)
+            self.replays.setdefault(signature, spec)
         ops.append(OpCost(family, int(flops), int(nbytes), signature))
         return out
 
@@ -351,8 +121,8 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...],
         id_hooks = _table_hooks(model, real, seen_ids)
         try:
             with torch.no_grad():
-                for batch in sample_batches:  # forward only: their ids
-                    more = pytree.tree_map(fake, batch)
+                for sample in sample_batches:  # forward only: their ids
+                    more = pytree.tree_map(fake, sample)
                     torch.func.functional_call(model, state, more if isinstance(more, tuple) else (more,))
         except BaseException:
             for h in id_hooks:
@@ -399,10 +169,14 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...],
 
 def _static(name: str, module: nn.Module) -> Unit:
     """A unit's parameters, tables and kind (nothing of its ops yet)."""
-    tables = tuple(TableInfo(f"{name}.{q}" if q else name, t.config.num_embeddings, t.config.embedding_dim,
-                             t.config.embedding_dim * t.weight.element_size(),
-                             t.config.pooling.value != "none")
-                   for q, t in module.named_modules() if isinstance(t, HostEmbedding))
+    found = [(f"{name}.{q}" if q else name, t) for q, t in module.named_modules() if isinstance(t, HostEmbedding)]
+    first = {}  # a group's first table's name, by group (groups hash by identity)
+    for qualified, t in found:
+        first.setdefault(t.group, qualified)
+    tables = tuple(TableInfo(qualified, t.config.num_embeddings, t.config.embedding_dim,
+                             t.config.embedding_dim * t.weight.element_size(), t.config.pooling.value != "none",
+                             first[t.group])
+                   for qualified, t in found)
     weights = _table_weights(module)
     params = [p for p in module.parameters() if p not in weights]
     return Unit(name, params=sum(p.numel() for p in params), param_bytes=sum(p.numel() * p.element_size() for p in params),

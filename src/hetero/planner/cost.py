@@ -13,9 +13,10 @@ b_1, u_1, ..., b_n``, they combine as
 
 * step seconds = fixed + the units' + the boundaries';
 * device peak = fixed + the units' static bytes + ``max(sum of kept + fixed during,
-  max_i(kept before u_i + during_i))``: in backward, unit ``i`` holds what it and everything
-  before it kept, plus what its own backward rebuilds (a recomputed unit's activations) and its
-  gradient workspace;
+  max_i(kept before u_i + during_i), max_i(kept before u_i + b_i's during))``: in backward, unit
+  ``i`` holds what it and everything before it kept, plus what its own backward rebuilds (a
+  recomputed unit's activations) and its gradient workspace; in forward, a device tensor handed
+  to a host unit is alive beside everything kept before it;
 * host bytes = fixed + the units'.
 
 Reference: Checkmate (Jain et al. 2020) for the activation-memory model of recomputation;
@@ -31,7 +32,7 @@ from typing import Protocol
 from hetero.optim import SparseOptimizerKind
 from hetero.placement import Target
 from hetero.planner.calibration import Calibration
-from hetero.planner.capture import ModelGraph, OpCost, Unit
+from hetero.planner.graph import ModelGraph, OpCost, OpFamily, Unit
 from hetero.planner.space import UNIT_CHOICES, Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
 
 
@@ -56,10 +57,13 @@ class UnitCost:
 
 @dataclasses.dataclass(frozen=True)
 class BoundaryCost:
-    """A boundary between two units: the copies' seconds, the tensors the device keeps there."""
+    """A boundary between two units: the copies' seconds, the tensors the device keeps there,
+    and the device bytes alive only while the unit after runs its forward (a device tensor
+    handed to a host unit lives until the host unit returns)."""
 
     seconds: float = 0.0
     device_bytes: int = 0
+    device_during: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +103,7 @@ class CostModel(Protocol):
         """The costs of ``candidate`` that no unit's option changes."""
 
 
-_STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.SGD: 4}  # per fp32 element: moments / momentum
+_STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.SGD: 0, OptimizerKind.SGD_MOMENTUM: 4}  # per fp32 element
 _TABLE_STATE = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.FTRL: 2, SparseOptimizerKind.ADAGRAD: 1,
                 SparseOptimizerKind.ROWWISE_ADAGRAD: 0, SparseOptimizerKind.SGD: 0}  # table-sized states
 HOST_ADAMW_BYTES = 16  # per parameter on the host: fp32 master, two moments, the gradient buffer
@@ -115,14 +119,17 @@ class MeasuredCost:
         sparse: each host table's sparse optimizer, by the start of its qualified name (longest
             match; default LazyAdam).
         pinned: unit name -> the target a user annotation gives it.
+        host_units: dense units may go to the host (the partitioner captures the model's graph;
+            through its hook fallback, copies this model does not price would run).
     """
 
     def __init__(self, graph: ModelGraph, calibration: Calibration, optimizer: OptimizerKind,
-                 sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {}) -> None:
+                 sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {},
+                 host_units: bool = True) -> None:
         self.graph, self.cal, self.optimizer = graph, calibration, optimizer
         self.units = [u for u in graph.units if u.name]
         self.root = next(u for u in graph.units if not u.name)
-        self.sparse, self.pinned = sparse, pinned
+        self.sparse, self.pinned, self.host_units = sparse, pinned, host_units
 
     def names(self) -> list[str]:
         return [u.name for u in self.units]
@@ -131,24 +138,29 @@ class MeasuredCost:
         u = self.units[i]
         if u.tables:  # host tables: their lookups run where their rows are
             return (UnitChoice(Target.HOST),)
-        out = [c for c in UNIT_CHOICES if not (c.recompute and not u.saved_bytes)]
+        out = [c for c in UNIT_CHOICES if not (c.recompute and not u.saved_bytes)
+               and (self.host_units or c.target is Target.DEVICE or u.name in self.pinned)]
         pin = self.pinned.get(u.name)
         return tuple(c for c in out if pin is None or c.target is pin)
 
     def _scale(self, c: Candidate) -> float:
         return 1.0 / (c.dp * c.micro_batches)  # a pass's share of the captured batch
 
-    def _passes(self, ops: list[OpCost], target: Target, c: Candidate) -> float:
-        s = self._scale(c)
-        return c.micro_batches * sum(self.cal.op_seconds(target.value, op, s) for op in ops)
+    def _passes(self, name: str, backward: bool, target: Target, c: Candidate) -> float:
+        """Seconds of unit ``name``'s forward (or backward) ops over a step's passes, each op's
+        work scaled to a pass's share (measured: isolated replays of smaller shapes flatter a
+        pass, which the scaling along the family's curve does not)."""
+        u = self.graph.unit(name)
+        ops = u.backward if backward else u.forward
+        return c.micro_batches * sum(self.cal.op_seconds(target.value, op, self._scale(c)) for op in ops)
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.units[i]
         if u.tables:
             return self._tables(u, c)
         s = self._scale(c)
-        compute = self._passes(u.forward, choice.target, c) * (2 if choice.recompute else 1) + \
-            self._passes(u.backward, choice.target, c)
+        compute = self._passes(u.name, False, choice.target, c) * (2 if choice.recompute else 1) + \
+            self._passes(u.name, True, choice.target, c)
         activations = int(u.saved_bytes * s)  # its own; its inputs are the boundary's
         if choice.target is Target.HOST:  # everything of it is the host's; torch's optimizer there
             rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
@@ -158,8 +170,9 @@ class MeasuredCost:
         kept = 0 if choice.recompute else activations
         during = activations + int((u.input_bytes + u.output_bytes) * s)  # its activations + gradient workspace
         static, host, seconds = self._dense_state(u, c)
-        if c.state is not StateHome.DEVICE and c.micro_batches == 1:
-            during += u.largest_param_bytes  # gradients stream to the host one at a time
+        if c.state is not StateHome.DEVICE or c.micro_batches > 1:
+            # one gradient in flight: streaming to the host, or beside the sum it accumulates into
+            during += u.largest_param_bytes
         return UnitCost(compute + seconds, static, kept, during, host)
 
     def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float]:
@@ -186,17 +199,24 @@ class MeasuredCost:
         return int(params + grads + state), int(HOST_ADAMW_BYTES * offloaded), seconds
 
     def _tables(self, u: Unit, c: Candidate) -> UnitCost:
-        seconds, host = 0.0, 0
+        host = 0
+        groups: dict[str, list] = {}
         for t in u.tables:
             kind = self._sparse_kind(t.name)
-            traffic = self.graph.traffic.get(t.name)
-            ids = traffic.ids_per_batch / (c.dp * c.micro_batches) if traffic else 0.0
-            rows = traffic.unique(ids * c.micro_batches) if traffic else 0.0
-            rate = self.cal.tables[kind.value]
-            seconds += rate.seconds(ids * c.micro_batches, rows, t.dim)
+            groups.setdefault((t.group, kind), []).append(t)
             state_rows = t.rows * (1 + _TABLE_STATE[kind]) if kind is not SparseOptimizerKind.ROWWISE_ADAGRAD \
                 else t.rows + t.rows / t.dim
             host += int(state_rows * t.row_bytes / (c.dp if c.tables is TablePlacement.ROW_SHARDED else 1))
+        seconds = 0.0
+        for (_, kind), tables in groups.items():  # one kernel call per group and pass
+            ids = rows = 0.0
+            for t in tables:
+                traffic = self.graph.traffic.get(t.name)
+                if traffic is not None:
+                    per_pass = traffic.ids_per_batch / (c.dp * c.micro_batches)
+                    ids += per_pass
+                    rows += traffic.unique(per_pass * c.micro_batches)
+            seconds += self.cal.tables[kind.value].seconds(c.micro_batches, len(tables), ids, rows, tables[0].dim)
         # the lookups' outputs reach the device each pass (the boundary after this unit copies them)
         return UnitCost(seconds, host_bytes=host)
 
@@ -207,15 +227,21 @@ class MeasuredCost:
     def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
         on = [x.target if x is not None else Target.DEVICE for x in (before, after)]
         seconds = 0.0
-        if on[0] is not on[1]:
-            into_host = on[1] is Target.HOST and not self.units[i].tables
-            seconds = self.cal.handoff_s * c.micro_batches if into_host else 0.0  # a host subgraph's hand-off
-            if not self.cal.host_is_device:  # (on a host-only machine hetero makes no copy)
-                nbytes = (self.units[i - 1].output_bytes if i > 0 else self.graph.input_bytes) * self._scale(c)
-                seconds += c.micro_batches * (self.cal.h2d.seconds(nbytes) + self.cal.d2h.seconds(nbytes))
-        if i == 0 or after is None:
-            return BoundaryCost(seconds)  # the batch and the loss's input: the fixed part's
+        if on[0] is not on[1] and not (i < len(self.units) and self.units[i].tables):
+            seconds = self.cal.handoff_s * c.micro_batches if on[1] is Target.HOST else 0.0  # a host subgraph's start
+            nbytes = (self.units[i - 1].output_bytes if i > 0 else self.graph.input_bytes) * self._scale(c)
+            if self.cal.host_is_device:  # the partitioner copies memory to memory (forward), as a device would
+                seconds += c.micro_batches * self.cal.op_seconds("device", OpCost(OpFamily.MEMORY, 0, int(2 * nbytes)))
+            else:
+                copy = self.cal.d2h if on[1] is Target.HOST else self.cal.h2d  # forward one way, backward back
+                back = self.cal.h2d if on[1] is Target.HOST else self.cal.d2h
+                seconds += c.micro_batches * (copy.seconds(nbytes) + back.seconds(nbytes))
+        if after is None:
+            return BoundaryCost(seconds)  # the loss's input: the fixed part's
         u = self.units[i]
+        handed = int(u.input_bytes * self._scale(c)) if on[0] is Target.DEVICE and on[1] is Target.HOST else 0
+        if i == 0:
+            return BoundaryCost(seconds, 0, handed)  # the batch: the fixed part's
         mine = after.target is Target.DEVICE  # the unit after keeps its inputs (all of them, recomputing)
         theirs = before.target is Target.DEVICE and not before.recompute  # the unit before keeps its outputs
         if mine and after.recompute:
@@ -224,15 +250,15 @@ class MeasuredCost:
             kept = u.input_either_bytes
         else:
             kept = u.input_own_bytes if mine else u.input_prev_bytes if theirs else 0
-        return BoundaryCost(seconds, int(kept * self._scale(c)))
+        return BoundaryCost(seconds, int(kept * self._scale(c)), handed)
 
     def fixed(self, c: Candidate) -> FixedCost:
         s = self._scale(c)
-        root = self._passes(self.root.forward, Target.DEVICE, c) + self._passes(self.root.backward, Target.DEVICE, c)
+        root = self._passes("", False, Target.DEVICE, c) + self._passes("", True, Target.DEVICE, c)
         rate = self.cal.optimizers[self.optimizer.value]
         parts = {"compute (ops of no unit)": root, "optimizer fixed": rate.fixed}
         device = int((self.graph.input_bytes + self.root.saved_bytes) * s) + \
-            self.root.param_bytes * (2 + _STATE_BYTES[self.optimizer] // 4)
+            2 * self.root.param_bytes + _STATE_BYTES[self.optimizer] * self.root.params
         if c.state is not StateHome.DEVICE:
             parts["optimizer fixed"] += self.cal.optimizers["host_adamw"].fixed
         dense_bytes = sum(u.param_bytes for u in self.graph.units)

@@ -48,7 +48,8 @@ class Decision:
         chosen: the chosen value in words; ``seconds``, ``device_bytes``: the plan's prediction
             with it (for a unit: the unit's own seconds and device bytes).
         runner_up: the best other value (``""``: there was no other), with the whole plan's
-            predicted seconds and device peak, or why it lost (``"over the device budget"``).
+            predicted seconds and device peak (for a unit: the plan with only that unit changed),
+            and why it lost (``"slower"``, ``"over the device budget"``).
     """
 
     what: str

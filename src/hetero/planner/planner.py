@@ -23,12 +23,13 @@ from torch.utils import _pytree as pytree
 
 from hetero.optim import SparseOptimizerKind
 from hetero.placement import PlacementSpec, Target
-from hetero.planner.calibration import calibrate, time_shapes
+from hetero.placement.partitioner import capture_failure
+from hetero.planner.calibration import calibrate, collectives, time_shapes
 from hetero.planner.capture import capture
 from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
 from hetero.planner.search import Assignment, brute_force, dynamic_programming, evaluate, ilp
-from hetero.planner.space import Candidate, OptimizerKind, UnitChoice, candidates
+from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
 
 
 class SearchMethod(enum.Enum):
@@ -40,7 +41,7 @@ class SearchMethod(enum.Enum):
     BRUTE_FORCE = "brute_force"
 
 
-ILP_UNITS = 12
+ILP_UNITS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +53,22 @@ class PlannerConfig:
         micro_batches: gradient-accumulation counts to try (those dividing the per-rank batch).
         offload_ratios: partial-offload ratios to try (AdamW only).
         cache_dir: where the calibration is cached (default: hetero's cache directory).
+        tolerance: predictions this close (a fraction) count as a tie, won by the plan that
+            changes less (fewer micro-batches, state on the device, fewer host and recomputed
+            units): the cost model's error is of this order, and every change has overheads it
+            does not price. In the per-unit search a host or recomputed unit costs this much
+            more; predictions are reported without it.
+        memory_margin: the device budget planned to is this much smaller (a fraction): the
+            model's byte counts are within a few percent of a measured peak, and the budget is
+            hard.
     """
 
     method: SearchMethod = SearchMethod.AUTO
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     offload_ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
     cache_dir: Path | None = None
+    tolerance: float = 0.03
+    memory_margin: float = 0.05
 
 
 class NoPlanError(ValueError):
@@ -84,15 +95,22 @@ class Planner:
         self.model_name, self.world_size, self.optimizer, self.config = type(model).__name__, world_size, optimizer, config
         self.graph = capture(model, example_inputs, loss_fn, sample_batches)
         self.pinned = _pins(placement, [u.name for u in self.graph.units if u.name])
+        # a model the partitioner cannot trace would place host units through hooks, whose copies
+        # the cost model does not price: its dense units stay on the device (annotations apart)
+        self.untraceable = capture_failure(model)
         start = time.perf_counter()
         self.calibration = calibrate(config.cache_dir)
-        time_shapes(self.calibration, self.graph, ("device", "host"), config.cache_dir)
+        targets = ("device", "host") if self.untraceable is None or self.pinned else ("device",)
+        time_shapes(self.calibration, self.graph, targets, config.cache_dir)
         self.calibration_seconds = time.perf_counter() - start
-        self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned)
         leaves = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
         splittable = all(t.dim() and t.shape[0] == self.graph.batch for t in leaves)  # bags cannot be cut by rows
         self.settings = candidates(world_size, optimizer, self.graph.batch, any(u.tables for u in self.graph.units),
                                    config.micro_batches if splittable else (1,), config.offload_ratios)
+        self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned,
+                                 host_units=self.untraceable is None)
+        for dp in sorted({c.dp for c in self.settings}):  # the data-parallel collectives' rates (measured once)
+            collectives(self.calibration, dp, config.cache_dir)
 
     def plan(self, device_memory: int | None = None, host_memory: int | None = None) -> Plan:
         """The fastest plan within the budgets (bytes per rank; ``None``: unlimited).
@@ -104,19 +122,25 @@ class Planner:
             if budget is not None and budget < 0:
                 raise ValueError(f"{name}={budget}: give a budget in bytes (>= 0), or None for unlimited")
         start = time.perf_counter()
-        device_budget = float("inf") if device_memory is None else float(device_memory)
+        device_budget = float("inf") if device_memory is None else float(device_memory) * (1 - self.config.memory_margin)
         host_budget = float("inf") if host_memory is None else float(host_memory)
         method = self.config.method
         if method is SearchMethod.AUTO:
             method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
         search = _SEARCH[method]
-        results = [(c, search(self.cost, c, device_budget, host_budget)) for c in self.settings]
+        biased = _Biased(self.cost, self.config.tolerance)
+        results = []
+        for c in self.settings:  # the biased search's assignment, priced without the bias
+            found = search(biased, c, device_budget, host_budget)
+            results.append((c, evaluate(self.cost, c, found.choices) if found is not None else None))
         feasible = [(c, a) for c, a in results if a is not None]
         if not feasible:
             raise NoPlanError(_no_plan(self.cost, self.settings, search, device_budget, host_budget))
-        best_c, best = min(feasible, key=lambda ca: ca[1].seconds)
+        fastest = min(a.seconds for _, a in feasible)
+        ties = [(c, a) for c, a in feasible if a.seconds <= fastest * (1 + self.config.tolerance)]
+        best_c, best = min(ties, key=lambda ca: (_changes(ca[0], ca[1]), ca[1].seconds))
         decisions = _global_decisions(best_c, best, results) + \
-            _unit_decisions(self.cost, best_c, best, search, device_budget, host_budget)
+            _unit_decisions(self.cost, best_c, best, device_budget, host_budget)
         report = SearchReport(method.value, len(self.settings), len(feasible), self.graph.seconds,
                               self.calibration_seconds, time.perf_counter() - start)
         return self._plan(best_c, best, device_memory, host_memory, decisions, report)
@@ -179,6 +203,37 @@ def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: in
     return planner.plan(device_memory, host_memory)
 
 
+def _changes(c: Candidate, a: Assignment) -> int:
+    """How far a plan is from the plain one (every unit on the device, the state there, one pass)."""
+    return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + \
+        sum(ch.target is Target.HOST or ch.recompute for ch in a.choices)
+
+
+@dataclasses.dataclass
+class _Biased:
+    """A cost model whose host and recomputed units cost ``tolerance`` more (the search's tie-break)."""
+
+    inner: MeasuredCost
+    tolerance: float
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def options(self, i: int) -> tuple[UnitChoice, ...]:
+        return self.inner.options(i)
+
+    def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
+        u = self.inner.unit(i, choice, c)
+        changed = (choice.target is Target.HOST and not self.inner.units[i].tables) or choice.recompute
+        return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if changed else u
+
+    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
+        return self.inner.boundary(i, before, after, c)
+
+    def fixed(self, c: Candidate):  # noqa: ANN201 - FixedCost
+        return self.inner.fixed(c)
+
+
 def _search_brute(cost: CostModel, c: Candidate, device: float, host: float) -> Assignment | None:
     if len(cost.names()) > 14:
         raise ValueError(f"brute force over {len(cost.names())} units would try 3^{len(cost.names())} assignments: "
@@ -231,55 +286,43 @@ def _global_decisions(best_c: Candidate, best: Assignment,
         if fitting:
             c, a = min(fitting, key=lambda ca: ca[1].seconds)
             out.append(Decision(what, value, best.seconds, best.device_bytes, c.describe()[what], a.seconds,
-                                a.device_bytes, "slower"))
+                                a.device_bytes, _why(a.seconds, best.seconds)))
         else:
             out.append(Decision(what, value, best.seconds, best.device_bytes, others[0][0].describe()[what],
                                 why="no assignment of it fits the budgets"))
     return out
 
 
-@dataclasses.dataclass
-class _Pinned:
-    """A cost model with one unit's options restricted (the runner-up searches)."""
-
-    inner: CostModel
-    index: int
-    allowed: tuple[UnitChoice, ...]
-
-    def names(self) -> list[str]:
-        return self.inner.names()
-
-    def options(self, i: int) -> tuple[UnitChoice, ...]:
-        return self.allowed if i == self.index else self.inner.options(i)
-
-    def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
-        return self.inner.unit(i, choice, c)
-
-    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
-        return self.inner.boundary(i, before, after, c)
-
-    def fixed(self, c: Candidate):  # noqa: ANN201 - FixedCost
-        return self.inner.fixed(c)
-
-
-def _unit_decisions(cost: MeasuredCost, c: Candidate, best: Assignment, search: Callable,
-                    device: float, host: float) -> list[Decision]:
+def _unit_decisions(cost: MeasuredCost, c: Candidate, best: Assignment, device: float, host: float) -> list[Decision]:
+    """Each unit's decision and its runner-up: the plan with that unit's best other option,
+    every other decision as planned (over a budget: said so)."""
     out = []
     for i, (name, choice) in enumerate(zip(cost.names(), best.choices)):
         u = cost.unit(i, choice, c)
         others = [o for o in cost.options(i) if o != choice]
         if not others:
-            why = "host tables" if cost.units[i].tables else "pinned by an annotation"
+            why = "host tables" if cost.units[i].tables else "pinned by an annotation" if name in cost.pinned else \
+                "its one option: " + ", ".join(r for r, on in (
+                    ("nothing of its own to recompute", not cost.units[i].saved_bytes),
+                    ("the partitioner cannot trace the model, so no unit goes to the host", not cost.host_units)) if on)
             out.append(Decision(f"unit {name}", f"{choice} ({why})", u.seconds, u.device_static + u.device_kept))
             continue
-        alt = search(_Pinned(cost, i, tuple(others)), c, device, host)
-        if alt is None:
+        alts = [evaluate(cost, c, best.choices[:i] + (o,) + best.choices[i + 1:]) for o in others]
+        fitting = [a for a in alts if a.device_bytes <= device and a.host_bytes <= host]
+        if fitting:
+            alt = min(fitting, key=lambda a: a.seconds)
             out.append(Decision(f"unit {name}", str(choice), u.seconds, u.device_static + u.device_kept,
-                                " / ".join(map(str, others)), why="no assignment with it fits the budgets"))
+                                str(alt.choices[i]), alt.seconds, alt.device_bytes, _why(alt.seconds, best.seconds)))
         else:
+            alt = min(alts, key=lambda a: a.device_bytes)
+            over = "device" if alt.device_bytes > device else "host"
             out.append(Decision(f"unit {name}", str(choice), u.seconds, u.device_static + u.device_kept,
-                                str(alt.choices[i]), alt.seconds, alt.device_bytes, "slower"))
+                                str(alt.choices[i]), alt.seconds, alt.device_bytes, f"over the {over} budget"))
     return out
+
+
+def _why(runner_up: float, chosen: float) -> str:
+    return "slower" if runner_up >= chosen else "within the tolerance of it: the plan that changes less wins"
 
 
 def _no_plan(cost: MeasuredCost, settings: list[Candidate], search: Callable, device: float, host: float) -> str:
@@ -318,5 +361,5 @@ def _dominant(cost: MeasuredCost, c: Candidate, a: Assignment) -> str:
     if what.startswith("parameters"):
         i = max(range(len(costs)), key=lambda i: costs[i].device_static)
         detail = f"; the largest: unit {cost.names()[i]!r}, {costs[i].device_static / 2**20:.1f} MiB"
-    return f"dominated by {what}: {nbytes / 2**20:.1f} MiB{detail}, with {c.describe()['optimizer state']} optimizer " \
-           f"state and {c.micro_batches} micro-batches"
+    return f"dominated by {what}: {nbytes / 2**20:.1f} MiB{detail}, with the optimizer state on the " \
+           f"{c.describe()['optimizer state']} and {c.micro_batches} micro-batch(es)"

@@ -7,8 +7,8 @@ minimising the predicted step time with the device and host peaks within their b
   boundary's cost depends on both its sides), the Pareto frontier of partial assignments over
   (seconds, device static bytes, kept bytes, the running backward peak, host bytes): exact (a
   label is dropped only when another is no worse in every part), and a frontier past
-  ``max_labels`` is thinned by rounding bytes to ``1 / resolution`` of the budget (then
-  near-exact).
+  ``max_labels`` is thinned by rounding bytes to ``1 / resolution`` of the budget and coarser
+  (then near-exact: a label is dropped for one faster and no more than a rounding step larger).
 * :func:`ilp`: the same problem as a mixed-integer program solved by HiGHS
   (``scipy.optimize.milp``): one binary per unit and option, one per pair of options across a
   boundary (forced to 1 when both sides are chosen), and the backward peak as a variable above
@@ -54,6 +54,7 @@ def evaluate(cost: CostModel, candidate: Candidate, choices: Sequence[UnitChoice
         b = cost.boundary(i, previous, choice, candidate)
         u = cost.unit(i, choice, candidate)
         seconds += b.seconds + u.seconds
+        peak = max(peak, kept + b.device_during)
         kept += b.device_bytes
         static += u.device_static
         peak = max(peak, kept + u.device_during)
@@ -91,7 +92,7 @@ class _Label:
 
 
 def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: float, host_budget: float,
-                        max_labels: int = 4000, resolution: int = 2000) -> Assignment | None:
+                        max_labels: int = 256, resolution: int = 2000) -> Assignment | None:
     """The best assignment within the budgets (see the module docstring; ``None``: none fits)."""
     fixed = cost.fixed(candidate)
     n = len(cost.names())
@@ -105,9 +106,9 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
                 b = cost.boundary(i, previous, choice, candidate)
                 for label in labels:
                     kept = label.kept + b.device_bytes
+                    peak = max(label.peak, label.kept + b.device_during, kept + u.device_during)
                     new = _Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
-                                 kept + u.device_kept, max(label.peak, kept + u.device_during), label.host + u.host_bytes,
-                                 label.choices + (choice,))
+                                 kept + u.device_kept, peak, label.host + u.host_bytes, label.choices + (choice,))
                     if fixed.device_bytes + new.static + max(new.kept + fixed.device_during, new.peak) > device_budget \
                             or new.host > host_budget:
                         continue  # every part only grows: it never fits again
@@ -129,23 +130,33 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
 
 
 def _pareto(labels: list[_Label], max_labels: int, quantum: float) -> list[_Label]:
-    """The labels no other dominates (sorted by seconds); past ``max_labels``, bytes compare
-    rounded up to ``quantum``."""
-    labels.sort(key=lambda x: (x.seconds, x.static + x.kept + x.peak + x.host))
-    kept: list[_Label] = []
-    for label in labels:
-        if not any(k.dominates(label) for k in kept):
-            kept.append(label)
-    if len(kept) > max_labels:
-        def rounded(x: _Label) -> tuple:
-            return tuple(-(-v // quantum) for v in (x.static, x.kept, x.peak, x.host))
+    """The labels no other dominates (sorted by seconds). Past ``max_labels``, bytes compare
+    rounded up to ``quantum``, then to coarser multiples of it, until few enough remain: the
+    frontier keeps its memory-lean labels (a feasible plan is never lost for its size)."""
+    import numpy as np
 
-        coarse: list[_Label] = []
-        for label in kept:
-            r = rounded(label)
-            if not any(all(a <= b for a, b in zip(rounded(k), r)) for k in coarse):
-                coarse.append(label)
-        kept = coarse
+    labels.sort(key=lambda x: (x.seconds, x.static + x.kept + x.peak + x.host))
+    parts = np.array([(x.static, x.kept, x.peak, x.host) for x in labels], dtype=np.float64)
+    keep = _undominated(parts)
+    step = quantum
+    while len(keep) > max_labels:
+        keep = [keep[i] for i in _undominated(np.ceil(parts[keep] / step))]
+        step *= 2
+    return [labels[i] for i in keep]
+
+
+def _undominated(parts) -> list[int]:  # noqa: ANN001 - (n, 4) array, rows in order of seconds
+    """Indices of the rows no earlier row is at most in every column (a row's seconds are no
+    less than every earlier row's: being at most in bytes too makes the earlier one dominate)."""
+    import numpy as np
+
+    kept: list[int] = []
+    frontier = np.empty((0, parts.shape[1]))
+    for i, row in enumerate(parts):
+        if frontier.shape[0] and bool(np.all(frontier <= row, axis=1).any()):
+            continue
+        kept.append(i)
+        frontier = np.vstack([frontier, row])
     return kept
 
 
@@ -168,6 +179,7 @@ def ilp(cost: CostModel, candidate: Candidate, device_budget: float, host_budget
     scale = 1.0 / budget  # bytes as fractions of the budget: moderate coefficients for the solver
     c = np.zeros(nv)
     kept_boundary = [np.zeros(nv) for _ in range(n + 1)]  # kept bytes of boundary i (as rows)
+    during_boundary = [np.zeros(nv) for _ in range(n + 1)]
     kept_unit = [np.zeros(nv) for _ in range(n)]
     during = [np.zeros(nv) for _ in range(n)]
     device, host = np.zeros(nv), np.zeros(nv)
@@ -179,6 +191,7 @@ def ilp(cost: CostModel, candidate: Candidate, device_budget: float, host_budget
         kept_unit[i][j] = u.device_kept * scale
         if ends:
             kept_boundary[0][j] = ends.device_bytes * scale
+            during_boundary[0][j] = ends.device_during * scale
         if tail:
             kept_boundary[n][j] = tail.device_bytes * scale
         during[i][j] = u.device_during * scale
@@ -187,6 +200,7 @@ def ilp(cost: CostModel, candidate: Candidate, device_budget: float, host_budget
         bc = cost.boundary(i, options[i - 1][a][0], options[i][b][0], candidate)
         c[j] = bc.seconds
         kept_boundary[i][j] = bc.device_bytes * scale
+        during_boundary[i][j] = bc.device_during * scale
     rows, lo, hi = [], [], []
 
     def add(r: np.ndarray, low: float, high: float) -> None:
@@ -203,6 +217,9 @@ def ilp(cost: CostModel, candidate: Candidate, device_budget: float, host_budget
         add(r, -np.inf, 1)
     prefix = np.zeros(nv)
     for i in range(n):  # peak >= everything kept before unit i's backward (boundary i included) + its backward
+        r = prefix + during_boundary[i]  # (and, in forward, before boundary i + what it hands over)
+        r[peak] = -1
+        add(r, -np.inf, 0)
         prefix = prefix + kept_boundary[i]
         r = prefix + during[i]
         r[peak] = -1

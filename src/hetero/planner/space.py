@@ -19,8 +19,9 @@ from hetero.placement import Target
 class OptimizerKind(enum.Enum):
     """The model's dense optimizer - the math, which a plan never changes (only where it runs)."""
 
-    ADAMW = "adamw"  # torch.optim.AdamW; offloaded: HostAdamW (the same update)
-    SGD = "sgd"  # torch.optim.SGD with momentum; its state stays beside its parameters
+    ADAMW = "adamw"  # torch.optim.AdamW; offloaded: HostAdamW (the same update). Two moments per element
+    SGD = "sgd"  # torch.optim.SGD without momentum: no state
+    SGD_MOMENTUM = "sgd_momentum"  # torch.optim.SGD with momentum: one buffer per element, beside its parameters
 
 
 class StateHome(enum.Enum):
