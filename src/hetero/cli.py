@@ -61,8 +61,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def _train_arguments(t: argparse.ArgumentParser) -> None:
-    """``hetero train``'s flags (``hetero plan`` takes them too: the job it plans)."""
+def _train_arguments(t: argparse.ArgumentParser, train: bool = True) -> None:
+    """``hetero train``'s flags (``hetero plan`` takes them too, ``--plan`` apart: the job it plans)."""
     g = t.add_argument_group("data")
     g.add_argument("--config", type=Path, help="a job config file (TOML): the data, its schema, and any of these "
                    "flags by name; flags given here override it (see hetero.jobfile; examples/movielens.toml)")
@@ -132,9 +132,10 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
                    help="each server's memory budget for its shard of rows and optimizer state (0: unlimited)")
     g.add_argument("--ps-timeout", type=float, default=60.0, help="seconds a worker waits for a server's answer")
     g = t.add_argument_group("planning (hetero.plan)")
-    g.add_argument("--plan", help="auto: plan the job for this machine and world size (rank 0 plans, every rank "
-                   "applies it: dense optimizer state, recompute, table placement, ZeRO); or a plan file from "
-                   "`hetero plan`. The plan is written to RUN_DIR/plan.json")
+    if train:
+        g.add_argument("--plan", help="auto: plan the job for this machine and world size (rank 0 plans, every rank "
+                       "applies it: dense optimizer state, recompute, table placement, ZeRO); or a plan file from "
+                       "`hetero plan`. The plan is written to RUN_DIR/plan.json")
     add_plan_arguments(g)
 
 
@@ -146,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     _train_arguments(t)
     pl = sub.add_parser("plan", help="plan a job (hetero.plan): placement and parallel strategy under memory budgets",
                         formatter_class=defaults)
-    _train_arguments(pl)
-    pl.add_argument("--world-size", type=int, default=1, help="ranks the job will run on")
-    pl.add_argument("--out", type=Path, default=Path("plan.json"), help="the plan file to write")
+    _train_arguments(pl, train=False)
+    g = pl.add_argument_group("the plan")
+    g.add_argument("--world-size", type=int, default=1, help="ranks the job will run on")
+    g.add_argument("--out", type=Path, default=Path("plan.json"), help="the plan file to write")
     d = sub.add_parser("data", help="data tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
     dp = dsub.add_parser("prepare", help="encode a job file's data once into a columnar cache (hetero.data.prepare)",

@@ -50,7 +50,7 @@ from hetero.planner.timing import (
     time_replays,
 )
 
-VERSION = 9  # bump when what is measured changes: older cache files are measured again
+VERSION = 11  # bump when what is measured changes: older cache files are measured again
 
 
 @dataclasses.dataclass
@@ -105,7 +105,8 @@ class Calibration:
         t = curve.seconds(work)
         exact = self.shapes.get(shapes_of, {}).get(op.signature) if op.signature else None
         if exact is not None and not math.isnan(exact):
-            t = exact * curve.seconds(work) / curve.seconds(work / scale)
+            # a share of the work takes no less than that share of the time, no more than all of it
+            t = exact * min(1.0, max(scale, curve.seconds(work) / curve.seconds(work / scale)))
         return t + self.op_overhead_s
 
     def to_json(self) -> dict[str, Any]:

@@ -31,11 +31,17 @@ class Curve:
 
     @staticmethod
     def through(points: list[tuple[float, float]]) -> "Curve":
-        """A curve through ``points`` (work, seconds); points of equal work are averaged."""
+        """A curve through ``points`` (work, seconds); points of equal work are averaged, and a
+        point faster than one of less work is raised to it (more work never takes less time:
+        points of different shapes would otherwise make the curve's slope noise)."""
         merged: dict[float, list[float]] = {}
         for w, s in points:
             merged.setdefault(float(w), []).append(max(float(s), 1e-9))
-        return Curve(tuple((w, statistics.fmean(v)) for w, v in sorted(merged.items())))
+        out, slowest = [], 0.0
+        for w, v in sorted(merged.items()):
+            slowest = max(slowest, statistics.fmean(v))
+            out.append((w, slowest))
+        return Curve(tuple(out))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,20 +60,24 @@ class LinearRate:
 class TableRate:
     """A table group's step with one sparse optimizer (one kernel call per group and pass, and
     Python work per table): a pass's lookup and backward take ``lookup_fixed + lookup_per_table
-    * tables + lookup_per_id_element * ids * dim``, the step's update ``update_fixed +
-    update_per_table * tables + (update_per_row_element * rows + update_per_id_element * ids) *
-    dim`` (``rows``: the distinct rows updated)."""
+    * tables + (lookup_per_id + lookup_per_id_element * dim) * ids``, the step's update
+    ``update_fixed + update_per_table * tables + (update_per_row + update_per_row_element * dim)
+    * rows + update_per_id_element * dim * ids`` (``rows``: the distinct rows updated; an id
+    costs something whatever the row's width - a wide part's one-element rows too)."""
 
     lookup_fixed: float
     lookup_per_table: float
+    lookup_per_id: float
     lookup_per_id_element: float
     update_fixed: float
     update_per_table: float
+    update_per_row: float
     update_per_row_element: float
     update_per_id_element: float
 
     def seconds(self, passes: int, tables: int, ids_per_pass: float, rows: float, dim: int) -> float:
         lookups = passes * (self.lookup_fixed + self.lookup_per_table * tables +
-                            self.lookup_per_id_element * ids_per_pass * dim)
+                            (self.lookup_per_id + self.lookup_per_id_element * dim) * ids_per_pass)
         return lookups + self.update_fixed + self.update_per_table * tables + \
-            (self.update_per_row_element * rows + self.update_per_id_element * ids_per_pass * passes) * dim
+            (self.update_per_row + self.update_per_row_element * dim) * rows + \
+            self.update_per_id_element * dim * ids_per_pass * passes

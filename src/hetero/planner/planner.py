@@ -54,10 +54,10 @@ class PlannerConfig:
         offload_ratios: partial-offload ratios to try (AdamW only).
         cache_dir: where the calibration is cached (default: hetero's cache directory).
         tolerance: predictions this close (a fraction) count as a tie, won by the plan that
-            changes less (fewer micro-batches, state on the device, fewer host and recomputed
-            units): the cost model's error is of this order, and every change has overheads it
-            does not price. In the per-unit search a host or recomputed unit costs this much
-            more; predictions are reported without it.
+            changes less (one pass, state on the device, fewer host/device switches and
+            recomputed units): the cost model's error is of this order, and every change has
+            overheads it does not price. In the per-unit search a recomputed unit costs this much
+            more and a switch this much of a mean unit; predictions are reported without it.
         memory_margin: the device budget planned to is this much smaller (a fraction): the
             model's byte counts are within a few percent of a measured peak, and the budget is
             hard.
@@ -204,17 +204,23 @@ def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: in
 
 
 def _changes(c: Candidate, a: Assignment) -> int:
-    """How far a plan is from the plain one (every unit on the device, the state there, one pass)."""
-    return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + \
-        sum(ch.target is Target.HOST or ch.recompute for ch in a.choices)
+    """How far a plan is from the plain one (the state on the device, one pass, no recompute)
+    and how often its units switch between host and device (each switch hands work over)."""
+    targets = [Target.DEVICE, *(ch.target for ch in a.choices), Target.DEVICE]
+    switches = sum(x is not y for x, y in zip(targets, targets[1:]))
+    return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + switches + \
+        sum(ch.recompute for ch in a.choices)
 
 
 @dataclasses.dataclass
 class _Biased:
-    """A cost model whose host and recomputed units cost ``tolerance`` more (the search's tie-break)."""
+    """A cost model whose recomputed units and host/device switches cost more (the search's
+    tie-break): a recompute ``tolerance`` of the unit's seconds, a switch ``tolerance`` of the
+    mean unit's (a host unit inside a stretch of device units, and the reverse, then loses a tie)."""
 
     inner: MeasuredCost
     tolerance: float
+    means: dict[Candidate, float] = dataclasses.field(default_factory=dict)  # a dense unit's mean seconds
 
     def names(self) -> list[str]:
         return self.inner.names()
@@ -224,11 +230,21 @@ class _Biased:
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.inner.unit(i, choice, c)
-        changed = (choice.target is Target.HOST and not self.inner.units[i].tables) or choice.recompute
-        return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if changed else u
+        return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if choice.recompute else u
+
+    def _mean(self, c: Candidate) -> float:
+        if c not in self.means:
+            dense = [j for j, u in enumerate(self.inner.units) if not u.tables]
+            self.means[c] = sum(self.inner.unit(j, UnitChoice(), c).seconds for j in dense) / max(len(dense), 1)
+        return self.means[c]
 
     def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
-        return self.inner.boundary(i, before, after, c)
+        b = self.inner.boundary(i, before, after, c)
+        on = [x.target if x is not None else Target.DEVICE for x in (before, after)]
+        if on[0] is on[1] or (i < len(self.inner.units) and self.inner.units[i].tables) or \
+                (i > 0 and self.inner.units[i - 1].tables):
+            return b
+        return dataclasses.replace(b, seconds=b.seconds + self.tolerance * self._mean(c))
 
     def fixed(self, c: Candidate):  # noqa: ANN201 - FixedCost
         return self.inner.fixed(c)
