@@ -75,6 +75,16 @@ def ml_dir(tmp_path):
     return write_ml100k(tmp_path / "ml-100k")
 
 
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    """This machine calibrated once for the session (the planner's tests), in a directory of its own."""
+    from hetero.planner.calibration import calibrate
+
+    directory = tmp_path_factory.mktemp("calibration")
+    calibrate(directory)
+    return directory
+
+
 def make_dataset(n=600, seed=0):
     """Synthetic CTR data: two one-hot features, one bag, one wide-only cross, 3 dense features."""
     g = torch.Generator().manual_seed(seed)

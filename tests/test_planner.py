@@ -38,14 +38,6 @@ class MLP(nn.Module):
         return self.out(self.layers(torch.relu(self.inp(x))))
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    """This machine calibrated once for the session, in a directory of its own."""
-    directory = tmp_path_factory.mktemp("calibration")
-    calibrate(directory)
-    return directory
-
-
 def _batch(n=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)

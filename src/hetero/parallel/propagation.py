@@ -217,8 +217,8 @@ def layout_of_strategy(op: _Op, strategy: Strategy, sizes: Sequence[int], mesh_d
     return OpLayout(tuple(next(c for c, dim in assignment.items() if dim == d) for d in mesh_dims))
 
 
-def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequence[int], all_to_all: bool = True
-              ) -> Propagation:
+def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequence[int], all_to_all: bool = True,
+              training: bool = False) -> Propagation:
     """Choose every modelled operator's layout (see the module docstring).
 
     Args:
@@ -226,6 +226,9 @@ def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequen
         strategies: node name -> strategy of the annotated operators.
         sizes: the mesh's dimension sizes (all of them; those of size 1 cut nothing).
         all_to_all: whether the backend has all-to-all (NCCL); gloo has not (see :func:`edge_bytes`).
+        training: an ``nn.Linear`` whose layout leaves its weight whole on a mesh dimension that
+            cuts its input also pays its weight gradient's all-reduce there (the partial sums of
+            its rows' gradients); without it, the forward's redistributions alone are priced.
     """
     mesh_dims = [d for d, n in enumerate(sizes) if n > 1]
     ops = _ops(gm)
@@ -236,7 +239,7 @@ def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequen
         cands = [layout_of_strategy(op, strategies[name], sizes, mesh_dims)] if name in strategies else candidates(op, mesh_dims)
         table = {}
         for c in cands:
-            cost, choice = 0.0, {op.node: c}
+            cost, choice = (_weight_gradient_bytes(gm, op, c, sizes, mesh_dims) if training else 0.0), {op.node: c}
             for letters, prod in zip(op.inputs, op.args):
                 need = _expand(input_place(letters, c), sizes, mesh_dims)
                 nbytes = _bytes(prod)
@@ -255,6 +258,20 @@ def propagate(gm: fx.GraphModule, strategies: dict[str, Strategy], sizes: Sequen
         _, choice = min(best[op.node].values(), key=lambda v: v[0])
         layouts.update(choice)
     return _report(ops, by_node, layouts, sizes, mesh_dims, all_to_all)
+
+
+def _weight_gradient_bytes(gm: fx.GraphModule, op: _Op, layout: OpLayout, sizes: Sequence[int],
+                           mesh_dims: Sequence[int]) -> float:
+    """Bytes per rank of the all-reduces an ``nn.Linear``'s weight gradient needs under ``layout``:
+    on each mesh dimension that cuts a batch letter (the weight is whole there)."""
+    if op.node.op != "call_module" or not isinstance(m := gm.get_submodule(str(op.node.target)), nn.Linear):
+        return 0.0
+    local = float(sum(p.numel() * p.element_size() for p in m.parameters()))
+    for d, letter in zip(mesh_dims, layout.cuts):
+        if letter in ("k", "n"):
+            local /= sizes[d]  # the weight is cut there: a smaller piece to reduce elsewhere
+    return sum(collective_bytes(Collective.ALL_REDUCE, local, sizes[d]) for d, letter in zip(mesh_dims, layout.cuts)
+               if letter not in ("k", "n"))
 
 
 def _expand(places: tuple[Place, ...], sizes: Sequence[int], mesh_dims: Sequence[int]) -> tuple[Place, ...]:

@@ -1,5 +1,6 @@
-"""``hetero.apply(model, plan)``: a plan made real on one rank, in the order of
-``hetero.parallel.parallelize`` - recompute regions first (module names unchanged), then the
+"""``hetero.apply(model, plan)``: a plan made real on one rank (or the ``tp`` ranks of a
+tensor-parallel plan), in the order of ``hetero.parallel.parallelize`` - operator sharding
+first (a tp plan's strategies, ``apply_sharding``), recompute regions (module names unchanged), then the
 host/device partition (``hetero.partition``: host units' ops run on the host, their parameters
 live there, the copies inserted), then the optimizers where the plan puts their state: torch's
 beside device parameters, ``HostAdamW`` (all offloaded) or ``PartialOffloadAdamW`` (a ratio),
@@ -16,11 +17,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from hetero.embedding import HostEmbedding, dense_parameters, host_tables
 from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind
 from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
+from hetero.parallel.mesh import MeshConfig, build_mesh
+from hetero.parallel.operator_plan import apply_sharding
 from hetero.parallel.recompute import apply_recompute
 from hetero.placement import Target, resolve_device
 from hetero.planner.plan import Plan
@@ -94,18 +98,21 @@ class Applied:
 
 
 def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfig(),
-          sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}) -> Applied:
+          sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}, mesh: DeviceMesh | None = None) -> Applied:
     """Make ``plan`` real on ``model`` (changed in place; see the module docstring).
 
     Args:
         config: the dense optimizer's hyperparameters.
         sparse_optimizers: host tables' sparse optimizers by qualified-name prefix (default
             LazyAdam, each with its default config).
+        mesh: with a ``tp > 1`` plan, its mesh (default: ``build_mesh`` over the initialised
+            process group). Every rank of it calls ``apply`` (collective) and steps on the same
+            batch.
 
     Raises:
-        ValueError: the plan names units the model does not have (another model's plan), or
-            its mesh needs several ranks (apply it per rank with ``hetero.parallel`` - not yet
-            here).
+        ValueError: the plan names units the model does not have (another model's plan), its
+            mesh has data-parallel or pipeline ranks (the main job applies those: ``hetero train
+            --plan``), its ``tp`` is not the world size, or it puts units on the host beside ``tp``.
     """
     from hetero.planner.graph import plan_units
 
@@ -115,12 +122,23 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         raise ValueError(f"the plan is for a model with units {missing}, which {type(model).__name__} does not have; "
                          f"plan this model (hetero.plan)")
     c = plan.candidate
-    if c.pp * c.dp * c.tp > 1:
-        raise ValueError(f"the plan's mesh pp {c.pp} x dp {c.dp} x tp {c.tp} runs on several ranks; hetero.apply "
-                         f"makes single-rank plans real so far")
-    apply_recompute(model, plan.recompute_config())
+    if c.pp * c.dp > 1:
+        raise ValueError(f"the plan's mesh pp {c.pp} x dp {c.dp} x tp {c.tp} has data-parallel or pipeline ranks; "
+                         f"hetero.apply makes single-rank and tensor-parallel plans real: run it with hetero train --plan")
     host_dense = [n for n in plan.host_units() if not any(isinstance(m, HostEmbedding) for m in units[n].modules())]
     device = resolve_device(Target.DEVICE)
+    sharding = plan.sharding_plan()
+    if c.tp > 1:
+        if host_dense or sharding is None:
+            raise ValueError(f"a tp {c.tp} plan with host units {host_dense} or no operator strategies: plan the model "
+                             f"again (hetero.plan never makes one)")
+        mesh = mesh if mesh is not None else build_mesh(MeshConfig(tp=c.tp))
+        if mesh.size() != c.tp:
+            raise ValueError(f"the plan is for tp {c.tp} ranks, the mesh has {mesh.size()}: run it under torchrun "
+                             f"--nproc-per-node {c.tp}")
+        model.to(device)
+        apply_sharding(model, sharding, mesh)  # before recompute: its regions replay the sharded operators
+    apply_recompute(model, plan.recompute_config())
     if host_dense:
         from hetero.placement.partitioner import partition
         from hetero.placement import PlacementSpec
@@ -143,7 +161,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         if own:
             host_optimizers.append(kind.optimizer(own, kind.optimizer.Config()))
     host_tensors = on_host | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
-    return Applied(runnable, _device_optimizer(named, plan, config) if named else None, host_optimizers,
+    return Applied(runnable, _device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
                    c.micro_batches, plan, host_tensors)
 
 
@@ -152,17 +170,20 @@ def _kind(table: str, mapping: Mapping[str, SparseOptimizerKind]) -> SparseOptim
     return mapping[max(matches, key=len)] if matches else SparseOptimizerKind.LAZY_ADAM
 
 
-def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig) -> torch.optim.Optimizer:
+def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig,
+                     foreach: bool | None = None) -> torch.optim.Optimizer:
     if kind is OptimizerKind.ADAMW:
-        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, foreach=foreach)
     momentum = c.momentum if kind is OptimizerKind.SGD_MOMENTUM else 0.0
-    return torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay)
+    return torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay, foreach=foreach)
 
 
-def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: OptimizerConfig) -> Any:  # noqa: ANN401
+def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: OptimizerConfig,
+                      foreach: bool = True) -> Any:  # noqa: ANN401
     state = plan.candidate.state
     if state is StateHome.DEVICE or plan.optimizer is not OptimizerKind.ADAMW:
-        return _torch_optimizer([p for _, p in named], plan.optimizer, c)
+        # (no foreach under tp: it takes one kind of tensor, and tp mixes DTensor shards and plain ones)
+        return _torch_optimizer([p for _, p in named], plan.optimizer, c, None if foreach else False)
     # the device keeps its weights in their own dtype: the update is AdamW's, exactly
     host = HostOffloadConfig(device_dtype=named[0][1].dtype, accumulate=plan.candidate.micro_batches)
     if state is StateHome.HOST:

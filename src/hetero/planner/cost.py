@@ -34,6 +34,7 @@ from hetero.placement import Target
 from hetero.planner.calibration import Calibration
 from hetero.planner.graph import ModelGraph, OpCost, OpFamily, Unit
 from hetero.planner.space import UNIT_CHOICES, Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
+from hetero.planner.tensor_parallel import TensorSharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,15 +122,24 @@ class MeasuredCost:
         pinned: unit name -> the target a user annotation gives it.
         host_units: dense units may go to the host (the partitioner captures the model's graph;
             through its hook fallback, copies this model does not price would run).
+        tensor: the operator strategies by tensor-parallel degree (a candidate's ``tp > 1``
+            prices its units' shares and collectives).
     """
 
     def __init__(self, graph: ModelGraph, calibration: Calibration, optimizer: OptimizerKind,
                  sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {},
-                 host_units: bool = True) -> None:
+                 host_units: bool = True, tensor: Mapping[int, TensorSharding] = {}) -> None:
         self.graph, self.cal, self.optimizer = graph, calibration, optimizer
         self.units = [u for u in graph.units if u.name]
         self.root = next(u for u in graph.units if not u.name)
-        self.sparse, self.pinned, self.host_units = sparse, pinned, host_units
+        self.sparse, self.pinned, self.host_units, self.tensor = sparse, pinned, host_units, tensor
+
+    def _shares(self, name: str, c: Candidate) -> tuple[float, float]:
+        """A unit's share of compute and of parameter elements on one rank of ``c``'s ``tp``."""
+        if c.tp == 1:
+            return 1.0, 1.0
+        t = self.tensor[c.tp]
+        return t.compute_share.get(name, 1.0), t.param_share.get(name, 1.0)
 
     def names(self) -> list[str]:
         return [u.name for u in self.units]
@@ -161,6 +171,7 @@ class MeasuredCost:
         s = self._scale(c)
         compute = self._passes(u.name, False, choice.target, c) * (2 if choice.recompute else 1) + \
             self._passes(u.name, True, choice.target, c)
+        compute *= self._shares(u.name, c)[0]
         activations = int(u.saved_bytes * s)  # its own; its inputs are the boundary's
         if choice.target is Target.HOST:  # everything of it is the host's; torch's optimizer there
             rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
@@ -178,11 +189,13 @@ class MeasuredCost:
     def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float]:
         """Device bytes, host bytes and update seconds of a device unit's parameters."""
         ratio = {StateHome.DEVICE: 0.0, StateHome.HOST: 1.0, StateHome.PARTIAL: c.offload_ratio}[c.state]
-        device_part = (1 - ratio) * u.params
+        share = self._shares(u.name, c)[1]  # what tp leaves one rank of the unit's parameters
+        device_part = (1 - ratio) * u.params * share
         # offloaded gradients stream to the host as backward makes them - unless micro-batches
         # accumulate them on the device first (HostOffloadConfig.accumulate): then they stay
         held = 1.0 if c.micro_batches > 1 else 1 - ratio
-        state, grads, params = _STATE_BYTES[self.optimizer] * device_part, held * u.param_bytes, u.param_bytes
+        params = u.param_bytes * share
+        state, grads = _STATE_BYTES[self.optimizer] * device_part, held * params
         zero = c.zero
         state = state / c.dp if zero >= 1 else state
         grads = grads / c.dp if zero >= 2 else grads
@@ -255,13 +268,17 @@ class MeasuredCost:
     def fixed(self, c: Candidate) -> FixedCost:
         s = self._scale(c)
         root = self._passes("", False, Target.DEVICE, c) + self._passes("", True, Target.DEVICE, c)
+        compute_share, param_share = self._shares("", c)
         rate = self.cal.optimizers[self.optimizer.value]
-        parts = {"compute (ops of no unit)": root, "optimizer fixed": rate.fixed}
+        parts = {"compute (ops of no unit)": root * compute_share, "optimizer fixed": rate.fixed}
         device = int((self.graph.input_bytes + self.root.saved_bytes) * s) + \
-            2 * self.root.param_bytes + _STATE_BYTES[self.optimizer] * self.root.params
+            int((2 * self.root.param_bytes + _STATE_BYTES[self.optimizer] * self.root.params) * param_share)
         if c.state is not StateHome.DEVICE:
             parts["optimizer fixed"] += self.cal.optimizers["host_adamw"].fixed
-        dense_bytes = sum(u.param_bytes for u in self.graph.units)
+        dense_bytes = sum(u.param_bytes * self._shares(u.name, c)[1] for u in self.graph.units)
+        if c.tp > 1:
+            curves = self.cal.collectives[f"gloo:{c.tp}"]
+            parts["tensor-parallel collectives"] = self.tensor[c.tp].seconds(curves, s, c.micro_batches)
         if c.dp > 1:
             curves = self.cal.collectives.get(f"gloo:{c.dp}", {})
             if curves:

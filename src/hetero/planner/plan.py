@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero.placement import PlacementSpec, Target
+from hetero.parallel.operator_plan import OpStrategy, ShardingPlan
 from hetero.parallel.recompute import RecomputeConfig
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
 
@@ -92,6 +93,9 @@ class Plan:
         search: how it was found.
         machine: the calibrated machine, in words; ``host_is_device``: it has no accelerator
             (the device part runs on the host's cores, and the plan says so).
+        sharding: with ``tp > 1``, every ``nn.Linear``'s operator strategy by qualified name;
+            ``layout``: the sharded parameters' placements over ``(pp, dp, tp)``;
+            ``kept_sharding``: the modules whose strategy is the user's annotation.
     """
 
     model: str
@@ -108,6 +112,9 @@ class Plan:
     search: SearchReport
     machine: str
     host_is_device: bool
+    sharding: dict[str, OpStrategy] = dataclasses.field(default_factory=dict)
+    layout: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    kept_sharding: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------- what it asks of a model
     def host_units(self) -> list[str]:
@@ -120,6 +127,16 @@ class Plan:
         for name in self.host_units():
             spec.module(name, Target.HOST)
         return spec
+
+    def sharding_plan(self) -> ShardingPlan | None:
+        """The plan's operator strategies as a :class:`~hetero.parallel.ShardingPlan` (``None``:
+        no ``tp``)."""
+        if not self.sharding:
+            return None
+        out = ShardingPlan()
+        for name, s in self.sharding.items():
+            out.module(name, s.in_strategy, s.out_strategy, s.use_local_output)
+        return out
 
     def recompute_config(self) -> RecomputeConfig:
         """The units that recompute their activations."""
@@ -137,10 +154,13 @@ class Plan:
             "predicted": dataclasses.asdict(self.predicted),
             "decisions": [dataclasses.asdict(d) for d in self.decisions],
             "search": dataclasses.asdict(self.search), "machine": self.machine, "host_is_device": self.host_is_device,
+            "sharding": {k: {"in": [list(x) for x in v.in_strategy], "out": None if v.out_strategy is None else
+                             list(v.out_strategy), "local_output": v.use_local_output} for k, v in self.sharding.items()},
+            "kept_sharding": list(self.kept_sharding),
         }
 
     @staticmethod
-    def from_dict(doc: dict[str, Any], where: str = "plan") -> "Plan":
+    def from_dict(doc: dict[str, Any], where: str = "plan", layout: dict[str, list[str]] | None = None) -> "Plan":
         """Raises: ValueError: another format version or a field that does not parse (naming it)."""
         if doc.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{where}: plan format {doc.get('format_version')!r}; this hetero reads {FORMAT_VERSION}")
@@ -152,7 +172,10 @@ class Plan:
                         {k: UnitChoice(Target(v["target"]), v["recompute"]) for k, v in doc["units"].items()},
                         {k: Target(v) for k, v in doc["annotations"].items()}, Prediction(**doc["predicted"]),
                         [Decision(**d) for d in doc["decisions"]], SearchReport(**doc["search"]), doc["machine"],
-                        doc["host_is_device"])
+                        doc["host_is_device"],
+                        {k: OpStrategy(tuple(tuple(x) for x in v["in"]), None if v["out"] is None else tuple(v["out"]),
+                                       v["local_output"]) for k, v in doc.get("sharding", {}).items()},
+                        dict(layout or {}), tuple(doc.get("kept_sharding", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a hetero plan ({type(e).__name__}: {e})") from None
 
@@ -161,7 +184,7 @@ class Plan:
         atomically (a temporary file renamed into place)."""
         path = Path(path)
         c = self.candidate
-        doc = {"mesh": {"shape": [c.pp, c.dp, c.tp], "dim_names": ["pp", "dp", "tp"]}, "layout": {},
+        doc = {"mesh": {"shape": [c.pp, c.dp, c.tp], "dim_names": ["pp", "dp", "tp"]}, "layout": dict(sorted(self.layout.items())),
                "plan": self.to_dict()}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
@@ -184,7 +207,7 @@ class Plan:
             raise ValueError(f"{path}: not JSON ({e})") from None
         if "plan" not in doc:
             raise ValueError(f"{path} is a strategy file without a plan: write one with hetero.plan(...).save(path)")
-        return Plan.from_dict(doc["plan"], str(path))
+        return Plan.from_dict(doc["plan"], str(path), doc.get("layout"))
 
     # ---------------------------------------------------------------- report
     def __str__(self) -> str:
@@ -204,6 +227,10 @@ class Plan:
                  f"optimizer: {self.optimizer.value}"]
         if self.annotations:
             lines.append("kept annotations: " + ", ".join(f"{k} on {v.value}" for k, v in self.annotations.items()))
+        if self.sharding:
+            lines.append(f"operator strategies (tp {self.candidate.tp}; input (..., in) and weight (in, out) slices):")
+            lines += [f"  {k}: {v.in_strategy}" + (" (kept annotation)" if k in self.kept_sharding else "") +
+                      (", output made whole" if v.use_local_output else "") for k, v in self.sharding.items()]
         lines.append("decisions (predicted step and device peak with it; the runner-up it beat):")
         for d in self.decisions:
             line = f"  {d.what}: {d.chosen} ({d.seconds * 1e3:.2f} ms, {mb(d.device_bytes)})"

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetero.optim import SparseOptimizerKind
+from hetero.parallel.operator_plan import ShardingPlan
 from hetero.placement import PlacementSpec, Target
 from hetero.placement.partitioner import capture_failure
 from hetero.planner.calibration import calibrate, collectives, time_shapes
@@ -30,6 +31,7 @@ from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
 from hetero.planner.search import Assignment, brute_force, dynamic_programming, evaluate, ilp
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
+from hetero.planner.tensor_parallel import tensor_options
 
 
 class SearchMethod(enum.Enum):
@@ -89,7 +91,8 @@ class Planner:
     def __init__(self, model: nn.Module, example_inputs: tuple[Any, ...], *, world_size: int = 1,
                  loss_fn: Callable[[Any], Any] | None = None, optimizer: OptimizerKind = OptimizerKind.ADAMW,
                  sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}, placement: PlacementSpec | None = None,
-                 sample_batches: tuple[tuple[Any, ...], ...] = (), config: PlannerConfig = PlannerConfig()) -> None:
+                 sharding: ShardingPlan | None = None, sample_batches: tuple[tuple[Any, ...], ...] = (),
+                 config: PlannerConfig = PlannerConfig()) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: give the number of ranks the job runs on (>= 1)")
         self.model_name, self.world_size, self.optimizer, self.config = type(model).__name__, world_size, optimizer, config
@@ -98,6 +101,9 @@ class Planner:
         # a model the partitioner cannot trace would place host units through hooks, whose copies
         # the cost model does not price: its dense units stay on the device (annotations apart)
         self.untraceable = capture_failure(model)
+        # the tp dimension: operator strategies at each degree, around the user's annotations
+        self.tensor = tensor_options(model, example_inputs, sharding, world_size, self.graph, self.untraceable is None)
+        required = sharding is not None and any(k > 1 for s in sharding.modules.values() for p in s.in_strategy for k in p)
         start = time.perf_counter()
         self.calibration = calibrate(config.cache_dir)
         targets = ("device", "host") if self.untraceable is None or self.pinned else ("device",)
@@ -105,12 +111,15 @@ class Planner:
         self.calibration_seconds = time.perf_counter() - start
         leaves = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
         splittable = all(t.dim() and t.shape[0] == self.graph.batch for t in leaves)  # bags cannot be cut by rows
-        self.settings = candidates(world_size, optimizer, self.graph.batch, any(u.tables for u in self.graph.units),
-                                   config.micro_batches if splittable else (1,), config.offload_ratios)
+        settings = candidates(world_size, optimizer, self.graph.batch, any(u.tables for u in self.graph.units),
+                              config.micro_batches if splittable else (1,), config.offload_ratios,
+                              max_tp=max(self.tensor, default=1))
+        # annotations that cut operators are kept: only the degrees they fit
+        self.settings = [c for c in settings if (c.tp == 1 and not required) or c.tp in self.tensor]
         self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned,
-                                 host_units=self.untraceable is None)
-        for dp in sorted({c.dp for c in self.settings}):  # the data-parallel collectives' rates (measured once)
-            collectives(self.calibration, dp, config.cache_dir)
+                                 host_units=self.untraceable is None, tensor=self.tensor)
+        for n in sorted({c.dp for c in self.settings} | {c.tp for c in self.settings}):  # collectives' rates (once)
+            collectives(self.calibration, n, config.cache_dir)
 
     def plan(self, device_memory: int | None = None, host_memory: int | None = None) -> Plan:
         """The fastest plan within the budgets (bytes per rank; ``None``: unlimited).
@@ -128,10 +137,10 @@ class Planner:
         if method is SearchMethod.AUTO:
             method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
         search = _SEARCH[method]
-        biased = _Biased(self.cost, self.config.tolerance)
         results = []
         for c in self.settings:  # the biased search's assignment, priced without the bias
-            found = search(biased, c, device_budget, host_budget)
+            # (tp shards device operators: the partitioner's host subgraphs take no DTensors)
+            found = search(_Biased(self.cost, self.config.tolerance, device_only=c.tp > 1), c, device_budget, host_budget)
             results.append((c, evaluate(self.cost, c, found.choices) if found is not None else None))
         feasible = [(c, a) for c, a in results if a is not None]
         if not feasible:
@@ -150,8 +159,12 @@ class Planner:
         the same cost model (no search; it may not fit any budget).
 
         Raises:
-            ValueError: a unit the model does not have, or an option it cannot take.
+            ValueError: a unit the model does not have, an option it cannot take, or a ``tp``
+                the model has no operator strategies for.
         """
+        if candidate.tp > 1 and candidate.tp not in self.tensor:
+            raise ValueError(f"tp {candidate.tp}: the model has no operator strategies at that degree; its degrees "
+                             f"are {sorted(self.tensor)} (plan for world_size ranks with nn.Linear modules)")
         names = self.cost.names()
         for name in units:
             if name not in names:
@@ -169,16 +182,18 @@ class Planner:
 
     def _plan(self, c: Candidate, a: Assignment, device_memory: int | None, host_memory: int | None,
               decisions: list[Decision], report: SearchReport) -> Plan:
+        t = self.tensor.get(c.tp) if c.tp > 1 else None
         return Plan(self.model_name, self.graph.batch, self.world_size, device_memory, host_memory, self.optimizer, c,
                     dict(zip(self.cost.names(), a.choices)), dict(self.pinned), _prediction(self.cost, c, a), decisions,
-                    report, self.calibration.machine, self.calibration.host_is_device)
+                    report, self.calibration.machine, self.calibration.host_is_device,
+                    dict(t.strategies) if t else {}, dict(t.layout) if t else {}, t.annotated if t else ())
 
 
 def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: int | None = None,
          host_memory: int | None = None, world_size: int = 1, loss_fn: Callable[[Any], Any] | None = None,
          optimizer: OptimizerKind = OptimizerKind.ADAMW, sparse_optimizers: Mapping[str, SparseOptimizerKind] = {},
-         placement: PlacementSpec | None = None, sample_batches: tuple[tuple[Any, ...], ...] = (),
-         config: PlannerConfig = PlannerConfig()) -> Plan:
+         placement: PlacementSpec | None = None, sharding: ShardingPlan | None = None,
+         sample_batches: tuple[tuple[Any, ...], ...] = (), config: PlannerConfig = PlannerConfig()) -> Plan:
     """The fastest plan for training ``model`` within the budgets (see the module docstring).
 
     Args:
@@ -189,17 +204,21 @@ def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: in
         optimizer: the dense optimizer (:class:`OptimizerKind`); its math is kept.
         sparse_optimizers: host tables' sparse optimizers by qualified-name prefix (default LazyAdam).
         placement: the user's annotations: ``placement.module(unit, target)`` pins a unit; kept.
+        sharding: the user's operator annotations (``ShardingPlan().module(linear, strategy)``):
+            kept; sharding propagation chooses every other ``nn.Linear``'s strategy at each
+            tensor-parallel degree they fit (``world_size > 1``; the model must trace).
         sample_batches: more batches whose table ids join the id statistics.
         config: the search (:class:`PlannerConfig`).
 
     Raises:
-        ValueError: an annotation naming no unit of the model (listing the units), a budget
-            below zero, or ``world_size < 1``.
+        ValueError: an annotation naming no unit of the model (listing the units), an operator
+            annotation naming no ``nn.Linear`` the forward calls (listing those it calls) or
+            fitting no degree of ``world_size``, a budget below zero, or ``world_size < 1``.
         NoPlanError: no plan fits (the smallest budget that works and what dominates it).
     """
     planner = Planner(model, example_inputs, world_size=world_size, loss_fn=loss_fn, optimizer=optimizer,
-                      sparse_optimizers=sparse_optimizers, placement=placement, sample_batches=sample_batches,
-                      config=config)
+                      sparse_optimizers=sparse_optimizers, placement=placement, sharding=sharding,
+                      sample_batches=sample_batches, config=config)
     return planner.plan(device_memory, host_memory)
 
 
@@ -208,7 +227,7 @@ def _changes(c: Candidate, a: Assignment) -> int:
     and how often its units switch between host and device (each switch hands work over)."""
     targets = [Target.DEVICE, *(ch.target for ch in a.choices), Target.DEVICE]
     switches = sum(x is not y for x, y in zip(targets, targets[1:]))
-    return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + switches + \
+    return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + (c.tp > 1) + switches + \
         sum(ch.recompute for ch in a.choices)
 
 
@@ -220,13 +239,15 @@ class _Biased:
 
     inner: MeasuredCost
     tolerance: float
+    device_only: bool = False  # dense units on the device only (under tp)
     means: dict[Candidate, float] = dataclasses.field(default_factory=dict)  # a dense unit's mean seconds
 
     def names(self) -> list[str]:
         return self.inner.names()
 
     def options(self, i: int) -> tuple[UnitChoice, ...]:
-        return self.inner.options(i)
+        out = self.inner.options(i)
+        return tuple(o for o in out if o.target is Target.DEVICE) or out if self.device_only else out
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.inner.unit(i, choice, c)
@@ -315,7 +336,7 @@ def _unit_decisions(cost: MeasuredCost, c: Candidate, best: Assignment, device: 
     out = []
     for i, (name, choice) in enumerate(zip(cost.names(), best.choices)):
         u = cost.unit(i, choice, c)
-        others = [o for o in cost.options(i) if o != choice]
+        others = [o for o in cost.options(i) if o != choice and (c.tp == 1 or o.target is Target.DEVICE)]
         if not others:
             why = "host tables" if cost.units[i].tables else "pinned by an annotation" if name in cost.pinned else \
                 "its one option: " + ", ".join(r for r, on in (

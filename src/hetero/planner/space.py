@@ -95,7 +95,7 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                micro_batches: tuple[int, ...] = (1, 2, 4, 8), ratios: tuple[float, ...] = (0.25, 0.5, 0.75),
                max_pp: int = 1, max_tp: int = 1) -> list[Candidate]:
     """The outer enumeration: every mesh shape of ``world_size`` ranks (``pp <= max_pp``,
-    ``tp <= max_tp``), state home (offload for AdamW only), micro-batch count dividing the
+    ``tp <= max_tp``), state home (offload for AdamW only, without ``tp``), micro-batch count dividing the
     per-rank batch, ZeRO stage (with ``dp > 1``), and table placement (with ``dp > 1``)."""
     out = []
     for pp in range(1, max_pp + 1):
@@ -107,7 +107,7 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                 continue
             per_rank = batch // dp
             homes = [(StateHome.DEVICE, 0.0)]
-            if optimizer is OptimizerKind.ADAMW:
+            if optimizer is OptimizerKind.ADAMW and tp == 1:  # HostAdamW keeps whole master weights
                 homes += [(StateHome.HOST, 1.0)] + [(StateHome.PARTIAL, r) for r in ratios]
             tables = [TablePlacement.HOST] if dp == 1 or not has_tables else \
                 [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED]

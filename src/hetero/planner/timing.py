@@ -306,17 +306,37 @@ def collective_curves(world: int, backend: str = "gloo") -> dict[str, Curve]:
         RuntimeError: the measurement failed (its output's end in the message).
     """
     import json
+    import os
+    import signal
     import subprocess
     import sys
     import tempfile
+    import time
     from pathlib import Path
 
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "collectives.json"
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                              str(world), "-m", "hetero.planner._collectives", str(out), backend],
-                             capture_output=True, text=True, timeout=600)
-        if run.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"measuring {backend} collectives on {world} ranks failed: {run.stderr[-2000:]}")
+        out, log = Path(d) / "collectives.json", Path(d) / "log.txt"
+        with open(log, "w") as sink:
+            run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                    str(world), "-m", "hetero.planner._collectives", str(out), backend],
+                                   stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            # the result counts, not the exit: gloo's teardown has been seen to hang after the
+            # ranks wrote it, so a few seconds after the file appears the launch is stopped
+            deadline, written = time.monotonic() + float(os.environ.get("HETERO_COLLECTIVES_TIMEOUT", 300)), None
+            while run.poll() is None and time.monotonic() < deadline:
+                if out.is_file() and written is None:
+                    written = time.monotonic()
+                if written is not None and time.monotonic() - written > 5:
+                    break
+                time.sleep(0.1)
+            if run.poll() is None:  # torchrun stops its ranks on SIGTERM (they run in sessions of their own)
+                os.killpg(run.pid, signal.SIGTERM)
+                try:
+                    run.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(run.pid, signal.SIGKILL)
+                    run.wait()
+        if not out.is_file():
+            raise RuntimeError(f"measuring {backend} collectives on {world} ranks failed: {log.read_text()[-2000:]}")
         result = json.loads(out.read_text())
     return {name: Curve.through([tuple(p) for p in pts]) for name, pts in result.items()}

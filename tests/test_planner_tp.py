@@ -1,0 +1,118 @@
+"""The planner's tp dimension: operator strategies from sharding propagation around the user's
+annotations (kept), a tp plan applied on 2 gloo ranks training as one unsharded process with
+each rank holding its share of the weights, and the collectives it predicts counted on the run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hetero
+from hetero.parallel.operator_plan import ShardingPlan
+from hetero.planner.plan import Plan
+from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.space import Candidate, OptimizerKind
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.fc3 = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _batches(steps, n=32):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(n, 16, generator=g), torch.randint(0, 8, (n,), generator=g)) for _ in range(steps)]
+
+
+def _planner(cache, sharding=None, optimizer=OptimizerKind.ADAMW):
+    x, y = _batches(1)[0]
+    return Planner(Net(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), sharding=sharding,
+                   optimizer=optimizer, config=PlannerConfig(cache_dir=cache))
+
+
+def _train_tp(plan_path, steps):
+    from torch.distributed.tensor import DTensor
+
+    from hetero.parallel.comm import CollectiveCounter
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    plan = Plan.load(plan_path)
+    torch.manual_seed(0)
+    model = Net()
+    run = apply(model, plan, OptimizerConfig(lr=0.1))
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    losses, counted = [], 0.0
+    for x, y in _batches(steps):
+        run.optimizer.zero_grad()
+        with CollectiveCounter() as counter:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        counted = counter.total_bytes
+        run.optimizer.step()
+        losses.append(float(loss.detach()))
+    whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return whole, losses, local, counted
+
+
+def test_a_tp_plan_trains_as_one_unsharded_process_and_sends_what_it_predicts(tmp_path, cpu_ranks, cache):
+    from conftest import run_ranks
+
+    # SGD: Adam's first steps turn float rounding in near-zero gradients into lr-sized moves
+    planner = _planner(cache, optimizer=OptimizerKind.SGD)
+    plan = planner.price(Candidate(tp=2))
+    strategies = {k: v.in_strategy for k, v in plan.sharding.items()}
+    # propagation pairs the layers as Megatron does: fc1's outputs cut, fc2's contraction cut
+    assert strategies["fc1"] == ((1, 1), (1, 2)) and strategies["fc2"] == ((1, 2), (2, 1))
+    assert plan.sharding["fc3"].use_local_output  # the loss takes a whole, plain tensor
+    path = plan.save(tmp_path / "plan.json")
+    assert Plan.load(path).sharding == plan.sharding
+    whole, losses, local, counted = run_ranks(tmp_path, 2, _train_tp, str(path), 3)
+
+    torch.manual_seed(0)
+    ref = Net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for x, y in _batches(3):
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    assert losses == pytest.approx(want, abs=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(whole[name], p.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    # each rank holds its share of the cut weights (the plan's layout), the rest whole
+    expected = sum(p.numel() // (2 if f"{n}" in plan.layout and "S" in plan.layout[n][-1] else 1)
+                   for n, p in ref.named_parameters())
+    assert local == expected < sum(p.numel() for p in ref.parameters())
+    assert counted > 0 and counted == pytest.approx(planner.tensor[2].bytes_per_step())
+
+
+def test_sharding_annotations_are_kept_and_bad_ones_refused_naming_the_fix(tmp_path, cache):
+    kept = ShardingPlan().module("fc2", ((2, 1), (1, 1)))  # fc2 cut by rows: not what propagation picks alone
+    plan = _planner(cache, kept).plan()
+    assert plan.candidate.tp == 2  # an annotation that cuts operators is kept: only tp plans
+    assert plan.sharding["fc2"].in_strategy == ((2, 1), (1, 1)) and plan.kept_sharding == ("fc2",)
+    assert "fc2: ((2, 1), (1, 1)) (kept annotation)" in str(hetero.explain(plan))
+    assert Plan.load(plan.save(tmp_path / "p.json")).kept_sharding == ("fc2",)
+    with pytest.raises(ValueError, match=r"'fc9'.*\['fc1', 'fc2', 'fc3'\]"):
+        _planner(cache, ShardingPlan().module("fc9", ((1, 1), (1, 2))))
+    with pytest.raises(ValueError, match="fit no tensor-parallel degree of 2"):
+        _planner(cache, ShardingPlan().module("fc1", ((1, 1), (1, 4))))
+
+
+def test_without_annotations_or_ranks_there_is_no_tp(cache):
+    x, y = _batches(1)[0]
+    one = Planner(Net(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
+    assert one.tensor == {} and {c.tp for c in one.settings} == {1}
+    two = _planner(cache)
+    assert {c.tp for c in two.settings} == {1, 2}
+    assert all(c.state.value == "device" for c in two.settings if c.tp == 2)  # HostAdamW keeps whole masters
+    with pytest.raises(ValueError, match="no operator strategies at that degree"):
+        one.price(Candidate(tp=2))
