@@ -29,7 +29,7 @@ from hetero.parallel.mesh import MeshDim
 from hetero.parallel.operator import OpSignature, Strategy, device_matrix, to_dtensor
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.parallel.propagation import OpLayout, Place, Propagation, _expand, _ops, input_place, propagate
-from hetero.placement.partitioner import capture
+from hetero.placement.capture import capture
 
 
 def capture_for_sharding(model: nn.Module, example_inputs: tuple[Any, ...], plan: ShardingPlan

@@ -34,10 +34,11 @@ from torch import nn
 from torch.fx.passes.split_module import split_module
 from torch.utils import _pytree as pytree
 
-from hetero.placement.annotate import PlacementSpec, current_region, module_target
+from hetero.placement.annotate import PlacementSpec, module_target
+from hetero.placement.capture import PlacementTracer, module_path, modules_on_path, op_type
 from hetero.placement.tagging import TARGET, tag_between
-from hetero.placement.threads import ThreadContext
 from hetero.placement.target import Target, copy_to, resolve_device
+from hetero.placement.threads import ThreadContext
 
 
 @torch.fx.wrap
@@ -73,62 +74,6 @@ class _Recorder:
 
 
 _recorder = _Recorder()
-
-
-class _Tracer(fx.Tracer):
-    """Keeps modules with a placement or a forward of their own as single ops; records ``on()`` regions.
-
-    A module with a pinned parameter (``PlacementSpec.param``) is traced through even when torch
-    keeps it whole (``nn.Linear`` becomes ``linear`` on ``get_attr`` nodes), so the pin can put
-    that parameter apart from the op that consumes it."""
-
-    def __init__(self, trace_through: frozenset[str] = frozenset()) -> None:
-        super().__init__()
-        self.trace_through = trace_through
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if module_target(m) is not None or "forward" in vars(m):
-            # a forward set on the instance (hetero.parallel.recompute's checkpoint region) is
-            # not the class's graph: tracing into it would drop what it wraps
-            return True
-        return qualname not in self.trace_through and super().is_leaf_module(m, qualname)
-
-    def create_node(self, *args, **kwargs):
-        node = super().create_node(*args, **kwargs)
-        node.meta["hetero_region"] = current_region()
-        return node
-
-
-def capture(model: nn.Module) -> fx.GraphModule:
-    """``model``'s forward graph as the partitioner captures it: modules with a placement of their
-    own (host tables) are single ``call_module`` nodes; ``nn.Linear`` and other leaf modules too.
-
-    Raises:
-        torch.fx.proxy.TraceError: (and what symbolic tracing raises) a forward with
-            data-dependent control flow.
-    """
-    return fx.GraphModule(model, _Tracer().trace(model))
-
-
-def op_type(node: fx.Node, root: nn.Module) -> str:
-    """The op type of a node as op rules name it (``matmul``, ``add``, ``relu``, ``linear``...)."""
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", str(node.target)).strip("_")
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_module":
-        return type(root.get_submodule(str(node.target))).__name__.lower()
-    return node.op
-
-
-def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
-
-
-def _modules_on_path(path: str) -> list[str]:
-    parts = path.split(".") if path else []
-    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 @dataclasses.dataclass
@@ -284,7 +229,7 @@ def _check_names(model: nn.Module, spec: PlacementSpec, graph: fx.Graph) -> None
             raise ValueError(f"placement names module {rule.module!r}, which {type(model).__name__} does not have; "
                              f"its modules are {sorted(m for m in modules if m)}")
         found = {op_type(n, model) for n in graph.nodes if n.op.startswith("call")
-                 and rule.module in _modules_on_path(module_path(n))}
+                 and rule.module in modules_on_path(module_path(n))}
         if rule.op not in found:
             raise ValueError(f"placement names op type {rule.op!r} in module {rule.module or '(whole model)'!r}, "
                              f"which runs no such op; its op types are {sorted(found)}")
@@ -299,13 +244,13 @@ def _assign(model: nn.Module, spec: PlacementSpec, graph: fx.Graph) -> dict[fx.N
             continue
         path = module_path(node)
         kind = op_type(node, model)
-        rules = [r for r in spec.ops if r.op == kind and r.module in _modules_on_path(path)]
+        rules = [r for r in spec.ops if r.op == kind and r.module in modules_on_path(path)]
         if node.meta.get("hetero_region") is not None:
             targets[node] = node.meta["hetero_region"]
         elif rules:
             targets[node] = max(rules, key=lambda r: len(r.module)).target
         else:
-            owners = [m for m in _modules_on_path(path) if m in placed]
+            owners = [m for m in modules_on_path(path) if m in placed]
             targets[node] = placed[owners[-1]] if owners else spec.default
     for node in graph.nodes:  # parameters and buffers: pinned, else with their first consumer
         if node.op == "get_attr":
@@ -331,16 +276,6 @@ def _check_pins_honoured(model: nn.Module, spec: PlacementSpec, graph: fx.Graph,
                                  f"(PlacementSpec().module({prefix!r}, {pin.value!r})) or drop the pin")
 
 
-def capture_failure(model: nn.Module) -> str | None:
-    """Why :func:`partition` cannot capture ``model``'s graph (it then falls back to module-level
-    placement with hooks), or ``None`` when it can."""
-    try:
-        _Tracer().trace(model)
-    except Exception as e:  # noqa: BLE001 - any failure of symbolic tracing means: no graph
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: bool = True) -> HeteroModule:
     """Split ``model`` into host and device subgraphs per ``spec`` and the marks in the model.
 
@@ -353,7 +288,7 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
     """
     spec = spec or PlacementSpec()
     try:
-        tracer = _Tracer(frozenset(name.rpartition(".")[0] for name in spec.params))
+        tracer = PlacementTracer(frozenset(name.rpartition(".")[0] for name in spec.params))
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - any failure of symbolic tracing means: no graph
         return _fallback(model, spec, f"{type(e).__name__}: {e}")
@@ -454,7 +389,7 @@ def _fallback(model: nn.Module, spec: PlacementSpec, reason: str) -> HeteroModul
     placed = {name: t for name, m in model.named_modules() if (t := module_target(m)) is not None}
     placed.update(spec.modules)
     for name, m in model.named_modules():
-        owners = [p for p in _modules_on_path(name) if p in placed]
+        owners = [p for p in modules_on_path(name) if p in placed]
         t = placed[owners[-1]] if owners else spec.default
         for p_name, p in m.named_parameters(recurse=False):
             full = f"{name}.{p_name}" if name else p_name

@@ -28,7 +28,7 @@ from hetero.parallel.operator_plan import apply_sharding
 from hetero.parallel.recompute import apply_recompute
 from hetero.placement import Target, resolve_device
 from hetero.planner.plan import Plan
-from hetero.planner.space import OptimizerKind, StateHome
+from hetero.planner.space import OptimizerKind, StateHome, sparse_optimizer_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,17 +157,12 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         host_optimizers.append(_torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config))
     tables = host_tables(model)
     for kind in SparseOptimizerKind:
-        own = {k: t for k, t in tables.items() if _kind(k, sparse_optimizers) is kind}
+        own = {k: t for k, t in tables.items() if sparse_optimizer_of(k, sparse_optimizers) is kind}
         if own:
             host_optimizers.append(kind.optimizer(own, kind.optimizer.Config()))
     host_tensors = on_host | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
     return Applied(runnable, _device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
                    c.micro_batches, plan, host_tensors)
-
-
-def _kind(table: str, mapping: Mapping[str, SparseOptimizerKind]) -> SparseOptimizerKind:
-    matches = [prefix for prefix in mapping if table.startswith(prefix)]
-    return mapping[max(matches, key=len)] if matches else SparseOptimizerKind.LAZY_ADAM
 
 
 def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig,

@@ -33,7 +33,15 @@ from hetero.optim import SparseOptimizerKind
 from hetero.placement import Target
 from hetero.planner.calibration import Calibration
 from hetero.planner.graph import ModelGraph, OpCost, OpFamily, Unit
-from hetero.planner.space import UNIT_CHOICES, Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
+from hetero.planner.space import (
+    UNIT_CHOICES,
+    Candidate,
+    OptimizerKind,
+    StateHome,
+    TablePlacement,
+    UnitChoice,
+    sparse_optimizer_of,
+)
 from hetero.planner.tensor_parallel import TensorSharding
 
 
@@ -215,7 +223,7 @@ class MeasuredCost:
         host = 0
         groups: dict[str, list] = {}
         for t in u.tables:
-            kind = self._sparse_kind(t.name)
+            kind = sparse_optimizer_of(t.name, self.sparse)
             groups.setdefault((t.group, kind), []).append(t)
             state_rows = t.rows * (1 + _TABLE_STATE[kind]) if kind is not SparseOptimizerKind.ROWWISE_ADAGRAD \
                 else t.rows + t.rows / t.dim
@@ -232,10 +240,6 @@ class MeasuredCost:
             seconds += self.cal.tables[kind.value].seconds(c.micro_batches, len(tables), ids, rows, tables[0].dim)
         # the lookups' outputs reach the device each pass (the boundary after this unit copies them)
         return UnitCost(seconds, host_bytes=host)
-
-    def _sparse_kind(self, table: str) -> SparseOptimizerKind:
-        matches = [prefix for prefix in self.sparse if table.startswith(prefix)]
-        return self.sparse[max(matches, key=len)] if matches else SparseOptimizerKind.LAZY_ADAM
 
     def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
         on = [x.target if x is not None else Target.DEVICE for x in (before, after)]

@@ -24,14 +24,14 @@ from torch.utils import _pytree as pytree
 from hetero.optim import SparseOptimizerKind
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.placement import PlacementSpec, Target
-from hetero.placement.partitioner import capture_failure
+from hetero.placement.capture import capture_failure
 from hetero.planner.calibration import calibrate, collectives, time_shapes
 from hetero.planner.capture import capture
 from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
 from hetero.planner.search import Assignment, brute_force, dynamic_programming, evaluate, ilp
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
-from hetero.planner.tensor_parallel import tensor_options
+from hetero.planner.tensor_parallel import cuts_operators, tensor_options
 
 
 class SearchMethod(enum.Enum):
@@ -103,7 +103,7 @@ class Planner:
         self.untraceable = capture_failure(model)
         # the tp dimension: operator strategies at each degree, around the user's annotations
         self.tensor = tensor_options(model, example_inputs, sharding, world_size, self.graph, self.untraceable is None)
-        required = sharding is not None and any(k > 1 for s in sharding.modules.values() for p in s.in_strategy for k in p)
+        required = cuts_operators(sharding)
         start = time.perf_counter()
         self.calibration = calibrate(config.cache_dir)
         targets = ("device", "host") if self.untraceable is None or self.pinned else ("device",)
@@ -247,7 +247,7 @@ class _Biased:
 
     def options(self, i: int) -> tuple[UnitChoice, ...]:
         out = self.inner.options(i)
-        return tuple(o for o in out if o.target is Target.DEVICE) or out if self.device_only else out
+        return (tuple(o for o in out if o.target is Target.DEVICE) or out) if self.device_only else out
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.inner.unit(i, choice, c)

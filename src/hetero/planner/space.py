@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 
+from hetero.optim import SparseOptimizerKind
 from hetero.placement import Target
 
 
@@ -39,6 +41,13 @@ class TablePlacement(enum.Enum):
     HOST = "host"  # one process: its host holds every table
     REPLICATED = "replicated"  # every rank's host holds whole tables; sparse gradients all-gathered
     ROW_SHARDED = "row_sharded"  # each rank holds 1/dp of every table's rows; ids and rows all-to-all
+
+
+def sparse_optimizer_of(table: str, by_prefix: Mapping[str, SparseOptimizerKind]) -> SparseOptimizerKind:
+    """A host table's sparse optimizer: that of the longest qualified-name prefix of ``table``
+    in ``by_prefix`` (default LazyAdam)."""
+    matches = [prefix for prefix in by_prefix if table.startswith(prefix)]
+    return by_prefix[max(matches, key=len)] if matches else SparseOptimizerKind.LAZY_ADAM
 
 
 @dataclasses.dataclass(frozen=True, order=True)

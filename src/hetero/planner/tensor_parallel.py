@@ -32,7 +32,7 @@ from torch import nn
 from hetero.parallel.comm import Collective
 from hetero.parallel.operator import Strategy
 from hetero.parallel.operator_plan import OpStrategy, ShardingPlan
-from hetero.parallel.propagation import Place, _ops, edge_collectives, input_place, output_place, propagate
+from hetero.parallel.propagation import Place, _bytes, _ops, edge_collectives, input_place, output_place, propagate
 from hetero.planner.calibration_types import Curve
 from hetero.planner.graph import ModelGraph
 
@@ -92,9 +92,9 @@ class TensorSharding:
         return passes * (act + sum(curves[_CURVE[k]].seconds(b) for k, b in self.weight_calls))
 
 
-def sharding_strategies(plan: ShardingPlan | None) -> dict[str, Strategy]:
-    """Module name -> input strategy of a user's plan."""
-    return {} if plan is None else {name: s.in_strategy for name, s in plan.modules.items()}
+def cuts_operators(plan: ShardingPlan | None) -> bool:
+    """Whether a user's plan cuts some operator (a slice count above 1): only tp plans keep it."""
+    return plan is not None and any(k > 1 for s in plan.modules.values() for part in s.in_strategy for k in part)
 
 
 def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: ShardingPlan | None, tp: int,
@@ -152,65 +152,48 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
         op = ops.get(node)
         if op is None:
             continue
-        nbytes = [_value_bytes(a) for a in op.args]
         lay = result.layouts[node.name]
         if node in linears:
             name, m = str(node.target), gm.get_submodule(str(node.target))
-            cut = lay.cuts[0]
-            x_letters = op.inputs[0]
-            derived = OpStrategy((tuple(tp if c == cut else 1 for c in x_letters),
-                                  (tp if cut == "k" else 1, tp if cut == "n" else 1)))
-            local = not keeps[node]
-            if local:
-                derived = dataclasses.replace(derived, out_strategy=(1,) * len(op.output), use_local_output=True)
-            s = user_modules.get(name, derived)
-            if name in user_modules and s.out_strategy is None and local:
-                s = dataclasses.replace(s, out_strategy=derived.out_strategy, use_local_output=True)
+            cut, x_letters = lay.cuts[0], op.inputs[0]
+            out = ((("R",),) * 2 + (output_place(op, lay)[0],))
+            local = not keeps[node]  # made whole and plain for what takes no DTensor
+            summed = not local and out[-1][0] == "P" and any(u not in linears for u in node.users)
+            s = user_modules.get(name) or OpStrategy((tuple(tp if c == cut else 1 for c in x_letters),
+                                                      (tp if cut == "k" else 1, tp if cut == "n" else 1)))
+            if (local or summed) and s.out_strategy is None:
+                # partial sums into an elementwise op are summed by the module itself: an explicit
+                # redistribution (a collective counter sees it; not one inside DTensor's op)
+                s = dataclasses.replace(s, out_strategy=(1,) * len(op.output), use_local_output=local)
             if strategy_of.setdefault(name, s) != s:
                 raise ValueError(f"module {name!r} is called twice with different layouts at tp {tp}")
-            move(place.get(op.args[0]), ((("R",),) * 2 + (input_place(x_letters, lay)[0],)), nbytes[0],
+            move(place.get(op.args[0]), ((("R",),) * 2 + (input_place(x_letters, lay)[0],)), _bytes(op.args[0]),
                  op.args[0].op != "placeholder")
-            out = ((("R",),) * 2 + (output_place(op, lay)[0],))
-            if not local and out[-1][0] == "P" and any(u not in linears for u in node.users):
-                # partial sums into an elementwise op: summed by the module itself (an explicit
-                # redistribution, which a collective counter sees, not one inside DTensor's op)
-                s = dataclasses.replace(s, out_strategy=(1,) * len(op.output)) if s.out_strategy is None else s
-                strategy_of[name] = s
-                move(out, whole(out), _value_bytes(node))
-                out = whole(out)
-            if local:  # made whole and plain (forward); its gradient sliced back (free)
-                act.extend((k, _local_bytes(k, b, tp)) for _, k, b in edge_collectives(out, (("R",),) * 3, _value_bytes(node), sizes, False))
-                out = None
-            place[node] = out
-            w = m.in_features * m.out_features + (m.out_features if m.bias is not None else 0)
+            if local or summed:  # whole (forward); the gradient of a whole tensor sliced back (free)
+                move(out, whole(out) if summed else (("R",),) * 3, _bytes(node))
+            place[node] = None if local else whole(out) if summed else out
             unit = _unit_of(name, units)
             shape = node.args[0].meta["tensor_meta"].shape
             linear_flops[unit] = linear_flops.get(unit, 0.0) + 6.0 * math.prod(shape[:-1]) * m.in_features * m.out_features
             if cut in ("k", "n"):
-                cut_params[unit] = cut_params.get(unit, 0) + w
+                cut_params[unit] = cut_params.get(unit, 0) + sum(p.numel() for p in m.parameters())
                 layout[f"{name}.weight"] = ["R", "R", f"S({1 if cut == 'k' else 0})"]
                 if m.bias is not None:
                     layout[f"{name}.bias"] = ["R", "R", "S(0)" if cut == "n" else "R"]
-            elif cut is not None:  # rows cut: the weight is whole on every rank, its gradient summed
-                weight.append((Collective.ALL_REDUCE, 4.0 * w))
+            else:  # rows cut: the weight is whole on every rank, its gradient summed
+                nbytes = float(sum(p.numel() * p.element_size() for p in m.parameters()))
+                weight.append((Collective.ALL_REDUCE, nbytes))
         else:  # an elementwise op runs on its input as it comes; partial sums are summed first
             src = place.get(op.args[0]) if len(op.args) == 1 else None
             if src is not None and any(p[0] == "P" for p in src):
-                move(src, whole(src), nbytes[0])
+                move(src, whole(src), _bytes(op.args[0]))
                 src = whole(src)
-            place[node] = src if keeps[node] else None
-            if src is not None and not keeps[node]:
-                move(src, (("R",),) * 3, _value_bytes(node))
+            place[node] = src if keeps[node] else None  # (a value kept as a DTensor has users that keep it)
     compute = {u: 1 - f + f / tp for u, total in unit_flops.items() if total
                for f in (min(1.0, linear_flops.get(u, 0.0) / total),)}
     params = {u: 1 - c / n + c / (n * tp) for u, n in unit_params.items() if n for c in (min(cut_params.get(u, 0), n),)}
     return TensorSharding(tp, strategy_of, tuple(n for n in user_modules if n in strategy_of), layout, compute, params,
                           tuple(act), tuple(weight))
-
-
-def _value_bytes(node: fx.Node) -> float:
-    meta = node.meta["tensor_meta"]
-    return math.prod(meta.shape) * meta.dtype.itemsize
 
 
 def _unit_of(module: str, units: Sequence[str]) -> str:
@@ -252,8 +235,7 @@ def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPl
             continue  # the annotations do not fit this degree
         if t.strategies:
             out[tp] = t
-    cuts = any(k > 1 for s in strategies.values() for part in s for k in part)
-    if cuts and not out:
+    if cuts_operators(sharding) and not out:
         raise ValueError(f"the operator annotations {sorted(strategies)} fit no tensor-parallel degree of {world_size} "
                          f"rank(s): give slice counts that multiply to a divisor of the world size")
     return out
