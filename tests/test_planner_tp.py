@@ -116,3 +116,7 @@ def test_without_annotations_or_ranks_there_is_no_tp(cache):
     assert all(c.state.value == "device" for c in two.settings if c.tp == 2)  # HostAdamW keeps whole masters
     with pytest.raises(ValueError, match="no operator strategies at that degree"):
         one.price(Candidate(tp=2))
+    # a Linear on (batch, seq, in) inputs: apply_sharding cuts 2-D inputs only, so no tp plan is offered
+    seq = Planner(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)), (torch.randn(8, 4, 16),),
+                  world_size=2, config=PlannerConfig(cache_dir=cache))
+    assert seq.tensor == {} and {c.tp for c in seq.settings} == {1}

@@ -111,8 +111,9 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
             and backward) and parameter elements.
 
     Raises:
-        ValueError: an annotation that does not fit ``tp`` ranks, or one module called with
-            two different layouts (no single strategy for its weight).
+        ValueError: an annotation that does not fit ``tp`` ranks, an ``nn.Linear`` on inputs
+            of other than two dimensions, or one module called with two different layouts (no
+            single strategy for its weight).
     """
     sizes = (1, 1, tp)  # (pp, dp, tp): the data-parallel ranks are priced apart (batch share)
     result = propagate(gm, strategies, sizes, all_to_all=False, training=True)
@@ -156,6 +157,9 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
         if node in linears:
             name, m = str(node.target), gm.get_submodule(str(node.target))
             cut, x_letters = lay.cuts[0], op.inputs[0]
+            if len(x_letters) != 2:  # what apply_sharding shards: a plan it cannot apply is no plan
+                raise ValueError(f"module {name!r} takes a {len(x_letters)}-D input; operator sharding applies to "
+                                 f"nn.Linear on (batch, in) inputs")
             out = ((("R",),) * 2 + (output_place(op, lay)[0],))
             local = not keeps[node]  # made whole and plain for what takes no DTensor
             summed = not local and out[-1][0] == "P" and any(u not in linears for u in node.users)
@@ -225,17 +229,18 @@ def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPl
     units = [u.name for u in graph.units]
     flops = {u.name: float(sum(op.flops for op in u.forward + u.backward)) for u in graph.units}
     params = {u.name: u.params for u in graph.units}
-    out = {}
+    out, why = {}, ""
     for tp in range(2, world_size + 1):
         if world_size % tp or graph.batch % (world_size // tp):
             continue
         try:
             t = tensor_sharding(gm, strategies, sharding, tp, units, flops, params)
-        except ValueError:
-            continue  # the annotations do not fit this degree
+        except ValueError as e:
+            why = f" ({e})"
+            continue  # not at this degree
         if t.strategies:
             out[tp] = t
     if cuts_operators(sharding) and not out:
         raise ValueError(f"the operator annotations {sorted(strategies)} fit no tensor-parallel degree of {world_size} "
-                         f"rank(s): give slice counts that multiply to a divisor of the world size")
+                         f"rank(s){why}: give slice counts that multiply to a divisor of the world size")
     return out
