@@ -10,7 +10,8 @@ pass) plus, for host tables, their rows and optimizer state (what the device wou
 were there); the budgets are 2 ("everything fits"), 0.35 and 0.1 of it. A grid of at least 12 hand-written plans
 (optimizer state on the device / host / half offloaded; 1 or 4 micro-batches, or 1, 2, 4, 8 with
 SGD or where units cannot go to the host; every unit on the device, recomputing, the first half
-or all units on the host - host units where the partitioner captures the model's graph) and the
+or all units on the host - host units where the partitioner captures the model's graph; every
+table that may move to the device there) and the
 planner's choice per budget are each measured (median step time, the device's peak from
 hetero.planner.meter) in two rounds, shuffled, keeping each plan's faster round. Per budget,
 the best hand-written plan is the fastest whose measured peak fits.
@@ -102,9 +103,10 @@ def models() -> dict[str, Model]:
 def grid(planner: Planner, optimizer: OptimizerKind) -> dict[str, Plan]:
     """The hand-written plans (see the module docstring)."""
     cost = planner.cost
-    dense = [name for i, name in enumerate(cost.names()) if len(cost.options(i)) > 1]
+    plain = Candidate()
+    dense = [name for i, name in enumerate(cost.names()) if not cost.units[i].tables and len(cost.options(i, plain)) > 1]
     recompute = {n: UnitChoice(Target.DEVICE, True) for i, n in enumerate(cost.names())
-                 if UnitChoice(Target.DEVICE, True) in cost.options(i)}
+                 if UnitChoice(Target.DEVICE, True) in cost.options(i, plain)}
     hostable = planner.untraceable is None  # (else host units would run through the hook fallback)
     layouts = {"device": {}}
     if hostable:
@@ -112,6 +114,10 @@ def grid(planner: Planner, optimizer: OptimizerKind) -> dict[str, Plan]:
                     "all on host": {n: UnitChoice(Target.HOST) for n in dense}}
     if recompute:
         layouts["recompute"] = recompute
+    moved = {n: UnitChoice(Target.DEVICE if len(cost.table_order(i)) == len(cost.units[i].tables) else Target.HOST,
+                           device_tables=len(cost.table_order(i))) for i, n in enumerate(cost.names()) if cost.table_order(i)}
+    if moved:  # every table that may move to the device there
+        layouts["tables on the device"] = moved
     if optimizer is OptimizerKind.ADAMW:
         states = [(StateHome.DEVICE, 0.0), (StateHome.HOST, 1.0), (StateHome.PARTIAL, 0.5)]
         passes = (1, 4) if hostable else (1, 2, 4, 8)
@@ -188,7 +194,8 @@ def run_model(name: str, model: Model, rounds: int, rng: random.Random) -> dict:
         within = fits and (best is None or got["seconds"] <= 1.05 * best[1])
         exists = p is not None or best is not None  # a plan of the planner's, or a hand-written one, fits
         cells.append({"fraction": fraction, "budget_bytes": budget, "chosen": p.candidate.describe() if p else None,
-                      "host_units": p.host_units() if p else None, "recomputed": list(p.recompute_config().modules) if p else None,
+                      "host_units": p.host_units() if p else None,
+                      "device_tables": len(p.device_tables) if p else None, "recomputed": list(p.recompute_config().modules) if p else None,
                       "predicted_s": p.predicted.seconds if p else None, "predicted_device_bytes": p.predicted.device_bytes if p else None,
                       "measured_s": got["seconds"] if got else None, "measured_device_bytes": got["device_bytes"] if got else None,
                       "fits": fits, "best_grid_plan": best[0] if best else None, "best_grid_s": best[1] if best else None,

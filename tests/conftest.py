@@ -157,3 +157,27 @@ def load_example(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assert_trains_as_one_process(make_model, batches, losses, parameters, lr=0.1, atol=1e-5):
+    """The one-process side of an "N ranks equal 1 process" test: ``make_model()`` (seeded 0)
+    trained by torch's SGD (``lr``) on ``batches`` of ``(x, y)`` with cross entropy has the
+    per-step ``losses`` and the trained ``parameters`` (name -> tensor) the ranks reported.
+    Returns the reference model."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    want = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    assert losses == pytest.approx(want, abs=atol)
+    assert set(parameters) == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(parameters[name], p.detach(), atol=atol, rtol=atol, msg=lambda m: f"{name}: {m}")
+    return ref

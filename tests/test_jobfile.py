@@ -122,3 +122,13 @@ def test_early_stopping_scores_test_with_the_best_epoch(tmp_path, capsys):
                  "--run-dir", str(tmp_path / "es")]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["steps"] == got["steps"] and again["test_auc"] == pytest.approx(got["test_auc"], abs=1e-9)
+
+
+def test_hetero_plan_reads_a_job_file_that_trains_with_a_plan(tmp_path):
+    from hetero.cli import parse_args
+
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(path=tmp_path / "clicks.csv").replace("[train]\n", '[train]\nplan = "auto"\n'))
+    args, _ = parse_args(["plan", "--config", str(job), "--out", str(tmp_path / "p.json")])
+    assert args.epochs == 4 and args.batch_size == 32  # the rest of [train] is the job it plans
+    assert parse_args(["train", "--config", str(job)])[0].plan == "auto"

@@ -166,19 +166,70 @@ def test_the_plan_file_is_a_strategy_file_that_reads_back_and_explain_shows_the_
         Plan.load(tmp_path / "bad.json")
 
 
-def test_host_tables_larger_than_the_device_budget_stay_on_the_host(cache):
+def _wide_deep(rows_a=200_000):
     from hetero.models.wide_deep import FeatureSlot, WideDeep
 
     data = make_dataset(256)
-    slots = [FeatureSlot("a", 200_000), FeatureSlot("b", 30)]  # a's deep table: 200k x 16 x 4 B = 12.8 MB
-    model = WideDeep(slots, 3)
+    torch.manual_seed(0)
+    model = WideDeep([FeatureSlot("a", rows_a), FeatureSlot("b", 30)], 3)  # a's deep table: 200k x 16 x 4 B
     b = next(iter(data.batches(256)))
-    planner = Planner(model, ({"a": b.features["a"], "b": b.features["b"]}, b.dense),
-                      config=PlannerConfig(cache_dir=cache))
-    plan = planner.plan(device_memory=2 << 20)  # 2 MiB: less than the table
-    assert plan.units["deep"].target is Target.HOST and plan.units["wide"].target is Target.HOST
-    assert plan.predicted.device_bytes <= 2 << 20 and plan.predicted.host_bytes > 12_800_000
-    assert plan.candidate.micro_batches in (1, 2, 4, 8)
+    return model, ({"a": b.features["a"], "b": b.features["b"]}, b.dense), b.label
+
+
+def _bce(logits, labels):
+    return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def test_a_table_larger_than_the_device_budget_is_never_placed_on_the_device(cache):
+    model, inputs, labels = _wide_deep()
+    planner = Planner(model, inputs, loss_fn=lambda o: _bce(o, labels), config=PlannerConfig(cache_dir=cache))
+    # a device whose tables cost nothing: every table that fits is worth moving
+    free = calibration_module.TableRate(*[0.0] * 9)
+    planner.calibration.device_tables = {k: free for k in planner.calibration.device_tables}
+    unlimited = planner.plan()
+    assert set(unlimited.device_tables) == {"wide.tables.wide_a", "wide.tables.wide_b", "deep.tables.deep_a",
+                                            "deep.tables.deep_b"}
+    assert unlimited.units["deep"] == UnitChoice(Target.DEVICE, device_tables=2)
+    budget = 2 << 20  # 2 MiB: less than either of a's tables (12.8 MB; 0.8 MB + LazyAdam's 1.6 MB)
+    plan = planner.plan(device_memory=budget)
+    assert set(plan.device_tables) == {"wide.tables.wide_b", "deep.tables.deep_b"}, plan.device_tables
+    assert plan.units["deep"] == UnitChoice(Target.HOST, device_tables=1) and "1 table(s) on the device" in str(plan)
+    assert plan.predicted.device_bytes <= budget and plan.predicted.host_bytes > 12_800_000
+    measured = measure_step(apply(_wide_deep()[0], plan), inputs, labels, _bce, steps=1, warmup=1)
+    assert measured.device_bytes <= budget
+    assert Plan.from_dict(plan.to_dict()).device_tables == plan.device_tables
+    # the main job keeps its tables on the host: its planner never moves one
+    host_only = Planner(model, inputs, loss_fn=lambda o: _bce(o, labels),
+                        config=PlannerConfig(cache_dir=cache, device_tables=False))
+    assert host_only.plan().device_tables == ()
+
+
+def test_tables_a_plan_moves_to_the_device_train_as_host_tables_do(cache):
+    from hetero.embedding import DeviceEmbedding, dense_parameters, host_tables
+    from hetero.optim import LazyAdam, LazyAdamConfig
+
+    model, inputs, labels = _wide_deep(rows_a=500)
+    reference = _wide_deep(rows_a=500)[0]
+    planner = Planner(model, inputs, loss_fn=lambda o: _bce(o, labels), config=PlannerConfig(cache_dir=cache))
+    units = {"wide": UnitChoice(Target.HOST, device_tables=1), "deep": UnitChoice(Target.DEVICE, device_tables=2)}
+    plan = planner.price(Candidate(), units)
+    assert len(plan.device_tables) == 3
+    applied = apply(model, plan, OptimizerConfig(lr=1e-2))
+    assert sum(isinstance(m, DeviceEmbedding) for m in model.modules()) == 3 and len(host_tables(model)) == 1
+    dense = torch.optim.AdamW(dense_parameters(reference), lr=1e-2, weight_decay=0.0)
+    sparse = LazyAdam(host_tables(reference), LazyAdamConfig())
+    for _ in range(3):
+        applied.step(inputs, labels, _bce)
+        for opt in (dense, sparse):
+            opt.zero_grad()
+        _bce(reference(*inputs), labels).backward()
+        dense.step()
+        sparse.step()
+    trained, initial = dict(model.named_parameters()), dict(_wide_deep(rows_a=500)[0].named_parameters())
+    for name, p in reference.named_parameters():
+        assert (p != initial[name]).any(), name  # it trained (a device table left alone would not)
+        # (a device table's sums run in another order: Adam normalises a near-zero gradient's rounding)
+        torch.testing.assert_close(trained[name].detach(), p.detach(), rtol=0, atol=2e-5, msg=name)
 
 
 def test_the_calibration_is_read_from_its_cache_and_never_from_another_machines(cache, monkeypatch):

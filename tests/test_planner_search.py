@@ -26,7 +26,7 @@ class Synthetic:
     def names(self):
         return [f"u{i}" for i in range(len(self.costs))]
 
-    def options(self, i):
+    def options(self, i, candidate):
         return tuple(c for c in self.costs[i] if i not in self.pins or c.target is self.pins[i])
 
     def unit(self, i, choice, candidate):
@@ -98,3 +98,27 @@ def test_a_frontier_thinned_by_rounding_stays_within_the_budget():
     thinned = dynamic_programming(model, Candidate(), everything * 0.3, float("inf"), max_labels=5, resolution=50)
     assert thinned.device_bytes <= everything * 0.3
     assert thinned.seconds <= exact.seconds * 1.2  # near the optimum (exact: test above)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_stage_split_by_dynamic_programming_is_the_brute_force_optimum(seed):
+    from hetero.planner.pipeline import brute_force_stages, search_stages, stage_cost
+
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    model = synthetic(rng, n)
+    cuts = sorted(rng.sample(range(1, n), rng.randint(1, n - 1)))  # where a stage may begin
+    pp = rng.randint(2, min(4, len(cuts) + 1))
+    c = Candidate(pp=pp, micro_batches=rng.choice([pp, 2 * pp]))
+    sends = [rng.uniform(0, 0.5) for _ in range(n)]
+    whole = stage_cost(model, c, 0, n, 0, False, sends.__getitem__).device_bytes
+    for fraction in (2.0, 0.6, 0.35, 0.2, 0.05):
+        device = whole * fraction
+        want = brute_force_stages(model, c, cuts, device, float("inf"), sends.__getitem__)
+        got = search_stages(model, c, cuts, device, float("inf"), sends.__getitem__)
+        if want is None:
+            assert got is None, fraction
+            continue
+        assert got is not None and got.seconds == pytest.approx(want.seconds, rel=1e-12), fraction
+        assert set(got.cuts) <= set(cuts) and len(got.cuts) == pp - 1 and got.device_bytes <= device
+        assert got.seconds == pytest.approx(max(got.stage_seconds) * (c.micro_batches + pp - 1) / c.micro_batches)

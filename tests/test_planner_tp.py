@@ -61,7 +61,7 @@ def _train_tp(plan_path, steps):
 
 
 def test_a_tp_plan_trains_as_one_unsharded_process_and_sends_what_it_predicts(tmp_path, cpu_ranks, cache):
-    from conftest import run_ranks
+    from conftest import assert_trains_as_one_process, run_ranks
 
     # SGD: Adam's first steps turn float rounding in near-zero gradients into lr-sized moves
     planner = _planner(cache, optimizer=OptimizerKind.SGD)
@@ -74,19 +74,7 @@ def test_a_tp_plan_trains_as_one_unsharded_process_and_sends_what_it_predicts(tm
     assert Plan.load(path).sharding == plan.sharding
     whole, losses, local, counted = run_ranks(tmp_path, 2, _train_tp, str(path), 3)
 
-    torch.manual_seed(0)
-    ref = Net()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    want = []
-    for x, y in _batches(3):
-        opt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
-        want.append(float(loss.detach()))
-    assert losses == pytest.approx(want, abs=1e-5)
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(whole[name], p.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    ref = assert_trains_as_one_process(Net, _batches(3), losses, whole)
     # each rank holds its share of the cut weights (the plan's layout), the rest whole
     expected = sum(p.numel() // (2 if f"{n}" in plan.layout and "S" in plan.layout[n][-1] else 1)
                    for n, p in ref.named_parameters())

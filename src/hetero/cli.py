@@ -415,8 +415,12 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None
     if args.command not in ("train", "plan") or args.config is None:
         return args, None
     job = read_job_file(args.config, _train_flags(parser))
+    file_argv = list(job.argv)
+    if args.command == "plan" and "--plan" in file_argv:  # what `hetero plan` makes: a train flag, not its own
+        at = file_argv.index("--plan")
+        del file_argv[at : at + 2]
     at = argv.index(args.command) + 1  # the file's flags first: the command line's, after them, win
-    return parser.parse_args([*argv[:at], *job.argv, *argv[at:]]), job
+    return parser.parse_args([*argv[:at], *file_argv, *argv[at:]]), job
 
 
 def main(argv: list[str] | None = None, on_step=None) -> int:

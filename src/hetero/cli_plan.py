@@ -138,7 +138,7 @@ def _make_plan(args: argparse.Namespace, model: nn.Module, batches: Batches, wor
     sparse = {"wide": SparseOptimizerKind(args.wide_optimizer), "deep": SparseOptimizerKind(args.deep_optimizer)}
     planner = Planner(model, inputs, world_size=world, optimizer=OptimizerKind.ADAMW, sparse_optimizers=sparse,
                       loss_fn=lambda logits: torch.nn.functional.binary_cross_entropy_with_logits(logits, label),
-                      sample_batches=more, config=PlannerConfig(micro_batches=(1,)))
+                      sample_batches=more, config=PlannerConfig(micro_batches=(1,), device_tables=False))
     return planner.plan(args.device_memory, args.host_memory)
 
 
@@ -156,6 +156,9 @@ def apply_job_plan(args: argparse.Namespace, plan: Plan) -> None:
     """The flags the plan decides (table placement, ZeRO stage), set from it; refused when the
     command line set them otherwise."""
     c = plan.candidate
+    if plan.device_tables:
+        raise ValueError(f"the plan moves tables {list(plan.device_tables)} to the device; the main job keeps its tables "
+                         f"on the host: plan it with hetero plan (or --plan auto), or apply it with hetero.apply")
     sharding = "row" if c.tables is TablePlacement.ROW_SHARDED else "replicated"
     for flag, given, planned in (("--table-sharding", args.table_sharding, sharding), ("--zero", args.zero, c.zero)):
         default = {"--table-sharding": "replicated", "--zero": 0}[flag]

@@ -4,7 +4,7 @@ The counterpart of MindSpore's ``EmbeddingLookup(target="CPU", sparse=True)``; t
 trained by the sparse optimizers in :mod:`hetero.optim`.
 """
 
-from hetero.embedding.collection import HostEmbeddingCollection
+from hetero.embedding.collection import HostEmbeddingCollection, move_tables_to_device
 from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement, RowSpace
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import set_num_threads
@@ -12,9 +12,11 @@ from hetero.embedding.prefetch import PrefetchConfig, Prefetcher
 from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.table import (
     INIT_CHUNK,
+    DeviceEmbedding,
     HostEmbedding,
     defer_tables,
     dense_parameters,
+    device_tables,
     host_tables,
     init_rows,
     table_groups,
@@ -22,6 +24,7 @@ from hetero.embedding.table import (
 
 __all__ = [
     "INIT_CHUNK",
+    "DeviceEmbedding",
     "HostEmbedding",
     "HostEmbeddingCollection",
     "LocalRows",
@@ -36,8 +39,10 @@ __all__ = [
     "TableConfig",
     "defer_tables",
     "dense_parameters",
+    "device_tables",
     "host_tables",
     "init_rows",
+    "move_tables_to_device",
     "set_num_threads",
     "table_groups",
 ]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
-from hetero.embedding.table import HostEmbedding, TableConfig
+from hetero.embedding.table import DeviceEmbedding, HostEmbedding, TableConfig
 
 
 class HostEmbeddingCollection(nn.Module):
@@ -34,13 +35,22 @@ class HostEmbeddingCollection(nn.Module):
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
         self.tables = nn.ModuleDict({t.name: HostEmbedding(t) for t in tables})
-        by_kind: dict[tuple, list[HostEmbedding]] = {}
-        for t in self.tables.values():
-            by_kind.setdefault((t.config.embedding_dim, t.config.dtype), []).append(t)
-        self.groups = [TableGroup(ts) for ts in by_kind.values()]
+        # Plans handed over by a prefetcher, in batch order, with the requests they were built for.
+        self._prepared: collections.deque[tuple[list[list[Request]], list[LookupPlan]]] = collections.deque()
+        self.regroup()
         # Plans handed over by a prefetcher, in batch order, with the requests they were built for.
         self._prepared: collections.deque[tuple[list[list[Request]], list[LookupPlan]]] = collections.deque()
         self.mismatched_plans = 0  # prepared plans dropped because the lookup asked for other ids
+
+    def regroup(self) -> None:
+        """Merge the host tables into groups of one width and dtype (at construction, and after
+        some tables moved to the device: their rows leave the groups' storage)."""
+        by_kind: dict[tuple, list[HostEmbedding]] = {}
+        for t in self.tables.values():
+            if isinstance(t, HostEmbedding):
+                by_kind.setdefault((t.config.embedding_dim, t.config.dtype), []).append(t)
+        self.groups = [TableGroup(ts) for ts in by_kind.values()]
+        self._prepared.clear()  # plans of the old groups
 
     def requests(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> list[list[Request]]:
         """The lookup requests of ``features``, one list per group."""
@@ -48,11 +58,7 @@ class HostEmbeddingCollection(nn.Module):
         for group in self.groups:
             reqs = []
             for table in group.tables:
-                key = table.config.feature_name
-                if key not in features:
-                    raise KeyError(f"table {table.name!r} looks up feature {key!r}, which is not in the batch; "
-                                   f"batch features: {sorted(features)}")
-                x = features[key]
+                x = _feature(table, features)
                 reqs.append(Request(table, *x) if isinstance(x, tuple) else Request(table, x))
             out.append(reqs)
         return out
@@ -80,7 +86,19 @@ class HostEmbeddingCollection(nn.Module):
         for i, (group, reqs) in enumerate(zip(self.groups, requests)):
             for r, y in zip(reqs, group.lookup(reqs, None if plans is None else plans[i])):
                 out[r.table.name] = y
+        for name, table in self.tables.items():
+            if isinstance(table, DeviceEmbedding):
+                x = _feature(table, features)
+                out[name] = table(*x) if isinstance(x, tuple) else table(x)
         return {name: out[name] for name in self.tables}
+
+
+def _feature(table: HostEmbedding | DeviceEmbedding, features: Mapping[str, Any]) -> Any:  # noqa: ANN401
+    key = table.config.feature_name
+    if key not in features:
+        raise KeyError(f"table {table.name!r} looks up feature {key!r}, which is not in the batch; "
+                       f"batch features: {sorted(features)}")
+    return features[key]
 
 
 def _same_requests(a: list[list[Request]], b: list[list[Request]]) -> bool:
@@ -93,3 +111,29 @@ def _same_requests(a: list[list[Request]], b: list[list[Request]]) -> bool:
             if x is None or y is None or x.shape != y.shape or x.device != y.device or not torch.equal(x, y):
                 return False
     return True
+
+
+def move_tables_to_device(model: nn.Module, names: list[str], device: torch.device) -> dict[str, DeviceEmbedding]:
+    """Replace the host tables ``names`` (qualified names) of ``model`` by
+    :class:`DeviceEmbedding` copies on ``device`` (one host->device copy of each table; the
+    collections holding them regroup their remaining host tables). Returns them by name.
+
+    Raises:
+        ValueError: a name that is no host table of ``model`` (listing them), or a table that is
+            not float32.
+    """
+    modules = dict(model.named_modules())
+    out = {}
+    for name in names:
+        table = modules.get(name)
+        if not isinstance(table, HostEmbedding):
+            tables = [n for n, m in modules.items() if isinstance(m, HostEmbedding)]
+            raise ValueError(f"{name!r} is not a host table of {type(model).__name__}; its host tables are {tables}")
+        parent_name, _, attr = name.rpartition(".")
+        parent = modules[parent_name]
+        out[name] = DeviceEmbedding.from_host(table, device)
+        setattr(parent, attr, out[name])  # (a ModuleDict's item or a module's attribute)
+    for m in model.modules():
+        if isinstance(m, HostEmbeddingCollection) and any(isinstance(t, DeviceEmbedding) for t in m.tables.values()):
+            m.regroup()
+    return out

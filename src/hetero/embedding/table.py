@@ -22,8 +22,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
-from hetero.embedding.config import TableConfig
+from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.grad import SparseGrad
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import Request
@@ -158,6 +159,80 @@ class HostEmbedding(nn.Module):
         self.group.pending.clear()
 
 
+class DeviceEmbedding(nn.Module):
+    """A table moved to the device (a plan's choice when it fits and looks up faster there):
+    torch's ``embedding`` / ``embedding_bag`` with sparse gradients, trained by one of torch's
+    sparse optimizers (:func:`hetero.optim.device_sparse_optimizer`). The same inputs, outputs
+    and errors as :class:`HostEmbedding` (ids on any device are moved to the table's).
+
+    Args:
+        config: the table's configuration (fp32 tables only: torch's sparse optimizers keep
+            their state in the weight's dtype, the host's in fp32).
+        weight: its rows, ``(num_embeddings, embedding_dim)`` float32, on the device (kept,
+            not copied).
+
+    Raises:
+        ValueError: a table of another dtype or a weight of another shape.
+    """
+
+    hetero_target = Target.DEVICE  # a leaf of the partitioner's trace (its id check reads values), on the device
+
+    def __init__(self, config: TableConfig, weight: Tensor) -> None:
+        super().__init__()
+        shape = (config.num_embeddings, config.embedding_dim)
+        if config.dtype is not torch.float32 or tuple(weight.shape) != shape:
+            raise ValueError(f"table {config.name!r}: a device table is float32 of shape {shape}, got "
+                             f"{config.dtype} rows of shape {tuple(weight.shape)}; keep it on the host")
+        self.config = config
+        self.weight = nn.Parameter(weight)
+
+    @staticmethod
+    def from_host(table: HostEmbedding, device: torch.device) -> "DeviceEmbedding":
+        """``table``'s rows copied to ``device`` (one host->device copy of the whole table)."""
+        return DeviceEmbedding(table.config, table.weight.detach().to(device, torch.float32, copy=True))
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"{c.name!r}, {c.num_embeddings}, {c.embedding_dim}, pooling={c.pooling.value}, device-resident"
+
+    def forward(self, ids: Tensor, offsets: Tensor | None = None) -> Tensor:
+        c, w = self.config, self.weight
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"table {c.name!r}: ids must be int64 or int32, got {ids.dtype}")
+        ids = ids.to(w.device, torch.int64)
+        if c.hashed:
+            ids = ids.remainder(c.num_embeddings)  # floor semantics, as the host's hashing
+        else:
+            bad = ids[(ids < 0) | (ids >= c.num_embeddings)]
+            if bad.numel():  # sync point: the check reads the ids on the host
+                raise IndexError(f"table {c.name!r}: id {int(bad[0])} is out of range for vocab size "
+                                 f"{c.num_embeddings} (valid ids are 0..{c.num_embeddings - 1}); fix the feature "
+                                 f"encoding or set hashed=True on this table to hash ids into range")
+        if c.pooling is Pooling.NONE:
+            if offsets is not None:
+                raise ValueError(f"table {c.name!r}: offsets given but pooling is 'none'; use SUM or MEAN")
+            return F.embedding(ids, w, sparse=True)
+        if offsets is None and ids.dim() != 2:
+            raise ValueError(f"table {c.name!r}: pooled lookup without offsets needs 2-D ids (B, L), "
+                             f"got {tuple(ids.shape)}")
+        if offsets is not None:
+            offsets = offsets.to(w.device, torch.int64)
+            if offsets.dim() != 1 or not len(offsets) or int(offsets[0]) != 0 or int(offsets[-1]) != len(ids):
+                raise ValueError(f"table {c.name!r}: offsets must be 1-D of length B + 1 with offsets[0] == 0 and "
+                                 f"offsets[-1] == len(ids) == {len(ids)}, got {offsets.tolist()[:8]}")
+        return F.embedding_bag(ids, w, offsets, mode=c.pooling.value, sparse=True,
+                               include_last_offset=offsets is not None)
+
+
+def device_tables(module: nn.Module) -> dict[str, DeviceEmbedding]:
+    """All device tables in ``module`` by qualified name."""
+    return {name: m for name, m in module.named_modules() if isinstance(m, DeviceEmbedding)}
+
+
 def host_tables(module: nn.Module) -> dict[str, HostEmbedding]:
     """All host tables in ``module`` by qualified name (stable keys for optimizers and checkpoints)."""
     return {name: m for name, m in module.named_modules() if isinstance(m, HostEmbedding)}
@@ -175,6 +250,7 @@ def table_groups(module: nn.Module) -> dict[str, TableGroup]:
 
 
 def dense_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    """Trainable parameters of ``module`` that are not host tables: what a dense optimizer takes."""
-    tables = {t.weight for t in host_tables(module).values()}  # parameters hash by identity
+    """Trainable parameters of ``module`` that are not tables (host or device): what a dense
+    optimizer takes."""
+    tables = {t.weight for t in [*host_tables(module).values(), *device_tables(module).values()]}  # (by identity)
     return (p for p in module.parameters() if p.requires_grad and p not in tables)

@@ -6,6 +6,7 @@ Dense (device) parameters use any ``torch.optim`` optimizer on
 """
 
 from hetero.optim.accounting import device_memory_report
+from hetero.optim.device_sparse import DEVICE_SPARSE_OPTIMIZERS, device_sparse_optimizer
 from hetero.optim.host_adam import HostAdam, HostAdamW
 from hetero.optim.host_state import HostOffloadConfig
 from hetero.optim.host_adam_sharded import ShardedHostAdamW
@@ -26,6 +27,8 @@ from hetero.optim.sparse import (
 )
 
 __all__ = [
+    "DEVICE_SPARSE_OPTIMIZERS",
+    "device_sparse_optimizer",
     "DynamicLossScaler",
     "HostAdam",
     "HostAdamW",

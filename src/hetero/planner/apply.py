@@ -1,11 +1,14 @@
 """``hetero.apply(model, plan)``: a plan made real on one rank (or the ``tp`` ranks of a
-tensor-parallel plan), in the order of ``hetero.parallel.parallelize`` - operator sharding
-first (a tp plan's strategies, ``apply_sharding``), recompute regions (module names unchanged), then the
-host/device partition (``hetero.partition``: host units' ops run on the host, their parameters
-live there, the copies inserted), then the optimizers where the plan puts their state: torch's
-beside device parameters, ``HostAdamW`` (all offloaded) or ``PartialOffloadAdamW`` (a ratio),
-torch's on the host for host units; host tables get their sparse optimizers. :class:`Applied`
-runs a training step with the plan's micro-batches (gradients accumulated, one update).
+tensor-parallel plan, or the ``pp`` ranks of a pipeline), in the order of
+``hetero.parallel.parallelize`` - the pipeline split first (a pp plan's stages,
+``hetero.parallel.pipeline``, each stage's recompute regions), operator sharding (a tp plan's
+strategies, ``apply_sharding``), recompute regions (module names unchanged), the plan's device
+tables moved, then the host/device partition (``hetero.partition``: host units' ops run on the
+host, their parameters live there, the copies inserted), then the optimizers where the plan puts
+their state: torch's beside device parameters, ``HostAdamW`` (all offloaded) or
+``PartialOffloadAdamW`` (a ratio), torch's on the host for host units; host tables get their
+sparse optimizers, device tables torch's of the same rule. :class:`Applied` runs a training step
+with the plan's micro-batches (gradients accumulated, one update; a pipeline's schedule).
 """
 
 from __future__ import annotations
@@ -13,22 +16,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from hetero.embedding import HostEmbedding, dense_parameters, host_tables
-from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind
+from hetero.embedding import HostEmbedding, dense_parameters, host_tables, move_tables_to_device
+from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
 from hetero.parallel.mesh import MeshConfig, build_mesh
 from hetero.parallel.operator_plan import apply_sharding
-from hetero.parallel.recompute import apply_recompute
+from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.placement import Target, resolve_device
 from hetero.planner.plan import Plan
 from hetero.planner.space import OptimizerKind, StateHome, sparse_optimizer_of
+
+if TYPE_CHECKING:
+    from hetero.parallel.pipeline import Pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +62,9 @@ class Applied:
         optimizer: the dense optimizer of the device units' parameters (torch's, HostAdamW or
             PartialOffloadAdamW, as the plan says; ``None``: every unit is on the host).
         host_optimizers: the host units' dense optimizer and the host tables' sparse ones.
+        table_optimizers: the device tables' (torch's sparse optimizers).
+        pipeline: with a ``pp > 1`` plan, this rank's stage and the schedule (``model`` is
+            the stage: the model without the other stages' units, names unchanged).
         micro_batches: passes per step (:meth:`step` splits the batch into them).
         plan: the plan.
         host_tensors: the parameters and buffers that live on the host (host units', tables').
@@ -70,6 +79,8 @@ class Applied:
     plan: Plan
     host_tensors: set[torch.Tensor]
     host_work: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    table_optimizers: list[torch.optim.Optimizer] = dataclasses.field(default_factory=list)
+    pipeline: Pipeline | None = None
 
     def step(self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> float:  # noqa: ANN401
         """One training step: the batch ``inputs`` (and ``target``) cut into the plan's
@@ -81,9 +92,14 @@ class Applied:
             ValueError: a tensor of another first dimension than the batch's (bags cannot be
                 cut by rows) with more than one micro-batch.
         """
-        optimizers = [self.optimizer] if self.optimizer is not None else []
+        optimizers = ([self.optimizer] if self.optimizer is not None else []) + self.table_optimizers
         for opt in optimizers + self.host_optimizers:
             opt.zero_grad()
+        if self.pipeline is not None:  # the schedule runs the micro-batches (its loss: apply's loss_fn)
+            loss = self.pipeline.step(inputs, target)  # sync point: the loss, over the pp group
+            for opt in optimizers:
+                opt.step()
+            return loss
         m, total = self.micro_batches, 0.0
         for part_inputs, part_target in zip(split_batch(inputs, m), split_batch(target, m)):
             loss = loss_fn(self.model(*part_inputs), part_target) / m
@@ -98,21 +114,25 @@ class Applied:
 
 
 def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfig(),
-          sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}, mesh: DeviceMesh | None = None) -> Applied:
+          sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}, mesh: DeviceMesh | None = None,
+          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Applied:
     """Make ``plan`` real on ``model`` (changed in place; see the module docstring).
 
     Args:
         config: the dense optimizer's hyperparameters.
-        sparse_optimizers: host tables' sparse optimizers by qualified-name prefix (default
-            LazyAdam, each with its default config).
-        mesh: with a ``tp > 1`` plan, its mesh (default: ``build_mesh`` over the initialised
-            process group). Every rank of it calls ``apply`` (collective) and steps on the same
-            batch.
+        sparse_optimizers: tables' sparse optimizers by qualified-name prefix (default
+            LazyAdam, each with its default config; a device table's is torch's of the same rule).
+        mesh: with a ``tp > 1`` or ``pp > 1`` plan, its mesh (default: ``build_mesh`` over the
+            initialised process group). Every rank of it calls ``apply`` (collective) and steps
+            on the same batch.
+        loss_fn: with a ``pp > 1`` plan, the loss of ``(output, target)`` the last stage
+            computes per micro-batch (:meth:`Applied.step`'s is then not used).
 
     Raises:
         ValueError: the plan names units the model does not have (another model's plan), its
-            mesh has data-parallel or pipeline ranks (the main job applies those: ``hetero train
-            --plan``), its ``tp`` is not the world size, or it puts units on the host beside ``tp``.
+            mesh has data-parallel ranks (the main job applies those: ``hetero train --plan``),
+            its ``tp`` or ``pp`` is not the world size, it puts units on the host beside ``tp``,
+            or a ``pp`` plan comes without ``loss_fn``.
     """
     from hetero.planner.graph import plan_units
 
@@ -122,9 +142,11 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         raise ValueError(f"the plan is for a model with units {missing}, which {type(model).__name__} does not have; "
                          f"plan this model (hetero.plan)")
     c = plan.candidate
-    if c.pp * c.dp > 1:
-        raise ValueError(f"the plan's mesh pp {c.pp} x dp {c.dp} x tp {c.tp} has data-parallel or pipeline ranks; "
-                         f"hetero.apply makes single-rank and tensor-parallel plans real: run it with hetero train --plan")
+    if c.dp > 1:
+        raise ValueError(f"the plan's mesh pp {c.pp} x dp {c.dp} x tp {c.tp} has data-parallel ranks; hetero.apply "
+                         f"makes single-rank, tensor-parallel and pipeline plans real: run it with hetero train --plan")
+    if c.pp > 1:
+        return _apply_pipeline(model, plan, config, mesh, loss_fn)
     host_dense = [n for n in plan.host_units() if not any(isinstance(m, HostEmbedding) for m in units[n].modules())]
     device = resolve_device(Target.DEVICE)
     sharding = plan.sharding_plan()
@@ -138,6 +160,13 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
                              f"--nproc-per-node {c.tp}")
         model.to(device)
         apply_sharding(model, sharding, mesh)  # before recompute: its regions replay the sharded operators
+    # the plan's device tables: one host->device copy of each, before the partition (a device leaf there)
+    moved = move_tables_to_device(model, list(plan.device_tables), device)
+    table_optimizers = []
+    for kind in SparseOptimizerKind:
+        own = [t.weight for k, t in moved.items() if sparse_optimizer_of(k, sparse_optimizers) is kind]
+        if own:
+            table_optimizers.append(device_sparse_optimizer(kind, own))
     apply_recompute(model, plan.recompute_config())
     if host_dense:
         from hetero.placement.partitioner import partition
@@ -162,7 +191,36 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
             host_optimizers.append(kind.optimizer(own, kind.optimizer.Config()))
     host_tensors = on_host | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
     return Applied(runnable, _device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
-                   c.micro_batches, plan, host_tensors)
+                   c.micro_batches, plan, host_tensors, table_optimizers=table_optimizers)
+
+
+def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,
+                    loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Applied:
+    """A pp plan: the model split at the plan's points (``hetero.parallel.pipeline``, 1F1B), this
+    rank's stage recomputing its planned units, torch's optimizer beside its parameters."""
+    from hetero.parallel.pipeline import pipeline
+    from hetero.parallel.pipeline_plan import PipelineConfig
+
+    c = plan.candidate
+    if loss_fn is None:
+        raise ValueError(f"a pp {c.pp} plan runs its loss in the last stage: pass loss_fn=(output, target) -> loss")
+    mesh = mesh if mesh is not None else build_mesh(MeshConfig(pp=c.pp))
+    if mesh.size() != c.pp:
+        raise ValueError(f"the plan is for pp {c.pp} ranks, the mesh has {mesh.size()}: run it under torchrun "
+                         f"--nproc-per-node {c.pp}")
+    recomputed = plan.recompute_config().modules
+
+    def recompute_stage(stage: nn.Module) -> nn.Module:  # the split first, then each stage's regions
+        present = dict(stage.named_modules())
+        apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
+        return stage
+
+    device = resolve_device(Target.DEVICE)
+    pipe = pipeline(model.to(device), PipelineConfig(micro_batches=c.micro_batches, split_points=plan.split_points),
+                    mesh, loss_fn, recompute_stage)
+    named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad]
+    return Applied(pipe.modules[0], _torch_optimizer([p for _, p in named], plan.optimizer, config), [],
+                   c.micro_batches, plan, set(), pipeline=pipe)
 
 
 def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig,

@@ -14,7 +14,8 @@
 * **Optimizers** per element and per tensor: torch's AdamW and momentum SGD where the
   parameters live, HostAdamW's host update (a :class:`LinearRate` fitted by least squares).
 * **Host tables** per sparse optimizer: seconds per looked-up id and per updated row, per
-  element of the row (lookup + backward + update of a table of 2^18 rows, uniform and skewed ids).
+  element of the row (lookup + backward + update of a table of 2^18 rows, uniform and skewed ids);
+  the same for tables moved to the device, with torch's sparse optimizers.
 * **Collectives** per backend and world size (all-reduce, all-gather, reduce-scatter by bytes),
   measured on spawned gloo processes the first time a plan for several ranks asks.
 
@@ -50,7 +51,7 @@ from hetero.planner.timing import (
     time_replays,
 )
 
-VERSION = 11  # bump when what is measured changes: older cache files are measured again
+VERSION = 12  # bump when what is measured changes: older cache files are measured again
 
 
 @dataclasses.dataclass
@@ -66,13 +67,15 @@ class Calibration:
         h2d, d2h: copy seconds by bytes (``None`` where the host is the device: no copy).
         optimizers: ``"adamw"``, ``"sgd"``, ``"sgd_momentum"`` (torch's, on the device), the same
             with ``"_host"`` (torch's on the host), ``"host_adamw"`` -> :class:`LinearRate`.
-        tables: sparse optimizer kind value -> :class:`TableRate`.
+        tables: sparse optimizer kind value -> :class:`TableRate` of host tables.
         op_overhead_s: an op's eager overhead beyond its kernel (Python call, autograd).
         handoff_s: handing a host subgraph to the partitioner's worker thread after device work
             (its thread team wakes up) and waiting: a boundary's.
         shapes: target -> op signature -> seconds at its exact shapes (NaN: not replayable).
         collectives: ``"<backend>:<world>"`` -> collective name -> :class:`Curve` by bytes.
         seconds: how long the measurement took.
+        device_tables: sparse optimizer kind value -> :class:`TableRate` of tables moved to
+            the device (torch's sparse optimizers: LazyAdam, Adagrad, SGD).
     """
 
     key: str
@@ -89,6 +92,7 @@ class Calibration:
     shapes: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     collectives: dict[str, dict[str, Curve]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    device_tables: dict[str, TableRate] = dataclasses.field(default_factory=dict)
 
     def op_seconds(self, target: str, op: OpCost, scale: float = 1.0) -> float:
         """One op's predicted seconds on ``target`` with its work scaled by ``scale`` (1: as
@@ -125,7 +129,7 @@ class Calibration:
             {k: TableRate(**v) for k, v in doc["tables"].items()}, doc["op_overhead_s"], doc["handoff_s"],
             doc["shapes"],
             {k: {c: curve(v) for c, v in coll.items()} for k, coll in doc.get("collectives", {}).items()},
-            doc.get("seconds", 0.0))
+            doc.get("seconds", 0.0), {k: TableRate(**v) for k, v in doc.get("device_tables", {}).items()})
 
 
 def machine_key() -> tuple[str, str]:
@@ -224,10 +228,12 @@ def measure() -> Calibration:
                        for k in kinds})
     optimizers["host_adamw"] = host_adamw_rate()
     tables = table_rates()
+    device_tables = table_rates(device)
     small = ops["device"]["memory"].points[0][1]  # a direct call's cost, in the curves already
     overhead = max(0.0, eager_seconds_per_op(device) - small)
     return Calibration(key, text, "cpu" if host_is_device else torch.cuda.get_device_name(device), host_is_device, ops,
-                       h2d, d2h, optimizers, tables, overhead, handoff_seconds(), {}, {}, time.perf_counter() - start)
+                       h2d, d2h, optimizers, tables, overhead, handoff_seconds(), {}, {}, time.perf_counter() - start,
+                       device_tables)
 
 
 def time_shapes(calibration: Calibration, graph: ModelGraph, targets: tuple[str, ...] = ("device",),

@@ -29,10 +29,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Protocol
 
-from hetero.optim import SparseOptimizerKind
+from hetero.optim import DEVICE_SPARSE_OPTIMIZERS, SparseOptimizerKind
 from hetero.placement import Target
 from hetero.planner.calibration import Calibration
-from hetero.planner.graph import ModelGraph, OpCost, OpFamily, Unit
+from hetero.planner.graph import ModelGraph, OpCost, OpFamily, TableInfo, Unit
 from hetero.planner.space import (
     UNIT_CHOICES,
     Candidate,
@@ -97,8 +97,8 @@ class CostModel(Protocol):
     def names(self) -> list[str]:
         """The units' names, in order."""
 
-    def options(self, i: int) -> tuple[UnitChoice, ...]:
-        """Unit ``i``'s allowed options (an annotation pins one target)."""
+    def options(self, i: int, candidate: Candidate) -> tuple[UnitChoice, ...]:
+        """Unit ``i``'s allowed options under ``candidate`` (an annotation pins one target)."""
 
     def unit(self, i: int, choice: UnitChoice, candidate: Candidate) -> UnitCost:
         """Unit ``i``'s cost under ``choice``."""
@@ -115,6 +115,7 @@ class CostModel(Protocol):
 _STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.SGD: 0, OptimizerKind.SGD_MOMENTUM: 4}  # per fp32 element
 _TABLE_STATE = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.FTRL: 2, SparseOptimizerKind.ADAGRAD: 1,
                 SparseOptimizerKind.ROWWISE_ADAGRAD: 0, SparseOptimizerKind.SGD: 0}  # table-sized states
+_DEVICE_TABLE_STATE = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.ADAGRAD: 1}  # torch's, table-sized
 HOST_ADAMW_BYTES = 16  # per parameter on the host: fp32 master, two moments, the gradient buffer
 
 
@@ -132,15 +133,39 @@ class MeasuredCost:
             through its hook fallback, copies this model does not price would run).
         tensor: the operator strategies by tensor-parallel degree (a candidate's ``tp > 1``
             prices its units' shares and collectives).
+        device_tables: tables may move to the device (on one data-parallel rank; float32 tables
+            whose sparse optimizer torch has).
     """
 
     def __init__(self, graph: ModelGraph, calibration: Calibration, optimizer: OptimizerKind,
                  sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {},
-                 host_units: bool = True, tensor: Mapping[int, TensorSharding] = {}) -> None:
+                 host_units: bool = True, tensor: Mapping[int, TensorSharding] = {},
+                 device_tables: bool = True) -> None:
         self.graph, self.cal, self.optimizer = graph, calibration, optimizer
         self.units = [u for u in graph.units if u.name]
         self.root = next(u for u in graph.units if not u.name)
         self.sparse, self.pinned, self.host_units, self.tensor = sparse, pinned, host_units, tensor
+        self._movable: dict[int, list[TableInfo]] = {}
+        for i, u in enumerate(self.units):
+            kinds = {t.name: sparse_optimizer_of(t.name, sparse) for t in u.tables}
+            movable = [t for t in u.tables if device_tables and t.row_bytes == 4 * t.dim and
+                       kinds[t.name] in DEVICE_SPARSE_OPTIMIZERS and kinds[t.name].value in calibration.device_tables]
+            self._movable[i] = sorted(movable, key=lambda t: -self._ids(t) / self._table_device_bytes(t))
+
+    def table_order(self, i: int) -> list[TableInfo]:
+        """Unit ``i``'s tables that may move to the device (float32 rows, a sparse optimizer torch
+        has for sparse gradients), the most looked-up ids per byte of table and state first: a
+        :class:`UnitChoice`'s ``device_tables = k`` moves the first ``k`` (a greedy knapsack
+        order: a byte of the device budget saves the most host work on the tables first in it)."""
+        return self._movable.get(i, [])
+
+    def _ids(self, t: TableInfo) -> float:
+        traffic = self.graph.traffic.get(t.name)
+        return traffic.ids_per_batch if traffic is not None else 0.0
+
+    def _table_device_bytes(self, t: TableInfo) -> int:
+        """A device table's rows and its torch optimizer's state (in the rows' dtype)."""
+        return t.rows * t.row_bytes * (1 + _DEVICE_TABLE_STATE.get(sparse_optimizer_of(t.name, self.sparse), 0))
 
     def _shares(self, name: str, c: Candidate) -> tuple[float, float]:
         """A unit's share of compute and of parameter elements on one rank of ``c``'s ``tp``."""
@@ -152,14 +177,19 @@ class MeasuredCost:
     def names(self) -> list[str]:
         return [u.name for u in self.units]
 
-    def options(self, i: int) -> tuple[UnitChoice, ...]:
+    def options(self, i: int, c: Candidate) -> tuple[UnitChoice, ...]:
         u = self.units[i]
-        if u.tables:  # host tables: their lookups run where their rows are
-            return (UnitChoice(Target.HOST),)
-        out = [c for c in UNIT_CHOICES if not (c.recompute and not u.saved_bytes)
-               and (self.host_units or c.target is Target.DEVICE or u.name in self.pinned)]
+        if u.tables:  # the lookups run where the rows are: the first k tables on the device, the rest on the host
+            # (one rank's tables: device tables replicated over data-parallel ranks are not modelled)
+            movable = self.table_order(i) if c.dp == 1 else []
+            return (UnitChoice(Target.HOST),) + tuple(
+                UnitChoice(Target.DEVICE if k == len(u.tables) else Target.HOST, device_tables=k)
+                for k in range(1, len(movable) + 1))
+        out = [x for x in UNIT_CHOICES if not (x.recompute and not u.saved_bytes)
+               and (self.host_units or x.target is Target.DEVICE or u.name in self.pinned)
+               and (c.tp == 1 or x.target is Target.DEVICE)]  # tp shards device ops: host subgraphs take no DTensors
         pin = self.pinned.get(u.name)
-        return tuple(c for c in out if pin is None or c.target is pin)
+        return tuple(x for x in out if pin is None or x.target is pin)
 
     def _scale(self, c: Candidate) -> float:
         return 1.0 / (c.dp * c.micro_batches)  # a pass's share of the captured batch
@@ -175,7 +205,7 @@ class MeasuredCost:
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.units[i]
         if u.tables:
-            return self._tables(u, c)
+            return self._tables(u, c, self.table_order(i)[:choice.device_tables])
         s = self._scale(c)
         compute = self._passes(u.name, False, choice.target, c) * (2 if choice.recompute else 1) + \
             self._passes(u.name, True, choice.target, c)
@@ -219,27 +249,45 @@ class MeasuredCost:
             seconds += host_s + copies
         return int(params + grads + state), int(HOST_ADAMW_BYTES * offloaded), seconds
 
-    def _tables(self, u: Unit, c: Candidate) -> UnitCost:
+    def _rows(self, t: TableInfo, c: Candidate) -> tuple[float, float]:
+        """A table's ids per pass and distinct rows per step on one rank of ``c``."""
+        traffic = self.graph.traffic.get(t.name)
+        if traffic is None:
+            return 0.0, 0.0
+        per_pass = traffic.ids_per_batch / (c.dp * c.micro_batches)
+        return per_pass, traffic.unique(per_pass * c.micro_batches)
+
+    def _tables(self, u: Unit, c: Candidate, on_device: list[TableInfo]) -> UnitCost:
+        moved = {t.name for t in on_device}
+        seconds, static = 0.0, 0
+        for t in on_device:  # one torch embedding call per table and pass, torch's sparse optimizer
+            kind = sparse_optimizer_of(t.name, self.sparse)
+            ids, rows = self._rows(t, c)
+            seconds += self.cal.device_tables[kind.value].seconds(c.micro_batches, 1, ids, rows, t.dim)
+            # rows and state, and the step's sparse gradient (values and indices, uncoalesced) until the update
+            static += self._table_device_bytes(t) + int(ids * c.micro_batches * (t.row_bytes + 8))
         host = 0
         groups: dict[str, list] = {}
-        for t in u.tables:
+        for t in (t for t in u.tables if t.name not in moved):
             kind = sparse_optimizer_of(t.name, self.sparse)
             groups.setdefault((t.group, kind), []).append(t)
             state_rows = t.rows * (1 + _TABLE_STATE[kind]) if kind is not SparseOptimizerKind.ROWWISE_ADAGRAD \
                 else t.rows + t.rows / t.dim
             host += int(state_rows * t.row_bytes / (c.dp if c.tables is TablePlacement.ROW_SHARDED else 1))
-        seconds = 0.0
         for (_, kind), tables in groups.items():  # one kernel call per group and pass
-            ids = rows = 0.0
-            for t in tables:
-                traffic = self.graph.traffic.get(t.name)
-                if traffic is not None:
-                    per_pass = traffic.ids_per_batch / (c.dp * c.micro_batches)
-                    ids += per_pass
-                    rows += traffic.unique(per_pass * c.micro_batches)
+            ids = sum(self._rows(t, c)[0] for t in tables)
+            rows = sum(self._rows(t, c)[1] for t in tables)
             seconds += self.cal.tables[kind.value].seconds(c.micro_batches, len(tables), ids, rows, tables[0].dim)
-        # the lookups' outputs reach the device each pass (the boundary after this unit copies them)
-        return UnitCost(seconds, host_bytes=host)
+        # the host lookups' outputs reach the device each pass (the boundary after this unit copies them)
+        return UnitCost(seconds, device_static=static, host_bytes=host)
+
+    def _host_output_share(self, i: int, choice: UnitChoice) -> float:
+        """The share of unit ``i``'s output its host tables make (its device tables' is on the
+        device already): pooled tables make a row per bag, the others a row per id."""
+        u = self.units[i]
+        moved = {t.name for t in self.table_order(i)[:choice.device_tables]}
+        size = {t.name: t.row_bytes * (self.graph.batch if t.pooled else max(self._ids(t), 1.0)) for t in u.tables}
+        return sum(v for k, v in size.items() if k not in moved) / max(sum(size.values()), 1.0)
 
     def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
         on = [x.target if x is not None else Target.DEVICE for x in (before, after)]
@@ -247,6 +295,8 @@ class MeasuredCost:
         if on[0] is not on[1] and not (i < len(self.units) and self.units[i].tables):
             seconds = self.cal.handoff_s * c.micro_batches if on[1] is Target.HOST else 0.0  # a host subgraph's start
             nbytes = (self.units[i - 1].output_bytes if i > 0 else self.graph.input_bytes) * self._scale(c)
+            if i > 0 and self.units[i - 1].tables:
+                nbytes *= self._host_output_share(i - 1, before)
             if self.cal.host_is_device:  # the partitioner copies memory to memory (forward), as a device would
                 seconds += c.micro_batches * self.cal.op_seconds("device", OpCost(OpFamily.MEMORY, 0, int(2 * nbytes)))
             else:

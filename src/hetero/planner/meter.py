@@ -91,12 +91,21 @@ class LiveBytes(TorchDispatchMode):
         node = torch._C._current_autograd_node()
         if self.paused or (node is not None and node.metadata.get(TARGET) == Target.HOST.value):
             return out
-        inputs = {StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) not in inputs:
+        inputs = {StorageWeakRef(t.untyped_storage()) for t in _strided((args, kwargs))}
+        for t in _strided(out):
+            if StorageWeakRef(t.untyped_storage()) not in inputs:
                 self.count(t)
         return out
+
+
+def _strided(tree: Any) -> list[torch.Tensor]:  # noqa: ANN401 - a pytree of op arguments
+    """The tensors of ``tree`` that own storage: a sparse gradient's (a device table's) are its
+    indices and values."""
+    out = []
+    for t in pytree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            out += [t._indices(), t._values()] if t.is_sparse else [t]
+    return out
 
 
 def measure_step(applied: Applied, inputs: tuple[Any, ...], target: Any,  # noqa: ANN401
@@ -126,9 +135,11 @@ def measure_step(applied: Applied, inputs: tuple[Any, ...], target: Any,  # noqa
     run(warmup, False)  # the optimizers' state exists from here on
     run(steps, True)
     meter = LiveBytes()
-    for t in list(applied.model.parameters()) + list(applied.model.buffers()) + _device_state(applied.optimizer):
+    state = _device_state(applied.optimizer) + [t for o in applied.table_optimizers for t in _device_state(o)]
+    for t in list(applied.model.parameters()) + list(applied.model.buffers()) + state:
         if t not in applied.host_tensors:
-            meter.count(t)
+            for part in _strided(t):
+                meter.count(part)
     applied.host_work = meter.host
     try:
         with meter:

@@ -96,6 +96,10 @@ class Plan:
         sharding: with ``tp > 1``, every ``nn.Linear``'s operator strategy by qualified name;
             ``layout``: the sharded parameters' placements over ``(pp, dp, tp)``;
             ``kept_sharding``: the modules whose strategy is the user's annotation.
+        device_tables: the tables the plan moves to the device, by qualified name (the rest
+            stay host tables).
+        split_points: with ``pp > 1``, the pipeline units where stages ``1..pp-1`` begin
+            (:class:`~hetero.parallel.pipeline_plan.PipelineConfig`'s).
     """
 
     model: str
@@ -115,6 +119,8 @@ class Plan:
     sharding: dict[str, OpStrategy] = dataclasses.field(default_factory=dict)
     layout: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     kept_sharding: tuple[str, ...] = ()
+    device_tables: tuple[str, ...] = ()
+    split_points: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------- what it asks of a model
     def host_units(self) -> list[str]:
@@ -149,14 +155,16 @@ class Plan:
             "format_version": FORMAT_VERSION, "model": self.model, "batch": self.batch, "world_size": self.world_size,
             "device_memory": self.device_memory, "host_memory": self.host_memory, "optimizer": self.optimizer.value,
             "candidate": {**dataclasses.asdict(c), "state": c.state.value, "tables": c.tables.value},
-            "units": {k: {"target": v.target.value, "recompute": v.recompute} for k, v in self.units.items()},
+            "units": {k: {"target": v.target.value, "recompute": v.recompute, "device_tables": v.device_tables}
+                      for k, v in self.units.items()},
             "annotations": {k: v.value for k, v in self.annotations.items()},
             "predicted": dataclasses.asdict(self.predicted),
             "decisions": [dataclasses.asdict(d) for d in self.decisions],
             "search": dataclasses.asdict(self.search), "machine": self.machine, "host_is_device": self.host_is_device,
             "sharding": {k: {"in": [list(x) for x in v.in_strategy], "out": None if v.out_strategy is None else
                              list(v.out_strategy), "local_output": v.use_local_output} for k, v in self.sharding.items()},
-            "kept_sharding": list(self.kept_sharding),
+            "kept_sharding": list(self.kept_sharding), "device_tables": list(self.device_tables),
+            "split_points": list(self.split_points),
         }
 
     @staticmethod
@@ -169,13 +177,15 @@ class Plan:
             cand["state"], cand["tables"] = StateHome(cand["state"]), TablePlacement(cand["tables"])
             return Plan(doc["model"], doc["batch"], doc["world_size"], doc["device_memory"], doc["host_memory"],
                         OptimizerKind(doc["optimizer"]), Candidate(**cand),
-                        {k: UnitChoice(Target(v["target"]), v["recompute"]) for k, v in doc["units"].items()},
+                        {k: UnitChoice(Target(v["target"]), v["recompute"], v.get("device_tables", 0))
+                         for k, v in doc["units"].items()},
                         {k: Target(v) for k, v in doc["annotations"].items()}, Prediction(**doc["predicted"]),
                         [Decision(**d) for d in doc["decisions"]], SearchReport(**doc["search"]), doc["machine"],
                         doc["host_is_device"],
                         {k: OpStrategy(tuple(tuple(x) for x in v["in"]), None if v["out"] is None else tuple(v["out"]),
                                        v["local_output"]) for k, v in doc.get("sharding", {}).items()},
-                        dict(layout or {}), tuple(doc.get("kept_sharding", ())))
+                        dict(layout or {}), tuple(doc.get("kept_sharding", ())), tuple(doc.get("device_tables", ())),
+                        tuple(doc.get("split_points", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a hetero plan ({type(e).__name__}: {e})") from None
 
@@ -231,6 +241,11 @@ class Plan:
             lines.append(f"operator strategies (tp {self.candidate.tp}; input (..., in) and weight (in, out) slices):")
             lines += [f"  {k}: {v.in_strategy}" + (" (kept annotation)" if k in self.kept_sharding else "") +
                       (", output made whole" if v.use_local_output else "") for k, v in self.sharding.items()]
+        if self.device_tables:
+            lines.append("tables on the device: " + ", ".join(self.device_tables))
+        if self.split_points:
+            lines.append(f"pipeline: {self.candidate.pp} stages (1F1B, {self.candidate.micro_batches} micro-batches), "
+                         f"stages 1.. begin at " + ", ".join(self.split_points))
         lines.append("decisions (predicted step and device peak with it; the runner-up it beat):")
         for d in self.decisions:
             line = f"  {d.what}: {d.chosen} ({d.seconds * 1e3:.2f} ms, {mb(d.device_bytes)})"

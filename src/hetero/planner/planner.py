@@ -28,6 +28,8 @@ from hetero.placement.capture import capture_failure
 from hetero.planner.calibration import calibrate, collectives, time_shapes
 from hetero.planner.capture import capture
 from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
+from hetero.parallel.pipeline_plan import pipeline_units
+from hetero.planner.pipeline import Stages, cut_positions, pipeline_failure, search_stages, split_points, stage_decisions
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
 from hetero.planner.search import Assignment, brute_force, dynamic_programming, evaluate, ilp
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
@@ -63,6 +65,8 @@ class PlannerConfig:
         memory_margin: the device budget planned to is this much smaller (a fraction): the
             model's byte counts are within a few percent of a measured peak, and the budget is
             hard.
+        device_tables: host tables may move to the device (``hetero.apply`` moves them; off
+            for a training loop that keeps its tables on the host, as the main job's).
     """
 
     method: SearchMethod = SearchMethod.AUTO
@@ -71,6 +75,7 @@ class PlannerConfig:
     cache_dir: Path | None = None
     tolerance: float = 0.03
     memory_margin: float = 0.05
+    device_tables: bool = True
 
 
 class NoPlanError(ValueError):
@@ -111,14 +116,27 @@ class Planner:
         self.calibration_seconds = time.perf_counter() - start
         leaves = [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
         splittable = all(t.dim() and t.shape[0] == self.graph.batch for t in leaves)  # bags cannot be cut by rows
-        settings = candidates(world_size, optimizer, self.graph.batch, any(u.tables for u in self.graph.units),
+        has_tables = any(u.tables for u in self.graph.units)
+        # the pp dimension: where stages may begin, for a model whose forward runs as stages (no host tables)
+        self.pipeline_units = pipeline_units(model) if world_size > 1 and not has_tables else []
+        self.pipeline_failure = pipeline_failure(model, example_inputs) if self.pipeline_units else None
+        self.cuts = cut_positions([u.name for u in self.graph.units if u.name], self.pipeline_units) \
+            if self.pipeline_units and self.pipeline_failure is None else []
+        settings = candidates(world_size, optimizer, self.graph.batch, has_tables,
                               config.micro_batches if splittable else (1,), config.offload_ratios,
+                              max_pp=world_size if len(self.cuts) >= world_size - 1 else 1,
                               max_tp=max(self.tensor, default=1))
         # annotations that cut operators are kept: only the degrees they fit
-        self.settings = [c for c in settings if (c.tp == 1 and not required) or c.tp in self.tensor]
+        # (a unit pinned to the host rules tp and pp out: the partitioner's host subgraphs take no
+        # DTensors, and a stage's units are on the device)
+        pinned_host = any(t is Target.HOST for t in self.pinned.values())
+        self.settings = [c for c in settings if ((c.tp == 1 and not required) or (c.tp in self.tensor and not pinned_host))
+                         and not (c.pp > 1 and pinned_host)]
         self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned,
-                                 host_units=self.untraceable is None, tensor=self.tensor)
-        for n in sorted({c.dp for c in self.settings} | {c.tp for c in self.settings}):  # collectives' rates (once)
+                                 host_units=self.untraceable is None, tensor=self.tensor,
+                                 device_tables=config.device_tables)
+        sizes = {c.dp for c in self.settings} | {c.tp for c in self.settings} | {2 for c in self.settings if c.pp > 1}
+        for n in sorted(sizes):  # collectives' rates (once; a pipeline's sends as 2 ranks' all-gather)
             collectives(self.calibration, n, config.cache_dir)
 
     def plan(self, device_memory: int | None = None, host_memory: int | None = None) -> Plan:
@@ -137,22 +155,38 @@ class Planner:
         if method is SearchMethod.AUTO:
             method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
         search = _SEARCH[method]
-        results = []
+        results, pipelined = [], {}
         for c in self.settings:  # the biased search's assignment, priced without the bias
-            # (tp shards device operators: the partitioner's host subgraphs take no DTensors)
-            found = search(_Biased(self.cost, self.config.tolerance, device_only=c.tp > 1), c, device_budget, host_budget)
+            if c.pp > 1:  # stages by dynamic programming over the unit sequence
+                stages = search_stages(self.cost, c, self.cuts, device_budget, host_budget, self._transfer(c))
+                if stages is not None:
+                    pipelined[c] = stages
+                results.append((c, stages and Assignment(stages.choices, stages.seconds, stages.device_bytes,
+                                                         stages.host_bytes, stages.cuts)))
+                continue
+            found = search(_Biased(self.cost, self.config.tolerance), c, device_budget, host_budget)
             results.append((c, evaluate(self.cost, c, found.choices) if found is not None else None))
         feasible = [(c, a) for c, a in results if a is not None]
-        if not feasible:
-            raise NoPlanError(_no_plan(self.cost, self.settings, search, device_budget, host_budget))
+        if not feasible:  # (the smallest budget of the unpipelined settings)
+            raise NoPlanError(_no_plan(self.cost, [c for c in self.settings if c.pp == 1], search, device_budget,
+                                       host_budget))
         fastest = min(a.seconds for _, a in feasible)
         ties = [(c, a) for c, a in feasible if a.seconds <= fastest * (1 + self.config.tolerance)]
         best_c, best = min(ties, key=lambda ca: (_changes(ca[0], ca[1]), ca[1].seconds))
-        decisions = _global_decisions(best_c, best, results) + \
-            _unit_decisions(self.cost, best_c, best, device_budget, host_budget)
+        if best_c.pp > 1:
+            units = [Decision(*row) for row in stage_decisions(self.cost.names(), best_c, pipelined[best_c])]
+        else:
+            units = _unit_decisions(self.cost, best_c, best, device_budget, host_budget)
+        decisions = _global_decisions(best_c, best, results) + units
         report = SearchReport(method.value, len(self.settings), len(feasible), self.graph.seconds,
                               self.calibration_seconds, time.perf_counter() - start)
-        return self._plan(best_c, best, device_memory, host_memory, decisions, report)
+        return self._plan(best_c, best, device_memory, host_memory, decisions, report, pipelined.get(best_c))
+
+    def _transfer(self, c: Candidate) -> Callable[[int], float]:
+        """Seconds to send boundary ``i``'s activations of one micro-batch to the next stage and
+        their gradients back (two ranks' all-gather of the bytes, each way)."""
+        curve = self.calibration.collectives["gloo:2"]["all_gather"]
+        return lambda i: 2 * curve.seconds(self.cost.units[i - 1].output_bytes / (c.dp * c.micro_batches))
 
     def price(self, candidate: Candidate, units: Mapping[str, UnitChoice] = {}) -> Plan:
         """``candidate`` with ``units``' decisions (the rest on the device) as a plan, priced by
@@ -162,6 +196,15 @@ class Planner:
             ValueError: a unit the model does not have, an option it cannot take, or a ``tp``
                 the model has no operator strategies for.
         """
+        if candidate.pp > 1:
+            if not self.cuts or candidate.pp > len(self.cuts) + 1 or units:
+                raise ValueError(f"pp {candidate.pp}: the model's stages are searched (give no units), and it needs "
+                                 f"{candidate.pp} pipeline units whose forward runs as stages "
+                                 f"({self.pipeline_failure or f'{len(self.cuts) + 1} pipeline unit(s)'})")
+            stages = search_stages(self.cost, candidate, self.cuts, float("inf"), float("inf"), self._transfer(candidate))
+            a = Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes, stages.cuts)
+            report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0)
+            return self._plan(candidate, a, None, None, [], report, stages)
         if candidate.tp > 1 and candidate.tp not in self.tensor:
             raise ValueError(f"tp {candidate.tp}: the model has no operator strategies at that degree; its degrees "
                              f"are {sorted(self.tensor)} (plan for world_size ranks with nn.Linear modules)")
@@ -171,7 +214,7 @@ class Planner:
                 raise ValueError(f"no unit {name!r}; the model's units are {names}")
         choices = []
         for i, name in enumerate(names):
-            options = self.cost.options(i)
+            options = self.cost.options(i, candidate)
             choice = units.get(name, options[0])
             if choice not in options:
                 raise ValueError(f"unit {name!r} cannot take {choice}; its options are {[str(o) for o in options]}")
@@ -181,12 +224,17 @@ class Planner:
         return self._plan(candidate, a, None, None, [], report)
 
     def _plan(self, c: Candidate, a: Assignment, device_memory: int | None, host_memory: int | None,
-              decisions: list[Decision], report: SearchReport) -> Plan:
+              decisions: list[Decision], report: SearchReport, stages: Stages | None = None) -> Plan:
         t = self.tensor.get(c.tp) if c.tp > 1 else None
+        predicted = _prediction(self.cost, c, a) if stages is None else Prediction(
+            a.seconds, a.device_bytes, a.host_bytes, {"slowest stage's work": max(stages.stage_seconds),
+                                                      "pipeline fill and drain": a.seconds - max(stages.stage_seconds)})
+        moved = tuple(table.name for i, ch in enumerate(a.choices) for table in self.cost.table_order(i)[:ch.device_tables])
         return Plan(self.model_name, self.graph.batch, self.world_size, device_memory, host_memory, self.optimizer, c,
-                    dict(zip(self.cost.names(), a.choices)), dict(self.pinned), _prediction(self.cost, c, a), decisions,
+                    dict(zip(self.cost.names(), a.choices)), dict(self.pinned), predicted, decisions,
                     report, self.calibration.machine, self.calibration.host_is_device,
-                    dict(t.strategies) if t else {}, dict(t.layout) if t else {}, t.annotated if t else ())
+                    dict(t.strategies) if t else {}, dict(t.layout) if t else {}, t.annotated if t else (), moved,
+                    split_points(self.cost.names(), self.pipeline_units, a.cuts))
 
 
 def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: int | None = None,
@@ -227,7 +275,7 @@ def _changes(c: Candidate, a: Assignment) -> int:
     and how often its units switch between host and device (each switch hands work over)."""
     targets = [Target.DEVICE, *(ch.target for ch in a.choices), Target.DEVICE]
     switches = sum(x is not y for x, y in zip(targets, targets[1:]))
-    return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + (c.tp > 1) + switches + \
+    return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + (c.tp > 1) + (c.pp > 1) + switches + \
         sum(ch.recompute for ch in a.choices)
 
 
@@ -239,15 +287,13 @@ class _Biased:
 
     inner: MeasuredCost
     tolerance: float
-    device_only: bool = False  # dense units on the device only (under tp)
     means: dict[Candidate, float] = dataclasses.field(default_factory=dict)  # a dense unit's mean seconds
 
     def names(self) -> list[str]:
         return self.inner.names()
 
-    def options(self, i: int) -> tuple[UnitChoice, ...]:
-        out = self.inner.options(i)
-        return (tuple(o for o in out if o.target is Target.DEVICE) or out) if self.device_only else out
+    def options(self, i: int, c: Candidate) -> tuple[UnitChoice, ...]:
+        return self.inner.options(i, c)
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.inner.unit(i, choice, c)
@@ -336,9 +382,10 @@ def _unit_decisions(cost: MeasuredCost, c: Candidate, best: Assignment, device: 
     out = []
     for i, (name, choice) in enumerate(zip(cost.names(), best.choices)):
         u = cost.unit(i, choice, c)
-        others = [o for o in cost.options(i) if o != choice and (c.tp == 1 or o.target is Target.DEVICE)]
+        others = [o for o in cost.options(i, c) if o != choice]
         if not others:
-            why = "host tables" if cost.units[i].tables else "pinned by an annotation" if name in cost.pinned else \
+            why = "host tables: none may move to the device (one data-parallel rank; float32, LazyAdam, Adagrad " \
+                "or SGD)" if cost.units[i].tables else "pinned by an annotation" if name in cost.pinned else \
                 "its one option: " + ", ".join(r for r, on in (
                     ("nothing of its own to recompute", not cost.units[i].saved_bytes),
                     ("the partitioner cannot trace the model, so no unit goes to the host", not cost.host_units)) if on)

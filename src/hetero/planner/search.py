@@ -36,13 +36,16 @@ class Assignment:
     Attributes:
         choices: per unit, in order.
         seconds: the predicted step time.
-        device_bytes, host_bytes: the predicted peaks.
+        device_bytes, host_bytes: the predicted peaks (of the largest stage, pipelined).
+        cuts: with ``pp > 1``, the unit indices where stages ``1..pp-1`` begin
+            (:mod:`hetero.planner.pipeline`).
     """
 
     choices: tuple[UnitChoice, ...]
     seconds: float
     device_bytes: int
     host_bytes: int
+    cuts: tuple[int, ...] = ()
 
 
 def evaluate(cost: CostModel, candidate: Candidate, choices: Sequence[UnitChoice]) -> Assignment:
@@ -70,7 +73,7 @@ def evaluate(cost: CostModel, candidate: Candidate, choices: Sequence[UnitChoice
 def brute_force(cost: CostModel, candidate: Candidate, device_budget: float, host_budget: float) -> Assignment | None:
     """The best assignment within the budgets by trying every one (``None``: none fits)."""
     best = None
-    for choices in itertools.product(*(cost.options(i) for i in range(len(cost.names())))):
+    for choices in itertools.product(*(cost.options(i, candidate) for i in range(len(cost.names())))):
         a = evaluate(cost, candidate, choices)
         if a.device_bytes <= device_budget and a.host_bytes <= host_budget and (best is None or a.seconds < best.seconds):
             best = a
@@ -100,7 +103,7 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
     quantum = max(1.0, device_budget / resolution) if device_budget != float("inf") else 1.0
     for i in range(n):
         grown: dict[UnitChoice | None, list[_Label]] = {}
-        options = [(c, cost.unit(i, c, candidate)) for c in cost.options(i)]
+        options = [(c, cost.unit(i, c, candidate)) for c in cost.options(i, candidate)]
         for previous, labels in frontier.items():
             for choice, u in options:
                 b = cost.boundary(i, previous, choice, candidate)
@@ -169,7 +172,7 @@ def ilp(cost: CostModel, candidate: Candidate, device_budget: float, host_budget
 
     n = len(cost.names())
     fixed = cost.fixed(candidate)
-    options = [[(c, cost.unit(i, c, candidate)) for c in cost.options(i)] for i in range(n)]
+    options = [[(c, cost.unit(i, c, candidate)) for c in cost.options(i, candidate)] for i in range(n)]
     x = {(i, k): j for j, (i, k) in enumerate((i, k) for i in range(n) for k in range(len(options[i])))}
     pairs = {(i, a, b): len(x) + j for j, (i, a, b) in enumerate(
         (i, a, b) for i in range(1, n) for a in range(len(options[i - 1])) for b in range(len(options[i])))}

@@ -55,15 +55,22 @@ class UnitChoice:
     """One unit's decision.
 
     Attributes:
-        target: where its ops run and its parameters live.
+        target: where its ops run and its parameters live (a unit of tables: ``DEVICE`` when
+            every one of its tables is on the device).
         recompute: its activations are dropped after forward and recomputed in backward
             (``torch.utils.checkpoint``; device units only).
+        device_tables: a unit of tables: how many of them move to the device, the first in the
+            cost model's order (:meth:`hetero.planner.cost.MeasuredCost.table_order`); the rest
+            stay host tables.
     """
 
     target: Target = Target.DEVICE
     recompute: bool = False
+    device_tables: int = 0
 
     def __str__(self) -> str:
+        if self.device_tables and self.target is Target.HOST:
+            return f"host, {self.device_tables} table(s) on the device"
         return self.target.value + (" + recompute" if self.recompute else "")
 
 
@@ -104,19 +111,20 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                micro_batches: tuple[int, ...] = (1, 2, 4, 8), ratios: tuple[float, ...] = (0.25, 0.5, 0.75),
                max_pp: int = 1, max_tp: int = 1) -> list[Candidate]:
     """The outer enumeration: every mesh shape of ``world_size`` ranks (``pp <= max_pp``,
-    ``tp <= max_tp``), state home (offload for AdamW only, without ``tp``), micro-batch count dividing the
-    per-rank batch, ZeRO stage (with ``dp > 1``), and table placement (with ``dp > 1``)."""
+    ``tp <= max_tp``), state home (offload for AdamW only, without ``tp`` or ``pp``), micro-batch count
+    dividing the per-rank batch (at least ``pp``), ZeRO stage (with ``dp > 1``), and table placement
+    (with ``dp > 1``). A pipeline is one dimension alone (``pp`` = the world size)."""
     out = []
     for pp in range(1, max_pp + 1):
         for tp in range(1, max_tp + 1):
-            if world_size % (pp * tp):
+            if world_size % (pp * tp) or (pp > 1 and pp != world_size):
                 continue
             dp = world_size // (pp * tp)
             if batch % dp:
                 continue
             per_rank = batch // dp
             homes = [(StateHome.DEVICE, 0.0)]
-            if optimizer is OptimizerKind.ADAMW and tp == 1:  # HostAdamW keeps whole master weights
+            if optimizer is OptimizerKind.ADAMW and tp == 1 and pp == 1:  # HostAdamW keeps whole master weights
                 homes += [(StateHome.HOST, 1.0)] + [(StateHome.PARTIAL, r) for r in ratios]
             tables = [TablePlacement.HOST] if dp == 1 or not has_tables else \
                 [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED]

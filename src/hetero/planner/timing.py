@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -261,23 +262,31 @@ def host_adamw_rate() -> LinearRate:
     return LinearRate(*map(float, _fit(rows, seconds)))
 
 
-def table_rates() -> dict[str, TableRate]:
-    from hetero.embedding import HostEmbeddingCollection, TableConfig
-    from hetero.optim import SparseOptimizerKind
+def table_rates(device: torch.device | None = None) -> dict[str, TableRate]:
+    """A table group's lookup and update rates per sparse optimizer: host tables and hetero's
+    optimizers (``device=None``), or tables moved to ``device`` and torch's sparse optimizers
+    (the kinds torch has)."""
+    from hetero.embedding import HostEmbeddingCollection, TableConfig, move_tables_to_device
+    from hetero.optim import DEVICE_SPARSE_OPTIMIZERS, SparseOptimizerKind, device_sparse_optimizer
 
     rng = np.random.default_rng(0)
     rows = 1 << 16
     cases = [(4096, rows), (32768, rows), (32768, 512), (4096, 512)]  # ids per table, rows drawn from
-    cpu = torch.device("cpu")
+    where = device if device is not None else torch.device("cpu")
+    budget = 0.15 if device is None else 0.06  # (the device's sparse path is slower on a host: fewer repeats)
     out = {}
-    for kind in SparseOptimizerKind:
+    for kind in SparseOptimizerKind if device is None else DEVICE_SPARSE_OPTIMIZERS:
         lookup_x, lookup_y, update_x, update_y = [], [], [], []
         for dim, count in ((1, 1), (8, 1), (32, 1), (8, 8), (16, 24)):  # one group of ``count`` tables
             names = [f"t{i}" for i in range(count)]
             collection = HostEmbeddingCollection([TableConfig(n, rows, dim) for n in names])
-            optimizer = kind.optimizer(dict(collection.tables.items()), kind.optimizer.Config())
+            if device is None:
+                optimizer = kind.optimizer(dict(collection.tables.items()), kind.optimizer.Config())
+            else:
+                moved = move_tables_to_device(collection, [f"tables.{n}" for n in names], device)
+                optimizer = device_sparse_optimizer(kind, [t.weight for t in moved.values()])
             for n, span in cases[: 4 if count == 1 else 2 if count < 16 else 1]:
-                features = {name: torch.from_numpy(rng.integers(0, span, n)) for name in names}
+                features = {name: torch.from_numpy(rng.integers(0, span, n)).to(where) for name in names}
 
                 def lookup(features: dict = features) -> None:
                     optimizer.zero_grad()
@@ -288,12 +297,13 @@ def table_rates() -> dict[str, TableRate]:
                     optimizer.step()
 
                 unique = sum(int(torch.unique(ids).numel()) for ids in features.values())
+                warnings.filterwarnings("ignore", "Sparse invariant checks")  # torch's sparse Adagrad, every step
                 # (medians of many repeats: the update is a difference of two timings)
-                t_lookup = timed(lookup, cpu, budget_s=0.15, max_repeats=200)
+                t_lookup = timed(lookup, where, budget_s=budget, max_repeats=200)
                 lookup_x.append((1.0, count, n * count, n * count * dim))
                 lookup_y.append(t_lookup)
                 update_x.append((1.0, count, unique, unique * dim, n * count * dim))
-                update_y.append(max(timed(step, cpu, budget_s=0.15, max_repeats=200) - t_lookup, 0.0))
+                update_y.append(max(timed(step, where, budget_s=budget, max_repeats=200) - t_lookup, 0.0))
         out[kind.value] = TableRate(*map(float, _fit(lookup_x, lookup_y)), *map(float, _fit(update_x, update_y)))
     return out
 

@@ -1,0 +1,222 @@
+"""The pp dimension: a model's unit sequence cut into pipeline stages by dynamic programming, each
+stage on its own rank, its units on the device (recomputing where its memory needs it).
+
+**Where a stage may begin.** At a pipeline unit of the runtime
+(:func:`hetero.parallel.pipeline_plan.pipeline_units`: the model's children, a ``ModuleDict``'s
+entries one by one): :func:`cut_positions` maps them onto the planner's units.
+
+**A stage's cost** (:func:`stage_cost`), for ``m`` micro-batches over ``p`` stages under 1F1B
+(Narayanan et al. 2021): its units' seconds over the step (the cost model's, at a micro-batch's
+share) plus sending its input's activations forward and their gradients back each micro-batch;
+its device peak: its units' parameters, gradients and optimizer state, plus the activations
+of the micro-batches in flight - stage ``s`` holds ``min(m, p - s)`` of them before its first
+backward - plus the largest backward workspace. The ops of no unit (the loss) run on the last
+stage; the batch is on every stage's budget (conservative: only the first holds it).
+
+**The step** is the slowest stage's work per micro-batch times ``m + p - 1`` (the fill and
+drain of the pipeline: the bubble, ``(p - 1) / (m + p - 1)`` of it).
+
+**The search** (:func:`search_stages`): ``best(s, i)`` - the least bottleneck of cutting units
+``i..n-1`` into stages ``s..p-1`` - over every end of stage ``s`` (a cut position), each stage
+without recompute or, if that is over the budget, recomputing every unit that can: exact over
+the cut positions (tested against :func:`brute_force_stages`), ``O(p n^2)`` stage costs.
+
+Reference: the reference design's ``dynamic_programming`` strategy search and pipeline stages;
+Alpa (Zheng et al. 2022) for stage cutting as a DP over the layer sequence; PipeDream (Narayanan
+et al. 2019) for balancing the slowest stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from hetero.placement import Target
+from hetero.planner.cost import CostModel
+from hetero.planner.space import Candidate, UnitChoice
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """One stage: its units' options, its seconds over the step (its units' work and transfers),
+    its device peak and host bytes."""
+
+    choices: tuple[UnitChoice, ...]
+    seconds: float
+    device_bytes: int
+    host_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A pipeline split and what it predicts.
+
+    Attributes:
+        cuts: the unit indices where stages ``1..p-1`` begin.
+        choices: every unit's option, in order.
+        seconds: the predicted step; ``stage_seconds``: each stage's work over the step.
+        device_bytes: the largest stage's device peak; ``host_bytes``: the largest stage's.
+    """
+
+    cuts: tuple[int, ...]
+    choices: tuple[UnitChoice, ...]
+    seconds: float
+    stage_seconds: tuple[float, ...]
+    device_bytes: int
+    host_bytes: int
+
+
+def cut_positions(units: Sequence[str], pipeline_units: Sequence[str]) -> list[int]:
+    """The planner's unit indices where a stage may begin: the first unit of each pipeline unit
+    but the first (a planner unit belongs to the pipeline unit its name is, or starts with)."""
+    def owner(name: str) -> str | None:
+        return next((p for p in pipeline_units if name == p or name.startswith(p + ".")), None)
+
+    owners = [owner(u) for u in units]
+    return [i for i in range(1, len(units)) if owners[i] is not None and owners[i] != owners[i - 1]]
+
+
+def stage_cost(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, recompute: bool,
+               transfer: Callable[[int], float]) -> StageCost:
+    """Stage ``stage`` holding units ``lo..hi-1`` (see the module docstring); ``transfer(i)``:
+    seconds to send boundary ``i``'s activations forward and their gradients back, once."""
+    fixed = cost.fixed(c)
+    choices, seconds, static, kept, during, host = [], 0.0, 0, 0, 0, 0
+    previous = UnitChoice(Target.DEVICE) if lo else None  # received from the stage before: kept here
+    for i in range(lo, hi):
+        options = cost.options(i, c)
+        choice = UnitChoice(Target.DEVICE, recompute) if UnitChoice(Target.DEVICE, recompute) in options \
+            else UnitChoice(Target.DEVICE)
+        u, b = cost.unit(i, choice, c), cost.boundary(i, previous, choice, c)
+        seconds += u.seconds + b.seconds
+        during = max(during, kept + b.device_during, kept + b.device_bytes + u.device_during)
+        kept += b.device_bytes + u.device_kept
+        static += u.device_static
+        host += u.host_bytes
+        choices.append(choice)
+        previous = choice
+    last = hi == len(cost.names())
+    if last:
+        kept += cost.boundary(hi, previous, None, c).device_bytes
+        seconds += fixed.seconds  # the ops of no unit and the loss
+        during = max(during, kept + fixed.device_during)
+    if lo:
+        seconds += c.micro_batches * transfer(lo)
+    in_flight = min(c.micro_batches, c.pp - stage)
+    peak = fixed.device_bytes + static + (in_flight - 1) * kept + max(kept, during)
+    return StageCost(tuple(choices), seconds, peak, host + (fixed.host_bytes if last else 0))
+
+
+def _best_stage(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, device: float, host: float,
+                transfer: Callable[[int], float]) -> StageCost | None:
+    """The stage without recompute if it fits, else recomputing (``None``: neither fits)."""
+    for recompute in (False, True):
+        s = stage_cost(cost, c, lo, hi, stage, recompute, transfer)
+        if s.device_bytes <= device and s.host_bytes <= host:
+            return s
+    return None
+
+
+def _stages(cost: CostModel, c: Candidate, cuts: Sequence[int], parts: Sequence[StageCost]) -> Stages:
+    m, p = c.micro_batches, c.pp
+    slowest = max(s.seconds for s in parts)
+    return Stages(tuple(cuts), tuple(ch for s in parts for ch in s.choices), slowest * (m + p - 1) / m,
+                  tuple(s.seconds for s in parts), max(s.device_bytes for s in parts), max(s.host_bytes for s in parts))
+
+
+def search_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], device: float, host: float,
+                  transfer: Callable[[int], float]) -> Stages | None:
+    """The split into ``c.pp`` stages at ``cuts`` (allowed positions) with the least predicted
+    step within the budgets (per stage; ``None``: none fits). See the module docstring."""
+    n, p = len(cost.names()), c.pp
+    starts = [0, *sorted(cuts)]
+    memo: dict[tuple[int, int], tuple[float, list[StageCost], list[int]] | None] = {}
+
+    def best(s: int, lo: int) -> tuple[float, list[StageCost], list[int]] | None:
+        if (s, lo) in memo:
+            return memo[(s, lo)]
+        out = None
+        if s == p - 1:
+            stage = _best_stage(cost, c, lo, n, s, device, host, transfer)
+            out = (stage.seconds, [stage], []) if stage is not None else None
+        else:
+            for hi in (x for x in starts if x > lo):
+                stage = _best_stage(cost, c, lo, hi, s, device, host, transfer)
+                rest = best(s + 1, hi) if stage is not None else None
+                if rest is not None and (out is None or max(stage.seconds, rest[0]) < out[0]):
+                    out = (max(stage.seconds, rest[0]), [stage, *rest[1]], [hi, *rest[2]])
+        memo[(s, lo)] = out
+        return out
+
+    found = best(0, 0) if n >= p else None
+    return _stages(cost, c, found[2], found[1]) if found is not None else None
+
+
+def brute_force_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], device: float, host: float,
+                       transfer: Callable[[int], float]) -> Stages | None:
+    """:func:`search_stages` by trying every split (the reference in tests)."""
+    n, best = len(cost.names()), None
+    for split in itertools.combinations(sorted(cuts), c.pp - 1):
+        bounds = [0, *split, n]
+        parts = [_best_stage(cost, c, a, b, s, device, host, transfer) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        if all(x is not None for x in parts):
+            found = _stages(cost, c, split, parts)
+            if best is None or found.seconds < best.seconds:
+                best = found
+    return best
+
+
+def pipeline_failure(model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+    """Why ``model`` cannot run as pipeline stages (``None``: it can): every pipeline unit made a
+    stage of its own (:func:`hetero.parallel.pipeline.stage_module`), run in order on fake
+    tensors, must give the whole model's output shape - a forward that does not skip absent
+    units, or takes more than the previous stage's output, fails here rather than in a run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hetero.parallel.pipeline import stage_module
+    from hetero.parallel.pipeline_plan import pipeline_units
+
+    units = pipeline_units(model)
+    if len(units) < 2:
+        return f"{type(model).__name__} has {len(units)} pipeline unit(s)"
+    if any(isinstance(m, nn.ModuleList) for m in model.children()):
+        return f"{type(model).__name__} keeps layers in an nn.ModuleList (a stage would renumber them)"
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            inputs = pytree.tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, example_inputs)
+            whole = model(*inputs)
+            value = inputs
+            for k, unit in enumerate(units):
+                out = stage_module(model, units, [unit], first=k == 0)(*value)
+                value = out if isinstance(out, tuple) else (out,)
+            if not isinstance(whole, torch.Tensor) or len(value) != 1 or value[0].shape != whole.shape:
+                return f"{type(model).__name__}'s stages do not compose into its output"
+    except Exception as e:  # noqa: BLE001 - any failure of the forward is the answer
+        return f"{type(model).__name__}'s forward fails as stages ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return None
+
+
+def split_points(units: Sequence[str], pipeline_units: Sequence[str], cuts: Sequence[int]) -> tuple[str, ...]:
+    """The pipeline units where stages ``1..`` begin (the runtime's split points) for ``cuts``."""
+    return tuple(next(p for p in pipeline_units if units[i] == p or units[i].startswith(p + ".")) for i in cuts)
+
+
+def stage_decisions(names: Sequence[str], c: Candidate, stages: Stages) -> list[tuple[str, str, float, int]]:
+    """Each stage's units and work, as ``(what, chosen, seconds, device bytes)`` rows of the
+    plan's decisions (a stage's runner-ups are the other splits the search priced)."""
+    bounds = [0, *stages.cuts, len(names)]
+    out = []
+    for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        recomputed = [names[i] for i in range(lo, hi) if stages.choices[i].recompute]
+        what = f"{names[lo]} .. {names[hi - 1]}" + (f", recomputing {', '.join(recomputed)}" if recomputed else "")
+        out.append((f"stage {s} (rank {s})", what, stages.stage_seconds[s], stages.device_bytes))
+    bubble = (c.pp - 1) / (c.micro_batches + c.pp - 1)
+    out.append(("pipeline bubble", f"{bubble:.2f} of the step (1F1B, {c.micro_batches} micro-batches over {c.pp} stages)",
+                stages.seconds * bubble, stages.device_bytes))
+    return out

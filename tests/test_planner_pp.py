@@ -1,0 +1,110 @@
+"""The planner's pp dimension: stages cut by dynamic programming at the model's pipeline units, a
+pp plan applied on 2 gloo ranks training as one process, and models whose forward cannot run as
+stages offered no pipeline (saying why)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hetero
+from hetero.planner.pipeline import brute_force_stages
+from hetero.planner.plan import Plan
+from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.space import Candidate, OptimizerKind
+
+
+class Stack(nn.Module):
+    """Layers in an nn.ModuleDict, a forward that skips the units a stage does not hold."""
+
+    def __init__(self, depth=4):
+        super().__init__()
+        self.inp = nn.Linear(16, 64)
+        self.blocks = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+                                     for i in range(depth)})
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        if self.inp is not None:
+            x = torch.relu(self.inp(x))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+class Flat(nn.Module):
+    """A forward that calls every unit: no stage can run without the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _batches(steps, n=32):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(n, 16, generator=g), torch.randint(0, 8, (n,), generator=g)) for _ in range(steps)]
+
+
+def _planner(cache, model, world_size=2):
+    x, y = _batches(1)[0]
+    return Planner(model, (x,), world_size=world_size, loss_fn=lambda o: F.cross_entropy(o, y),
+                   optimizer=OptimizerKind.SGD, config=PlannerConfig(cache_dir=cache))
+
+
+def _train_pp(plan_path, steps):
+    import torch.distributed as dist
+
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    plan = Plan.load(plan_path)
+    torch.manual_seed(0)
+    run = apply(Stack(), plan, OptimizerConfig(lr=0.1), loss_fn=F.cross_entropy)
+    losses = [run.step((x,), y, F.cross_entropy) for x, y in _batches(steps)]
+    mine = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # each rank holds its stage's parameters
+    return losses, every
+
+
+def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_ranks, cache):
+    from conftest import assert_trains_as_one_process, run_ranks
+
+    planner = _planner(cache, Stack())
+    assert planner.pipeline_failure is None and {c.pp for c in planner.settings} == {1, 2}
+    c = Candidate(pp=2, micro_batches=2)
+    plan = planner.price(c)
+    # the split whose slowest stage is least (sends to the next stage included: on gloo they weigh)
+    best = brute_force_stages(planner.cost, c, planner.cuts, float("inf"), float("inf"), planner._transfer(c))
+    assert plan.split_points == (planner.cost.names()[best.cuts[0]],) and plan.split_points[0] in planner.pipeline_units
+    text = str(hetero.explain(plan))
+    assert f"stages 1.. begin at {plan.split_points[0]}" in text and "pipeline fill and drain" in text
+    path = plan.save(tmp_path / "plan.json")
+    assert Plan.load(path).split_points == plan.split_points
+    losses, every = run_ranks(tmp_path, 2, _train_pp, str(path), 3)
+    names = planner.cost.names()
+    first = names[: names.index(plan.split_points[0])]  # the plan's split is the one that runs
+    assert {next(u for u in names if n.startswith(u + ".")) for n in every[0]} == set(first)
+    assert set(every[0]).isdisjoint(every[1])
+    assert_trains_as_one_process(Stack, _batches(3), losses, every[0] | every[1])
+
+
+def test_the_planner_plans_a_pipeline_within_the_budget_per_stage(cache):
+    planner = _planner(cache, Stack(depth=6))
+    whole = planner.price(Candidate(dp=2)).predicted.device_bytes
+    piped = planner.price(Candidate(pp=2, micro_batches=2))
+    assert piped.predicted.device_bytes < whole  # a stage holds about half the parameters
+    plan = planner.plan(device_memory=int(whole * 2))
+    assert plan.predicted.device_bytes <= whole * 2
+    pp_plans = [d for d in plan.decisions if d.what == "mesh"]
+    assert pp_plans and ("pp 2" in pp_plans[0].chosen or "pp 2" in pp_plans[0].runner_up)  # searched beside dp
+
+
+def test_a_model_whose_forward_cannot_run_as_stages_gets_no_pipeline(cache):
+    planner = _planner(cache, Flat())
+    assert "forward fails as stages" in planner.pipeline_failure and {c.pp for c in planner.settings} == {1}
+    with pytest.raises(ValueError, match="forward fails as stages"):
+        planner.price(Candidate(pp=2, micro_batches=2))
+    assert {c.pp for c in _planner(cache, Stack(), world_size=1).settings} == {1}
