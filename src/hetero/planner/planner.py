@@ -172,7 +172,7 @@ class Planner:
                                        host_budget))
         fastest = min(a.seconds for _, a in feasible)
         ties = [(c, a) for c, a in feasible if a.seconds <= fastest * (1 + self.config.tolerance)]
-        best_c, best = min(ties, key=lambda ca: (_changes(ca[0], ca[1]), ca[1].seconds))
+        best_c, best = min(ties, key=lambda ca: (_changes(self.cost, ca[0], ca[1]), ca[1].seconds))
         if best_c.pp > 1:
             units = [Decision(*row) for row in stage_decisions(self.cost.names(), best_c, pipelined[best_c])]
         else:
@@ -270,20 +270,23 @@ def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: in
     return planner.plan(device_memory, host_memory)
 
 
-def _changes(c: Candidate, a: Assignment) -> int:
-    """How far a plan is from the plain one (the state on the device, one pass, no recompute)
-    and how often its units switch between host and device (each switch hands work over)."""
-    targets = [Target.DEVICE, *(ch.target for ch in a.choices), Target.DEVICE]
+def _changes(cost: MeasuredCost, c: Candidate, a: Assignment) -> int:
+    """How far a plan is from the plain one (the state on the device, one pass, no recompute,
+    tables on the host) and how often its dense units switch between host and device (each
+    switch hands work over)."""
+    dense = [ch for ch, u in zip(a.choices, cost.units) if not u.tables]
+    targets = [Target.DEVICE, *(ch.target for ch in dense), Target.DEVICE]
     switches = sum(x is not y for x, y in zip(targets, targets[1:]))
     return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + (c.tp > 1) + (c.pp > 1) + switches + \
-        sum(ch.recompute for ch in a.choices)
+        sum(ch.recompute for ch in a.choices) + sum(ch.device_tables > 0 for ch in a.choices)
 
 
 @dataclasses.dataclass
 class _Biased:
-    """A cost model whose recomputed units and host/device switches cost more (the search's
-    tie-break): a recompute ``tolerance`` of the unit's seconds, a switch ``tolerance`` of the
-    mean unit's (a host unit inside a stretch of device units, and the reverse, then loses a tie)."""
+    """A cost model whose recomputed units, moved tables and host/device switches cost more (the
+    search's tie-break): a recompute ``tolerance`` of the unit's seconds, tables moved to the
+    device that of the unit's host tables, a switch that of the mean unit's (a host unit inside a
+    stretch of device units, and the reverse, then loses a tie)."""
 
     inner: MeasuredCost
     tolerance: float
@@ -297,6 +300,9 @@ class _Biased:
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.inner.unit(i, choice, c)
+        if choice.device_tables:  # tables moved cost a tolerance of their host work
+            host = self.inner.unit(i, UnitChoice(Target.HOST), c).seconds
+            return dataclasses.replace(u, seconds=u.seconds + self.tolerance * host)
         return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if choice.recompute else u
 
     def _mean(self, c: Candidate) -> float:
