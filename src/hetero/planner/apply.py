@@ -1,5 +1,6 @@
 """``hetero.apply(model, plan)``: a plan made real on one rank (or the ``tp`` ranks of a
-tensor-parallel plan, or the ``pp`` ranks of a pipeline), in the order of
+tensor-parallel plan, the ``pp`` ranks of a pipeline, the ``dp`` ranks of a dense model's
+data-parallel plan - ZeRO, DDP, each rank its share of the batch), in the order of
 ``hetero.parallel.parallelize`` - the pipeline split first (a pp plan's stages,
 ``hetero.parallel.pipeline``, each stage's recompute regions), operator sharding (a tp plan's
 strategies, ``apply_sharding``), recompute regions (module names unchanged), the plan's device
@@ -26,7 +27,7 @@ from torch.utils import _pytree as pytree
 from hetero.embedding import HostEmbedding, dense_parameters, host_tables, move_tables_to_device
 from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
-from hetero.parallel.mesh import MeshConfig, build_mesh
+from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.operator_plan import apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.placement import Target, resolve_device
@@ -65,6 +66,8 @@ class Applied:
         table_optimizers: the device tables' (torch's sparse optimizers).
         pipeline: with a ``pp > 1`` plan, this rank's stage and the schedule (``model`` is
             the stage: the model without the other stages' units, names unchanged).
+        data_parallel: with a ``dp > 1`` plan, this rank's place in the data-parallel group and
+            its size (:meth:`step` runs the rank's share of the batch).
         micro_batches: passes per step (:meth:`step` splits the batch into them).
         plan: the plan.
         host_tensors: the parameters and buffers that live on the host (host units', tables').
@@ -81,6 +84,7 @@ class Applied:
     host_work: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     table_optimizers: list[torch.optim.Optimizer] = dataclasses.field(default_factory=list)
     pipeline: Pipeline | None = None
+    data_parallel: tuple[int, int] = (0, 1)
 
     def step(self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> float:  # noqa: ANN401
         """One training step: the batch ``inputs`` (and ``target``) cut into the plan's
@@ -101,6 +105,9 @@ class Applied:
                 opt.step()
             return loss
         m, total = self.micro_batches, 0.0
+        rank, dp = self.data_parallel
+        if dp > 1:  # every rank passes the global batch: this rank's share of it
+            inputs, target = split_batch(inputs, dp)[rank], split_batch(target, dp)[rank]
         for part_inputs, part_target in zip(split_batch(inputs, m), split_batch(target, m)):
             loss = loss_fn(self.model(*part_inputs), part_target) / m
             loss.backward()
@@ -110,6 +117,12 @@ class Applied:
         with self.host_work():
             for opt in self.host_optimizers:
                 opt.step()
+        if dp > 1:  # sync point: the batch's mean loss, over the data-parallel ranks
+            import torch.distributed as dist
+
+            mean = torch.tensor([total / dp], dtype=torch.float64)
+            dist.all_reduce(mean)
+            total = float(mean)
         return total
 
 
@@ -130,9 +143,9 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
 
     Raises:
         ValueError: the plan names units the model does not have (another model's plan), its
-            mesh has data-parallel ranks (the main job applies those: ``hetero train --plan``),
-            its ``tp`` or ``pp`` is not the world size, it puts units on the host beside ``tp``,
-            or a ``pp`` plan comes without ``loss_fn``.
+            ``tp``, ``pp`` or ``dp`` is not the world size, it puts units on the host beside
+            ``tp``, a ``pp`` plan comes without ``loss_fn``, or a ``dp`` plan has host units,
+            tables or offloaded state (the main job applies those: ``hetero train --plan``).
     """
     from hetero.planner.graph import plan_units
 
@@ -143,8 +156,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
                          f"plan this model (hetero.plan)")
     c = plan.candidate
     if c.dp > 1:
-        raise ValueError(f"the plan's mesh pp {c.pp} x dp {c.dp} x tp {c.tp} has data-parallel ranks; hetero.apply "
-                         f"makes single-rank, tensor-parallel and pipeline plans real: run it with hetero train --plan")
+        return _apply_data_parallel(model, plan, config, mesh)
     if c.pp > 1:
         return _apply_pipeline(model, plan, config, mesh, loss_fn)
     host_dense = [n for n in plan.host_units() if not any(isinstance(m, HostEmbedding) for m in units[n].modules())]
@@ -192,6 +204,38 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     host_tensors = on_host | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
     return Applied(runnable, _device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
                    c.micro_batches, plan, host_tensors, table_optimizers=table_optimizers)
+
+
+def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None) -> Applied:
+    """A dp plan of a dense model: recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``), DDP
+    (stages 0, 1), torch's optimizer (stage 1: its state sharded), every rank its share of the batch."""
+    from hetero.embedding import device_tables
+    from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
+    from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
+
+    c = plan.candidate
+    if plan.host_units() or host_tables(model) or device_tables(model) or c.state is not StateHome.DEVICE or c.tp > 1:
+        raise ValueError(f"a dp {c.dp} plan with host units, tables, offloaded state or tp: hetero.apply makes dense "
+                         f"data-parallel plans real; run it with hetero train --plan")
+    mesh = mesh if mesh is not None else build_mesh(MeshConfig())
+    if mesh.size() != c.dp:
+        raise ValueError(f"the plan is for dp {c.dp} ranks, the mesh has {mesh.size()}: run it under torchrun "
+                         f"--nproc-per-node {c.dp}")
+    model.to(resolve_device(Target.DEVICE))
+    apply_recompute(model, plan.recompute_config())
+    zero = ZeroConfig(c.zero)
+    apply_zero(model, zero, mesh)  # (stages 2, 3: parameters become dp shards)
+    runnable = data_parallel(model, DataParallelConfig(dense_sharded=c.zero >= 2))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if plan.optimizer is OptimizerKind.ADAMW:
+        optimizer = zero_optimizer(params, torch.optim.AdamW, zero, mesh, lr=config.lr, betas=config.betas,
+                                   eps=config.eps, weight_decay=config.weight_decay)
+    else:
+        momentum = config.momentum if plan.optimizer is OptimizerKind.SGD_MOMENTUM else 0.0
+        optimizer = zero_optimizer(params, torch.optim.SGD, zero, mesh, lr=config.lr, momentum=momentum,
+                                   weight_decay=config.weight_decay)
+    rank = mesh[MeshDim.DP.value].get_local_rank()
+    return Applied(runnable, optimizer, [], c.micro_batches, plan, set(), data_parallel=(rank, c.dp))
 
 
 def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,

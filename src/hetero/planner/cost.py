@@ -146,6 +146,7 @@ class MeasuredCost:
         self.root = next(u for u in graph.units if not u.name)
         self.sparse, self.pinned, self.host_units, self.tensor = sparse, pinned, host_units, tensor
         self._movable: dict[int, list[TableInfo]] = {}
+        self._row_counts: dict[tuple[str, int, int], tuple[float, float]] = {}  # (table, dp, passes) -> ids, rows
         for i, u in enumerate(self.units):
             kinds = {t.name: sparse_optimizer_of(t.name, sparse) for t in u.tables}
             movable = [t for t in u.tables if device_tables and t.row_bytes == 4 * t.dim and
@@ -250,12 +251,14 @@ class MeasuredCost:
         return int(params + grads + state), int(HOST_ADAMW_BYTES * offloaded), seconds
 
     def _rows(self, t: TableInfo, c: Candidate) -> tuple[float, float]:
-        """A table's ids per pass and distinct rows per step on one rank of ``c``."""
-        traffic = self.graph.traffic.get(t.name)
-        if traffic is None:
-            return 0.0, 0.0
-        per_pass = traffic.ids_per_batch / (c.dp * c.micro_batches)
-        return per_pass, traffic.unique(per_pass * c.micro_batches)
+        """A table's ids per pass and distinct rows per step on one rank of ``c`` (remembered:
+        the expectation over the id frequencies is the search's hot spot)."""
+        key = (t.name, c.dp, c.micro_batches)
+        if key not in self._row_counts:
+            traffic = self.graph.traffic.get(t.name)
+            per_pass = traffic.ids_per_batch / (c.dp * c.micro_batches) if traffic is not None else 0.0
+            self._row_counts[key] = (per_pass, traffic.unique(per_pass * c.micro_batches) if traffic is not None else 0.0)
+        return self._row_counts[key]
 
     def _tables(self, u: Unit, c: Candidate, on_device: list[TableInfo]) -> UnitCost:
         moved = {t.name for t in on_device}
