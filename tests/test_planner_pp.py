@@ -56,39 +56,52 @@ def _planner(cache, model, world_size=2):
 
 def _train_pp(plan_path, steps):
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from hetero.planner.apply import OptimizerConfig, apply
 
     plan = Plan.load(plan_path)
     torch.manual_seed(0)
     run = apply(Stack(), plan, OptimizerConfig(lr=0.1), loss_fn=F.cross_entropy)
+    rows = []  # the batch rows the first stage's replicas see
+    if run.model.inp is not None:
+        run.model.inp.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
     losses = [run.step((x,), y, F.cross_entropy) for x, y in _batches(steps)]
-    mine = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    mine = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in run.model.named_parameters()}
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)  # each rank holds its stage's parameters
+    dist.all_gather_object(every, (mine, rows))  # each rank holds its stage's parameters
     return losses, every
 
 
-def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_ranks, cache):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_ranks, cache, dp):
     from conftest import assert_trains_as_one_process, run_ranks
 
-    planner = _planner(cache, Stack())
-    assert planner.pipeline_failure is None and {c.pp for c in planner.settings} == {1, 2}
-    c = Candidate(pp=2, micro_batches=2)
+    planner = _planner(cache, Stack(), world_size=2 * dp)
+    assert planner.pipeline_failure is None and {c.pp for c in planner.settings} >= {1, 2}
+    c = Candidate(pp=2, dp=dp, micro_batches=2)
     plan = planner.price(c)
     # the split whose slowest stage is least (sends to the next stage included: on gloo they weigh)
-    best = brute_force_stages(planner.cost, c, planner.cuts, float("inf"), float("inf"), planner._transfer(c))
+    best = brute_force_stages(planner.cost, c, planner.cuts, float("inf"), float("inf"), planner._transfer(c),
+                              planner._reduce(c))
     assert plan.split_points == (planner.cost.names()[best.cuts[0]],) and plan.split_points[0] in planner.pipeline_units
     text = str(hetero.explain(plan))
     assert f"stages 1.. begin at {plan.split_points[0]}" in text and "pipeline fill and drain" in text
     path = plan.save(tmp_path / "plan.json")
     assert Plan.load(path).split_points == plan.split_points
-    losses, every = run_ranks(tmp_path, 2, _train_pp, str(path), 3)
+    losses, gathered = run_ranks(tmp_path, 2 * dp, _train_pp, str(path), 3)
+    every = [params for params, _ in gathered]
+    first = [rows for _, rows in gathered if rows]  # (the first step also infers the stages' shapes: one more forward)
+    assert len(first) == dp and all(set(r) == {32 // dp // 2} and len(r) >= 6 for r in first)  # a share, 2 micro-batches
     names = planner.cost.names()
     first = names[: names.index(plan.split_points[0])]  # the plan's split is the one that runs
+    stages = [r for r in every if set(r) == set(every[0])], [r for r in every if set(r) != set(every[0])]
     assert {next(u for u in names if n.startswith(u + ".")) for n in every[0]} == set(first)
-    assert set(every[0]).isdisjoint(every[1])
-    assert_trains_as_one_process(Stack, _batches(3), losses, every[0] | every[1])
+    assert [len(s) for s in stages] == [dp, dp] and set(stages[0][0]).isdisjoint(stages[1][0])
+    for replicas in stages:  # a stage's dp replicas stay equal
+        for r in replicas[1:]:
+            assert all(torch.equal(r[k], replicas[0][k]) for k in r)
+    assert_trains_as_one_process(Stack, _batches(3), losses, stages[0][0] | stages[1][0])
 
 
 def test_the_planner_plans_a_pipeline_within_the_budget_per_stage(cache):

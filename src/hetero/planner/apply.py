@@ -85,6 +85,7 @@ class Applied:
     table_optimizers: list[torch.optim.Optimizer] = dataclasses.field(default_factory=list)
     pipeline: Pipeline | None = None
     data_parallel: tuple[int, int] = (0, 1)
+    dp_group: Any = None  # a ProcessGroup: the data-parallel ranks (None: every rank)
 
     def step(self, inputs: tuple[Any, ...], target: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> float:  # noqa: ANN401
         """One training step: the batch ``inputs`` (and ``target``) cut into the plan's
@@ -99,15 +100,15 @@ class Applied:
         optimizers = ([self.optimizer] if self.optimizer is not None else []) + self.table_optimizers
         for opt in optimizers + self.host_optimizers:
             opt.zero_grad()
-        if self.pipeline is not None:  # the schedule runs the micro-batches (its loss: apply's loss_fn)
-            loss = self.pipeline.step(inputs, target)  # sync point: the loss, over the pp group
-            for opt in optimizers:
-                opt.step()
-            return loss
         m, total = self.micro_batches, 0.0
         rank, dp = self.data_parallel
         if dp > 1:  # every rank passes the global batch: this rank's share of it
             inputs, target = split_batch(inputs, dp)[rank], split_batch(target, dp)[rank]
+        if self.pipeline is not None:  # the schedule runs the micro-batches (its loss: apply's loss_fn)
+            total = self.pipeline.step(inputs, target)  # sync point: the loss, over the pp group
+            for opt in optimizers:
+                opt.step()
+            return self._mean(total, dp)
         for part_inputs, part_target in zip(split_batch(inputs, m), split_batch(target, m)):
             loss = loss_fn(self.model(*part_inputs), part_target) / m
             loss.backward()
@@ -117,13 +118,17 @@ class Applied:
         with self.host_work():
             for opt in self.host_optimizers:
                 opt.step()
-        if dp > 1:  # sync point: the batch's mean loss, over the data-parallel ranks
-            import torch.distributed as dist
+        return self._mean(total, dp)
 
-            mean = torch.tensor([total / dp], dtype=torch.float64)
-            dist.all_reduce(mean)
-            total = float(mean)
-        return total
+    def _mean(self, loss: float, dp: int) -> float:
+        """The batch's mean loss from this rank's share (sync point: over the dp ranks)."""
+        if dp == 1:
+            return loss
+        import torch.distributed as dist
+
+        mean = torch.tensor([loss / dp], dtype=torch.float64)
+        dist.all_reduce(mean, group=self.dp_group)
+        return float(mean)
 
 
 def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfig(),
@@ -155,10 +160,10 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         raise ValueError(f"the plan is for a model with units {missing}, which {type(model).__name__} does not have; "
                          f"plan this model (hetero.plan)")
     c = plan.candidate
-    if c.dp > 1:
-        return _apply_data_parallel(model, plan, config, mesh)
     if c.pp > 1:
         return _apply_pipeline(model, plan, config, mesh, loss_fn)
+    if c.dp > 1:
+        return _apply_data_parallel(model, plan, config, mesh)
     host_dense = [n for n in plan.host_units() if not any(isinstance(m, HostEmbedding) for m in units[n].modules())]
     device = resolve_device(Target.DEVICE)
     sharding = plan.sharding_plan()
@@ -241,7 +246,8 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
 def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Applied:
     """A pp plan: the model split at the plan's points (``hetero.parallel.pipeline``, 1F1B), this
-    rank's stage recomputing its planned units, torch's optimizer beside its parameters."""
+    rank's stage recomputing its planned units (and DDP over its ``dp`` replicas), torch's
+    optimizer beside its parameters, each replica its share of the batch."""
     from hetero.parallel.pipeline import pipeline
     from hetero.parallel.pipeline_plan import PipelineConfig
 
@@ -249,22 +255,32 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     if loss_fn is None:
         raise ValueError(f"a pp {c.pp} plan runs its loss in the last stage: pass loss_fn=(output, target) -> loss")
     mesh = mesh if mesh is not None else build_mesh(MeshConfig(pp=c.pp))
-    if mesh.size() != c.pp:
-        raise ValueError(f"the plan is for pp {c.pp} ranks, the mesh has {mesh.size()}: run it under torchrun "
-                         f"--nproc-per-node {c.pp}")
+    if mesh.size() != c.pp * c.dp:
+        raise ValueError(f"the plan is for pp {c.pp} x dp {c.dp} ranks, the mesh has {mesh.size()}: run it under "
+                         f"torchrun --nproc-per-node {c.pp * c.dp}")
     recomputed = plan.recompute_config().modules
+    group = mesh[MeshDim.DP.value].get_group() if c.dp > 1 else None  # (the loss average's)
 
-    def recompute_stage(stage: nn.Module) -> nn.Module:  # the split first, then each stage's regions
+    def recompute_stage(stage: nn.Module) -> nn.Module:  # the split first, then each stage's regions, then its replicas
         present = dict(stage.named_modules())
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
-        return stage
+        if group is None:
+            return stage
+        # torch's replicate (data parallel on FSDP2's machinery): the schedule syncs its gradients
+        # once per batch, which DDP's reducer does not take (it rebuilds buckets across micro-batches)
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate(stage, mesh=mesh[MeshDim.DP.value])
 
     device = resolve_device(Target.DEVICE)
     pipe = pipeline(model.to(device), PipelineConfig(micro_batches=c.micro_batches, split_points=plan.split_points),
                     mesh, loss_fn, recompute_stage)
     named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad]
-    return Applied(pipe.modules[0], _torch_optimizer([p for _, p in named], plan.optimizer, config), [],
-                   c.micro_batches, plan, set(), pipeline=pipe)
+    rank = mesh[MeshDim.DP.value].get_local_rank()
+    # (no foreach with replicas: their parameters are DTensors)
+    optimizer = _torch_optimizer([p for _, p in named], plan.optimizer, config, None if group is None else False)
+    return Applied(pipe.modules[0], optimizer, [],
+                   c.micro_batches, plan, set(), pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
 
 
 def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig,

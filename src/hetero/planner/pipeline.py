@@ -13,8 +13,9 @@ of the micro-batches in flight - stage ``s`` holds ``min(m, p - s)`` of them bef
 backward - plus the largest backward workspace. The ops of no unit (the loss) run on the last
 stage; the batch is on every stage's budget (conservative: only the first holds it).
 
-**The step** is the slowest stage's work per micro-batch times ``m + p - 1`` (the fill and
-drain of the pipeline: the bubble, ``(p - 1) / (m + p - 1)`` of it).
+**The step** is the slowest stage's: its work per micro-batch times ``m + p - 1`` (the fill and
+drain of the pipeline: the bubble, ``(p - 1) / (m + p - 1)`` of it), then the all-reduce of its
+gradients over its ``dp`` replicas (each replica of the pipeline runs ``1 / dp`` of the batch).
 
 **The search** (:func:`search_stages`): ``best(s, i)`` - the least bottleneck of cutting units
 ``i..n-1`` into stages ``s..p-1`` - over every end of stage ``s`` (a cut position), each stage
@@ -60,7 +61,7 @@ class Stages:
     Attributes:
         cuts: the unit indices where stages ``1..p-1`` begin.
         choices: every unit's option, in order.
-        seconds: the predicted step; ``stage_seconds``: each stage's work over the step.
+        seconds: the predicted step (the slowest stage's); ``stage_seconds``: each stage's.
         device_bytes: the largest stage's device peak; ``host_bytes``: the largest stage's.
     """
 
@@ -83,9 +84,10 @@ def cut_positions(units: Sequence[str], pipeline_units: Sequence[str]) -> list[i
 
 
 def stage_cost(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, recompute: bool,
-               transfer: Callable[[int], float]) -> StageCost:
+               transfer: Callable[[int], float], reduce: Callable[[int, int], float] = lambda lo, hi: 0.0) -> StageCost:
     """Stage ``stage`` holding units ``lo..hi-1`` (see the module docstring); ``transfer(i)``:
-    seconds to send boundary ``i``'s activations forward and their gradients back, once."""
+    seconds to send boundary ``i``'s activations forward and their gradients back, once;
+    ``reduce(lo, hi)``: the stage's gradient all-reduce over its ``dp`` replicas."""
     fixed = cost.fixed(c)
     choices, seconds, static, kept, during, host = [], 0.0, 0, 0, 0, 0
     previous = UnitChoice(Target.DEVICE) if lo else None  # received from the stage before: kept here
@@ -110,28 +112,29 @@ def stage_cost(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, reco
         seconds += c.micro_batches * transfer(lo)
     in_flight = min(c.micro_batches, c.pp - stage)
     peak = fixed.device_bytes + static + (in_flight - 1) * kept + max(kept, during)
-    return StageCost(tuple(choices), seconds, peak, host + (fixed.host_bytes if last else 0))
+    # its work as the pipeline paces it (fill and drain included), then its replicas' all-reduce
+    step = seconds * (c.micro_batches + c.pp - 1) / c.micro_batches + reduce(lo, hi)
+    return StageCost(tuple(choices), step, peak, host + (fixed.host_bytes if last else 0))
 
 
 def _best_stage(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, device: float, host: float,
-                transfer: Callable[[int], float]) -> StageCost | None:
+                transfer: Callable[[int], float], reduce: Callable[[int, int], float]) -> StageCost | None:
     """The stage without recompute if it fits, else recomputing (``None``: neither fits)."""
     for recompute in (False, True):
-        s = stage_cost(cost, c, lo, hi, stage, recompute, transfer)
+        s = stage_cost(cost, c, lo, hi, stage, recompute, transfer, reduce)
         if s.device_bytes <= device and s.host_bytes <= host:
             return s
     return None
 
 
-def _stages(cost: CostModel, c: Candidate, cuts: Sequence[int], parts: Sequence[StageCost]) -> Stages:
-    m, p = c.micro_batches, c.pp
-    slowest = max(s.seconds for s in parts)
-    return Stages(tuple(cuts), tuple(ch for s in parts for ch in s.choices), slowest * (m + p - 1) / m,
+def _stages(cuts: Sequence[int], parts: Sequence[StageCost]) -> Stages:
+    return Stages(tuple(cuts), tuple(ch for s in parts for ch in s.choices), max(s.seconds for s in parts),
                   tuple(s.seconds for s in parts), max(s.device_bytes for s in parts), max(s.host_bytes for s in parts))
 
 
 def search_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], device: float, host: float,
-                  transfer: Callable[[int], float]) -> Stages | None:
+                  transfer: Callable[[int], float], reduce: Callable[[int, int], float] = lambda lo, hi: 0.0
+                  ) -> Stages | None:
     """The split into ``c.pp`` stages at ``cuts`` (allowed positions) with the least predicted
     step within the budgets (per stage; ``None``: none fits). See the module docstring."""
     n, p = len(cost.names()), c.pp
@@ -143,11 +146,11 @@ def search_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], device: fl
             return memo[(s, lo)]
         out = None
         if s == p - 1:
-            stage = _best_stage(cost, c, lo, n, s, device, host, transfer)
+            stage = _best_stage(cost, c, lo, n, s, device, host, transfer, reduce)
             out = (stage.seconds, [stage], []) if stage is not None else None
         else:
             for hi in (x for x in starts if x > lo):
-                stage = _best_stage(cost, c, lo, hi, s, device, host, transfer)
+                stage = _best_stage(cost, c, lo, hi, s, device, host, transfer, reduce)
                 rest = best(s + 1, hi) if stage is not None else None
                 if rest is not None and (out is None or max(stage.seconds, rest[0]) < out[0]):
                     out = (max(stage.seconds, rest[0]), [stage, *rest[1]], [hi, *rest[2]])
@@ -155,18 +158,20 @@ def search_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], device: fl
         return out
 
     found = best(0, 0) if n >= p else None
-    return _stages(cost, c, found[2], found[1]) if found is not None else None
+    return _stages(found[2], found[1]) if found is not None else None
 
 
 def brute_force_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], device: float, host: float,
-                       transfer: Callable[[int], float]) -> Stages | None:
+                       transfer: Callable[[int], float], reduce: Callable[[int, int], float] = lambda lo, hi: 0.0
+                       ) -> Stages | None:
     """:func:`search_stages` by trying every split (the reference in tests)."""
     n, best = len(cost.names()), None
     for split in itertools.combinations(sorted(cuts), c.pp - 1):
         bounds = [0, *split, n]
-        parts = [_best_stage(cost, c, a, b, s, device, host, transfer) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        parts = [_best_stage(cost, c, a, b, s, device, host, transfer, reduce)
+                 for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         if all(x is not None for x in parts):
-            found = _stages(cost, c, split, parts)
+            found = _stages(split, parts)
             if best is None or found.seconds < best.seconds:
                 best = found
     return best
@@ -215,7 +220,7 @@ def stage_decisions(names: Sequence[str], c: Candidate, stages: Stages) -> list[
     for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         recomputed = [names[i] for i in range(lo, hi) if stages.choices[i].recompute]
         what = f"{names[lo]} .. {names[hi - 1]}" + (f", recomputing {', '.join(recomputed)}" if recomputed else "")
-        out.append((f"stage {s} (rank {s})", what, stages.stage_seconds[s], stages.device_bytes))
+        out.append((f"stage {s}", what, stages.stage_seconds[s], stages.device_bytes))
     bubble = (c.pp - 1) / (c.micro_batches + c.pp - 1)
     out.append(("pipeline bubble", f"{bubble:.2f} of the step (1F1B, {c.micro_batches} micro-batches over {c.pp} stages)",
                 stages.seconds * bubble, stages.device_bytes))

@@ -124,7 +124,7 @@ class Planner:
             if self.pipeline_units and self.pipeline_failure is None else []
         settings = candidates(world_size, optimizer, self.graph.batch, has_tables,
                               config.micro_batches if splittable else (1,), config.offload_ratios,
-                              max_pp=world_size if len(self.cuts) >= world_size - 1 else 1,
+                              max_pp=min(world_size, len(self.cuts) + 1) if self.cuts else 1,
                               max_tp=max(self.tensor, default=1))
         # annotations that cut operators are kept: only the degrees they fit
         # (a unit pinned to the host rules tp and pp out: the partitioner's host subgraphs take no
@@ -158,7 +158,8 @@ class Planner:
         results, pipelined = [], {}
         for c in self.settings:  # the biased search's assignment, priced without the bias
             if c.pp > 1:  # stages by dynamic programming over the unit sequence
-                stages = search_stages(self.cost, c, self.cuts, device_budget, host_budget, self._transfer(c))
+                stages = search_stages(self.cost, c, self.cuts, device_budget, host_budget, self._transfer(c),
+                                       self._reduce(c))
                 if stages is not None:
                     pipelined[c] = stages
                 results.append((c, stages and Assignment(stages.choices, stages.seconds, stages.device_bytes,
@@ -188,6 +189,14 @@ class Planner:
         curve = self.calibration.collectives["gloo:2"]["all_gather"]
         return lambda i: 2 * curve.seconds(self.cost.units[i - 1].output_bytes / (c.dp * c.micro_batches))
 
+    def _reduce(self, c: Candidate) -> Callable[[int, int], float]:
+        """Seconds of the gradient all-reduce of units ``lo..hi-1`` over the ``dp`` replicas of
+        their stage (once per step, after the stage's last backward)."""
+        if c.dp == 1:
+            return lambda lo, hi: 0.0
+        curve = self.calibration.collectives[f"gloo:{c.dp}"]["all_reduce"]
+        return lambda lo, hi: curve.seconds(sum(u.param_bytes for u in self.cost.units[lo:hi]))
+
     def price(self, candidate: Candidate, units: Mapping[str, UnitChoice] = {}) -> Plan:
         """``candidate`` with ``units``' decisions (the rest on the device) as a plan, priced by
         the same cost model (no search; it may not fit any budget).
@@ -201,7 +210,8 @@ class Planner:
                 raise ValueError(f"pp {candidate.pp}: the model's stages are searched (give no units), and it needs "
                                  f"{candidate.pp} pipeline units whose forward runs as stages "
                                  f"({self.pipeline_failure or f'{len(self.cuts) + 1} pipeline unit(s)'})")
-            stages = search_stages(self.cost, candidate, self.cuts, float("inf"), float("inf"), self._transfer(candidate))
+            stages = search_stages(self.cost, candidate, self.cuts, float("inf"), float("inf"), self._transfer(candidate),
+                                   self._reduce(candidate))
             a = Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes, stages.cuts)
             report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0)
             return self._plan(candidate, a, None, None, [], report, stages)
@@ -227,8 +237,8 @@ class Planner:
               decisions: list[Decision], report: SearchReport, stages: Stages | None = None) -> Plan:
         t = self.tensor.get(c.tp) if c.tp > 1 else None
         predicted = _prediction(self.cost, c, a) if stages is None else Prediction(
-            a.seconds, a.device_bytes, a.host_bytes, {"slowest stage's work": max(stages.stage_seconds),
-                                                      "pipeline fill and drain": a.seconds - max(stages.stage_seconds)})
+            a.seconds, a.device_bytes, a.host_bytes,
+            {"the slowest stage (its work with the pipeline fill and drain, its replicas' all-reduce)": a.seconds})
         moved = tuple(table.name for i, ch in enumerate(a.choices) for table in self.cost.table_order(i)[:ch.device_tables])
         return Plan(self.model_name, self.graph.batch, self.world_size, device_memory, host_memory, self.optimizer, c,
                     dict(zip(self.cost.names(), a.choices)), dict(self.pinned), predicted, decisions,

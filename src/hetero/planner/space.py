@@ -113,11 +113,11 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
     """The outer enumeration: every mesh shape of ``world_size`` ranks (``pp <= max_pp``,
     ``tp <= max_tp``), state home (offload for AdamW only, without ``tp`` or ``pp``), micro-batch count
     dividing the per-rank batch (at least ``pp``), ZeRO stage (with ``dp > 1``), and table placement
-    (with ``dp > 1``). A pipeline is one dimension alone (``pp`` = the world size)."""
+    (with ``dp > 1``). A pipeline's stages are replicated over ``dp`` (without ``tp`` or ZeRO)."""
     out = []
     for pp in range(1, max_pp + 1):
         for tp in range(1, max_tp + 1):
-            if world_size % (pp * tp) or (pp > 1 and pp != world_size):
+            if world_size % (pp * tp) or (pp > 1 and tp > 1):
                 continue
             dp = world_size // (pp * tp)
             if batch % dp:
@@ -128,7 +128,7 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                 homes += [(StateHome.HOST, 1.0)] + [(StateHome.PARTIAL, r) for r in ratios]
             tables = [TablePlacement.HOST] if dp == 1 or not has_tables else \
                 [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED]
-            zeros = [0] if dp == 1 else [0, 1, 2, 3]
+            zeros = [0] if dp == 1 or pp > 1 else [0, 1, 2, 3]  # (a pipeline's replicas: DDP)
             for m in micro_batches:
                 if per_rank % m or (pp > 1 and m < pp):
                     continue
