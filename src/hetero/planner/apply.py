@@ -179,11 +179,6 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         apply_sharding(model, sharding, mesh)  # before recompute: its regions replay the sharded operators
     # the plan's device tables: one host->device copy of each, before the partition (a device leaf there)
     moved = move_tables_to_device(model, list(plan.device_tables), device)
-    table_optimizers = []
-    for kind in SparseOptimizerKind:
-        own = [t.weight for k, t in moved.items() if sparse_optimizer_of(k, sparse_optimizers) is kind]
-        if own:
-            table_optimizers.append(device_sparse_optimizer(kind, own))
     apply_recompute(model, plan.recompute_config())
     if host_dense:
         from hetero.placement.partitioner import partition
@@ -201,11 +196,14 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     host_optimizers = []
     if on_host:
         host_optimizers.append(_torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config))
-    tables = host_tables(model)
-    for kind in SparseOptimizerKind:
+    tables, table_optimizers = host_tables(model), []
+    for kind in SparseOptimizerKind:  # each table's sparse optimizer: hetero's on the host, torch's on the device
         own = {k: t for k, t in tables.items() if sparse_optimizer_of(k, sparse_optimizers) is kind}
         if own:
             host_optimizers.append(kind.optimizer(own, kind.optimizer.Config()))
+        on_device = [t.weight for k, t in moved.items() if sparse_optimizer_of(k, sparse_optimizers) is kind]
+        if on_device:
+            table_optimizers.append(device_sparse_optimizer(kind, on_device))
     host_tensors = on_host | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
     return Applied(runnable, _device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
                    c.micro_batches, plan, host_tensors, table_optimizers=table_optimizers)
@@ -231,14 +229,8 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     zero = ZeroConfig(c.zero)
     apply_zero(model, zero, mesh)  # (stages 2, 3: parameters become dp shards)
     runnable = data_parallel(model, DataParallelConfig(dense_sharded=c.zero >= 2))
-    params = [p for p in model.parameters() if p.requires_grad]
-    if plan.optimizer is OptimizerKind.ADAMW:
-        optimizer = zero_optimizer(params, torch.optim.AdamW, zero, mesh, lr=config.lr, betas=config.betas,
-                                   eps=config.eps, weight_decay=config.weight_decay)
-    else:
-        momentum = config.momentum if plan.optimizer is OptimizerKind.SGD_MOMENTUM else 0.0
-        optimizer = zero_optimizer(params, torch.optim.SGD, zero, mesh, lr=config.lr, momentum=momentum,
-                                   weight_decay=config.weight_decay)
+    kind, defaults = _optimizer_args(plan.optimizer, config)
+    optimizer = zero_optimizer([p for p in model.parameters() if p.requires_grad], kind, zero, mesh, **defaults)
     rank = mesh[MeshDim.DP.value].get_local_rank()
     return Applied(runnable, optimizer, [], c.micro_batches, plan, set(), data_parallel=(rank, c.dp))
 
@@ -283,12 +275,18 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
                    c.micro_batches, plan, set(), pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
 
 
+def _optimizer_args(kind: OptimizerKind, c: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """torch's optimizer class of ``kind`` and its hyperparameters from ``c``."""
+    if kind is OptimizerKind.ADAMW:
+        return torch.optim.AdamW, {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
+    momentum = c.momentum if kind is OptimizerKind.SGD_MOMENTUM else 0.0
+    return torch.optim.SGD, {"lr": c.lr, "momentum": momentum, "weight_decay": c.weight_decay}
+
+
 def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig,
                      foreach: bool | None = None) -> torch.optim.Optimizer:
-    if kind is OptimizerKind.ADAMW:
-        return torch.optim.AdamW(params, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, foreach=foreach)
-    momentum = c.momentum if kind is OptimizerKind.SGD_MOMENTUM else 0.0
-    return torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay, foreach=foreach)
+    cls, defaults = _optimizer_args(kind, c)
+    return cls(params, foreach=foreach, **defaults)
 
 
 def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: OptimizerConfig,

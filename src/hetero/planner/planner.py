@@ -155,17 +155,20 @@ class Planner:
         if method is SearchMethod.AUTO:
             method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
         search = _SEARCH[method]
+        biased = _Biased(self.cost, self.config.tolerance)
         results, pipelined = [], {}
         for c in self.settings:  # the biased search's assignment, priced without the bias
             if c.pp > 1:  # stages by dynamic programming over the unit sequence
                 stages = search_stages(self.cost, c, self.cuts, device_budget, host_budget, self._transfer(c),
                                        self._reduce(c))
-                if stages is not None:
-                    pipelined[c] = stages
-                results.append((c, stages and Assignment(stages.choices, stages.seconds, stages.device_bytes,
-                                                         stages.host_bytes, stages.cuts)))
+                if stages is None:
+                    results.append((c, None))
+                    continue
+                pipelined[c] = stages
+                results.append((c, Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes,
+                                              stages.cuts)))
                 continue
-            found = search(_Biased(self.cost, self.config.tolerance), c, device_budget, host_budget)
+            found = search(biased, c, device_budget, host_budget)
             results.append((c, evaluate(self.cost, c, found.choices) if found is not None else None))
         feasible = [(c, a) for c, a in results if a is not None]
         if not feasible:  # (the smallest budget of the unpipelined settings)
