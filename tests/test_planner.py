@@ -120,6 +120,8 @@ def test_an_applied_plan_trains_as_the_unplaced_model(cache, kind, state, atol):
         opt.step()
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=atol, msg=name)
+    with pytest.raises(ValueError, match="does not split into 2 equal parts"):
+        applied.step((x[:63],), y[:63], F.cross_entropy)  # a micro-batch of 32 beside one of 31: refused
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_works(cache):

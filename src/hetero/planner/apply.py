@@ -95,7 +95,8 @@ class Applied:
 
         Raises:
             ValueError: a tensor of another first dimension than the batch's (bags cannot be
-                cut by rows) with more than one micro-batch.
+                cut by rows) with more than one micro-batch, or a batch the micro-batches or the
+                data-parallel ranks do not divide (unequal parts would weigh samples unequally).
         """
         optimizers = ([self.optimizer] if self.optimizer is not None else []) + self.table_optimizers
         for opt in optimizers + self.host_optimizers:
@@ -315,6 +316,9 @@ def split_batch(tree: Any, parts: int) -> list[Any]:  # noqa: ANN401 - a pytree 
             if t.shape[0] != batch:
                 raise ValueError(f"a tensor of {t.shape[0]} rows in a batch of {batch}: micro-batches cut every tensor "
                                  f"by rows (bags cannot be cut so); plan with micro_batches=(1,)")
+            if batch % parts:  # unequal parts would weigh their samples unequally in the mean gradient
+                raise ValueError(f"a batch of {batch} rows does not split into {parts} equal parts (the plan's "
+                                 f"micro-batches or its data-parallel ranks): use a batch size that is a multiple of {parts}")
             pieces.append(torch.tensor_split(t, parts))
         else:
             pieces.append([t] * parts)
