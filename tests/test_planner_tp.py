@@ -108,3 +108,36 @@ def test_without_annotations_or_ranks_there_is_no_tp(cache):
     seq = Planner(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)), (torch.randn(8, 4, 16),),
                   world_size=2, config=PlannerConfig(cache_dir=cache))
     assert seq.tensor == {} and {c.tp for c in seq.settings} == {1}
+
+
+def _train_dp_tp(plan_path, steps):
+    from torch.distributed.tensor import DTensor
+
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    torch.manual_seed(0)
+    model = Net()
+    run = apply(model, Plan.load(plan_path), OptimizerConfig(lr=0.1))
+    rows, local = [], {n: p.to_local().shape for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    model.fc1.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    losses = [run.step((x,), y, F.cross_entropy) for x, y in _batches(steps)]  # every rank: the global batch
+    whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return losses, whole, rows, local
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_dp_by_tp_plan_trains_as_one_process(tmp_path, cpu_ranks, cache, zero):
+    """4 ranks, mesh dp 2 x tp 2: each replica's two ranks cut the operators, each replica runs
+    half the batch, the replicas' gradients meet (torch's replicate, or FSDP2 at ZeRO 3)."""
+    from conftest import assert_trains_as_one_process, run_ranks
+
+    x, y = _batches(1)[0]
+    planner = Planner(Net(), (x,), world_size=4, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
+                      config=PlannerConfig(cache_dir=cache))
+    assert {c.zero for c in planner.settings if c.tp == 2 and c.dp == 2} == {0, 2, 3}  # no ZeRO 1 beside tp
+    plan = planner.price(Candidate(dp=2, tp=2, zero=zero))
+    losses, whole, rows, local = run_ranks(tmp_path, 4, _train_dp_tp, str(plan.save(tmp_path / "plan.json")), 3)
+    assert rows == [32 // 2] * 3  # each replica ran its half of each batch
+    # fc1's columns cut over tp (and its rows over dp at ZeRO 3): a quarter or a half of the weight here
+    assert local["fc1.weight"] == ((64 // 2 // 2, 16) if zero == 3 else (64 // 2, 16))
+    assert_trains_as_one_process(Net, _batches(3), losses, whole)

@@ -98,7 +98,8 @@ def device_matrix(op: str, signature: OpSignature, strategy: Strategy, shapes: S
 
 def assign_mesh(op: str, matrix: dict[str, int], mesh: DeviceMesh, exact: bool = True) -> dict[str, int]:
     """The mesh dimension (index) of every sliced letter: the next unused ``dp``/``tp`` dimension of
-    its size, in letter order (the reference's device matrix, outermost first).
+    its size, in letter order (the reference's device matrix, outermost first). A mesh may lack
+    ``dp`` (``mesh["tp"]``: the operator-parallel ranks of one data-parallel replica).
 
     ``exact=False`` (an output layout): the product may be smaller; the mesh dimensions left over
     replicate.
@@ -107,17 +108,20 @@ def assign_mesh(op: str, matrix: dict[str, int], mesh: DeviceMesh, exact: bool =
         ValueError: the device matrix's product is not the size of the mesh's ``dp x tp`` part,
             or a slice count matches no mesh dimension.
     """
-    dims = [mesh.mesh_dim_names.index(d.value) for d in (MeshDim.DP, MeshDim.TP)]
-    return assign_sizes(op, matrix, {i: mesh.size(i) for i in dims}, exact)
+    names = [d.value for d in (MeshDim.DP, MeshDim.TP) if d.value in mesh.mesh_dim_names]
+    dims = [mesh.mesh_dim_names.index(n) for n in names]
+    return assign_sizes(op, matrix, {i: mesh.size(i) for i in dims}, exact, tuple(names))
 
 
-def assign_sizes(op: str, matrix: dict[str, int], sizes: dict[int, int], exact: bool = True) -> dict[str, int]:
-    """:func:`assign_mesh` over mesh dimension index -> size (no mesh needed: planning, explain)."""
+def assign_sizes(op: str, matrix: dict[str, int], sizes: dict[int, int], exact: bool = True,
+                 names: tuple[str, ...] = ("dp", "tp")) -> dict[str, int]:
+    """:func:`assign_mesh` over mesh dimension index -> size (no mesh needed: planning, explain);
+    ``names``: those dimensions' names (for errors)."""
     total = math.prod(sizes.values())
     sliced = {name: k for name, k in matrix.items() if k > 1}
     if (math.prod(sliced.values()) != total) if exact else (total % math.prod(sliced.values())):
         raise _fail(op, f"the device matrix {tuple(matrix.values())} multiplies to {math.prod(sliced.values())}, the mesh's "
-                        f"dp x tp part has {total} ranks ({dict(zip(('dp', 'tp'), sizes.values()))}); the slice counts "
+                        f"{' x '.join(names)} part has {total} ranks ({dict(zip(names, sizes.values()))}); the slice counts "
                         f"must multiply to {total}")
     free, out = list(sizes), {}
     for name, k in sliced.items():

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from hetero.embedding import HostEmbedding, dense_parameters, host_tables, move_tables_to_device
 from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
-from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh
+from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
 from hetero.parallel.operator_plan import apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.placement import Target, resolve_device
@@ -167,17 +167,11 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         return _apply_data_parallel(model, plan, config, mesh)
     host_dense = [n for n in plan.host_units() if not any(isinstance(m, HostEmbedding) for m in units[n].modules())]
     device = resolve_device(Target.DEVICE)
-    sharding = plan.sharding_plan()
     if c.tp > 1:
-        if host_dense or sharding is None:
-            raise ValueError(f"a tp {c.tp} plan with host units {host_dense} or no operator strategies: plan the model "
-                             f"again (hetero.plan never makes one)")
-        mesh = mesh if mesh is not None else build_mesh(MeshConfig(tp=c.tp))
-        if mesh.size() != c.tp:
-            raise ValueError(f"the plan is for tp {c.tp} ranks, the mesh has {mesh.size()}: run it under torchrun "
-                             f"--nproc-per-node {c.tp}")
-        model.to(device)
-        apply_sharding(model, sharding, mesh)  # before recompute: its regions replay the sharded operators
+        if host_dense:
+            raise ValueError(f"a tp {c.tp} plan with host units {host_dense}: plan the model again (hetero.plan never "
+                             f"makes one)")
+        _shard(model.to(device), plan, _mesh(mesh, plan))  # before recompute: its regions replay the sharded operators
     # the plan's device tables: one host->device copy of each, before the partition (a device leaf there)
     moved = move_tables_to_device(model, list(plan.device_tables), device)
     apply_recompute(model, plan.recompute_config())
@@ -218,22 +212,54 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 
     c = plan.candidate
-    if plan.host_units() or host_tables(model) or device_tables(model) or c.state is not StateHome.DEVICE or c.tp > 1:
-        raise ValueError(f"a dp {c.dp} plan with host units, tables, offloaded state or tp: hetero.apply makes dense "
+    if plan.host_units() or host_tables(model) or device_tables(model) or c.state is not StateHome.DEVICE:
+        raise ValueError(f"a dp {c.dp} plan with host units, tables or offloaded state: hetero.apply makes dense "
                          f"data-parallel plans real; run it with hetero train --plan")
-    mesh = mesh if mesh is not None else build_mesh(MeshConfig())
-    if mesh.size() != c.dp:
-        raise ValueError(f"the plan is for dp {c.dp} ranks, the mesh has {mesh.size()}: run it under torchrun "
-                         f"--nproc-per-node {c.dp}")
+    if c.tp > 1 and c.zero == 1:
+        raise ValueError(f"a dp {c.dp} x tp {c.tp} plan at ZeRO 1 (torch's ZeroRedundancyOptimizer takes no DTensor "
+                         f"parameters): plan the model again (hetero.plan never makes one)")
+    mesh = _mesh(mesh, plan)
     model.to(resolve_device(Target.DEVICE))
+    if c.tp > 1:  # each replica's tp ranks cut its operators, before recompute and ZeRO (torchtitan's order)
+        _shard(model, plan, mesh)
     apply_recompute(model, plan.recompute_config())
     zero = ZeroConfig(c.zero)
-    apply_zero(model, zero, mesh)  # (stages 2, 3: parameters become dp shards)
-    runnable = data_parallel(model, DataParallelConfig(dense_sharded=c.zero >= 2))
+    apply_zero(model, zero, mesh)  # (stages 2, 3: parameters become dp shards - of the tp shards with tp)
+    if c.tp > 1 and c.zero < 2:
+        # torch's replicate (data parallel on FSDP2's machinery) takes the tp shards, DDP does not
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        runnable: nn.Module = replicate(model, mesh=mesh[MeshDim.DP.value])
+    else:
+        runnable = data_parallel(model, DataParallelConfig(dense_sharded=c.zero >= 2))
     kind, defaults = _optimizer_args(plan.optimizer, config)
+    if c.tp > 1:
+        defaults["foreach"] = False  # foreach takes one kind of tensor; tp mixes DTensor shards and plain ones
     optimizer = zero_optimizer([p for p in model.parameters() if p.requires_grad], kind, zero, mesh, **defaults)
-    rank = mesh[MeshDim.DP.value].get_local_rank()
-    return Applied(runnable, optimizer, [], c.micro_batches, plan, set(), data_parallel=(rank, c.dp))
+    dp = mesh[MeshDim.DP.value]
+    return Applied(runnable, optimizer, [], c.micro_batches, plan, set(), data_parallel=(dp.get_local_rank(), c.dp),
+                   dp_group=dp.get_group())
+
+
+def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
+    """``mesh`` (default: ``build_mesh`` for the plan's ``tp`` over the process group), checked to
+    have the plan's ``dp x tp`` ranks."""
+    c = plan.candidate
+    mesh = mesh if mesh is not None else build_mesh(MeshConfig(tp=c.tp))
+    if mesh.size() != c.dp * c.tp or mesh_size(mesh, MeshDim.TP) != c.tp:
+        shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        raise ValueError(f"the plan is for dp {c.dp} x tp {c.tp} ranks, the mesh has {shape}: run it under torchrun "
+                         f"--nproc-per-node {c.dp * c.tp}")
+    return mesh
+
+
+def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+    """The plan's operator strategies applied over ``mesh``'s ``tp`` ranks (one replica's)."""
+    sharding = plan.sharding_plan()
+    if sharding is None:
+        raise ValueError(f"a tp {plan.candidate.tp} plan without operator strategies: plan the model again "
+                         f"(hetero.plan never makes one)")
+    apply_sharding(model, sharding, mesh[MeshDim.TP.value])
 
 
 def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,

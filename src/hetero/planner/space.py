@@ -112,7 +112,7 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                max_pp: int = 1, max_tp: int = 1) -> list[Candidate]:
     """The outer enumeration: every mesh shape of ``world_size`` ranks (``pp <= max_pp``,
     ``tp <= max_tp``), state home (offload for AdamW only, without ``tp`` or ``pp``), micro-batch count
-    dividing the per-rank batch (at least ``pp``), ZeRO stage (with ``dp > 1``), and table placement
+    dividing the per-rank batch (at least ``pp``), ZeRO stage (with ``dp > 1``; 1 not beside ``tp``), and table placement
     (with ``dp > 1``). A pipeline's stages are replicated over ``dp`` (without ``tp`` or ZeRO)."""
     out = []
     for pp in range(1, max_pp + 1):
@@ -128,7 +128,8 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                 homes += [(StateHome.HOST, 1.0)] + [(StateHome.PARTIAL, r) for r in ratios]
             tables = [TablePlacement.HOST] if dp == 1 or not has_tables else \
                 [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED]
-            zeros = [0] if dp == 1 or pp > 1 else [0, 1, 2, 3]  # (a pipeline's replicas: DDP)
+            # (a pipeline's replicas: DDP; ZeRO 1 is torch's ZeroRedundancyOptimizer, which takes no tp shards)
+            zeros = [0] if dp == 1 or pp > 1 else [0, 2, 3] if tp > 1 else [0, 1, 2, 3]
             for m in micro_batches:
                 if per_rank % m or (pp > 1 and m < pp):
                     continue
