@@ -68,19 +68,23 @@ def _train_pp(plan_path, steps):
         run.model.inp.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
     losses = [run.step((x,), y, F.cross_entropy) for x, y in _batches(steps)]
     mine = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in run.model.named_parameters()}
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in run.model.parameters())
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (mine, rows))  # each rank holds its stage's parameters
+    # each rank holds its stage's parameters (a share of them at ZeRO 3)
+    dist.all_gather_object(every, (mine, rows, held / sum(p.numel() for p in run.model.parameters())))
     return losses, every
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_ranks, cache, dp):
+@pytest.mark.parametrize("dp,zero", [(1, 0), (2, 0), (2, 3)])
+def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_ranks, cache, dp, zero):
     from conftest import assert_trains_as_one_process, run_ranks
 
     planner = _planner(cache, Stack(), world_size=2 * dp)
     assert planner.pipeline_failure is None and {c.pp for c in planner.settings} >= {1, 2}
-    c = Candidate(pp=2, dp=dp, micro_batches=2)
+    c = Candidate(pp=2, dp=dp, micro_batches=2, zero=zero)
     plan = planner.price(c)
+    # each stage's gradient collectives are its own (the stage split's), not the whole model's again
+    assert "gradient collectives" not in planner.cost.fixed(c).parts
     # the split whose slowest stage is least (sends to the next stage included: on gloo they weigh)
     best = brute_force_stages(planner.cost, c, planner.cuts, float("inf"), float("inf"), planner._transfer(c),
                               planner._reduce(c))
@@ -90,8 +94,9 @@ def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_
     path = plan.save(tmp_path / "plan.json")
     assert Plan.load(path).split_points == plan.split_points
     losses, gathered = run_ranks(tmp_path, 2 * dp, _train_pp, str(path), 3)
-    every = [params for params, _ in gathered]
-    first = [rows for _, rows in gathered if rows]  # (the first step also infers the stages' shapes: one more forward)
+    every = [params for params, _, _ in gathered]
+    assert {held for _, _, held in gathered} == {0.5 if zero == 3 else 1.0}  # FSDP2 shards a stage over its replicas
+    first = [rows for _, rows, _ in gathered if rows]  # (the first step also infers the stages' shapes: one more forward)
     assert len(first) == dp and all(set(r) == {32 // dp // 2} and len(r) >= 6 for r in first)  # a share, 2 micro-batches
     names = planner.cost.names()
     first = names[: names.index(plan.split_points[0])]  # the plan's split is the one that runs

@@ -175,3 +175,18 @@ def test_explain_plans_the_collectives_a_step_issues(tmp_path, cpu_ranks, stage,
     assert planned == counted
     assert sum(planned.values()) > 3  # several buckets / units: the sizes matter
     assert "collectives per step" in str(report)
+
+
+def test_zero_units_are_the_entries_of_a_container_never_the_container():
+    """A ModuleDict or ModuleList is never called (the forward calls its entries): as an FSDP2
+    unit its unshard hook would never run and its entries would compute on shards."""
+    from torch import nn
+
+    from hetero.parallel.zero import fusion_unit_names
+
+    model = nn.Module()
+    model.inp = nn.Linear(4, 4)
+    model.blocks = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Sequential(nn.Linear(4, 4), nn.ReLU())})
+    model.layers = nn.ModuleList([nn.Linear(4, 4)])
+    units = fusion_unit_names(model, limit_mb=1.0)  # everything fits one unit by size
+    assert units == [["inp", "blocks.a", "blocks.b", "layers.0"]]

@@ -72,8 +72,8 @@ def _dp_size(mesh: DeviceMesh, config: ZeroConfig) -> int:
 
 def fusion_unit_names(model: nn.Module, limit_mb: float) -> list[list[str]]:
     """FSDP2 units of about ``limit_mb`` MB of dense parameters each, by qualified module name:
-    the model's modules in registration order - a child at most the size whole, a larger one
-    split into its children - grouped consecutively until a group reaches the size
+    the model's modules in registration order - a child at most the size whole, a larger one or
+    a container (``ModuleDict``, ``ModuleList``: never called itself) split into its children - grouped consecutively until a group reaches the size
     (:func:`~hetero.parallel.comm_fusion.by_size`). Each group is one ``fully_shard`` unit: one
     all-gather of its parameters, one reduce-scatter of their gradients. Host tables and modules
     sharing a parameter with an earlier unit are left to the root's unit."""
@@ -83,6 +83,11 @@ def fusion_unit_names(model: nn.Module, limit_mb: float) -> list[list[str]]:
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+                # a container is never called (the forward calls its entries): FSDP2's unshard
+                # hook on it would never run, so its entries are the units
+                visit(child, f"{prefix}{name}.")
+                continue
             params = [p for p in child.parameters() if p not in host]
             size = sum(p.numel() * p.element_size() for p in params)
             if not size or any(p in taken for p in params):

@@ -30,6 +30,7 @@ from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConf
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
 from hetero.parallel.operator_plan import apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
+from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 from hetero.placement import Target, resolve_device
 from hetero.planner.plan import Plan
 from hetero.planner.space import OptimizerKind, StateHome, sparse_optimizer_of
@@ -209,7 +210,6 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     (stages 0, 1), torch's optimizer (stage 1: its state sharded), every rank its share of the batch."""
     from hetero.embedding import device_tables
     from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
-    from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 
     c = plan.candidate
     if plan.host_units() or host_tables(model) or device_tables(model) or c.state is not StateHome.DEVICE:
@@ -265,8 +265,9 @@ def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
 def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Applied:
     """A pp plan: the model split at the plan's points (``hetero.parallel.pipeline``, 1F1B), this
-    rank's stage recomputing its planned units (and DDP over its ``dp`` replicas), torch's
-    optimizer beside its parameters, each replica its share of the batch."""
+    rank's stage recomputing its planned units (and over its ``dp`` replicas torch's replicate, or
+    FSDP2 at ZeRO 2 and 3), torch's optimizer beside its parameters, each replica its share of
+    the batch."""
     from hetero.parallel.pipeline import pipeline
     from hetero.parallel.pipeline_plan import PipelineConfig
 
@@ -285,6 +286,8 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
         if group is None:
             return stage
+        if c.zero >= 2:  # FSDP2 over the stage's replicas (the schedule syncs its gradients once per batch)
+            return apply_zero(stage, ZeroConfig(c.zero), mesh)
         # torch's replicate (data parallel on FSDP2's machinery): the schedule syncs its gradients
         # once per batch, which DDP's reducer does not take (it rebuilds buckets across micro-batches)
         from torch.distributed._composable.replicate_with_fsdp import replicate

@@ -336,9 +336,15 @@ class MeasuredCost:
         if c.tp > 1:
             curves = self.cal.collectives[f"gloo:{c.tp}"]
             parts["tensor-parallel collectives"] = self.tensor[c.tp].seconds(curves, s, c.micro_batches)
-        if c.dp > 1:
-            curves = self.cal.collectives.get(f"gloo:{c.dp}", {})
-            if curves:
-                factor = 1.5 if c.zero == 3 else 1.0  # ZeRO-3 also gathers the parameters twice
-                parts["gradient collectives"] = factor * curves["all_reduce"].seconds(dense_bytes)
+        if c.dp > 1 and c.pp == 1:  # (a pipeline's stages reduce their own units': the stage split prices them)
+            parts["gradient collectives"] = self.gradient_seconds(c, dense_bytes)
         return FixedCost(parts, device, 0, int(2 * self.root.grad_bytes * s))
+
+    def gradient_seconds(self, c: Candidate, nbytes: float) -> float:
+        """Seconds of the gradient collectives of ``nbytes`` of parameters over ``c``'s ``dp``
+        ranks, once per step (0 without ``dp`` or a calibration of that group size)."""
+        curves = self.cal.collectives.get(f"gloo:{c.dp}", {}) if c.dp > 1 else {}
+        if not curves:
+            return 0.0
+        factor = 1.5 if c.zero == 3 else 1.0  # ZeRO-3 also gathers the parameters twice
+        return factor * curves["all_reduce"].seconds(nbytes)

@@ -195,10 +195,7 @@ class Planner:
     def _reduce(self, c: Candidate) -> Callable[[int, int], float]:
         """Seconds of the gradient all-reduce of units ``lo..hi-1`` over the ``dp`` replicas of
         their stage (once per step, after the stage's last backward)."""
-        if c.dp == 1:
-            return lambda lo, hi: 0.0
-        curve = self.calibration.collectives[f"gloo:{c.dp}"]["all_reduce"]
-        return lambda lo, hi: curve.seconds(sum(u.param_bytes for u in self.cost.units[lo:hi]))
+        return lambda lo, hi: self.cost.gradient_seconds(c, sum(u.param_bytes for u in self.cost.units[lo:hi]))
 
     def price(self, candidate: Candidate, units: Mapping[str, UnitChoice] = {}) -> Plan:
         """``candidate`` with ``units``' decisions (the rest on the device) as a plan, priced by

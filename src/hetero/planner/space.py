@@ -113,7 +113,7 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
     """The outer enumeration: every mesh shape of ``world_size`` ranks (``pp <= max_pp``,
     ``tp <= max_tp``), state home (offload for AdamW only, without ``tp`` or ``pp``), micro-batch count
     dividing the per-rank batch (at least ``pp``), ZeRO stage (with ``dp > 1``; 1 not beside ``tp``), and table placement
-    (with ``dp > 1``). A pipeline's stages are replicated over ``dp`` (without ``tp`` or ZeRO)."""
+    (with ``dp > 1``). A pipeline's stages are replicated (or ZeRO 2, 3 sharded) over ``dp``, without ``tp``."""
     out = []
     for pp in range(1, max_pp + 1):
         for tp in range(1, max_tp + 1):
@@ -128,8 +128,8 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                 homes += [(StateHome.HOST, 1.0)] + [(StateHome.PARTIAL, r) for r in ratios]
             tables = [TablePlacement.HOST] if dp == 1 or not has_tables else \
                 [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED]
-            # (a pipeline's replicas: DDP; ZeRO 1 is torch's ZeroRedundancyOptimizer, which takes no tp shards)
-            zeros = [0] if dp == 1 or pp > 1 else [0, 2, 3] if tp > 1 else [0, 1, 2, 3]
+            # (ZeRO 1 is torch's ZeroRedundancyOptimizer, which takes neither tp shards nor a schedule's stages)
+            zeros = [0] if dp == 1 else [0, 2, 3] if tp > 1 or pp > 1 else [0, 1, 2, 3]
             for m in micro_batches:
                 if per_rank % m or (pp > 1 and m < pp):
                     continue
