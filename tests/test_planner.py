@@ -19,7 +19,7 @@ from hetero.planner.capture import capture
 from hetero.planner.meter import measure_step
 from hetero.planner.plan import Plan
 from hetero.planner.planner import NoPlanError, Planner, PlannerConfig
-from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice
+from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, UnitChoice
 
 from conftest import make_dataset
 
@@ -107,10 +107,12 @@ def test_an_applied_plan_trains_as_the_unplaced_model(cache, kind, state, atol):
     model = MLP()
     planner = Planner(model, (x,), loss_fn=lambda o: F.cross_entropy(o, y), optimizer=kind,
                       config=PlannerConfig(cache_dir=cache))
-    units = {"layers.0": UnitChoice(Target.HOST), "layers.2": UnitChoice(Target.DEVICE, recompute=True)}
+    units = {"layers.0": UnitChoice(Target.HOST), "layers.2": UnitChoice(Target.DEVICE, recompute=True),
+             "layers.3": STREAMED}
     plan = planner.price(Candidate(state=state, offload_ratio=0.5, micro_batches=2), units)
     applied = apply(model, plan, OptimizerConfig(lr=1e-2, weight_decay=0.01))
-    assert applied.model is not model  # partitioned: layers.0 runs on the host
+    assert applied.model is not model  # partitioned: layers.0 runs on the host, layers.3's weights live there
+    assert applied.model.param_targets["layers.3.0.weight"] is Target.HOST
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01) if kind is OptimizerKind.ADAMW \
         else torch.optim.SGD(reference.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.01)
     for _ in range(3):
@@ -122,6 +124,30 @@ def test_an_applied_plan_trains_as_the_unplaced_model(cache, kind, state, atol):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=atol, msg=name)
     with pytest.raises(ValueError, match="does not split into 2 equal parts"):
         applied.step((x[:63],), y[:63], F.cross_entropy)  # a micro-batch of 32 beside one of 31: refused
+
+
+def test_streamed_weights_leave_the_device_their_parameters_gradients_and_state(cache, tmp_path):
+    """A unit whose weights live on the host holds none of its parameters, gradients or AdamW
+    state on the device between passes - measured, not predicted - and the plan file keeps it."""
+    x, y = _batch(512)
+    planner = Planner(MLP(width=512), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
+    assert STREAMED in planner.cost.options(1, Candidate()) and STREAMED not in planner.cost.options(1, Candidate(dp=2))
+    layers = [n for n in planner.cost.names() if n.startswith("layers.")]
+    measured = {}
+    for streamed in ((), tuple(layers)):
+        plan = planner.price(Candidate(micro_batches=2), {n: STREAMED for n in streamed})
+        torch.manual_seed(0)
+        measured[streamed] = measure_step(apply(MLP(width=512), plan), (x,), y, F.cross_entropy, steps=2, warmup=1)
+        assert plan.predicted.device_bytes >= 0.8 * measured[streamed].device_bytes
+        assert measured[streamed].device_bytes <= plan.predicted.device_bytes * 1.05
+    # the peak (the second pass's loss) held the layers' weights, AdamW state and the first pass's
+    # gradients, 16 bytes an element; streamed, only the weights' copies the pass keeps to its backward,
+    # 4 (the gradients left for the host as backward made them)
+    saved = measured[()].device_bytes - measured[tuple(layers)].device_bytes
+    elements = sum(p.numel() for n, p in MLP(width=512).named_parameters() if n.startswith("layers."))
+    assert saved >= 0.95 * 12 * elements, (saved, elements)
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded.streamed_units() == layers and str(loaded.units["layers.0"]) == "device, weights streamed from the host"
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_works(cache):

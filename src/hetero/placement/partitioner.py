@@ -54,10 +54,34 @@ def transfer(x: torch.Tensor, target: str) -> torch.Tensor:
     if _recorder.active is not None:  # logical bytes across the boundary, also where both are the CPU
         _recorder.add(target, x.numel() * x.element_size())
     if x.device == device:
+        if x.is_leaf and x.requires_grad and target == Target.DEVICE.value:
+            return _stream_parameter(x)  # a host parameter streamed in: its gradient streams back
         return x.clone()  # copy: a host-only machine's stand-in for the host<->device copy
     if device.type == "cpu":
         return x.to(device)  # device -> host; on CUDA a sync point: the host subgraph needs the values
     return copy_to(x, device)
+
+
+class _StreamedParameter(torch.autograd.Function):
+    """A host parameter's copy on a host-only machine's device, its gradient copied back to the
+    host in backward - as ``to(device)``'s backward does beside an accelerator - so the device's
+    gradient is freed and the host owns what accumulates into ``.grad`` (the backward is tagged
+    host work: :mod:`hetero.planner.meter` counts it as the host's)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+        return grad.clone()
+
+
+def _stream_parameter(x: torch.Tensor) -> torch.Tensor:
+    y = _StreamedParameter.apply(x)
+    if y.grad_fn is not None:  # (none under no_grad)
+        y.grad_fn.metadata[TARGET] = Target.HOST.value
+    return y
 
 
 class _Recorder:

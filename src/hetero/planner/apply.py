@@ -5,7 +5,8 @@ data-parallel plan - ZeRO, DDP, each rank its share of the batch), in the order 
 ``hetero.parallel.pipeline``, each stage's recompute regions), operator sharding (a tp plan's
 strategies, ``apply_sharding``), recompute regions (module names unchanged), the plan's device
 tables moved, then the host/device partition (``hetero.partition``: host units' ops run on the
-host, their parameters live there, the copies inserted), then the optimizers where the plan puts
+host, their parameters live there; streamed units' parameters live there too, their ops on the
+device; the copies inserted), then the optimizers where the plan puts
 their state: torch's beside device parameters, ``HostAdamW`` (all offloaded) or
 ``PartialOffloadAdamW`` (a ratio), torch's on the host for host units; host tables get their
 sparse optimizers, device tables torch's of the same rule. :class:`Applied` runs a training step
@@ -24,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from hetero.embedding import HostEmbedding, dense_parameters, host_tables, move_tables_to_device
+from hetero.embedding import dense_parameters, host_tables, move_tables_to_device
 from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
@@ -166,27 +167,24 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         return _apply_pipeline(model, plan, config, mesh, loss_fn)
     if c.dp > 1:
         return _apply_data_parallel(model, plan, config, mesh)
-    host_dense = [n for n in plan.host_units() if not any(isinstance(m, HostEmbedding) for m in units[n].modules())]
+    spec = plan.placement_spec(model)
+    host_dense, streamed = list(spec.modules), plan.streamed_units()
     device = resolve_device(Target.DEVICE)
     if c.tp > 1:
-        if host_dense:
-            raise ValueError(f"a tp {c.tp} plan with host units {host_dense}: plan the model again (hetero.plan never "
-                             f"makes one)")
+        if host_dense or streamed:
+            raise ValueError(f"a tp {c.tp} plan with host units or host weights {host_dense + streamed}: plan the model "
+                             f"again (hetero.plan never makes one)")
         _shard(model.to(device), plan, _mesh(mesh, plan))  # before recompute: its regions replay the sharded operators
     # the plan's device tables: one host->device copy of each, before the partition (a device leaf there)
     moved = move_tables_to_device(model, list(plan.device_tables), device)
     apply_recompute(model, plan.recompute_config())
-    if host_dense:
+    if host_dense or streamed:
         from hetero.placement.partitioner import partition
-        from hetero.placement import PlacementSpec
 
-        spec = PlacementSpec()
-        for name in host_dense:
-            spec.module(name, Target.HOST)
         runnable: nn.Module = partition(model, spec)  # moves every parameter to its target
     else:
         runnable = model.to(device)
-    on_host = {p for n in host_dense for p in units[n].parameters()}  # (tensors hash by identity)
+    on_host = {p for n in host_dense + streamed for p in units[n].parameters()}  # (tensors hash by identity)
     dense = set(dense_parameters(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host and p in dense]
     host_optimizers = []
@@ -212,8 +210,9 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
 
     c = plan.candidate
-    if plan.host_units() or host_tables(model) or device_tables(model) or c.state is not StateHome.DEVICE:
-        raise ValueError(f"a dp {c.dp} plan with host units, tables or offloaded state: hetero.apply makes dense "
+    if plan.host_units() or plan.streamed_units() or host_tables(model) or device_tables(model) or \
+            c.state is not StateHome.DEVICE:
+        raise ValueError(f"a dp {c.dp} plan with host units or weights, tables or offloaded state: hetero.apply makes dense "
                          f"data-parallel plans real; run it with hetero train --plan")
     if c.tp > 1 and c.zero == 1:
         raise ValueError(f"a dp {c.dp} x tp {c.tp} plan at ZeRO 1 (torch's ZeroRedundancyOptimizer takes no DTensor "

@@ -34,6 +34,7 @@ from hetero.placement import Target
 from hetero.planner.calibration import Calibration
 from hetero.planner.graph import ModelGraph, OpCost, OpFamily, TableInfo, Unit
 from hetero.planner.space import (
+    STREAMED,
     UNIT_CHOICES,
     Candidate,
     OptimizerKind,
@@ -189,6 +190,8 @@ class MeasuredCost:
         out = [x for x in UNIT_CHOICES if not (x.recompute and not u.saved_bytes)
                and (self.host_units or x.target is Target.DEVICE or u.name in self.pinned)
                and (c.tp == 1 or x.target is Target.DEVICE)]  # tp shards device ops: host subgraphs take no DTensors
+        if self.host_units and u.params and u.name not in self.pinned and (c.tp, c.dp, c.pp) == (1, 1, 1):
+            out.append(STREAMED)  # (host parameters on one rank: the partitioner's, not DDP's, ZeRO's or a stage's)
         pin = self.pinned.get(u.name)
         return tuple(x for x in out if pin is None or x.target is pin)
 
@@ -217,13 +220,30 @@ class MeasuredCost:
             state = _STATE_BYTES[self.optimizer] * u.params
             return UnitCost(compute + rate.seconds(u.params, u.param_tensors) - rate.fixed,
                             host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s))
-        kept = 0 if choice.recompute else activations
         during = activations + int((u.input_bytes + u.output_bytes) * s)  # its activations + gradient workspace
+        if choice.weights is Target.HOST:
+            return self._streamed(u, c, compute, activations, during)
+        kept = 0 if choice.recompute else activations
         static, host, seconds = self._dense_state(u, c)
         if c.state is not StateHome.DEVICE or c.micro_batches > 1:
             # one gradient in flight: streaming to the host, or beside the sum it accumulates into
             during += u.largest_param_bytes
         return UnitCost(compute + seconds, static, kept, during, host)
+
+    def _streamed(self, u: Unit, c: Candidate, compute: float, activations: int, during: int) -> UnitCost:
+        """A device unit whose parameters live on the host: each pass copies them in (autograd
+        keeps the copy to the unit's backward) and their gradient out; torch's optimizer updates
+        them there, beside their state."""
+        nbytes = u.param_bytes
+        if self.cal.host_is_device:  # the partitioner copies memory to memory both ways, as a device would
+            copies = 2 * self.cal.op_seconds("device", OpCost(OpFamily.MEMORY, 0, 2 * nbytes))
+        else:
+            copies = self.cal.h2d.seconds(nbytes) + self.cal.d2h.seconds(nbytes)
+        rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
+        update = rate.seconds(u.params, u.param_tensors) - rate.fixed
+        # kept: its activations and the weights' copy; during its backward also a gradient on its way out
+        return UnitCost(compute + c.micro_batches * copies + update, 0, activations + nbytes,
+                        during + nbytes + u.largest_param_bytes, 2 * nbytes + _STATE_BYTES[self.optimizer] * u.params)
 
     def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float]:
         """Device bytes, host bytes and update seconds of a device unit's parameters."""

@@ -17,6 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
+from hetero.embedding import HostEmbedding
 from hetero.placement import PlacementSpec, Target
 from hetero.parallel.operator_plan import OpStrategy, ShardingPlan
 from hetero.parallel.recompute import RecomputeConfig
@@ -127,11 +130,21 @@ class Plan:
         """The units placed on the host (host tables included)."""
         return [name for name, c in self.units.items() if c.target is Target.HOST]
 
-    def placement_spec(self) -> PlacementSpec:
-        """The plan's host/device placement as a :class:`~hetero.placement.PlacementSpec`."""
+    def streamed_units(self) -> list[str]:
+        """The device units whose parameters live on the host (streamed to the device each pass)."""
+        return [name for name, c in self.units.items() if c.weights is Target.HOST]
+
+    def placement_spec(self, model: nn.Module) -> PlacementSpec:
+        """The plan's host/device placement of ``model`` as a :class:`~hetero.placement.PlacementSpec`:
+        its host units (host tables place themselves) and the parameters of its units whose
+        weights are streamed."""
         spec = PlacementSpec()
         for name in self.host_units():
-            spec.module(name, Target.HOST)
+            if not any(isinstance(m, HostEmbedding) for m in model.get_submodule(name).modules()):
+                spec.module(name, Target.HOST)
+        for name in self.streamed_units():
+            for param, _ in model.get_submodule(name).named_parameters(prefix=name):
+                spec.param(param, Target.HOST)
         return spec
 
     def sharding_plan(self) -> ShardingPlan | None:
@@ -155,8 +168,8 @@ class Plan:
             "format_version": FORMAT_VERSION, "model": self.model, "batch": self.batch, "world_size": self.world_size,
             "device_memory": self.device_memory, "host_memory": self.host_memory, "optimizer": self.optimizer.value,
             "candidate": {**dataclasses.asdict(c), "state": c.state.value, "tables": c.tables.value},
-            "units": {k: {"target": v.target.value, "recompute": v.recompute, "device_tables": v.device_tables}
-                      for k, v in self.units.items()},
+            "units": {k: {"target": v.target.value, "recompute": v.recompute, "device_tables": v.device_tables,
+                          "weights": v.weights.value} for k, v in self.units.items()},
             "annotations": {k: v.value for k, v in self.annotations.items()},
             "predicted": dataclasses.asdict(self.predicted),
             "decisions": [dataclasses.asdict(d) for d in self.decisions],
@@ -177,7 +190,8 @@ class Plan:
             cand["state"], cand["tables"] = StateHome(cand["state"]), TablePlacement(cand["tables"])
             return Plan(doc["model"], doc["batch"], doc["world_size"], doc["device_memory"], doc["host_memory"],
                         OptimizerKind(doc["optimizer"]), Candidate(**cand),
-                        {k: UnitChoice(Target(v["target"]), v["recompute"], v.get("device_tables", 0))
+                        {k: UnitChoice(Target(v["target"]), v["recompute"], v.get("device_tables", 0),
+                                       Target(v.get("weights", "device")))
                          for k, v in doc["units"].items()},
                         {k: Target(v) for k, v in doc["annotations"].items()}, Prediction(**doc["predicted"]),
                         [Decision(**d) for d in doc["decisions"]], SearchReport(**doc["search"]), doc["machine"],

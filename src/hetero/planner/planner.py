@@ -281,20 +281,20 @@ def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: in
 
 
 def _changes(cost: MeasuredCost, c: Candidate, a: Assignment) -> int:
-    """How far a plan is from the plain one (the state on the device, one pass, no recompute,
-    tables on the host) and how often its dense units switch between host and device (each
+    """How far a plan is from the plain one (the state on the device, one pass, no recompute or
+    streamed weights, tables on the host) and how often its dense units switch between host and device (each
     switch hands work over)."""
     dense = [ch for ch, u in zip(a.choices, cost.units) if not u.tables]
     targets = [Target.DEVICE, *(ch.target for ch in dense), Target.DEVICE]
     switches = sum(x is not y for x, y in zip(targets, targets[1:]))
     return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + (c.tp > 1) + (c.pp > 1) + switches + \
-        sum(ch.recompute for ch in a.choices) + sum(ch.device_tables > 0 for ch in a.choices)
+        sum(ch.recompute or ch.weights is Target.HOST for ch in a.choices) + sum(ch.device_tables > 0 for ch in a.choices)
 
 
 @dataclasses.dataclass
 class _Biased:
-    """A cost model whose recomputed units, moved tables and host/device switches cost more (the
-    search's tie-break): a recompute ``tolerance`` of the unit's seconds, tables moved to the
+    """A cost model whose recomputed or streamed units, moved tables and host/device switches cost
+    more (the search's tie-break): a recompute (or streaming) ``tolerance`` of the unit's seconds, tables moved to the
     device that of the unit's host tables, a switch that of the mean unit's (a host unit inside a
     stretch of device units, and the reverse, then loses a tie)."""
 
@@ -313,7 +313,8 @@ class _Biased:
         if choice.device_tables:  # tables moved cost a tolerance of their host work
             host = self.inner.unit(i, UnitChoice(Target.HOST), c).seconds
             return dataclasses.replace(u, seconds=u.seconds + self.tolerance * host)
-        return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if choice.recompute else u
+        changed = choice.recompute or choice.weights is Target.HOST
+        return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if changed else u
 
     def _mean(self, c: Candidate) -> float:
         if c not in self.means:
@@ -363,7 +364,8 @@ def _prediction(cost: MeasuredCost, c: Candidate, a: Assignment) -> Prediction:
     crossings, previous = 0.0, None
     for i, choice in enumerate(a.choices):
         u = cost.units[i]
-        key = "host tables" if u.tables else f"units on the {choice.target.value}"
+        key = "host tables" if u.tables else "units with host weights" if choice.weights is Target.HOST else \
+            f"units on the {choice.target.value}"
         parts[key] = parts.get(key, 0.0) + cost.unit(i, choice, c).seconds
         crossings += cost.boundary(i, previous, choice, c).seconds
         previous = choice

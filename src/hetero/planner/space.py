@@ -62,19 +62,29 @@ class UnitChoice:
         device_tables: a unit of tables: how many of them move to the device, the first in the
             cost model's order (:meth:`hetero.planner.cost.MeasuredCost.table_order`); the rest
             stay host tables.
+        weights: where a device unit's parameters live: ``HOST`` keeps them (and their
+            gradients and optimizer state, updated by torch's optimizer there) in host memory and
+            copies them to the device for each pass - autograd keeps the copy until the unit's
+            backward - and their gradients back: the parameter offload of ZeRO-Offload/Infinity
+            (Ren et al. 2021; Rajbhandari et al. 2021; DeepSpeed's ``offload_param``), decided
+            per unit. No recompute with it.
     """
 
     target: Target = Target.DEVICE
     recompute: bool = False
     device_tables: int = 0
+    weights: Target = Target.DEVICE
 
     def __str__(self) -> str:
         if self.device_tables and self.target is Target.HOST:
             return f"host, {self.device_tables} table(s) on the device"
+        if self.weights is Target.HOST:
+            return "device, weights streamed from the host"
         return self.target.value + (" + recompute" if self.recompute else "")
 
 
 UNIT_CHOICES = (UnitChoice(Target.DEVICE), UnitChoice(Target.DEVICE, True), UnitChoice(Target.HOST))
+STREAMED = UnitChoice(Target.DEVICE, weights=Target.HOST)
 
 
 @dataclasses.dataclass(frozen=True)
