@@ -75,13 +75,14 @@ def _train_pp(plan_path, steps):
     return losses, every
 
 
-@pytest.mark.parametrize("dp,zero", [(1, 0), (2, 0), (2, 3)])
-def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_ranks, cache, dp, zero):
+@pytest.mark.parametrize("dp,tp,zero", [(1, 1, 0), (2, 1, 0), (2, 1, 3), (1, 2, 0)])
+def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_ranks, cache, dp, tp, zero):
     from conftest import assert_trains_as_one_process, run_ranks
 
-    planner = _planner(cache, Stack(), world_size=2 * dp)
+    planner = _planner(cache, Stack(), world_size=2 * dp * tp)
     assert planner.pipeline_failure is None and {c.pp for c in planner.settings} >= {1, 2}
-    c = Candidate(pp=2, dp=dp, micro_batches=2, zero=zero)
+    c = Candidate(pp=2, dp=dp, tp=tp, micro_batches=2, zero=zero)
+    assert c in planner.settings
     plan = planner.price(c)
     # each stage's gradient collectives are its own (the stage split's), not the whole model's again
     assert "gradient collectives" not in planner.cost.fixed(c).parts
@@ -93,17 +94,21 @@ def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_
     assert f"stages 1.. begin at {plan.split_points[0]}" in text and "pipeline fill and drain" in text
     path = plan.save(tmp_path / "plan.json")
     assert Plan.load(path).split_points == plan.split_points
-    losses, gathered = run_ranks(tmp_path, 2 * dp, _train_pp, str(path), 3)
+    losses, gathered = run_ranks(tmp_path, 2 * dp * tp, _train_pp, str(path), 3)
     every = [params for params, _, _ in gathered]
-    assert {held for _, _, held in gathered} == {0.5 if zero == 3 else 1.0}  # FSDP2 shards a stage over its replicas
+    held = {held for _, _, held in gathered}
+    if tp > 1:  # a stage's Linears cut over its tp ranks (its weights' halves, some biases whole)
+        assert all(0.5 <= h < 0.6 for h in held), held
+    else:
+        assert held == {0.5 if zero == 3 else 1.0}  # FSDP2 shards a stage over its replicas
     first = [rows for _, rows, _ in gathered if rows]  # (the first step also infers the stages' shapes: one more forward)
-    assert len(first) == dp and all(set(r) == {32 // dp // 2} and len(r) >= 6 for r in first)  # a share, 2 micro-batches
+    assert len(first) == dp * tp and all(set(r) == {32 // dp // 2} and len(r) >= 6 for r in first)  # a share, 2 micro-batches
     names = planner.cost.names()
     first = names[: names.index(plan.split_points[0])]  # the plan's split is the one that runs
     stages = [r for r in every if set(r) == set(every[0])], [r for r in every if set(r) != set(every[0])]
     assert {next(u for u in names if n.startswith(u + ".")) for n in every[0]} == set(first)
-    assert [len(s) for s in stages] == [dp, dp] and set(stages[0][0]).isdisjoint(stages[1][0])
-    for replicas in stages:  # a stage's dp replicas stay equal
+    assert [len(s) for s in stages] == [dp * tp] * 2 and set(stages[0][0]).isdisjoint(stages[1][0])
+    for replicas in stages:  # a stage's dp replicas (and tp ranks, whole) stay equal
         for r in replicas[1:]:
             assert all(torch.equal(r[k], replicas[0][k]) for k in r)
     assert_trains_as_one_process(Stack, _batches(3), losses, stages[0][0] | stages[1][0])

@@ -29,7 +29,7 @@ from hetero.embedding import dense_parameters, host_tables, move_tables_to_devic
 from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
-from hetero.parallel.operator_plan import apply_sharding
+from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 from hetero.placement import Target, resolve_device
@@ -273,15 +273,25 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     c = plan.candidate
     if loss_fn is None:
         raise ValueError(f"a pp {c.pp} plan runs its loss in the last stage: pass loss_fn=(output, target) -> loss")
-    mesh = mesh if mesh is not None else build_mesh(MeshConfig(pp=c.pp))
-    if mesh.size() != c.pp * c.dp:
-        raise ValueError(f"the plan is for pp {c.pp} x dp {c.dp} ranks, the mesh has {mesh.size()}: run it under "
-                         f"torchrun --nproc-per-node {c.pp * c.dp}")
+    mesh = mesh if mesh is not None else build_mesh(MeshConfig(pp=c.pp, tp=c.tp))
+    if mesh.size() != c.pp * c.dp * c.tp or mesh_size(mesh, MeshDim.TP) != c.tp:
+        shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        raise ValueError(f"the plan is for pp {c.pp} x dp {c.dp} x tp {c.tp} ranks, the mesh has {shape}: run it under "
+                         f"torchrun --nproc-per-node {c.pp * c.dp * c.tp}")
     recomputed = plan.recompute_config().modules
     group = mesh[MeshDim.DP.value].get_group() if c.dp > 1 else None  # (the loss average's)
+    sharding = plan.sharding_plan()
+    if c.tp > 1 and sharding is None:
+        raise ValueError(f"a tp {c.tp} plan without operator strategies: plan the model again (hetero.plan never makes one)")
 
-    def recompute_stage(stage: nn.Module) -> nn.Module:  # the split first, then each stage's regions, then its replicas
+    def recompute_stage(stage: nn.Module) -> nn.Module:  # the split first, then each stage's tp, regions, replicas
         present = dict(stage.named_modules())
+        if sharding is not None:  # the stage's own operators cut over its tp ranks (values whole between stages)
+            own = ShardingPlan()
+            for name, s in sharding.modules.items():
+                if name in present:
+                    own.module(name, s.in_strategy, s.out_strategy, s.use_local_output)
+            apply_sharding(stage, own, mesh[MeshDim.TP.value])
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
         if group is None:
             return stage
@@ -298,8 +308,9 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
                     mesh, loss_fn, recompute_stage)
     named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad]
     rank = mesh[MeshDim.DP.value].get_local_rank()
-    # (no foreach with replicas: their parameters are DTensors)
-    optimizer = _torch_optimizer([p for _, p in named], plan.optimizer, config, None if group is None else False)
+    # (no foreach with replicas or tp: their parameters are DTensors)
+    optimizer = _torch_optimizer([p for _, p in named], plan.optimizer, config,
+                                 None if group is None and c.tp == 1 else False)
     return Applied(pipe.modules[0], optimizer, [],
                    c.micro_batches, plan, set(), pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
 

@@ -133,7 +133,8 @@ class MeasuredCost:
         host_units: dense units may go to the host (the partitioner captures the model's graph;
             through its hook fallback, copies this model does not price would run).
         tensor: the operator strategies by tensor-parallel degree (a candidate's ``tp > 1``
-            prices its units' shares and collectives).
+            prices its units' shares and collectives); ``staged_tensor``: the same with every
+            value whole between pipeline units (a candidate with ``pp > 1`` beside ``tp``).
         device_tables: tables may move to the device (on one data-parallel rank; float32 tables
             whose sparse optimizer torch has).
     """
@@ -141,11 +142,12 @@ class MeasuredCost:
     def __init__(self, graph: ModelGraph, calibration: Calibration, optimizer: OptimizerKind,
                  sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {},
                  host_units: bool = True, tensor: Mapping[int, TensorSharding] = {},
-                 device_tables: bool = True) -> None:
+                 device_tables: bool = True, staged_tensor: Mapping[int, TensorSharding] = {}) -> None:
         self.graph, self.cal, self.optimizer = graph, calibration, optimizer
         self.units = [u for u in graph.units if u.name]
         self.root = next(u for u in graph.units if not u.name)
         self.sparse, self.pinned, self.host_units, self.tensor = sparse, pinned, host_units, tensor
+        self.staged_tensor = staged_tensor
         self._movable: dict[int, list[TableInfo]] = {}
         self._row_counts: dict[tuple[str, int, int], tuple[float, float]] = {}  # (table, dp, passes) -> ids, rows
         for i, u in enumerate(self.units):
@@ -173,8 +175,18 @@ class MeasuredCost:
         """A unit's share of compute and of parameter elements on one rank of ``c``'s ``tp``."""
         if c.tp == 1:
             return 1.0, 1.0
-        t = self.tensor[c.tp]
+        t = self.sharding(c)
         return t.compute_share.get(name, 1.0), t.param_share.get(name, 1.0)
+
+    def sharding(self, c: Candidate) -> TensorSharding:
+        """``c``'s operator strategies (``tp > 1``): with a pipeline, those whole between its units."""
+        return (self.staged_tensor if c.pp > 1 else self.tensor)[c.tp]
+
+    def _tp_seconds(self, name: str, c: Candidate) -> float:
+        """Seconds of the tp collectives of unit ``name``'s ops (``""``: the ops of no unit) per step."""
+        if c.tp == 1:
+            return 0.0
+        return self.sharding(c).seconds(self.cal.collectives[f"gloo:{c.tp}"], self._scale(c), c.micro_batches, name)
 
     def names(self) -> list[str]:
         return [u.name for u in self.units]
@@ -213,7 +225,7 @@ class MeasuredCost:
         s = self._scale(c)
         compute = self._passes(u.name, False, choice.target, c) * (2 if choice.recompute else 1) + \
             self._passes(u.name, True, choice.target, c)
-        compute *= self._shares(u.name, c)[0]
+        compute = compute * self._shares(u.name, c)[0] + self._tp_seconds(u.name, c)
         activations = int(u.saved_bytes * s)  # its own; its inputs are the boundary's
         if choice.target is Target.HOST:  # everything of it is the host's; torch's optimizer there
             rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
@@ -353,9 +365,8 @@ class MeasuredCost:
         if c.state is not StateHome.DEVICE:
             parts["optimizer fixed"] += self.cal.optimizers["host_adamw"].fixed
         dense_bytes = sum(u.param_bytes * self._shares(u.name, c)[1] for u in self.graph.units)
-        if c.tp > 1:
-            curves = self.cal.collectives[f"gloo:{c.tp}"]
-            parts["tensor-parallel collectives"] = self.tensor[c.tp].seconds(curves, s, c.micro_batches)
+        if c.tp > 1:  # (each unit's own are its cost's)
+            parts["tensor-parallel collectives (ops of no unit)"] = self._tp_seconds("", c)
         if c.dp > 1 and c.pp == 1:  # (a pipeline's stages reduce their own units': the stage split prices them)
             parts["gradient collectives"] = self.gradient_seconds(c, dense_bytes)
         return FixedCost(parts, device, 0, int(2 * self.root.grad_bytes * s))

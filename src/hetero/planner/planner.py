@@ -122,6 +122,10 @@ class Planner:
         self.pipeline_failure = pipeline_failure(model, example_inputs) if self.pipeline_units else None
         self.cuts = cut_positions([u.name for u in self.graph.units if u.name], self.pipeline_units) \
             if self.pipeline_units and self.pipeline_failure is None else []
+        # a pipeline beside tp: the strategies again, every value whole between pipeline units (a
+        # stage's sends take plain tensors)
+        self.staged_tensor = tensor_options(model, example_inputs, sharding, world_size, self.graph, True,
+                                            boundaries=self.pipeline_units) if self.cuts and self.tensor else {}
         settings = candidates(world_size, optimizer, self.graph.batch, has_tables,
                               config.micro_batches if splittable else (1,), config.offload_ratios,
                               max_pp=min(world_size, len(self.cuts) + 1) if self.cuts else 1,
@@ -131,10 +135,10 @@ class Planner:
         # DTensors, and a stage's units are on the device)
         pinned_host = any(t is Target.HOST for t in self.pinned.values())
         self.settings = [c for c in settings if ((c.tp == 1 and not required) or (c.tp in self.tensor and not pinned_host))
-                         and not (c.pp > 1 and pinned_host)]
+                         and not (c.pp > 1 and pinned_host) and (c.pp == 1 or c.tp == 1 or c.tp in self.staged_tensor)]
         self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned,
                                  host_units=self.untraceable is None, tensor=self.tensor,
-                                 device_tables=config.device_tables)
+                                 device_tables=config.device_tables, staged_tensor=self.staged_tensor)
         sizes = {c.dp for c in self.settings} | {c.tp for c in self.settings} | {2 for c in self.settings if c.pp > 1}
         for n in sorted(sizes):  # collectives' rates (once; a pipeline's sends as 2 ranks' all-gather)
             collectives(self.calibration, n, config.cache_dir)
@@ -205,6 +209,10 @@ class Planner:
             ValueError: a unit the model does not have, an option it cannot take, or a ``tp``
                 the model has no operator strategies for.
         """
+        degrees = self.staged_tensor if candidate.pp > 1 else self.tensor
+        if candidate.tp > 1 and candidate.tp not in degrees:
+            raise ValueError(f"tp {candidate.tp}: the model has no operator strategies at that degree; its degrees "
+                             f"are {sorted(degrees)} (plan for world_size ranks with nn.Linear modules)")
         if candidate.pp > 1:
             if not self.cuts or candidate.pp > len(self.cuts) + 1 or units:
                 raise ValueError(f"pp {candidate.pp}: the model's stages are searched (give no units), and it needs "
@@ -215,9 +223,6 @@ class Planner:
             a = Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes, stages.cuts)
             report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0)
             return self._plan(candidate, a, None, None, [], report, stages)
-        if candidate.tp > 1 and candidate.tp not in self.tensor:
-            raise ValueError(f"tp {candidate.tp}: the model has no operator strategies at that degree; its degrees "
-                             f"are {sorted(self.tensor)} (plan for world_size ranks with nn.Linear modules)")
         names = self.cost.names()
         for name in units:
             if name not in names:
@@ -235,7 +240,7 @@ class Planner:
 
     def _plan(self, c: Candidate, a: Assignment, device_memory: int | None, host_memory: int | None,
               decisions: list[Decision], report: SearchReport, stages: Stages | None = None) -> Plan:
-        t = self.tensor.get(c.tp) if c.tp > 1 else None
+        t = self.cost.sharding(c) if c.tp > 1 else None
         predicted = _prediction(self.cost, c, a) if stages is None else Prediction(
             a.seconds, a.device_bytes, a.host_bytes,
             {"the slowest stage (its work with the pipeline fill and drain, its replicas' all-reduce)": a.seconds})

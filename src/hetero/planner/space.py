@@ -123,11 +123,11 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
     """The outer enumeration: every mesh shape of ``world_size`` ranks (``pp <= max_pp``,
     ``tp <= max_tp``), state home (offload for AdamW only, without ``tp`` or ``pp``), micro-batch count
     dividing the per-rank batch (at least ``pp``), ZeRO stage (with ``dp > 1``; 1 not beside ``tp``), and table placement
-    (with ``dp > 1``). A pipeline's stages are replicated (or ZeRO 2, 3 sharded) over ``dp``, without ``tp``."""
+    (with ``dp > 1``). A pipeline's stages are operator-sharded over ``tp`` and replicated (or ZeRO 2, 3 sharded) over ``dp``."""
     out = []
     for pp in range(1, max_pp + 1):
         for tp in range(1, max_tp + 1):
-            if world_size % (pp * tp) or (pp > 1 and tp > 1):
+            if world_size % (pp * tp):
                 continue
             dp = world_size // (pp * tp)
             if batch % dp:

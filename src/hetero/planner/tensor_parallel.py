@@ -32,6 +32,7 @@ from torch import nn
 from hetero.parallel.comm import Collective
 from hetero.parallel.operator import Strategy
 from hetero.parallel.operator_plan import OpStrategy, ShardingPlan
+from hetero.placement.capture import module_path
 from hetero.parallel.propagation import Place, _bytes, _ops, edge_collectives, input_place, output_place, propagate
 from hetero.planner.calibration_types import Curve
 from hetero.planner.graph import ModelGraph
@@ -64,10 +65,12 @@ class TensorSharding:
         compute_share: unit name -> the fraction of its compute one rank does (its Linears'
             FLOPs divided by ``tp``; its other ops whole).
         param_share: unit name -> the fraction of its parameter elements one rank holds.
-        activation_calls: ``(collective, local bytes)`` per step at the captured batch, forward
-            and backward: scale with the batch a pass holds.
-        weight_calls: ``(collective, local bytes)`` per pass whatever the batch (replicated
+        activation_calls: ``(unit, collective, local bytes)`` per step at the captured batch,
+            forward and backward: scale with the batch a pass holds.
+        weight_calls: ``(unit, collective, local bytes)`` per pass whatever the batch (replicated
             weights' gradient all-reduces).
+        boundaries: the pipeline units across which every value is made whole and plain (a
+            pipeline's sends take plain tensors; empty: the strategies of a model run whole).
     """
 
     tp: int
@@ -76,20 +79,22 @@ class TensorSharding:
     layout: dict[str, list[str]]
     compute_share: dict[str, float]
     param_share: dict[str, float]
-    activation_calls: tuple[tuple[Collective, float], ...]
-    weight_calls: tuple[tuple[Collective, float], ...]
+    activation_calls: tuple[tuple[str, Collective, float], ...]
+    weight_calls: tuple[tuple[str, Collective, float], ...]
+    boundaries: tuple[str, ...] = ()
 
     def bytes_per_step(self, scale: float = 1.0, passes: int = 1) -> float:
         """Bytes one rank receives per step (``scale``: a pass's share of the captured batch)."""
         from hetero.parallel.comm import collective_bytes
 
-        act = sum(collective_bytes(k, b * scale, self.tp) for k, b in self.activation_calls)
-        return passes * (act + sum(collective_bytes(k, b, self.tp) for k, b in self.weight_calls))
+        act = sum(collective_bytes(k, b * scale, self.tp) for _, k, b in self.activation_calls)
+        return passes * (act + sum(collective_bytes(k, b, self.tp) for _, k, b in self.weight_calls))
 
-    def seconds(self, curves: Mapping[str, Curve], scale: float, passes: int) -> float:
-        """Seconds of the step's collectives on this machine's ``curves`` for ``tp`` ranks."""
-        act = sum(curves[_CURVE[k]].seconds(b * scale) for k, b in self.activation_calls)
-        return passes * (act + sum(curves[_CURVE[k]].seconds(b) for k, b in self.weight_calls))
+    def seconds(self, curves: Mapping[str, Curve], scale: float, passes: int, unit: str | None = None) -> float:
+        """Seconds of the step's collectives (of ``unit``'s ops alone; ``""``: the ops of no
+        unit) on this machine's ``curves`` for ``tp`` ranks."""
+        act = sum(curves[_CURVE[k]].seconds(b * scale) for u, k, b in self.activation_calls if unit in (None, u))
+        return passes * (act + sum(curves[_CURVE[k]].seconds(b) for u, k, b in self.weight_calls if unit in (None, u)))
 
 
 def cuts_operators(plan: ShardingPlan | None) -> bool:
@@ -98,8 +103,8 @@ def cuts_operators(plan: ShardingPlan | None) -> bool:
 
 
 def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: ShardingPlan | None, tp: int,
-                    units: Sequence[str], unit_flops: Mapping[str, float], unit_params: Mapping[str, int]
-                    ) -> TensorSharding:
+                    units: Sequence[str], unit_flops: Mapping[str, float], unit_params: Mapping[str, int],
+                    boundaries: Sequence[str] = ()) -> TensorSharding:
     """The operator strategies at degree ``tp`` (see the module docstring).
 
     Args:
@@ -109,6 +114,7 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
         units: the plan's unit names (a module belongs to the longest one its name starts with;
             ``""``: none); ``unit_flops``, ``unit_params``: each unit's FLOPs per step (forward
             and backward) and parameter elements.
+        boundaries: pipeline units (see :class:`TensorSharding`).
 
     Raises:
         ValueError: an annotation that does not fit ``tp`` ranks, an ``nn.Linear`` on inputs
@@ -125,29 +131,37 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
     def whole(places: tuple[Place, ...]) -> tuple[Place, ...]:
         return tuple(("R",) if p[0] == "P" else p for p in places)
 
+    def where(node: fx.Node) -> str:  # the module an op belongs to
+        return str(node.target) if node.op == "call_module" else module_path(node)
+
+    def region(node: fx.Node) -> str:  # its pipeline unit
+        return _unit_of(where(node), boundaries)
+
     # which values may stay DTensors: every use a sharded Linear, or a one-input elementwise op
-    # whose own value may (reverse topological order: users first)
+    # whose own value may (reverse topological order: users first), in the same pipeline unit
     keeps: dict[fx.Node, bool] = {}
     for node in reversed(list(gm.graph.nodes)):
         keeps[node] = bool(node.users) and all(
-            u in linears or (u in ops and len(ops[u].args) == 1 and keeps.get(u, False)) for u in node.users)
+            (u in linears or (u in ops and len(ops[u].args) == 1 and keeps.get(u, False)))
+            and (not boundaries or region(u) == region(node)) for u in node.users)
 
     strategy_of: dict[str, OpStrategy] = {}
     place: dict[fx.Node, tuple[Place, ...] | None] = {}  # a DTensor's placements (None: a plain tensor)
-    act: list[tuple[Collective, float]] = []
-    weight: list[tuple[Collective, float]] = []
+    act: list[tuple[str, Collective, float]] = []
+    weight: list[tuple[str, Collective, float]] = []
     linear_flops: dict[str, float] = {}
     cut_params: dict[str, int] = {}
     layout: dict[str, list[str]] = {}
 
-    def move(src: tuple[Place, ...] | None, dst: tuple[Place, ...], nbytes: float, needs_grad: bool = True) -> None:
+    def move(unit: str, src: tuple[Place, ...] | None, dst: tuple[Place, ...], nbytes: float,
+             needs_grad: bool = True) -> None:
         if src is not None:  # a DTensor redistributed (forward), its gradient back (backward)
             calls = edge_collectives(src, dst, nbytes, sizes, False) + edge_collectives(dst, whole(src), nbytes, sizes, False)
         elif needs_grad:  # a plain tensor is sliced; its gradient is gathered whole again
             calls = edge_collectives(dst, (("R",),) * len(dst), nbytes, sizes, False)
         else:  # the batch: sliced, no gradient
             return
-        act.extend((k, _local_bytes(k, b, tp)) for _, k, b in calls)
+        act.extend((unit, k, _local_bytes(k, b, tp)) for _, k, b in calls)
 
     for node in gm.graph.nodes:
         op = ops.get(node)
@@ -171,12 +185,12 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
                 s = dataclasses.replace(s, out_strategy=(1,) * len(op.output), use_local_output=local)
             if strategy_of.setdefault(name, s) != s:
                 raise ValueError(f"module {name!r} is called twice with different layouts at tp {tp}")
-            move(place.get(op.args[0]), ((("R",),) * 2 + (input_place(x_letters, lay)[0],)), _bytes(op.args[0]),
+            unit = _unit_of(name, units)
+            move(unit, place.get(op.args[0]), ((("R",),) * 2 + (input_place(x_letters, lay)[0],)), _bytes(op.args[0]),
                  op.args[0].op != "placeholder")
             if local or summed:  # whole (forward); the gradient of a whole tensor sliced back (free)
-                move(out, whole(out) if summed else (("R",),) * 3, _bytes(node))
+                move(unit, out, whole(out) if summed else (("R",),) * 3, _bytes(node))
             place[node] = None if local else whole(out) if summed else out
-            unit = _unit_of(name, units)
             shape = node.args[0].meta["tensor_meta"].shape
             linear_flops[unit] = linear_flops.get(unit, 0.0) + 6.0 * math.prod(shape[:-1]) * m.in_features * m.out_features
             if cut in ("k", "n"):
@@ -186,18 +200,18 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
                     layout[f"{name}.bias"] = ["R", "R", "S(0)" if cut == "n" else "R"]
             else:  # rows cut: the weight is whole on every rank, its gradient summed
                 nbytes = float(sum(p.numel() * p.element_size() for p in m.parameters()))
-                weight.append((Collective.ALL_REDUCE, nbytes))
+                weight.append((unit, Collective.ALL_REDUCE, nbytes))
         else:  # an elementwise op runs on its input as it comes; partial sums are summed first
             src = place.get(op.args[0]) if len(op.args) == 1 else None
             if src is not None and any(p[0] == "P" for p in src):
-                move(src, whole(src), _bytes(op.args[0]))
+                move(_unit_of(where(node), units), src, whole(src), _bytes(op.args[0]))
                 src = whole(src)
             place[node] = src if keeps[node] else None  # (a value kept as a DTensor has users that keep it)
     compute = {u: 1 - f + f / tp for u, total in unit_flops.items() if total
                for f in (min(1.0, linear_flops.get(u, 0.0) / total),)}
     params = {u: 1 - c / n + c / (n * tp) for u, n in unit_params.items() if n for c in (min(cut_params.get(u, 0), n),)}
     return TensorSharding(tp, strategy_of, tuple(n for n in user_modules if n in strategy_of), layout, compute, params,
-                          tuple(act), tuple(weight))
+                          tuple(act), tuple(weight), tuple(boundaries))
 
 
 def _unit_of(module: str, units: Sequence[str]) -> str:
@@ -206,10 +220,11 @@ def _unit_of(module: str, units: Sequence[str]) -> str:
 
 
 def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPlan | None, world_size: int,
-                   graph: ModelGraph, traceable: bool) -> dict[int, TensorSharding]:
+                   graph: ModelGraph, traceable: bool, boundaries: Sequence[str] = ()) -> dict[int, TensorSharding]:
     """The model's :class:`TensorSharding` at every tensor-parallel degree ``tp > 1`` dividing
     ``world_size`` that the user's annotations fit (none for a model the partitioner cannot trace
-    or without ``nn.Linear`` modules).
+    or without ``nn.Linear`` modules); with ``boundaries`` (pipeline units), those beside a
+    pipeline of at least two stages.
 
     Raises:
         ValueError: an annotation naming a module the forward does not call (listing those it
@@ -230,17 +245,18 @@ def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPl
     flops = {u.name: float(sum(op.flops for op in u.forward + u.backward)) for u in graph.units}
     params = {u.name: u.params for u in graph.units}
     out, why = {}, ""
-    for tp in range(2, world_size + 1):
-        if world_size % tp or graph.batch % (world_size // tp):
+    stages = 2 if boundaries else 1
+    for tp in range(2, world_size // stages + 1):
+        if world_size % (stages * tp) or graph.batch % (world_size // (stages * tp)):
             continue
         try:
-            t = tensor_sharding(gm, strategies, sharding, tp, units, flops, params)
+            t = tensor_sharding(gm, strategies, sharding, tp, units, flops, params, boundaries)
         except ValueError as e:
             why = f" ({e})"
             continue  # not at this degree
         if t.strategies:
             out[tp] = t
-    if cuts_operators(sharding) and not out:
+    if cuts_operators(sharding) and not out and not boundaries:
         raise ValueError(f"the operator annotations {sorted(strategies)} fit no tensor-parallel degree of {world_size} "
                          f"rank(s){why}: give slice counts that multiply to a divisor of the world size")
     return out
