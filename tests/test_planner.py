@@ -150,6 +150,36 @@ def test_streamed_weights_leave_the_device_their_parameters_gradients_and_state(
     assert loaded.streamed_units() == layers and str(loaded.units["layers.0"]) == "device, weights streamed from the host"
 
 
+def test_per_op_placement_plans_each_leaf_module_fits_as_measured_and_trains_as_the_unplaced_model(cache, tmp_path):
+    from hetero.planner.graph import Granularity
+
+    x, y = _batch(1024)
+    config = PlannerConfig(cache_dir=cache, granularity=Granularity.LEAF_MODULES)
+    planner = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD, config=config)
+    assert planner.cost.names()[:5] == ["inp", "layers.0.0", "layers.0.1", "layers.0.2", "layers.1.0"]
+    everything = planner.price(Candidate()).predicted.device_bytes
+    plan = planner.plan(device_memory=int(everything * 0.3))
+    torch.manual_seed(0)
+    measured = measure_step(apply(MLP(), plan), (x,), y, F.cross_entropy, steps=1, warmup=1)
+    assert measured.device_bytes <= everything * 0.3 and plan.predicted.device_bytes >= 0.8 * measured.device_bytes
+    # one op of a block on the host, the block's others on the device: the same training
+    one = Plan.load(planner.price(Candidate(), {"layers.1.2": UnitChoice(Target.HOST)}).save(tmp_path / "p.json"))
+    assert one.granularity is Granularity.LEAF_MODULES and one.host_units() == ["layers.1.2"]
+    torch.manual_seed(0)
+    model, reference = MLP(), MLP()
+    reference.load_state_dict(model.state_dict())
+    applied = apply(model, one, OptimizerConfig(lr=0.1, momentum=0.0))
+    assert [s.target for s in applied.model.subgraphs] == [Target.DEVICE, Target.HOST, Target.DEVICE]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        applied.step((x,), y, F.cross_entropy)
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6, msg=name)
+
+
 def test_a_budget_no_plan_meets_names_the_smallest_that_works(cache):
     x, y = _batch()
     planner = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))

@@ -157,7 +157,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     """
     from hetero.planner.graph import plan_units
 
-    units = plan_units(model)
+    units = plan_units(model, plan.granularity)
     missing = [n for n in plan.units if n not in units]
     if missing:
         raise ValueError(f"the plan is for a model with units {missing}, which {type(model).__name__} does not have; "

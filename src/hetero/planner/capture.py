@@ -31,8 +31,8 @@ from torch.utils import _pytree as pytree
 
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection
 from hetero.placement.tagging import tag_between
-from hetero.planner.graph import ModelGraph, OpCost, OpFamily, TableInfo, TableTraffic, Unit, op_family, op_flops, \
-    plan_units, replay
+from hetero.planner.graph import Granularity, ModelGraph, OpCost, OpFamily, TableInfo, TableTraffic, Unit, op_family, \
+    op_flops, plan_units, replay
 
 
 _TAG = "hetero.planner.unit"  # autograd node metadata: the unit whose forward created the node
@@ -76,7 +76,8 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 def capture(model: nn.Module, example_inputs: tuple[Any, ...],
             loss_fn: Callable[[Any], torch.Tensor] | None = None,
-            sample_batches: tuple[tuple[Any, ...], ...] = ()) -> ModelGraph:
+            sample_batches: tuple[tuple[Any, ...], ...] = (),
+            granularity: Granularity = Granularity.BLOCKS) -> ModelGraph:
     """Capture ``model``'s units and their costs on ``example_inputs`` (see the module docstring).
 
     Args:
@@ -86,6 +87,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...],
             outputs; its own cost is small beside a model's).
         sample_batches: more batches of the same size whose table ids join the statistics
             (:class:`TableTraffic`); their forward runs shape-only too.
+        granularity: what one unit is (:func:`~hetero.planner.graph.plan_units`).
 
     Raises:
         ValueError: the model has no parameters to train and no host tables, or the forward
@@ -95,7 +97,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...],
     from torch.multiprocessing.reductions import StorageWeakRef
 
     start = time.perf_counter()
-    modules = plan_units(model)
+    modules = plan_units(model, granularity)
     units = {name: _static(name, m) for name, m in modules.items()}
     units[""] = Unit("", linear=False)
     owned = {p for m in modules.values() for p in m.parameters()} | _table_weights(model)  # (tensors hash by identity)

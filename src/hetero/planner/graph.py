@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from hetero.embedding import HostEmbedding
+
 
 class OpFamily(enum.Enum):
     """How an op's time is predicted (:mod:`hetero.planner.calibration` measures each)."""
@@ -236,10 +238,32 @@ class ModelGraph:
         raise ValueError(f"the model has no unit {name!r}; its units are {[u.name for u in self.units if u.name]}")
 
 
-def plan_units(model: nn.Module) -> dict[str, nn.Module]:
+class Granularity(enum.Enum):
+    """What the planner places as one unit."""
+
+    BLOCKS = "blocks"  # the model's children, a container's entries (a block stays whole)
+    # every leaf module: an op as torch.fx sees a model built of modules (Linear, Conv2d, ReLU,
+    # an embedding); the functional ops a forward calls itself stay with the ops of no unit
+    LEAF_MODULES = "leaf_modules"
+
+
+def plan_units(model: nn.Module, granularity: Granularity = Granularity.BLOCKS) -> dict[str, nn.Module]:
     """``model``'s units by qualified name (see the module docstring), in registration order:
     its children, a container child (``nn.Sequential``, ``nn.ModuleDict``, ``nn.ModuleList``)
-    replaced by its own children (one level: a block that is itself a container stays whole)."""
+    replaced by its own children (one level: a block that is itself a container stays whole);
+    with :attr:`Granularity.LEAF_MODULES`, every module without children (a host table's
+    module whole: its rows are one decision)."""
+    if granularity is Granularity.LEAF_MODULES:
+        leaves: dict[str, nn.Module] = {}
+
+        def visit(module: nn.Module, prefix: str) -> None:
+            for name, child in module.named_children():
+                if isinstance(child, HostEmbedding) or not any(True for _ in child.children()):
+                    leaves[prefix + name] = child
+                else:
+                    visit(child, f"{prefix}{name}.")
+        visit(model, "")
+        return leaves
     out: dict[str, nn.Module] = {}
     for name, child in model.named_children():
         if isinstance(child, (nn.Sequential, nn.ModuleDict, nn.ModuleList)):

@@ -23,6 +23,7 @@ from hetero.embedding import HostEmbedding
 from hetero.placement import PlacementSpec, Target
 from hetero.parallel.operator_plan import OpStrategy, ShardingPlan
 from hetero.parallel.recompute import RecomputeConfig
+from hetero.planner.graph import Granularity
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
 
 FORMAT_VERSION = 1
@@ -103,6 +104,7 @@ class Plan:
             stay host tables).
         split_points: with ``pp > 1``, the pipeline units where stages ``1..pp-1`` begin
             (:class:`~hetero.parallel.pipeline_plan.PipelineConfig`'s).
+        granularity: what one of ``units`` is (blocks, or leaf modules: per-op placement).
     """
 
     model: str
@@ -124,6 +126,7 @@ class Plan:
     kept_sharding: tuple[str, ...] = ()
     device_tables: tuple[str, ...] = ()
     split_points: tuple[str, ...] = ()
+    granularity: Granularity = Granularity.BLOCKS
 
     # ---------------------------------------------------------------- what it asks of a model
     def host_units(self) -> list[str]:
@@ -177,7 +180,7 @@ class Plan:
             "sharding": {k: {"in": [list(x) for x in v.in_strategy], "out": None if v.out_strategy is None else
                              list(v.out_strategy), "local_output": v.use_local_output} for k, v in self.sharding.items()},
             "kept_sharding": list(self.kept_sharding), "device_tables": list(self.device_tables),
-            "split_points": list(self.split_points),
+            "split_points": list(self.split_points), "granularity": self.granularity.value,
         }
 
     @staticmethod
@@ -199,7 +202,7 @@ class Plan:
                         {k: OpStrategy(tuple(tuple(x) for x in v["in"]), None if v["out"] is None else tuple(v["out"]),
                                        v["local_output"]) for k, v in doc.get("sharding", {}).items()},
                         dict(layout or {}), tuple(doc.get("kept_sharding", ())), tuple(doc.get("device_tables", ())),
-                        tuple(doc.get("split_points", ())))
+                        tuple(doc.get("split_points", ())), Granularity(doc.get("granularity", "blocks")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a hetero plan ({type(e).__name__}: {e})") from None
 

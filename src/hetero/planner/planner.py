@@ -28,6 +28,7 @@ from hetero.placement.capture import capture_failure
 from hetero.planner.calibration import calibrate, collectives, time_shapes
 from hetero.planner.capture import capture
 from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
+from hetero.planner.graph import Granularity
 from hetero.parallel.pipeline_plan import pipeline_units
 from hetero.planner.pipeline import Stages, cut_positions, pipeline_failure, search_stages, split_points, stage_decisions
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
@@ -67,6 +68,8 @@ class PlannerConfig:
             hard.
         device_tables: host tables may move to the device (``hetero.apply`` moves them; off
             for a training loop that keeps its tables on the host, as the main job's).
+        granularity: what one unit is: the model's blocks, or every leaf module (per-op
+            placement: finer plans, a longer search).
     """
 
     method: SearchMethod = SearchMethod.AUTO
@@ -76,6 +79,7 @@ class PlannerConfig:
     tolerance: float = 0.03
     memory_margin: float = 0.05
     device_tables: bool = True
+    granularity: Granularity = Granularity.BLOCKS
 
 
 class NoPlanError(ValueError):
@@ -101,7 +105,7 @@ class Planner:
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: give the number of ranks the job runs on (>= 1)")
         self.model_name, self.world_size, self.optimizer, self.config = type(model).__name__, world_size, optimizer, config
-        self.graph = capture(model, example_inputs, loss_fn, sample_batches)
+        self.graph = capture(model, example_inputs, loss_fn, sample_batches, config.granularity)
         self.pinned = _pins(placement, [u.name for u in self.graph.units if u.name])
         # a model the partitioner cannot trace would place host units through hooks, whose copies
         # the cost model does not price: its dense units stay on the device (annotations apart)
@@ -249,7 +253,7 @@ class Planner:
                     dict(zip(self.cost.names(), a.choices)), dict(self.pinned), predicted, decisions,
                     report, self.calibration.machine, self.calibration.host_is_device,
                     dict(t.strategies) if t else {}, dict(t.layout) if t else {}, t.annotated if t else (), moved,
-                    split_points(self.cost.names(), self.pipeline_units, a.cuts))
+                    split_points(self.cost.names(), self.pipeline_units, a.cuts), self.config.granularity)
 
 
 def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: int | None = None,
