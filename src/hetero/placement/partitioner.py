@@ -353,6 +353,11 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
             owner_name, _, attr = str(node.target).rpartition(".")
             tensor = getattr(model.get_submodule(owner_name), attr)
             tensor.data = tensor.data.to(resolve_device(targets[node]))
+            streamed = targets[node] is Target.HOST and any(targets.get(u) is Target.DEVICE for u in node.users)
+            if streamed and resolve_device(Target.DEVICE).type == "cuda" and not tensor.is_pinned():
+                # a host tensor copied to the device every pass: pinned once here (one copy), so each
+                # pass's copy is one async DMA, not a pinning copy and then the DMA
+                tensor.data = tensor.data.pin_memory()
             if tensor in param_names:
                 param_targets[param_names[tensor]] = targets[node]
         elif node.op == "call_module":  # a leaf module runs on its node's target, its tensors with it

@@ -1,8 +1,8 @@
-"""``hetero.apply(model, plan)``: a plan made real on one rank (or the ``tp`` ranks of a
-tensor-parallel plan, the ``pp`` ranks of a pipeline, the ``dp`` ranks of a dense model's
-data-parallel plan - ZeRO, DDP, each rank its share of the batch), in the order of
-``hetero.parallel.parallelize`` - the pipeline split first (a pp plan's stages,
-``hetero.parallel.pipeline``, each stage's recompute regions), operator sharding (a tp plan's
+"""``hetero.apply(model, plan)``: a plan made real on one rank (or the ``pp x dp x tp`` ranks of
+its mesh: a pipeline's stages, each data-parallel replica's share of the batch - ZeRO, DDP or
+torch's ``replicate`` - and the tp ranks of each replica cutting its operators on ``mesh["tp"]``),
+in the order of ``hetero.parallel.parallelize`` - the pipeline split first (a pp plan's stages,
+``hetero.parallel.pipeline``, each stage's own dimensions), operator sharding (a tp plan's
 strategies, ``apply_sharding``), recompute regions (module names unchanged), the plan's device
 tables moved, then the host/device partition (``hetero.partition``: host units' ops run on the
 host, their parameters live there; streamed units' parameters live there too, their ops on the
@@ -143,17 +143,18 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         config: the dense optimizer's hyperparameters.
         sparse_optimizers: tables' sparse optimizers by qualified-name prefix (default
             LazyAdam, each with its default config; a device table's is torch's of the same rule).
-        mesh: with a ``tp > 1`` or ``pp > 1`` plan, its mesh (default: ``build_mesh`` over the
-            initialised process group). Every rank of it calls ``apply`` (collective) and steps
-            on the same batch.
+        mesh: with several ranks, the plan's ``pp x dp x tp`` mesh (default: ``build_mesh``
+            over the initialised process group). Every rank of it calls ``apply`` (collective)
+            and steps on the same (global) batch.
         loss_fn: with a ``pp > 1`` plan, the loss of ``(output, target)`` the last stage
             computes per micro-batch (:meth:`Applied.step`'s is then not used).
 
     Raises:
         ValueError: the plan names units the model does not have (another model's plan), its
-            ``tp``, ``pp`` or ``dp`` is not the world size, it puts units on the host beside
-            ``tp``, a ``pp`` plan comes without ``loss_fn``, or a ``dp`` plan has host units,
-            tables or offloaded state (the main job applies those: ``hetero train --plan``).
+            mesh is not the world's, it puts units or weights on the host beside ``tp``, a
+            ``pp`` plan comes without ``loss_fn``, a ``dp`` plan has host units or weights,
+            tables or offloaded state (the main job applies those: ``hetero train --plan``), or
+            ZeRO 1 beside ``tp``.
     """
     from hetero.planner.graph import plan_units
 
@@ -241,24 +242,29 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
 
 
 def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
-    """``mesh`` (default: ``build_mesh`` for the plan's ``tp`` over the process group), checked to
-    have the plan's ``dp x tp`` ranks."""
+    """``mesh`` (default: ``build_mesh`` for the plan's ``pp`` and ``tp`` over the process group),
+    checked to have the plan's ``pp x dp x tp`` ranks."""
     c = plan.candidate
-    mesh = mesh if mesh is not None else build_mesh(MeshConfig(tp=c.tp))
-    if mesh.size() != c.dp * c.tp or mesh_size(mesh, MeshDim.TP) != c.tp:
+    mesh = mesh if mesh is not None else build_mesh(MeshConfig(pp=c.pp, tp=c.tp))
+    if mesh.size() != c.pp * c.dp * c.tp or mesh_size(mesh, MeshDim.TP) != c.tp:
         shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
-        raise ValueError(f"the plan is for dp {c.dp} x tp {c.tp} ranks, the mesh has {shape}: run it under torchrun "
-                         f"--nproc-per-node {c.dp * c.tp}")
+        raise ValueError(f"the plan is for pp {c.pp} x dp {c.dp} x tp {c.tp} ranks, the mesh has {shape}: run it under "
+                         f"torchrun --nproc-per-node {c.pp * c.dp * c.tp}")
     return mesh
 
 
 def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
-    """The plan's operator strategies applied over ``mesh``'s ``tp`` ranks (one replica's)."""
+    """The plan's operator strategies of the modules ``model`` holds (a pipeline stage: its own)
+    applied over ``mesh``'s ``tp`` ranks (one replica's)."""
     sharding = plan.sharding_plan()
     if sharding is None:
         raise ValueError(f"a tp {plan.candidate.tp} plan without operator strategies: plan the model again "
                          f"(hetero.plan never makes one)")
-    apply_sharding(model, sharding, mesh[MeshDim.TP.value])
+    present, own = dict(model.named_modules()), ShardingPlan()
+    for name, s in sharding.modules.items():
+        if name in present:
+            own.module(name, s.in_strategy, s.out_strategy, s.use_local_output)
+    apply_sharding(model, own, mesh[MeshDim.TP.value])
 
 
 def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,
@@ -273,25 +279,14 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     c = plan.candidate
     if loss_fn is None:
         raise ValueError(f"a pp {c.pp} plan runs its loss in the last stage: pass loss_fn=(output, target) -> loss")
-    mesh = mesh if mesh is not None else build_mesh(MeshConfig(pp=c.pp, tp=c.tp))
-    if mesh.size() != c.pp * c.dp * c.tp or mesh_size(mesh, MeshDim.TP) != c.tp:
-        shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
-        raise ValueError(f"the plan is for pp {c.pp} x dp {c.dp} x tp {c.tp} ranks, the mesh has {shape}: run it under "
-                         f"torchrun --nproc-per-node {c.pp * c.dp * c.tp}")
+    mesh = _mesh(mesh, plan)
     recomputed = plan.recompute_config().modules
     group = mesh[MeshDim.DP.value].get_group() if c.dp > 1 else None  # (the loss average's)
-    sharding = plan.sharding_plan()
-    if c.tp > 1 and sharding is None:
-        raise ValueError(f"a tp {c.tp} plan without operator strategies: plan the model again (hetero.plan never makes one)")
 
     def recompute_stage(stage: nn.Module) -> nn.Module:  # the split first, then each stage's tp, regions, replicas
         present = dict(stage.named_modules())
-        if sharding is not None:  # the stage's own operators cut over its tp ranks (values whole between stages)
-            own = ShardingPlan()
-            for name, s in sharding.modules.items():
-                if name in present:
-                    own.module(name, s.in_strategy, s.out_strategy, s.use_local_output)
-            apply_sharding(stage, own, mesh[MeshDim.TP.value])
+        if c.tp > 1:  # the stage's own operators cut over its tp ranks (values whole between stages)
+            _shard(stage, plan, mesh)
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
         if group is None:
             return stage
