@@ -265,7 +265,7 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
             raise ValueError("--plan plans a data-parallel job on in-memory or prepared data: drop --stream (prepare a "
                              "cache: hetero data prepare), --pp, --tp and --ps-servers")
         plan = job_plan(args, model, planning_batches(args, data.train))
-        apply_job_plan(args, plan)  # the table placement and ZeRO stage it chose
+        apply_job_plan(args, plan, model)  # the table placement and ZeRO stage it chose
         apply_recompute(model, plan.recompute_config())
     pipe = None
     if args.pp > 1:

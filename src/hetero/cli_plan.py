@@ -152,13 +152,19 @@ def _broadcast(plan: Plan | None) -> Plan:
     return Plan.from_dict(box[0])
 
 
-def apply_job_plan(args: argparse.Namespace, plan: Plan) -> None:
+def apply_job_plan(args: argparse.Namespace, plan: Plan, model: nn.Module) -> None:
     """The flags the plan decides (table placement, ZeRO stage), set from it; refused when the
-    command line set them otherwise."""
+    command line set them otherwise, or the plan decides what the main job does not run (tables
+    or weights moved, dense units on the host, tp or pp: it would train otherwise than planned)."""
     c = plan.candidate
-    if plan.device_tables:
-        raise ValueError(f"the plan moves tables {list(plan.device_tables)} to the device; the main job keeps its tables "
-                         f"on the host: plan it with hetero plan (or --plan auto), or apply it with hetero.apply")
+    moved = {"moves tables to the device": list(plan.device_tables),
+             "puts dense units on the host": list(plan.placement_spec(model).modules),
+             "streams units' weights from the host": plan.streamed_units(),
+             "cuts operators or stages": [f"tp {c.tp}", f"pp {c.pp}"] if c.tp > 1 or c.pp > 1 else []}
+    for what, names in moved.items():
+        if names:
+            raise ValueError(f"the plan {what} ({', '.join(names)}), which the main job does not run: plan it with "
+                             f"hetero plan (or --plan auto), or apply it with hetero.apply")
     sharding = "row" if c.tables is TablePlacement.ROW_SHARDED else "replicated"
     for flag, given, planned in (("--table-sharding", args.table_sharding, sharding), ("--zero", args.zero, c.zero)):
         default = {"--table-sharding": "replicated", "--zero": 0}[flag]
