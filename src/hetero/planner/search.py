@@ -148,18 +148,31 @@ def _pareto(labels: list[_Label], max_labels: int, quantum: float) -> list[_Labe
     return [labels[i] for i in keep]
 
 
-def _undominated(parts) -> list[int]:  # noqa: ANN001 - (n, 4) array, rows in order of seconds
+def _undominated(parts, block: int = 256) -> list[int]:  # noqa: ANN001 - (n, 4) array, rows by seconds
     """Indices of the rows no earlier row is at most in every column (a row's seconds are no
-    less than every earlier row's: being at most in bytes too makes the earlier one dominate)."""
+    less than every earlier row's: being at most in bytes too makes the earlier one dominate).
+
+    Rows go in blocks: each is checked against the rows kept before its block, then against the
+    earlier rows of its own block, kept or not - one that is itself dominated has a kept row
+    before it at most in every column, which is then at most in this row's too.
+    """
     import numpy as np
+
+    def at_most(a, b):  # noqa: ANN001, ANN202 - [i, j]: a's row j at most b's row i in every column
+        out = a[None, :, 0] <= b[:, None, 0]
+        for c in range(1, a.shape[1]):  # column by column: numpy reduces a short last axis slowly
+            out &= a[None, :, c] <= b[:, None, c]
+        return out
 
     kept: list[int] = []
     frontier = np.empty((0, parts.shape[1]))
-    for i, row in enumerate(parts):
-        if frontier.shape[0] and bool(np.all(frontier <= row, axis=1).any()):
-            continue
-        kept.append(i)
-        frontier = np.vstack([frontier, row])
+    for lo in range(0, len(parts), block):
+        rows = parts[lo:lo + block]
+        dominated = at_most(frontier, rows).any(axis=1)
+        dominated |= np.tril(at_most(rows, rows), -1).any(axis=1)  # earlier rows of the block only
+        fresh = np.flatnonzero(~dominated)
+        kept += (fresh + lo).tolist()
+        frontier = np.vstack([frontier, rows[fresh]])
     return kept
 
 
