@@ -228,10 +228,8 @@ class MeasuredCost:
         compute = compute * self._shares(u.name, c)[0] + self._tp_seconds(u.name, c)
         activations = int(u.saved_bytes * s)  # its own; its inputs are the boundary's
         if choice.target is Target.HOST:  # everything of it is the host's; torch's optimizer there
-            rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
-            state = _STATE_BYTES[self.optimizer] * u.params
-            return UnitCost(compute + rate.seconds(u.params, u.param_tensors) - rate.fixed,
-                            host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s))
+            update, state = self._host_update(u)
+            return UnitCost(compute + update, host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s))
         during = activations + int((u.input_bytes + u.output_bytes) * s)  # its activations + gradient workspace
         if choice.weights is Target.HOST:
             return self._streamed(u, c, compute, activations, during)
@@ -251,11 +249,16 @@ class MeasuredCost:
             copies = 2 * self.cal.op_seconds("device", OpCost(OpFamily.MEMORY, 0, 2 * nbytes))
         else:
             copies = self.cal.h2d.seconds(nbytes) + self.cal.d2h.seconds(nbytes)
-        rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
-        update = rate.seconds(u.params, u.param_tensors) - rate.fixed
+        update, state = self._host_update(u)
         # kept: its activations and the weights' copy; during its backward also a gradient on its way out
         return UnitCost(compute + c.micro_batches * copies + update, 0, activations + nbytes,
-                        during + nbytes + u.largest_param_bytes, 2 * nbytes + _STATE_BYTES[self.optimizer] * u.params)
+                        during + nbytes + u.largest_param_bytes, 2 * nbytes + state)
+
+    def _host_update(self, u: Unit) -> tuple[float, int]:
+        """Seconds of torch's optimizer updating unit ``u``'s parameters on the host, and the
+        bytes of its state there."""
+        rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
+        return rate.seconds(u.params, u.param_tensors) - rate.fixed, _STATE_BYTES[self.optimizer] * u.params
 
     def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float]:
         """Device bytes, host bytes and update seconds of a device unit's parameters."""

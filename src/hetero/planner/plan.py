@@ -140,7 +140,16 @@ class Plan:
     def placement_spec(self, model: nn.Module) -> PlacementSpec:
         """The plan's host/device placement of ``model`` as a :class:`~hetero.placement.PlacementSpec`:
         its host units (host tables place themselves) and the parameters of its units whose
-        weights are streamed."""
+        weights are streamed.
+
+        Raises:
+            ValueError: a unit ``model`` does not have (another model's plan), naming it.
+        """
+        modules = dict(model.named_modules())
+        missing = [n for n in self.host_units() + self.streamed_units() if n not in modules]
+        if missing:
+            raise ValueError(f"the plan places units {missing}, which {type(model).__name__} does not have: plan this "
+                             f"model (hetero.plan)")
         spec = PlacementSpec()
         for name in self.host_units():
             if not any(isinstance(m, HostEmbedding) for m in model.get_submodule(name).modules()):

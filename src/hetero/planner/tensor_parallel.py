@@ -69,8 +69,6 @@ class TensorSharding:
             forward and backward: scale with the batch a pass holds.
         weight_calls: ``(unit, collective, local bytes)`` per pass whatever the batch (replicated
             weights' gradient all-reduces).
-        boundaries: the pipeline units across which every value is made whole and plain (a
-            pipeline's sends take plain tensors; empty: the strategies of a model run whole).
     """
 
     tp: int
@@ -81,7 +79,6 @@ class TensorSharding:
     param_share: dict[str, float]
     activation_calls: tuple[tuple[str, Collective, float], ...]
     weight_calls: tuple[tuple[str, Collective, float], ...]
-    boundaries: tuple[str, ...] = ()
 
     def bytes_per_step(self, scale: float = 1.0, passes: int = 1) -> float:
         """Bytes one rank receives per step (``scale``: a pass's share of the captured batch)."""
@@ -114,7 +111,8 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
         units: the plan's unit names (a module belongs to the longest one its name starts with;
             ``""``: none); ``unit_flops``, ``unit_params``: each unit's FLOPs per step (forward
             and backward) and parameter elements.
-        boundaries: pipeline units (see :class:`TensorSharding`).
+        boundaries: pipeline units across which every value is made whole and plain (a
+            pipeline's sends take plain tensors; empty: the strategies of a model run whole).
 
     Raises:
         ValueError: an annotation that does not fit ``tp`` ranks, an ``nn.Linear`` on inputs
@@ -211,7 +209,7 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
                for f in (min(1.0, linear_flops.get(u, 0.0) / total),)}
     params = {u: 1 - c / n + c / (n * tp) for u, n in unit_params.items() if n for c in (min(cut_params.get(u, 0), n),)}
     return TensorSharding(tp, strategy_of, tuple(n for n in user_modules if n in strategy_of), layout, compute, params,
-                          tuple(act), tuple(weight), tuple(boundaries))
+                          tuple(act), tuple(weight))
 
 
 def _unit_of(module: str, units: Sequence[str]) -> str:
