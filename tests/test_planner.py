@@ -96,7 +96,10 @@ def test_plans_fit_their_budgets_as_measured_from_everything_fits_down_to_a_tent
 
 
 @pytest.mark.parametrize("kind,state,atol", [
-    (OptimizerKind.ADAMW, StateHome.PARTIAL, 1e-4),  # Adam: another order of the micro-batch sums, normalised
+    # Adam: another order of the micro-batch sums, normalised - an element whose gradient is near
+    # zero moves by up to lr (1e-2) a step on a rounding difference (seen: 1.2e-4 on an Intel VM);
+    # an update skipped or misplaced moves thousands of elements by about lr
+    (OptimizerKind.ADAMW, StateHome.PARTIAL, 1e-3),
     (OptimizerKind.SGD_MOMENTUM, StateHome.DEVICE, 1e-6),  # SGD sees a wrong micro-batch scale (Adam would not)
 ])
 def test_an_applied_plan_trains_as_the_unplaced_model(cache, kind, state, atol):

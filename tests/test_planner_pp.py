@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hetero
-from hetero.planner.pipeline import brute_force_stages
+from hetero.placement import PlacementSpec, Target
+from hetero.planner.pipeline import brute_force_stages, search_stages
 from hetero.planner.plan import Plan
 from hetero.planner.planner import Planner, PlannerConfig
 from hetero.planner.space import Candidate, OptimizerKind
@@ -17,12 +18,12 @@ from hetero.planner.space import Candidate, OptimizerKind
 class Stack(nn.Module):
     """Layers in an nn.ModuleDict, a forward that skips the units a stage does not hold."""
 
-    def __init__(self, depth=4):
+    def __init__(self, depth=4, width=64):
         super().__init__()
-        self.inp = nn.Linear(16, 64)
-        self.blocks = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
                                      for i in range(depth)})
-        self.head = nn.Linear(64, 8)
+        self.head = nn.Linear(width, 8)
 
     def forward(self, x):
         if self.inp is not None:
@@ -48,13 +49,15 @@ def _batches(steps, n=32):
     return [(torch.randn(n, 16, generator=g), torch.randint(0, 8, (n,), generator=g)) for _ in range(steps)]
 
 
-def _planner(cache, model, world_size=2):
-    x, y = _batches(1)[0]
+def _planner(cache, model, world_size=2, rows=32):
+    x, y = _batches(1, rows)[0]
     return Planner(model, (x,), world_size=world_size, loss_fn=lambda o: F.cross_entropy(o, y),
                    optimizer=OptimizerKind.SGD, config=PlannerConfig(cache_dir=cache))
 
 
 def _train_pp(plan_path, steps):
+    import threading
+
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -63,15 +66,19 @@ def _train_pp(plan_path, steps):
     plan = Plan.load(plan_path)
     torch.manual_seed(0)
     run = apply(Stack(), plan, OptimizerConfig(lr=0.1), loss_fn=F.cross_entropy)
-    rows = []  # the batch rows the first stage's replicas see
+    rows, threads = [], set()  # the batch rows the first stage's replicas see; the threads blocks.1 runs on
     if run.model.inp is not None:
         run.model.inp.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    if run.model.blocks is not None and "1" in run.model.blocks:
+        run.model.blocks["1"][0].register_forward_hook(
+            lambda module, args, out: threads.add(threading.current_thread().name.rpartition("_")[0]))
     losses = [run.step((x,), y, F.cross_entropy) for x, y in _batches(steps)]
     mine = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in run.model.named_parameters()}
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in run.model.parameters())
     every = [None] * dist.get_world_size()
     # each rank holds its stage's parameters (a share of them at ZeRO 3)
-    dist.all_gather_object(every, (mine, rows, held / sum(p.numel() for p in run.model.parameters())))
+    hosted = sorted(n for n, p in run.model.named_parameters() if p in run.host_tensors), sorted(threads)
+    dist.all_gather_object(every, (mine, rows, held / sum(p.numel() for p in run.model.parameters()), hosted))
     return losses, every
 
 
@@ -95,13 +102,13 @@ def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_
     path = plan.save(tmp_path / "plan.json")
     assert Plan.load(path).split_points == plan.split_points
     losses, gathered = run_ranks(tmp_path, 2 * dp * tp, _train_pp, str(path), 3)
-    every = [params for params, _, _ in gathered]
-    held = {held for _, _, held in gathered}
+    every = [params for params, _, _, _ in gathered]
+    held = {held for _, _, held, _ in gathered}
     if tp > 1:  # a stage's Linears cut over its tp ranks (its weights' halves, some biases whole)
         assert all(0.5 <= h < 0.6 for h in held), held
     else:
         assert held == {0.5 if zero == 3 else 1.0}  # FSDP2 shards a stage over its replicas
-    first = [rows for _, rows, _ in gathered if rows]  # (the first step also infers the stages' shapes: one more forward)
+    first = [rows for _, rows, _, _ in gathered if rows]  # (the first step also infers the stages' shapes: one more forward)
     assert len(first) == dp * tp and all(set(r) == {32 // dp // 2} and len(r) >= 6 for r in first)  # a share, 2 micro-batches
     names = planner.cost.names()
     first = names[: names.index(plan.split_points[0])]  # the plan's split is the one that runs
@@ -114,8 +121,68 @@ def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_
     assert_trains_as_one_process(Stack, _batches(3), losses, stages[0][0] | stages[1][0])
 
 
-def test_the_planner_plans_a_pipeline_within_the_budget_per_stage(cache):
+def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_process(tmp_path, cpu_ranks, cache):
+    from conftest import assert_trains_as_one_process, run_ranks
+
+    x, y = _batches(1)[0]
+    pinned = PlacementSpec().module("blocks.1", Target.HOST)
+    planner = Planner(Stack(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
+                      placement=pinned, config=PlannerConfig(cache_dir=cache))
+    assert {(c.pp, c.dp, c.tp) for c in planner.settings} == {(2, 1, 1)}  # dp and tp take no host units
+    plan = planner.plan()
+    assert plan.candidate.pp == 2 and plan.host_units() == ["blocks.1"]
+    assert "on the host blocks.1" in str(hetero.explain(plan))
+    path = plan.save(tmp_path / "plan.json")
+    losses, gathered = run_ranks(tmp_path, 2, _train_pp, str(path), 3)
+    hosted = sorted(names for _, _, _, names in gathered)  # the stage holding blocks.1 runs it on its host thread
+    assert hosted == [([], []), (["blocks.1.0.bias", "blocks.1.0.weight", "blocks.1.2.bias", "blocks.1.2.weight"],
+                                 ["hetero-host"])]
+    assert_trains_as_one_process(Stack, _batches(3), losses, gathered[0][0] | gathered[1][0])
+    with pytest.raises(ValueError, match="pinned to the host, which runs without data or tensor parallelism"):
+        Planner(Flat(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y),
+                placement=PlacementSpec().module("a", Target.HOST), config=PlannerConfig(cache_dir=cache))
+
+
+class _DeviceOnly:
+    """A cost model's units without their host option."""
+
+    def __init__(self, cost):
+        self.cost = cost
+
+    def options(self, i, c):
+        return tuple(x for x in self.cost.options(i, c) if x.target is Target.DEVICE)
+
+    def names(self):
+        return self.cost.names()
+
+    def unit(self, i, choice, c):
+        return self.cost.unit(i, choice, c)
+
+    def boundary(self, i, before, after, c):
+        return self.cost.boundary(i, before, after, c)
+
+    def fixed(self, c):
+        return self.cost.fixed(c)
+
+
+def test_a_stage_over_its_budget_puts_units_on_the_host(cache):
     planner = _planner(cache, Stack(depth=6))
+    c = Candidate(pp=2, micro_batches=2)
+    assert all(x.target is Target.DEVICE for x in planner.cost.options(1, Candidate(dp=2)))  # none beside dp
+    device_only, send = _DeviceOnly(planner.cost), planner._transfer(c)
+    budget = search_stages(device_only, c, planner.cuts, float("inf"), float("inf"), send).device_bytes
+    while brute_force_stages(device_only, c, planner.cuts, budget, float("inf"), send) is not None:
+        budget *= 0.9  # below every split of device units, recomputing or not
+    got = search_stages(planner.cost, c, planner.cuts, budget, float("inf"), send)
+    assert got is not None and got.device_bytes <= budget and any(x.target is Target.HOST for x in got.choices)
+    want = brute_force_stages(planner.cost, c, planner.cuts, budget, float("inf"), send)
+    assert got.seconds == pytest.approx(want.seconds, rel=1e-12)
+
+
+def test_the_planner_plans_a_pipeline_within_the_budget_per_stage(cache):
+    # (blocks whose work outweighs the sends' latency, and whose parameters their activations: the
+    # stages balance, and a stage holds about half the parameters)
+    planner = _planner(cache, Stack(depth=6, width=512), rows=64)
     whole = planner.price(Candidate(dp=2)).predicted.device_bytes
     piped = planner.price(Candidate(pp=2, micro_batches=2))
     assert piped.predicted.device_bytes < whole  # a stage holds about half the parameters

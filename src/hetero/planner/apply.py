@@ -2,7 +2,8 @@
 its mesh: a pipeline's stages, each data-parallel replica's share of the batch - ZeRO, DDP or
 torch's ``replicate`` - and the tp ranks of each replica cutting its operators on ``mesh["tp"]``),
 in the order of ``hetero.parallel.parallelize`` - the pipeline split first (a pp plan's stages,
-``hetero.parallel.pipeline``, each stage's own dimensions), operator sharding (a tp plan's
+``hetero.parallel.pipeline``, each stage's own dimensions, its host units partitioned as below
+and its output sent from the device), operator sharding (a tp plan's
 strategies, ``apply_sharding``), recompute regions (module names unchanged), the plan's device
 tables moved, then the host/device partition (``hetero.partition``: host units' ops run on the
 host, their parameters live there; streamed units' parameters live there too, their ops on the
@@ -109,13 +110,11 @@ class Applied:
             inputs, target = split_batch(inputs, dp)[rank], split_batch(target, dp)[rank]
         if self.pipeline is not None:  # the schedule runs the micro-batches (its loss: apply's loss_fn)
             total = self.pipeline.step(inputs, target)  # sync point: the loss, over the pp group
-            for opt in optimizers:
-                opt.step()
-            return self._mean(total, dp)
-        for part_inputs, part_target in zip(split_batch(inputs, m), split_batch(target, m)):
-            loss = loss_fn(self.model(*part_inputs), part_target) / m
-            loss.backward()
-            total += float(loss.detach())  # sync point: the reported loss
+        else:
+            for part_inputs, part_target in zip(split_batch(inputs, m), split_batch(target, m)):
+                loss = loss_fn(self.model(*part_inputs), part_target) / m
+                loss.backward()
+                total += float(loss.detach())  # sync point: the reported loss
         for opt in optimizers:
             opt.step()
         with self.host_work():
@@ -152,9 +151,10 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     Raises:
         ValueError: the plan names units the model does not have (another model's plan), its
             mesh is not the world's, it puts units or weights on the host beside ``tp``, a
-            ``pp`` plan comes without ``loss_fn``, a ``dp`` plan has host units or weights,
-            tables or offloaded state (the main job applies those: ``hetero train --plan``), or
-            ZeRO 1 beside ``tp``.
+            ``pp`` plan comes without ``loss_fn`` or has host weights or host units beside
+            ``dp``, a ``dp`` plan has host units or weights, tables or offloaded state (the main
+            job applies host tables and offloaded state: ``hetero train --plan``), or ZeRO 1
+            beside ``tp``.
     """
     from hetero.planner.graph import plan_units
 
@@ -279,15 +279,30 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     c = plan.candidate
     if loss_fn is None:
         raise ValueError(f"a pp {c.pp} plan runs its loss in the last stage: pass loss_fn=(output, target) -> loss")
+    hosted = plan.host_units()
+    if plan.streamed_units() or (hosted and (c.dp, c.tp) != (1, 1)):
+        raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan with host units {hosted} or host weights "
+                         f"{plan.streamed_units()}: a stage's host units run without dp or tp, its weights on the device; "
+                         f"plan the model again (hetero.plan never makes one)")
     mesh = _mesh(mesh, plan)
     recomputed = plan.recompute_config().modules
     group = mesh[MeshDim.DP.value].get_group() if c.dp > 1 else None  # (the loss average's)
+    device = resolve_device(Target.DEVICE)
 
     def recompute_stage(stage: nn.Module) -> nn.Module:  # the split first, then each stage's tp, regions, replicas
         present = dict(stage.named_modules())
         if c.tp > 1:  # the stage's own operators cut over its tp ranks (values whole between stages)
             _shard(stage, plan, mesh)
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
+        own = [n for n in hosted if n in present]
+        if own:  # the stage as host and device subgraphs (its host units' parameters move to the host)
+            from hetero.placement import PlacementSpec
+            from hetero.placement.partitioner import partition
+
+            spec = PlacementSpec()
+            for name in own:
+                spec.module(name, Target.HOST)
+            return _SendFromDevice(partition(stage, spec), device)
         if group is None:
             return stage
         if c.zero >= 2:  # FSDP2 over the stage's replicas (the schedule syncs its gradients once per batch)
@@ -298,16 +313,32 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
 
         return replicate(stage, mesh=mesh[MeshDim.DP.value])
 
-    device = resolve_device(Target.DEVICE)
     pipe = pipeline(model.to(device), PipelineConfig(micro_batches=c.micro_batches, split_points=plan.split_points),
                     mesh, loss_fn, recompute_stage)
-    named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad]
+    stages = {n: m for stage in pipe.modules for n, m in stage.named_modules()}
+    on_host = {p for n in hosted if n in stages for p in stages[n].parameters()}  # (tensors hash by identity)
+    named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad and p not in on_host]
     rank = mesh[MeshDim.DP.value].get_local_rank()
     # (no foreach with replicas or tp: their parameters are DTensors)
     optimizer = _torch_optimizer([p for _, p in named], plan.optimizer, config,
-                                 None if group is None and c.tp == 1 else False)
-    return Applied(pipe.modules[0], optimizer, [],
-                   c.micro_batches, plan, set(), pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
+                                 None if group is None and c.tp == 1 else False) if named else None
+    host_optimizers = [_torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config)] if on_host else []
+    host_tensors = on_host | {b for n in hosted if n in stages for b in stages[n].buffers()}
+    return Applied(pipe.modules[0], optimizer, host_optimizers,
+                   c.micro_batches, plan, host_tensors, pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
+
+
+class _SendFromDevice(nn.Module):
+    """A pipeline stage's partitioned module whose outputs are on the device: the schedule sends
+    from there (a host unit last in the stage leaves its output on the host)."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.module, self.device = module, device
+
+    def forward(self, *args: Any) -> Any:  # noqa: ANN401 - the stage's outputs
+        # copy (host -> device, differentiable) where the last subgraph ran on the host; none otherwise
+        return pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, self.module(*args))
 
 
 def _optimizer_args(kind: OptimizerKind, c: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:

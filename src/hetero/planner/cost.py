@@ -201,7 +201,9 @@ class MeasuredCost:
                 for k in range(1, len(movable) + 1))
         out = [x for x in UNIT_CHOICES if not (x.recompute and not u.saved_bytes)
                and (self.host_units or x.target is Target.DEVICE or u.name in self.pinned)
-               and (c.tp == 1 or x.target is Target.DEVICE)]  # tp shards device ops: host subgraphs take no DTensors
+               and ((c.tp, c.dp) == (1, 1) or x.target is Target.DEVICE)]
+        # (tp shards device ops: host subgraphs take no DTensors; dp: no data-parallel wrapper -
+        # DDP, FSDP2, replicate - takes a partitioned model's host parameters)
         if self.host_units and u.params and u.name not in self.pinned and (c.tp, c.dp, c.pp) == (1, 1, 1):
             out.append(STREAMED)  # (host parameters on one rank: the partitioner's, not DDP's, ZeRO's or a stage's)
         pin = self.pinned.get(u.name)

@@ -1,5 +1,7 @@
 """The pp dimension: a model's unit sequence cut into pipeline stages by dynamic programming, each
-stage on its own rank, its units on the device (recomputing where its memory needs it).
+stage on its own rank, each of its units on the device, recomputing, or on the host (its ops and
+parameters in the rank's host memory, without data or tensor parallelism: the partitioner runs
+the stage as host and device subgraphs).
 
 **Where a stage may begin.** At a pipeline unit of the runtime
 (:func:`hetero.parallel.pipeline_plan.pipeline_units`: the model's children, a ``ModuleDict``'s
@@ -18,9 +20,10 @@ drain of the pipeline: the bubble, ``(p - 1) / (m + p - 1)`` of it), then the al
 gradients over its ``dp`` replicas (each replica of the pipeline runs ``1 / dp`` of the batch).
 
 **The search** (:func:`search_stages`): ``best(s, i)`` - the least bottleneck of cutting units
-``i..n-1`` into stages ``s..p-1`` - over every end of stage ``s`` (a cut position), each stage
-without recompute or, if that is over the budget, recomputing every unit that can: exact over
-the cut positions (tested against :func:`brute_force_stages`), ``O(p n^2)`` stage costs.
+``i..n-1`` into stages ``s..p-1`` - over every end of stage ``s`` (a cut position), each stage's
+units given their fastest options within the budget by the per-unit Pareto dynamic program of
+:mod:`hetero.planner.search` (its peak the stage's): exact over the cut positions and the
+options (tested against :func:`brute_force_stages`), ``O(p n^2)`` stage searches.
 
 Reference: the reference design's ``dynamic_programming`` strategy search and pipeline stages;
 Alpa (Zheng et al. 2022) for stage cutting as a DP over the layer sequence; PipeDream (Narayanan
@@ -30,6 +33,7 @@ et al. 2019) for balancing the slowest stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +44,7 @@ from torch.utils import _pytree as pytree
 
 from hetero.placement import Target
 from hetero.planner.cost import CostModel
+from hetero.planner.search import Label, pareto
 from hetero.planner.space import Candidate, UnitChoice
 
 
@@ -83,48 +88,91 @@ def cut_positions(units: Sequence[str], pipeline_units: Sequence[str]) -> list[i
     return [i for i in range(1, len(units)) if owners[i] is not None and owners[i] != owners[i - 1]]
 
 
-def stage_cost(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, recompute: bool,
+def stage_cost(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, choices: Sequence[UnitChoice],
                transfer: Callable[[int], float], reduce: Callable[[int, int], float] = lambda lo, hi: 0.0) -> StageCost:
-    """Stage ``stage`` holding units ``lo..hi-1`` (see the module docstring); ``transfer(i)``:
-    seconds to send boundary ``i``'s activations forward and their gradients back, once;
-    ``reduce(lo, hi)``: the stage's gradient all-reduce over its ``dp`` replicas."""
+    """Stage ``stage`` holding units ``lo..hi-1`` under ``choices`` (one per unit; see the module
+    docstring); ``transfer(i)``: seconds to send boundary ``i``'s activations forward and their
+    gradients back, once; ``reduce(lo, hi)``: the stage's gradient all-reduce over its ``dp``
+    replicas."""
     fixed = cost.fixed(c)
-    choices, seconds, static, kept, during, host = [], 0.0, 0, 0, 0, 0
+    seconds, static, kept, during, host = 0.0, 0, 0, 0, 0
     previous = UnitChoice(Target.DEVICE) if lo else None  # received from the stage before: kept here
-    for i in range(lo, hi):
-        options = cost.options(i, c)
-        choice = UnitChoice(Target.DEVICE, recompute) if UnitChoice(Target.DEVICE, recompute) in options \
-            else UnitChoice(Target.DEVICE)
+    for i, choice in zip(range(lo, hi), choices, strict=True):
         u, b = cost.unit(i, choice, c), cost.boundary(i, previous, choice, c)
         seconds += u.seconds + b.seconds
         during = max(during, kept + b.device_during, kept + b.device_bytes + u.device_during)
         kept += b.device_bytes + u.device_kept
         static += u.device_static
         host += u.host_bytes
-        choices.append(choice)
         previous = choice
-    last = hi == len(cost.names())
-    if last:
-        kept += cost.boundary(hi, previous, None, c).device_bytes
-        seconds += fixed.seconds  # the ops of no unit and the loss
-        during = max(during, kept + fixed.device_during)
+    seconds, kept, during = _stage_end(cost, c, hi, previous, seconds, kept, during)
     if lo:
         seconds += c.micro_batches * transfer(lo)
     in_flight = min(c.micro_batches, c.pp - stage)
     peak = fixed.device_bytes + static + (in_flight - 1) * kept + max(kept, during)
     # its work as the pipeline paces it (fill and drain included), then its replicas' all-reduce
     step = seconds * (c.micro_batches + c.pp - 1) / c.micro_batches + reduce(lo, hi)
-    return StageCost(tuple(choices), step, peak, host + (fixed.host_bytes if last else 0))
+    return StageCost(tuple(choices), step, peak, host + (fixed.host_bytes if hi == len(cost.names()) else 0))
+
+
+def _stage_end(cost: CostModel, c: Candidate, hi: int, last: UnitChoice, seconds: float, kept: int,
+               during: int) -> tuple[float, int, int]:
+    """A stage's seconds, kept bytes and running peak once its last unit (under ``last``) is
+    done: the last stage runs the ops of no unit and the loss on the device; another sends its
+    output from the device (a host unit's output copied there first)."""
+    if hi == len(cost.names()):
+        fixed, b = cost.fixed(c), cost.boundary(hi, last, None, c)
+        kept += b.device_bytes
+        return seconds + b.seconds + fixed.seconds, kept, max(during, kept + fixed.device_during)
+    if last.target is Target.HOST:
+        seconds += cost.boundary(hi, last, UnitChoice(Target.DEVICE), c).seconds
+    return seconds, kept, during
 
 
 def _best_stage(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, device: float, host: float,
-                transfer: Callable[[int], float], reduce: Callable[[int, int], float]) -> StageCost | None:
-    """The stage without recompute if it fits, else recomputing (``None``: neither fits)."""
-    for recompute in (False, True):
-        s = stage_cost(cost, c, lo, hi, stage, recompute, transfer, reduce)
-        if s.device_bytes <= device and s.host_bytes <= host:
-            return s
-    return None
+                transfer: Callable[[int], float], reduce: Callable[[int, int], float],
+                max_labels: int = 256, resolution: int = 2000) -> StageCost | None:
+    """The stage's fastest options within the budgets (``None``: none fits): the per-unit Pareto
+    dynamic program of :func:`hetero.planner.search.dynamic_programming`, its device peak the
+    stage's (the kept bytes of every micro-batch in flight)."""
+    fixed, in_flight = cost.fixed(c), min(c.micro_batches, c.pp - stage)
+
+    def peak(static: int, kept: int, during: int) -> int:
+        return fixed.device_bytes + static + (in_flight - 1) * kept + max(kept, during)
+
+    quantum = max(1.0, device / resolution) if device != float("inf") else 1.0
+    start = Label(0.0, 0, 0, 0, fixed.host_bytes if hi == len(cost.names()) else 0, ())
+    frontier: dict[UnitChoice | None, list[Label]] = {UnitChoice(Target.DEVICE) if lo else None: [start]}
+    for i in range(lo, hi):
+        grown: dict[UnitChoice | None, list[Label]] = {}
+        options = [(x, cost.unit(i, x, c)) for x in cost.options(i, c)]
+        for previous, labels in frontier.items():
+            for choice, u in options:
+                b = cost.boundary(i, previous, choice, c)
+                for label in labels:
+                    kept = label.kept + b.device_bytes
+                    new = Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
+                                kept + u.device_kept, max(label.peak, label.kept + b.device_during, kept + u.device_during),
+                                label.host + u.host_bytes, label.choices + (choice,))
+                    if peak(new.static, new.kept, new.peak) <= device and new.host <= host:  # (parts only grow)
+                        grown.setdefault(choice, []).append(new)
+        frontier = {x: pareto(labels, max_labels, quantum) for x, labels in grown.items()}
+    best: tuple[float, tuple[UnitChoice, ...]] | None = None
+    for last, labels in frontier.items():
+        for label in labels:
+            seconds, kept, during = _stage_end(cost, c, hi, last, label.seconds, label.kept, label.peak)
+            if peak(label.static, kept, during) <= device and (best is None or seconds < best[0]):
+                best = (seconds, label.choices)
+    return stage_cost(cost, c, lo, hi, stage, best[1], transfer, reduce) if best is not None else None
+
+
+def priced_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], choices: Sequence[UnitChoice],
+                  transfer: Callable[[int], float], reduce: Callable[[int, int], float] = lambda lo, hi: 0.0) -> Stages:
+    """The split at ``cuts`` with every unit's option ``choices`` priced by ``cost`` (a search's
+    result under a cost model biased for its tie-break, priced without the bias)."""
+    bounds = [0, *cuts, len(cost.names())]
+    return _stages(cuts, [stage_cost(cost, c, lo, hi, s, choices[lo:hi], transfer, reduce)
+                          for s, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
 
 
 def _stages(cuts: Sequence[int], parts: Sequence[StageCost]) -> Stages:
@@ -164,12 +212,22 @@ def search_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], device: fl
 def brute_force_stages(cost: CostModel, c: Candidate, cuts: Sequence[int], device: float, host: float,
                        transfer: Callable[[int], float], reduce: Callable[[int, int], float] = lambda lo, hi: 0.0
                        ) -> Stages | None:
-    """:func:`search_stages` by trying every split (the reference in tests)."""
+    """:func:`search_stages` by trying every split and, in each stage, every assignment of its
+    units' options (the reference in tests)."""
     n, best = len(cost.names()), None
+
+    @functools.cache
+    def fastest(lo: int, hi: int, s: int) -> StageCost | None:
+        found = None
+        for choices in itertools.product(*(cost.options(i, c) for i in range(lo, hi))):
+            x = stage_cost(cost, c, lo, hi, s, choices, transfer, reduce)
+            if x.device_bytes <= device and x.host_bytes <= host and (found is None or x.seconds < found.seconds):
+                found = x
+        return found
+
     for split in itertools.combinations(sorted(cuts), c.pp - 1):
         bounds = [0, *split, n]
-        parts = [_best_stage(cost, c, a, b, s, device, host, transfer, reduce)
-                 for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        parts = [fastest(a, b, s) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         if all(x is not None for x in parts):
             found = _stages(split, parts)
             if best is None or found.seconds < best.seconds:
@@ -219,7 +277,9 @@ def stage_decisions(names: Sequence[str], c: Candidate, stages: Stages) -> list[
     out = []
     for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         recomputed = [names[i] for i in range(lo, hi) if stages.choices[i].recompute]
-        what = f"{names[lo]} .. {names[hi - 1]}" + (f", recomputing {', '.join(recomputed)}" if recomputed else "")
+        hosted = [names[i] for i in range(lo, hi) if stages.choices[i].target is Target.HOST]
+        what = f"{names[lo]} .. {names[hi - 1]}" + (f", recomputing {', '.join(recomputed)}" if recomputed else "") + \
+            (f", on the host {', '.join(hosted)}" if hosted else "")
         out.append((f"stage {s}", what, stages.stage_seconds[s], stages.device_bytes))
     bubble = (c.pp - 1) / (c.micro_batches + c.pp - 1)
     out.append(("pipeline bubble", f"{bubble:.2f} of the step (1F1B, {c.micro_batches} micro-batches over {c.pp} stages)",

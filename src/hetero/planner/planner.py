@@ -30,7 +30,8 @@ from hetero.planner.capture import capture
 from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
 from hetero.planner.graph import Granularity
 from hetero.parallel.pipeline_plan import pipeline_units
-from hetero.planner.pipeline import Stages, cut_positions, pipeline_failure, search_stages, split_points, stage_decisions
+from hetero.planner.pipeline import (Stages, cut_positions, pipeline_failure, priced_stages, search_stages, split_points,
+                                     stage_decisions)
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
 from hetero.planner.search import Assignment, brute_force, dynamic_programming, evaluate, ilp
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
@@ -135,11 +136,15 @@ class Planner:
                               max_pp=min(world_size, len(self.cuts) + 1) if self.cuts else 1,
                               max_tp=max(self.tensor, default=1))
         # annotations that cut operators are kept: only the degrees they fit
-        # (a unit pinned to the host rules tp and pp out: the partitioner's host subgraphs take no
-        # DTensors, and a stage's units are on the device)
-        pinned_host = any(t is Target.HOST for t in self.pinned.values())
-        self.settings = [c for c in settings if ((c.tp == 1 and not required) or (c.tp in self.tensor and not pinned_host))
-                         and not (c.pp > 1 and pinned_host) and (c.pp == 1 or c.tp == 1 or c.tp in self.staged_tensor)]
+        # (a dense unit pinned to the host rules tp and dp out: the partitioner's host subgraphs
+        # take no DTensors, and no data-parallel wrapper takes its host parameters; a pipeline
+        # stage partitions its own)
+        pinned_host = sorted(n for n, t in self.pinned.items() if t is Target.HOST and not self.graph.unit(n).tables)
+        self.settings = [c for c in settings if ((c.tp == 1 and not required) or c.tp in self.tensor)
+                         and not (pinned_host and (c.tp, c.dp) != (1, 1)) and (c.pp == 1 or c.tp == 1 or c.tp in self.staged_tensor)]
+        if not self.settings and pinned_host:
+            raise ValueError(f"units {pinned_host} are pinned to the host, which runs without data or tensor parallelism: "
+                             f"plan with world_size=1, give a model whose forward runs as pipeline stages, or unpin them")
         self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned,
                                  host_units=self.untraceable is None, tensor=self.tensor,
                                  device_tables=config.device_tables, staged_tensor=self.staged_tensor)
@@ -167,8 +172,7 @@ class Planner:
         results, pipelined = [], {}
         for c in self.settings:  # the biased search's assignment, priced without the bias
             if c.pp > 1:  # stages by dynamic programming over the unit sequence
-                stages = search_stages(self.cost, c, self.cuts, device_budget, host_budget, self._transfer(c),
-                                       self._reduce(c))
+                stages = self._stages(c, device_budget, host_budget)
                 if stages is None:
                     results.append((c, None))
                     continue
@@ -179,9 +183,16 @@ class Planner:
             found = search(biased, c, device_budget, host_budget)
             results.append((c, evaluate(self.cost, c, found.choices) if found is not None else None))
         feasible = [(c, a) for c, a in results if a is not None]
-        if not feasible:  # (the smallest budget of the unpipelined settings)
-            raise NoPlanError(_no_plan(self.cost, [c for c in self.settings if c.pp == 1], search, device_budget,
-                                       host_budget))
+        if not feasible:  # (the smallest budget of the unpipelined settings, or of the pipelines if all are)
+            flat = [c for c in self.settings if c.pp == 1]
+
+            def searched(cost: MeasuredCost, c: Candidate, device: float, host: float) -> Assignment | None:
+                if c.pp == 1:
+                    return search(cost, c, device, host)
+                stages = self._stages(c, device, host)
+                return Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes) if stages else None
+
+            raise NoPlanError(_no_plan(self.cost, flat or self.settings, searched, device_budget, host_budget))
         fastest = min(a.seconds for _, a in feasible)
         ties = [(c, a) for c, a in feasible if a.seconds <= fastest * (1 + self.config.tolerance)]
         best_c, best = min(ties, key=lambda ca: (_changes(self.cost, ca[0], ca[1]), ca[1].seconds))
@@ -193,6 +204,13 @@ class Planner:
         report = SearchReport(method.value, len(self.settings), len(feasible), self.graph.seconds,
                               self.calibration_seconds, time.perf_counter() - start)
         return self._plan(best_c, best, device_memory, host_memory, decisions, report, pipelined.get(best_c))
+
+    def _stages(self, c: Candidate, device: float, host: float) -> Stages | None:
+        """The best split within the budgets, its ties broken as :meth:`plan`'s (host units, recompute and
+        switches cost a tolerance more), priced without that bias."""
+        transfer, reduce = self._transfer(c), self._reduce(c)
+        found = search_stages(_Biased(self.cost, self.config.tolerance), c, self.cuts, device, host, transfer, reduce)
+        return priced_stages(self.cost, c, found.cuts, found.choices, transfer, reduce) if found is not None else None
 
     def _transfer(self, c: Candidate) -> Callable[[int], float]:
         """Seconds to send boundary ``i``'s activations of one micro-batch to the next stage and
@@ -222,8 +240,7 @@ class Planner:
                 raise ValueError(f"pp {candidate.pp}: the model's stages are searched (give no units), and it needs "
                                  f"{candidate.pp} pipeline units whose forward runs as stages "
                                  f"({self.pipeline_failure or f'{len(self.cuts) + 1} pipeline unit(s)'})")
-            stages = search_stages(self.cost, candidate, self.cuts, float("inf"), float("inf"), self._transfer(candidate),
-                                   self._reduce(candidate))
+            stages = self._stages(candidate, float("inf"), float("inf"))
             a = Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes, stages.cuts)
             report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0)
             return self._plan(candidate, a, None, None, [], report, stages)
@@ -302,8 +319,8 @@ def _changes(cost: MeasuredCost, c: Candidate, a: Assignment) -> int:
 
 @dataclasses.dataclass
 class _Biased:
-    """A cost model whose recomputed or streamed units, moved tables and host/device switches cost
-    more (the search's tie-break): a recompute (or streaming) ``tolerance`` of the unit's seconds, tables moved to the
+    """A cost model whose recomputed, streamed or host units, moved tables and host/device switches cost
+    more (the search's tie-break): a recompute (streaming, a dense unit on the host) ``tolerance`` of the unit's seconds, tables moved to the
     device that of the unit's host tables, a switch that of the mean unit's (a host unit inside a
     stretch of device units, and the reverse, then loses a tie)."""
 
@@ -322,7 +339,8 @@ class _Biased:
         if choice.device_tables:  # tables moved cost a tolerance of their host work
             host = self.inner.unit(i, UnitChoice(Target.HOST), c).seconds
             return dataclasses.replace(u, seconds=u.seconds + self.tolerance * host)
-        changed = choice.recompute or choice.weights is Target.HOST
+        changed = choice.recompute or choice.weights is Target.HOST or \
+            (choice.target is Target.HOST and not self.inner.units[i].tables)
         return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if changed else u
 
     def _mean(self, c: Candidate) -> float:

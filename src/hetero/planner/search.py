@@ -81,7 +81,11 @@ def brute_force(cost: CostModel, candidate: Candidate, device_budget: float, hos
 
 
 @dataclasses.dataclass(frozen=True)
-class _Label:
+class Label:
+    """A partial assignment (units ``0..len(choices)-1``): its seconds, device bytes held for
+    the step (``static``), kept to backward (``kept``), the running peak (bytes kept so far
+    plus a unit's workspace: ``peak``), and host bytes."""
+
     seconds: float
     static: int
     kept: int
@@ -89,7 +93,7 @@ class _Label:
     host: int
     choices: tuple[UnitChoice, ...]
 
-    def dominates(self, other: "_Label") -> bool:
+    def dominates(self, other: "Label") -> bool:
         return (self.seconds <= other.seconds and self.static <= other.static and self.kept <= other.kept
                 and self.peak <= other.peak and self.host <= other.host)
 
@@ -99,10 +103,10 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
     """The best assignment within the budgets (see the module docstring; ``None``: none fits)."""
     fixed = cost.fixed(candidate)
     n = len(cost.names())
-    frontier: dict[UnitChoice | None, list[_Label]] = {None: [_Label(fixed.seconds, 0, 0, 0, fixed.host_bytes, ())]}
+    frontier: dict[UnitChoice | None, list[Label]] = {None: [Label(fixed.seconds, 0, 0, 0, fixed.host_bytes, ())]}
     quantum = max(1.0, device_budget / resolution) if device_budget != float("inf") else 1.0
     for i in range(n):
-        grown: dict[UnitChoice | None, list[_Label]] = {}
+        grown: dict[UnitChoice | None, list[Label]] = {}
         options = [(c, cost.unit(i, c, candidate)) for c in cost.options(i, candidate)]
         for previous, labels in frontier.items():
             for choice, u in options:
@@ -110,13 +114,13 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
                 for label in labels:
                     kept = label.kept + b.device_bytes
                     peak = max(label.peak, label.kept + b.device_during, kept + u.device_during)
-                    new = _Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
+                    new = Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
                                  kept + u.device_kept, peak, label.host + u.host_bytes, label.choices + (choice,))
                     if fixed.device_bytes + new.static + max(new.kept + fixed.device_during, new.peak) > device_budget \
                             or new.host > host_budget:
                         continue  # every part only grows: it never fits again
                     grown.setdefault(choice, []).append(new)
-        frontier = {c: _pareto(labels, max_labels, quantum) for c, labels in grown.items()}
+        frontier = {c: pareto(labels, max_labels, quantum) for c, labels in grown.items()}
         if not frontier:
             return None
     best = None
@@ -132,7 +136,7 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
     return best
 
 
-def _pareto(labels: list[_Label], max_labels: int, quantum: float) -> list[_Label]:
+def pareto(labels: list[Label], max_labels: int, quantum: float) -> list[Label]:
     """The labels no other dominates (sorted by seconds). Past ``max_labels``, bytes compare
     rounded up to ``quantum``, then to coarser multiples of it, until few enough remain: the
     frontier keeps its memory-lean labels (a feasible plan is never lost for its size)."""
