@@ -129,6 +129,27 @@ def test_an_applied_plan_trains_as_the_unplaced_model(cache, kind, state, atol):
         applied.step((x[:63],), y[:63], F.cross_entropy)  # a micro-batch of 32 beside one of 31: refused
 
 
+class Normed(nn.Module):
+    """A Linear block and a block with a BatchNorm (whose forward checks its input: fx cannot
+    trace it, so its weights cannot be streamed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Sequential(nn.Linear(32, 64), nn.ReLU())
+        self.bn = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.out(self.bn(self.lin(x)))
+
+
+def test_weights_are_streamed_only_where_the_partitioner_traces_their_modules(cache):
+    x, y = _batch()
+    planner = Planner(Normed(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
+    streams = {n: STREAMED in planner.cost.options(i, Candidate()) for i, n in enumerate(planner.cost.names())}
+    assert streams == {"lin.0": True, "lin.1": False, "bn.0": True, "bn.1": False, "out": True}  # (a ReLU: no weights)
+
+
 def test_streamed_weights_leave_the_device_their_parameters_gradients_and_state(cache, tmp_path):
     """A unit whose weights live on the host holds none of its parameters, gradients or AdamW
     state on the device between passes - measured, not predicted - and the plan file keeps it."""

@@ -19,8 +19,18 @@ import torch
 _threads: int | None = None
 
 
-@functools.cache
-def _numba() -> ModuleType:
+def start_pool(threads: int) -> None:
+    """Size numba's thread pool for a process whose threads run ``threads`` at most (once per
+    process) and start its threading layer on the calling thread. A host worker
+    (:func:`hetero.placement.threads.host_worker`) calls this on the thread that starts it: the
+    layer's start sets the OpenMP thread count of the thread it starts on, which on the worker
+    would undo the worker's own (one thread beside a CPU device)."""
+    _size_pool(threads)
+    numba = _numba()
+    numba.set_num_threads(min(max(_threads or 1, threads), numba.config.NUMBA_NUM_THREADS))
+
+
+def _size_pool(threads: int) -> None:
     # numba's thread pool no larger than torch's: under torchrun (OMP_NUM_THREADS=1 per process)
     # idle pool threads spin after each kernel and take the cores of the job's other processes
     # (measured: parameter-server pulls 3x slower with 3 processes on 2 cores). numba reads the
@@ -28,7 +38,12 @@ def _numba() -> ModuleType:
     # set (processes started from this one inherit it unless they set their own).
     # A smaller set_num_threads() in effect at the first call does not shrink the pool: a later
     # larger one would be capped for the life of the process.
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(max(_threads or 1, torch.get_num_threads(), 1)))
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(max(_threads or 1, threads, 1)))
+
+
+@functools.cache
+def _numba() -> ModuleType:
+    _size_pool(torch.get_num_threads())
     import numba
 
     if "NUMBA_THREADING_LAYER" not in os.environ:

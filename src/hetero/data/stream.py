@@ -28,6 +28,7 @@ buffers; Hadoop's line-aligned byte splits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 import zlib
@@ -44,6 +45,7 @@ from hetero.data.readers import FileFormat, ReaderConfig, column_names, empty_ba
 from hetero.data.rows import BadRowCount
 from hetero.data.schema import Schema
 from hetero.data.tabular import Batch, BatchConfig, Jagged, TabularDataset
+from hetero.placement.threads import host_thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +340,8 @@ class _Background(Iterator):
     def __init__(self, make: Callable[[], Iterator], depth: int) -> None:
         self.queue: queue.Queue = queue.Queue(depth)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(make,), daemon=True, name="hetero-stream")
-        self.thread.start()
+        # (its OpenMP team sized beside a CPU device's: hetero.placement.threads)
+        self.thread = host_thread(functools.partial(self._run, make), "hetero-stream")
 
     def _run(self, make: Callable[[], Iterator]) -> None:
         items = make()

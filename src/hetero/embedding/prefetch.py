@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 from hetero.embedding.collection import HostEmbeddingCollection
 from hetero.embedding.exchange import RowPlacement
 from hetero.embedding.plan import LookupPlan
-from hetero.placement.threads import ThreadContext
+from hetero.placement.threads import ThreadContext, host_worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ class Prefetcher:
     def __iter__(self) -> Iterator[Any]:
         it = iter(self.batches)
         pending: deque[tuple[Any, Future]] = deque()
-        pool_cm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-prefetch") if self.config.worker else _Inline()
+        pool_cm = host_worker("hetero-prefetch") if self.config.worker else _Inline()
         with pool_cm as pool:
             def refill() -> None:
                 while len(pending) < self.config.depth:

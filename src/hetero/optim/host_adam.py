@@ -62,6 +62,8 @@ from hetero.optim.host_state import (
     _sum_over,
     f32,
 )
+from hetero.placement.threads import host_worker
+
 
 class HostAdamW(torch.optim.Optimizer):
     """AdamW (Loshchilov & Hutter 2019) with its state on the host; see the module docstring.
@@ -196,7 +198,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-host-adam")
+            self._pool = host_worker("hetero-host-adam")  # (its OpenMP team: what the device's leaves)
         return self._pool
 
     def _run_buckets(self) -> None:

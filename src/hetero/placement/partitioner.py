@@ -38,7 +38,7 @@ from hetero.placement.annotate import PlacementSpec, module_target
 from hetero.placement.capture import PlacementTracer, module_path, modules_on_path, op_type
 from hetero.placement.tagging import TARGET, tag_between
 from hetero.placement.target import Target, copy_to, resolve_device
-from hetero.placement.threads import ThreadContext
+from hetero.placement.threads import ThreadContext, host_worker
 
 
 @torch.fx.wrap
@@ -148,7 +148,7 @@ class HeteroModule(nn.Module):
         if self._pool is None:
             # One thread: host subgraphs run in submission (topological) order, so a task only ever
             # waits on tasks submitted before it and the pool cannot deadlock.
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-host")
+            self._pool = host_worker("hetero-host")  # (its OpenMP team: what the device's leaves)
         return self._pool
 
     def forward(self, *args: Any) -> Any:

@@ -1,18 +1,33 @@
-"""The thread-local state a worker thread must take over from the thread it works for.
+"""Worker threads for host work beside the calling thread: their OpenMP team, and the thread-local
+state they take over from the thread they work for.
 
-Grad mode, the current CUDA device and stream, and autocast are per thread in PyTorch: a host
-subgraph run on the partitioner's worker, or a prefetch on the prefetcher's, would otherwise run
-in fp32 outside the caller's ``torch.autocast``, on device 0 and on the default stream.
+**The team** (:func:`host_worker`). torch's intra-op pool and numba's threadsafe layer are
+OpenMP: each thread that runs a parallel region keeps a team of threads for as long as it lives.
+Once the process's teams hold more threads than there are cores, GNU libgomp stops spinning
+between parallel regions, and every region of every thread pays a futex sleep and wake-up -
+measured on 2 cores: torch's AdamW step over 3.3M parameters on the main thread 4.5 ms alone,
+34 ms once a worker thread that ran one parallel op (torch's or a numba kernel) is alive
+(``benchmarks/worker_threads.py``). Where the device is the CPU, the calling thread's team holds
+the cores, so a host worker runs one thread; beside an accelerator it takes torch's count.
+
+**The state** (:class:`ThreadContext`). Grad mode, the current CUDA device and stream, and
+autocast are per thread in PyTorch: a host subgraph run on the partitioner's worker, or a
+prefetch on the prefetcher's, would otherwise run in fp32 outside the caller's
+``torch.autocast``, on device 0 and on the default stream.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from hetero.placement.target import Target, resolve_device
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -44,3 +59,58 @@ class ThreadContext:
             for device_type, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
             yield
+
+
+def worker_threads() -> int:
+    """The threads of a host worker's OpenMP team: 1 where the device is the CPU (the calling
+    thread's team holds the cores), else ``torch.get_num_threads()``."""
+    return 1 if resolve_device(Target.DEVICE).type == "cpu" else torch.get_num_threads()
+
+
+def host_worker(name: str) -> ThreadPoolExecutor:
+    """A one-thread pool for host work beside the calling thread, its thread named ``name`` and
+    its OpenMP team of :func:`worker_threads` threads (see the module docstring); torch's and
+    numba's kernels on it use that many. Started here (the caller waits for it to start)."""
+    threads, own = _start_numba()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=_size_team, initargs=(own,))
+    pool.submit(int).result()  # the worker starts and sizes its own team
+    _restore(threads)
+    return pool
+
+
+def host_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread running ``target`` beside the calling thread (a producer), its OpenMP team
+    sized as :func:`host_worker`'s; started here."""
+    threads, own = _start_numba()
+    sized = threading.Event()
+
+    def run() -> None:
+        _size_team(own)
+        sized.set()
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    sized.wait()
+    _restore(threads)
+    return thread
+
+
+def _start_numba() -> tuple[int, int]:
+    from hetero._numba import start_pool
+
+    threads = torch.get_num_threads()
+    start_pool(threads)  # numba's kernels are OpenMP too: their layer started here, not on the worker
+    return threads, worker_threads()
+
+
+def _restore(threads: int) -> None:
+    # torch.set_num_threads also sets the count threads started afterwards take: the caller's again
+    torch.set_num_threads(threads)
+
+
+def _size_team(threads: int) -> None:
+    # torch sizes a thread's team from the process-wide count at the thread's first parallel op,
+    # once: that first (get_num_threads), so the size set next is this thread's for good
+    torch.get_num_threads()
+    torch.set_num_threads(threads)

@@ -7,9 +7,9 @@
   autograd node, the backward engine), and the hand-off of a host subgraph to the partitioner's
   worker thread after device work (its thread team wakes up). A model's ops are also timed at their exact shapes the
   first time a model with them is planned (:func:`time_shapes`; a convolution's or a batch norm's
-  speed depends on its shapes far more than on its FLOPs or bytes), and cached with the rest. On a host-only machine the device is the host: one measurement serves both
-  targets and the calibration says so (``host_is_device``); a copy between them costs nothing
-  (hetero makes none there).
+  speed depends on its shapes far more than on its FLOPs or bytes), and cached with the rest. Host ops are
+  timed on a host worker thread, as host subgraphs run (on a host-only machine - ``host_is_device``,
+  the device is the host - the same kernels on one thread: :mod:`hetero.placement.threads`).
 * **Host<->device copies** (pinned, each direction) where there is a device.
 * **Optimizers** per element and per tensor: torch's AdamW and momentum SGD where the
   parameters live, HostAdamW's host update (a :class:`LinearRate` fitted by least squares).
@@ -27,6 +27,7 @@ torch's ``RuntimeEstimator`` roofline mode for per-op rates; the STREAM triad fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -49,9 +50,10 @@ from hetero.planner.timing import (
     optimizer_rate,
     table_rates,
     time_replays,
+    worker,
 )
 
-VERSION = 12  # bump when what is measured changes: older cache files are measured again
+VERSION = 13  # bump when what is measured changes: older cache files are measured again
 
 
 @dataclasses.dataclass
@@ -97,11 +99,10 @@ class Calibration:
     def op_seconds(self, target: str, op: OpCost, scale: float = 1.0) -> float:
         """One op's predicted seconds on ``target`` with its work scaled by ``scale`` (1: as
         captured): its exact-shape time if measured (scaled along its family's curve), else the
-        curve's; plus the eager overhead (none for a view). On a host-only machine host and device
-        ops are the same kernels on the same cores: one timing serves both (two noisy timings of
-        one kernel would rank host and device by chance); what host placement costs there is the
-        hand-off at its boundaries."""
-        shapes_of = "device" if self.host_is_device else target
+        curve's; plus the eager overhead (none for a view). Host ops are timed on a host worker
+        (:func:`hetero.placement.threads.host_worker`): on a host-only machine the same kernels
+        as the device's, on one thread."""
+        shapes_of = target
         curve = self.ops[shapes_of][op.family.value]
         if op.family is OpFamily.VIEW:
             return curve.points[0][1]
@@ -218,7 +219,8 @@ def measure() -> Calibration:
     device = resolve_device(Target.DEVICE)
     host_is_device = device.type == "cpu"
     ops = {"device": op_curves(device)}
-    ops["host"] = ops["device"] if host_is_device else op_curves(torch.device("cpu"))  # the same kernels there
+    with worker() as on_worker:  # host subgraphs run on the partitioner's worker, with its thread team
+        ops["host"] = on_worker(functools.partial(op_curves, torch.device("cpu")))()[0]
     h2d = d2h = None
     if not host_is_device:
         h2d, d2h = copy_curves(device)
@@ -246,13 +248,13 @@ def time_shapes(calibration: Calibration, graph: ModelGraph, targets: tuple[str,
 
     todo = []
     for target in targets:
-        if target == "host" and calibration.host_is_device:
-            continue  # derived from the device's (see Calibration.op_seconds)
         known = calibration.shapes.setdefault(target, {})
         todo += [(target, sig) for sig in graph.replays if sig not in known]
     if not todo:
         return 0
-    time_replays(calibration, graph, todo)
+    time_replays(calibration, graph, [x for x in todo if x[0] != "host"])
+    with worker() as on_worker:  # (as the host curves: on the partitioner's kind of worker)
+        on_worker(functools.partial(time_replays, calibration, graph, [x for x in todo if x[0] == "host"]))()
     path = cache_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):

@@ -169,6 +169,26 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...],
                       recorder.replays, traffic)
 
 
+def streamable_units(model: nn.Module, names: list[str]) -> frozenset[str]:
+    """The units of ``names`` whose weights the partitioner can keep on the host and stream in:
+    it traces through every module owning one of their parameters (its ops then take them from
+    ``get_attr`` nodes), which a forward branching on its input (``BatchNorm``'s input check)
+    does not allow - such a unit would run through the hook fallback, whose copies no plan prices.
+    Each module type is traced once, alone."""
+    from hetero.placement.capture import capture_failure
+
+    traces: dict[type, bool] = {}
+    out = set()
+    for name in names:
+        owners = [m for m in model.get_submodule(name).modules() if next(m.parameters(recurse=False), None) is not None]
+        for m in owners:
+            if type(m) not in traces:
+                traces[type(m)] = capture_failure(m) is None
+        if owners and all(traces[type(m)] for m in owners):
+            out.add(name)
+    return frozenset(out)
+
+
 def _static(name: str, module: nn.Module) -> Unit:
     """A unit's parameters, tables and kind (nothing of its ops yet)."""
     found = [(f"{name}.{q}" if q else name, t) for q, t in module.named_modules() if isinstance(t, HostEmbedding)]

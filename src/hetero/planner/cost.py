@@ -137,16 +137,20 @@ class MeasuredCost:
             value whole between pipeline units (a candidate with ``pp > 1`` beside ``tp``).
         device_tables: tables may move to the device (on one data-parallel rank; float32 tables
             whose sparse optimizer torch has).
+        streamable: the units whose weights may live on the host (the partitioner traces the
+            modules owning their parameters: :func:`hetero.planner.capture.streamable_units`).
     """
 
     def __init__(self, graph: ModelGraph, calibration: Calibration, optimizer: OptimizerKind,
                  sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {},
                  host_units: bool = True, tensor: Mapping[int, TensorSharding] = {},
-                 device_tables: bool = True, staged_tensor: Mapping[int, TensorSharding] = {}) -> None:
+                 device_tables: bool = True, staged_tensor: Mapping[int, TensorSharding] = {},
+                 streamable: frozenset[str] = frozenset()) -> None:
         self.graph, self.cal, self.optimizer = graph, calibration, optimizer
         self.units = [u for u in graph.units if u.name]
         self.root = next(u for u in graph.units if not u.name)
         self.sparse, self.pinned, self.host_units, self.tensor = sparse, pinned, host_units, tensor
+        self.streamable = streamable
         self.staged_tensor = staged_tensor
         self._movable: dict[int, list[TableInfo]] = {}
         self._row_counts: dict[tuple[str, int, int], tuple[float, float]] = {}  # (table, dp, passes) -> ids, rows
@@ -204,7 +208,7 @@ class MeasuredCost:
                and ((c.tp, c.dp) == (1, 1) or x.target is Target.DEVICE)]
         # (tp shards device ops: host subgraphs take no DTensors; dp: no data-parallel wrapper -
         # DDP, FSDP2, replicate - takes a partitioned model's host parameters)
-        if self.host_units and u.params and u.name not in self.pinned and (c.tp, c.dp, c.pp) == (1, 1, 1):
+        if u.name in self.streamable and u.name not in self.pinned and (c.tp, c.dp, c.pp) == (1, 1, 1):
             out.append(STREAMED)  # (host parameters on one rank: the partitioner's, not DDP's, ZeRO's or a stage's)
         pin = self.pinned.get(u.name)
         return tuple(x for x in out if pin is None or x.target is pin)
@@ -218,7 +222,10 @@ class MeasuredCost:
         pass, which the scaling along the family's curve does not)."""
         u = self.graph.unit(name)
         ops = u.backward if backward else u.forward
-        return c.micro_batches * sum(self.cal.op_seconds(target.value, op, self._scale(c)) for op in ops)
+        # a host subgraph's forward runs on the partitioner's worker, its backward on autograd's
+        # thread (the caller's, on CPU) with torch's count: beside a CPU device, the device's rates
+        on = Target.DEVICE if backward and self.cal.host_is_device else target
+        return c.micro_batches * sum(self.cal.op_seconds(on.value, op, self._scale(c)) for op in ops)
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.units[i]

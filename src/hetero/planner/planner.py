@@ -26,14 +26,14 @@ from hetero.parallel.operator_plan import ShardingPlan
 from hetero.placement import PlacementSpec, Target
 from hetero.placement.capture import capture_failure
 from hetero.planner.calibration import calibrate, collectives, time_shapes
-from hetero.planner.capture import capture
-from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
+from hetero.planner.capture import capture, streamable_units
+from hetero.planner.cost import CostModel, MeasuredCost
 from hetero.planner.graph import Granularity
 from hetero.parallel.pipeline_plan import pipeline_units
 from hetero.planner.pipeline import (Stages, cut_positions, pipeline_failure, priced_stages, search_stages, split_points,
                                      stage_decisions)
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
-from hetero.planner.search import Assignment, brute_force, dynamic_programming, evaluate, ilp
+from hetero.planner.search import Assignment, Biased, brute_force, dynamic_programming, evaluate, ilp
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
 from hetero.planner.tensor_parallel import cuts_operators, tensor_options
 
@@ -147,7 +147,9 @@ class Planner:
                              f"plan with world_size=1, give a model whose forward runs as pipeline stages, or unpin them")
         self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned,
                                  host_units=self.untraceable is None, tensor=self.tensor,
-                                 device_tables=config.device_tables, staged_tensor=self.staged_tensor)
+                                 device_tables=config.device_tables, staged_tensor=self.staged_tensor,
+                                 streamable=streamable_units(model, [u.name for u in self.graph.units if u.name and not u.tables])
+                                 if self.untraceable is None else frozenset())
         sizes = {c.dp for c in self.settings} | {c.tp for c in self.settings} | {2 for c in self.settings if c.pp > 1}
         for n in sorted(sizes):  # collectives' rates (once; a pipeline's sends as 2 ranks' all-gather)
             collectives(self.calibration, n, config.cache_dir)
@@ -168,7 +170,7 @@ class Planner:
         if method is SearchMethod.AUTO:
             method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
         search = _SEARCH[method]
-        biased = _Biased(self.cost, self.config.tolerance)
+        biased = Biased(self.cost, self.config.tolerance)
         results, pipelined = [], {}
         for c in self.settings:  # the biased search's assignment, priced without the bias
             if c.pp > 1:  # stages by dynamic programming over the unit sequence
@@ -209,7 +211,7 @@ class Planner:
         """The best split within the budgets, its ties broken as :meth:`plan`'s (host units, recompute and
         switches cost a tolerance more), priced without that bias."""
         transfer, reduce = self._transfer(c), self._reduce(c)
-        found = search_stages(_Biased(self.cost, self.config.tolerance), c, self.cuts, device, host, transfer, reduce)
+        found = search_stages(Biased(self.cost, self.config.tolerance), c, self.cuts, device, host, transfer, reduce)
         return priced_stages(self.cost, c, found.cuts, found.choices, transfer, reduce) if found is not None else None
 
     def _transfer(self, c: Candidate) -> Callable[[int], float]:
@@ -315,50 +317,6 @@ def _changes(cost: MeasuredCost, c: Candidate, a: Assignment) -> int:
     switches = sum(x is not y for x, y in zip(targets, targets[1:]))
     return (c.micro_batches > 1) + (c.state is not StateHome.DEVICE) + (c.zero > 0) + (c.tp > 1) + (c.pp > 1) + switches + \
         sum(ch.recompute or ch.weights is Target.HOST for ch in a.choices) + sum(ch.device_tables > 0 for ch in a.choices)
-
-
-@dataclasses.dataclass
-class _Biased:
-    """A cost model whose recomputed, streamed or host units, moved tables and host/device switches cost
-    more (the search's tie-break): a recompute (streaming, a dense unit on the host) ``tolerance`` of the unit's seconds, tables moved to the
-    device that of the unit's host tables, a switch that of the mean unit's (a host unit inside a
-    stretch of device units, and the reverse, then loses a tie)."""
-
-    inner: MeasuredCost
-    tolerance: float
-    means: dict[Candidate, float] = dataclasses.field(default_factory=dict)  # a dense unit's mean seconds
-
-    def names(self) -> list[str]:
-        return self.inner.names()
-
-    def options(self, i: int, c: Candidate) -> tuple[UnitChoice, ...]:
-        return self.inner.options(i, c)
-
-    def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
-        u = self.inner.unit(i, choice, c)
-        if choice.device_tables:  # tables moved cost a tolerance of their host work
-            host = self.inner.unit(i, UnitChoice(Target.HOST), c).seconds
-            return dataclasses.replace(u, seconds=u.seconds + self.tolerance * host)
-        changed = choice.recompute or choice.weights is Target.HOST or \
-            (choice.target is Target.HOST and not self.inner.units[i].tables)
-        return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if changed else u
-
-    def _mean(self, c: Candidate) -> float:
-        if c not in self.means:
-            dense = [j for j, u in enumerate(self.inner.units) if not u.tables]
-            self.means[c] = sum(self.inner.unit(j, UnitChoice(), c).seconds for j in dense) / max(len(dense), 1)
-        return self.means[c]
-
-    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
-        b = self.inner.boundary(i, before, after, c)
-        on = [x.target if x is not None else Target.DEVICE for x in (before, after)]
-        if on[0] is on[1] or (i < len(self.inner.units) and self.inner.units[i].tables) or \
-                (i > 0 and self.inner.units[i - 1].tables):
-            return b
-        return dataclasses.replace(b, seconds=b.seconds + self.tolerance * self._mean(c))
-
-    def fixed(self, c: Candidate):  # noqa: ANN201 - FixedCost
-        return self.inner.fixed(c)
 
 
 def _search_brute(cost: CostModel, c: Candidate, device: float, host: float) -> Assignment | None:

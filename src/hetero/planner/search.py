@@ -14,6 +14,8 @@ minimising the predicted step time with the device and host peaks within their b
   boundary (forced to 1 when both sides are chosen), and the backward peak as a variable above
   each unit's prefix sum - exact.
 * :func:`brute_force`: every assignment (small graphs; the reference in tests).
+* :class:`Biased`: the searches' tie-break - a cost model whose changes from the plain plan cost
+  a tolerance more, so that of two plans predicted alike the one that changes less wins.
 
 Reference: Checkmate (Jain et al. 2020) for recomputation as an integer program; Alpa (Zheng et
 al. 2022) and the reference design's ``dynamic_programming`` mode for DP over layer sequences.
@@ -25,7 +27,8 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from hetero.planner.cost import CostModel
+from hetero.placement import Target
+from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
 from hetero.planner.space import Candidate, UnitChoice
 
 
@@ -262,3 +265,47 @@ def ilp(cost: CostModel, candidate: Candidate, device_budget: float, host_budget
     if any(over) and retries:  # within the solver's tolerance but over: the budgets are hard
         return ilp(cost, candidate, device_budget - 2 * over[0], host_budget - 2 * over[1], retries - 1)
     return None if any(over) else found
+
+
+@dataclasses.dataclass
+class Biased:
+    """A cost model whose recomputed, streamed or host units, moved tables and host/device switches cost
+    more (the search's tie-break): a recompute (streaming, a dense unit on the host) ``tolerance`` of the unit's seconds, tables moved to the
+    device that of the unit's host tables, a switch that of the mean unit's (a host unit inside a
+    stretch of device units, and the reverse, then loses a tie)."""
+
+    inner: MeasuredCost
+    tolerance: float
+    means: dict[Candidate, float] = dataclasses.field(default_factory=dict)  # a dense unit's mean seconds
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def options(self, i: int, c: Candidate) -> tuple[UnitChoice, ...]:
+        return self.inner.options(i, c)
+
+    def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
+        u = self.inner.unit(i, choice, c)
+        if choice.device_tables:  # tables moved cost a tolerance of their host work
+            host = self.inner.unit(i, UnitChoice(Target.HOST), c).seconds
+            return dataclasses.replace(u, seconds=u.seconds + self.tolerance * host)
+        changed = choice.recompute or choice.weights is Target.HOST or \
+            (choice.target is Target.HOST and not self.inner.units[i].tables)
+        return dataclasses.replace(u, seconds=u.seconds * (1 + self.tolerance)) if changed else u
+
+    def _mean(self, c: Candidate) -> float:
+        if c not in self.means:
+            dense = [j for j, u in enumerate(self.inner.units) if not u.tables]
+            self.means[c] = sum(self.inner.unit(j, UnitChoice(), c).seconds for j in dense) / max(len(dense), 1)
+        return self.means[c]
+
+    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
+        b = self.inner.boundary(i, before, after, c)
+        on = [x.target if x is not None else Target.DEVICE for x in (before, after)]
+        if on[0] is on[1] or (i < len(self.inner.units) and self.inner.units[i].tables) or \
+                (i > 0 and self.inner.units[i - 1].tables):
+            return b
+        return dataclasses.replace(b, seconds=b.seconds + self.tolerance * self._mean(c))
+
+    def fixed(self, c: Candidate):  # noqa: ANN201 - FixedCost
+        return self.inner.fixed(c)

@@ -123,10 +123,11 @@ def _flops(fn: Callable[[], object]) -> int:
 @contextlib.contextmanager
 def worker() -> Iterator[Callable[..., Callable[[], object]]]:
     """``wrap(fn, k=1)``: a function running ``fn`` ``k`` times in a row on one worker thread the
-    caller waits on (how the partitioner runs host subgraphs); the thread ends with the block."""
-    from concurrent.futures import ThreadPoolExecutor
+    caller waits on (how the partitioner runs host subgraphs: a host worker, its thread team
+    sized as theirs); the thread ends with the block."""
+    from hetero.placement.threads import host_worker
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-calibration") as pool:
+    with host_worker("hetero-calibration") as pool:
         def wrap(fn: Callable[[], object], k: int = 1) -> Callable[[], object]:
             return lambda: pool.submit(lambda: [fn() for _ in range(k)]).result()
 

@@ -1,0 +1,56 @@
+"""Host workers beside a CPU device: one OpenMP thread for torch's ops and numba's kernels on the
+worker (after either ran there), the caller's count unchanged and taken by threads started
+later, numba's pool sized for the process. Each case in a fresh process: numba's threading layer starts once per process, and which
+thread starts it is what the case is about."""
+
+import subprocess
+import sys
+
+CASE = """
+import threading, numpy as np, torch
+torch.set_num_threads(2)
+from hetero.placement.threads import host_thread, host_worker, worker_threads
+from hetero.embedding.kernels import kernels
+{before}
+
+def work():
+    seen = [torch.get_num_threads()]
+    (torch.rand(1 << 20) * 2).sum()  # a parallel torch op
+    out = np.zeros((64, 16), dtype=np.float32)
+    kernels().pool_forward(np.random.rand(4096, 16).astype(np.float32), np.arange(4096),
+                           np.arange(0, 4097, 64), np.empty(0, dtype=np.float32), out)  # a parallel numba kernel
+    import numba
+    return seen + [torch.get_num_threads(), numba.get_num_threads()]
+
+later = []
+t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+{run}
+t.start(); t.join()
+import numba
+print(worker_threads(), on_worker, torch.get_num_threads(), later, numba.config.NUMBA_NUM_THREADS)
+"""
+
+
+POOL = "on_worker = host_worker('hetero-test').submit(work).result()"
+THREAD = "box = []; host_thread(lambda: box.append(work()), 'hetero-test').join(); on_worker = box[0]"
+
+
+def _run(before: str = "", run: str = POOL) -> str:
+    done = subprocess.run([sys.executable, "-c", CASE.format(before=before, run=run)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_a_host_worker_runs_one_thread_beside_a_cpu_device():
+    # numba first used on the worker (HostAdamW's overlapped update): its start must not resize the worker
+    # (and numba's pool sized for the process, not the worker: the caller's kernels take 2)
+    assert _run() == "1 [1, 1, 1] 2 [2] 2"
+
+
+def test_a_host_worker_after_numba_started_on_the_caller():
+    assert _run("kernels(); import numba; numba.set_num_threads(2)") == "1 [1, 1, 1] 2 [2] 2"
+
+
+def test_a_host_thread_runs_one_thread_beside_a_cpu_device():
+    assert _run(run=THREAD) == "1 [1, 1, 1] 2 [2] 2"
