@@ -5,8 +5,8 @@ state they take over from the thread they work for.
 OpenMP: each thread that runs a parallel region keeps a team of threads for as long as it lives.
 Once the process's teams hold more threads than there are cores, GNU libgomp stops spinning
 between parallel regions, and every region of every thread pays a futex sleep and wake-up -
-measured on 2 cores: torch's AdamW step over 3.3M parameters on the main thread 4.5 ms alone,
-34 ms once a worker thread that ran one parallel op (torch's or a numba kernel) is alive
+measured on 2 cores: torch's AdamW step over 3.3M parameters on the main thread 4.2 ms alone,
+33 ms once a worker thread that ran one parallel op (torch's or a numba kernel) is alive
 (``benchmarks/worker_threads.py``). Where the device is the CPU, the calling thread's team holds
 the cores, so a host worker runs one thread; beside an accelerator it takes torch's count.
 
@@ -70,7 +70,9 @@ def worker_threads() -> int:
 def host_worker(name: str) -> ThreadPoolExecutor:
     """A one-thread pool for host work beside the calling thread, its thread named ``name`` and
     its OpenMP team of :func:`worker_threads` threads (see the module docstring); torch's and
-    numba's kernels on it use that many. Started here (the caller waits for it to start)."""
+    numba's kernels on it use that many. Started here (the caller waits for it to start; numba's
+    threading layer is started on the caller, and ``torch.set_num_threads`` is called there with
+    the caller's own count, which sets that of threads started later back to it)."""
     threads, own = _start_numba()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=_size_team, initargs=(own,))
     pool.submit(int).result()  # the worker starts and sizes its own team

@@ -53,7 +53,7 @@ from hetero.planner.timing import (
     worker,
 )
 
-VERSION = 13  # bump when what is measured changes: older cache files are measured again
+VERSION = 14  # bump when what is measured changes: older cache files are measured again
 
 
 @dataclasses.dataclass
@@ -99,19 +99,22 @@ class Calibration:
     def op_seconds(self, target: str, op: OpCost, scale: float = 1.0) -> float:
         """One op's predicted seconds on ``target`` with its work scaled by ``scale`` (1: as
         captured): its exact-shape time if measured (scaled along its family's curve), else the
-        curve's; plus the eager overhead (none for a view). Host ops are timed on a host worker
-        (:func:`hetero.placement.threads.host_worker`): on a host-only machine the same kernels
-        as the device's, on one thread."""
-        shapes_of = target
-        curve = self.ops[shapes_of][op.family.value]
+        curve's; plus the eager overhead (none for a view). Host curves are timed on a host worker
+        (:func:`hetero.placement.threads.host_worker`); on a host-only machine, where that is the
+        device's kernels on one thread, a host op's exact time is the device's scaled by the ratio
+        of the two curves at its work (one timing per shape)."""
+        shapes_of = "device" if self.host_is_device else target
+        curve = self.ops[target][op.family.value]
         if op.family is OpFamily.VIEW:
             return curve.points[0][1]
         work = (op.nbytes if op.family is OpFamily.MEMORY else max(op.flops, 1.0)) * scale
         t = curve.seconds(work)
         exact = self.shapes.get(shapes_of, {}).get(op.signature) if op.signature else None
         if exact is not None and not math.isnan(exact):
+            timed_on = self.ops[shapes_of][op.family.value]
             # a share of the work takes no less than that share of the time, no more than all of it
-            t = exact * min(1.0, max(scale, curve.seconds(work) / curve.seconds(work / scale)))
+            t = exact * min(1.0, max(scale, timed_on.seconds(work) / timed_on.seconds(work / scale)))
+            t *= curve.seconds(work) / timed_on.seconds(work)  # (1 where the shape was timed on the target)
         return t + self.op_overhead_s
 
     def to_json(self) -> dict[str, Any]:
@@ -248,13 +251,16 @@ def time_shapes(calibration: Calibration, graph: ModelGraph, targets: tuple[str,
 
     todo = []
     for target in targets:
+        if target == "host" and calibration.host_is_device:
+            continue  # the device's, scaled (see Calibration.op_seconds)
         known = calibration.shapes.setdefault(target, {})
         todo += [(target, sig) for sig in graph.replays if sig not in known]
     if not todo:
         return 0
     time_replays(calibration, graph, [x for x in todo if x[0] != "host"])
-    with worker() as on_worker:  # (as the host curves: on the partitioner's kind of worker)
-        on_worker(functools.partial(time_replays, calibration, graph, [x for x in todo if x[0] == "host"]))()
+    if any(x[0] == "host" for x in todo):
+        with worker() as on_worker:  # (as the host curves: on the partitioner's kind of worker)
+            on_worker(functools.partial(time_replays, calibration, graph, [x for x in todo if x[0] == "host"]))()
     path = cache_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):

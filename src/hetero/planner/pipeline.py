@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from hetero.placement import Target
 from hetero.planner.cost import CostModel
-from hetero.planner.search import Label, pareto
+from hetero.planner.search import Label, frontiers
 from hetero.planner.space import Candidate, UnitChoice
 
 
@@ -142,21 +142,8 @@ def _best_stage(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, dev
 
     quantum = max(1.0, device / resolution) if device != float("inf") else 1.0
     start = Label(0.0, 0, 0, 0, fixed.host_bytes if hi == len(cost.names()) else 0, ())
-    frontier: dict[UnitChoice | None, list[Label]] = {UnitChoice(Target.DEVICE) if lo else None: [start]}
-    for i in range(lo, hi):
-        grown: dict[UnitChoice | None, list[Label]] = {}
-        options = [(x, cost.unit(i, x, c)) for x in cost.options(i, c)]
-        for previous, labels in frontier.items():
-            for choice, u in options:
-                b = cost.boundary(i, previous, choice, c)
-                for label in labels:
-                    kept = label.kept + b.device_bytes
-                    new = Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
-                                kept + u.device_kept, max(label.peak, label.kept + b.device_during, kept + u.device_during),
-                                label.host + u.host_bytes, label.choices + (choice,))
-                    if peak(new.static, new.kept, new.peak) <= device and new.host <= host:  # (parts only grow)
-                        grown.setdefault(choice, []).append(new)
-        frontier = {x: pareto(labels, max_labels, quantum) for x, labels in grown.items()}
+    frontier = frontiers(cost, c, lo, hi, {UnitChoice(Target.DEVICE) if lo else None: [start]},
+                         lambda x: peak(x.static, x.kept, x.peak) <= device and x.host <= host, max_labels, quantum)
     best: tuple[float, tuple[UnitChoice, ...]] | None = None
     for last, labels in frontier.items():
         for label in labels:

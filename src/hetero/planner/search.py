@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hetero.placement import Target
 from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
@@ -106,26 +106,16 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
     """The best assignment within the budgets (see the module docstring; ``None``: none fits)."""
     fixed = cost.fixed(candidate)
     n = len(cost.names())
-    frontier: dict[UnitChoice | None, list[Label]] = {None: [Label(fixed.seconds, 0, 0, 0, fixed.host_bytes, ())]}
+
+    def fits(x: Label) -> bool:
+        return fixed.device_bytes + x.static + max(x.kept + fixed.device_during, x.peak) <= device_budget \
+            and x.host <= host_budget
+
     quantum = max(1.0, device_budget / resolution) if device_budget != float("inf") else 1.0
-    for i in range(n):
-        grown: dict[UnitChoice | None, list[Label]] = {}
-        options = [(c, cost.unit(i, c, candidate)) for c in cost.options(i, candidate)]
-        for previous, labels in frontier.items():
-            for choice, u in options:
-                b = cost.boundary(i, previous, choice, candidate)
-                for label in labels:
-                    kept = label.kept + b.device_bytes
-                    peak = max(label.peak, label.kept + b.device_during, kept + u.device_during)
-                    new = Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
-                                 kept + u.device_kept, peak, label.host + u.host_bytes, label.choices + (choice,))
-                    if fixed.device_bytes + new.static + max(new.kept + fixed.device_during, new.peak) > device_budget \
-                            or new.host > host_budget:
-                        continue  # every part only grows: it never fits again
-                    grown.setdefault(choice, []).append(new)
-        frontier = {c: pareto(labels, max_labels, quantum) for c, labels in grown.items()}
-        if not frontier:
-            return None
+    frontier = frontiers(cost, candidate, 0, n, {None: [Label(fixed.seconds, 0, 0, 0, fixed.host_bytes, ())]}, fits,
+                         max_labels, quantum)
+    if not frontier:
+        return None
     best = None
     for last, labels in frontier.items():
         b = cost.boundary(n, last, None, candidate)
@@ -137,6 +127,31 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
             if best is None or label.seconds + b.seconds < best.seconds:
                 best = Assignment(label.choices, label.seconds + b.seconds, device, label.host)
     return best
+
+
+def frontiers(cost: CostModel, candidate: Candidate, lo: int, hi: int, start: dict[UnitChoice | None, list[Label]],
+              fits: Callable[[Label], bool], max_labels: int, quantum: float) -> dict[UnitChoice | None, list[Label]]:
+    """The Pareto frontiers of the partial assignments ``start`` grown over units ``lo..hi-1``, by
+    the last unit's option (a boundary's cost depends on both its sides); a label ``fits`` rejects
+    is dropped (every part only grows: it never fits again). Empty: none fits."""
+    frontier = start
+    for i in range(lo, hi):
+        grown: dict[UnitChoice | None, list[Label]] = {}
+        options = [(c, cost.unit(i, c, candidate)) for c in cost.options(i, candidate)]
+        for previous, labels in frontier.items():
+            for choice, u in options:
+                b = cost.boundary(i, previous, choice, candidate)
+                for label in labels:
+                    kept = label.kept + b.device_bytes
+                    peak = max(label.peak, label.kept + b.device_during, kept + u.device_during)
+                    new = Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
+                                kept + u.device_kept, peak, label.host + u.host_bytes, label.choices + (choice,))
+                    if fits(new):
+                        grown.setdefault(choice, []).append(new)
+        frontier = {c: pareto(labels, max_labels, quantum) for c, labels in grown.items()}
+        if not frontier:
+            break
+    return frontier
 
 
 def pareto(labels: list[Label], max_labels: int, quantum: float) -> list[Label]:
