@@ -150,6 +150,7 @@ class Planner:
                                  device_tables=config.device_tables, staged_tensor=self.staged_tensor,
                                  streamable=streamable_units(model, [u.name for u in self.graph.units if u.name and not u.tables])
                                  if self.untraceable is None else frozenset())
+        self.biased = Biased(self.cost, config.tolerance)  # the searches' tie-break (its mean unit remembered)
         sizes = {c.dp for c in self.settings} | {c.tp for c in self.settings} | {2 for c in self.settings if c.pp > 1}
         for n in sorted(sizes):  # collectives' rates (once; a pipeline's sends as 2 ranks' all-gather)
             collectives(self.calibration, n, config.cache_dir)
@@ -170,7 +171,6 @@ class Planner:
         if method is SearchMethod.AUTO:
             method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
         search = _SEARCH[method]
-        biased = Biased(self.cost, self.config.tolerance)
         results, pipelined = [], {}
         for c in self.settings:  # the biased search's assignment, priced without the bias
             if c.pp > 1:  # stages by dynamic programming over the unit sequence
@@ -182,7 +182,7 @@ class Planner:
                 results.append((c, Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes,
                                               stages.cuts)))
                 continue
-            found = search(biased, c, device_budget, host_budget)
+            found = search(self.biased, c, device_budget, host_budget)
             results.append((c, evaluate(self.cost, c, found.choices) if found is not None else None))
         feasible = [(c, a) for c, a in results if a is not None]
         if not feasible:  # (the smallest budget of the unpipelined settings, or of the pipelines if all are)
@@ -211,7 +211,7 @@ class Planner:
         """The best split within the budgets, its ties broken as :meth:`plan`'s (host units, recompute and
         switches cost a tolerance more), priced without that bias."""
         transfer, reduce = self._transfer(c), self._reduce(c)
-        found = search_stages(Biased(self.cost, self.config.tolerance), c, self.cuts, device, host, transfer, reduce)
+        found = search_stages(self.biased, c, self.cuts, device, host, transfer, reduce)
         return priced_stages(self.cost, c, found.cuts, found.choices, transfer, reduce) if found is not None else None
 
     def _transfer(self, c: Candidate) -> Callable[[int], float]:
