@@ -130,13 +130,18 @@ def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_pro
                       placement=pinned, config=PlannerConfig(cache_dir=cache))
     assert {(c.pp, c.dp, c.tp) for c in planner.settings} == {(2, 1, 1)}  # dp and tp take no host units
     plan = planner.plan()
-    assert plan.candidate.pp == 2 and plan.host_units() == ["blocks.1"]
-    assert "on the host blocks.1" in str(hetero.explain(plan))
+    # its neighbours may join it (saving two copies where host and device are one CPU): a measured choice
+    host = plan.host_units()
+    assert plan.candidate.pp == 2 and "blocks.1" in host
+    said = [line.partition("on the host ")[2].partition(" (")[0].split(", ") for line in str(hetero.explain(plan)).splitlines()
+            if "on the host " in line]  # each stage's host units
+    assert sum(said, []) == host
     path = plan.save(tmp_path / "plan.json")
     losses, gathered = run_ranks(tmp_path, 2, _train_pp, str(path), 3)
-    hosted = sorted(names for _, _, _, names in gathered)  # the stage holding blocks.1 runs it on its host thread
-    assert hosted == [([], []), (["blocks.1.0.bias", "blocks.1.0.weight", "blocks.1.2.bias", "blocks.1.2.weight"],
-                                 ["hetero-host"])]
+    for mine, _, _, (hosted, threads) in gathered:  # each stage's host units hold their parameters on its host
+        assert hosted == sorted(n for n in mine if any(n.startswith(u + ".") for u in host))
+        assert threads == (["hetero-host"] if "blocks.1.0.weight" in mine else [])  # blocks.1 runs on the host thread
+    assert sum(bool(hosted) for _, _, _, (hosted, _) in gathered) >= 1
     assert_trains_as_one_process(Stack, _batches(3), losses, gathered[0][0] | gathered[1][0])
     with pytest.raises(ValueError, match="pinned to the host, which runs without data or tensor parallelism"):
         Planner(Flat(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y),
