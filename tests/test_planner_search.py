@@ -46,10 +46,11 @@ def synthetic(rng, n):
     costs = []
     for _ in range(n):
         act, saved, params = rng.randint(1, 50), rng.randint(0, 80), rng.randint(0, 60)
+        device, host = rng.uniform(0, 1), rng.uniform(0, 3)  # their optimizer updates (a pipeline does not pace them)
         costs.append({
-            UNIT_CHOICES[0]: UnitCost(rng.uniform(1, 3), params, act + saved, act + saved + rng.randint(0, 20), 0),
-            UNIT_CHOICES[1]: UnitCost(rng.uniform(1.5, 4), params, act, act + saved + rng.randint(0, 20), 0),
-            UNIT_CHOICES[2]: UnitCost(rng.uniform(2, 9), 0, 0, 0, params * 2 + act + saved),
+            UNIT_CHOICES[0]: UnitCost(device + rng.uniform(1, 3), params, act + saved, act + saved + rng.randint(0, 20), 0, device),
+            UNIT_CHOICES[1]: UnitCost(device + rng.uniform(1.5, 4), params, act, act + saved + rng.randint(0, 20), 0, device),
+            UNIT_CHOICES[2]: UnitCost(host + rng.uniform(2, 9), 0, 0, 0, params * 2 + act + saved, host),
         })
     kept = {}
     for i in range(n + 1):

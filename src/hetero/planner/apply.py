@@ -271,8 +271,9 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Applied:
     """A pp plan: the model split at the plan's points (``hetero.parallel.pipeline``, 1F1B), this
     rank's stage recomputing its planned units (and over its ``dp`` replicas torch's replicate, or
-    FSDP2 at ZeRO 2 and 3), torch's optimizer beside its parameters, each replica its share of
-    the batch."""
+    FSDP2 at ZeRO 2 and 3), torch's optimizer beside its parameters or HostAdamW /
+    PartialOffloadAdamW keeping their state on the host (HostAdamW averaging the replicas'
+    gradients itself), each replica its share of the batch."""
     from hetero.parallel.pipeline import pipeline
     from hetero.parallel.pipeline_plan import PipelineConfig
 
@@ -284,6 +285,10 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan with host units {hosted} or host weights "
                          f"{plan.streamed_units()}: a stage's host units run without dp or tp, its weights on the device; "
                          f"plan the model again (hetero.plan never makes one)")
+    if (c.state is StateHome.PARTIAL and c.dp > 1) or (c.state is not StateHome.DEVICE and (c.tp > 1 or c.zero)):
+        raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with its optimizer state "
+                         f"{c.describe()['optimizer state']}: a stage offloads all of its state beside dp, part of it only "
+                         f"without dp, none beside tp or ZeRO; plan the model again (hetero.plan never makes one)")
     mesh = _mesh(mesh, plan)
     recomputed = plan.recompute_config().modules
     group = mesh[MeshDim.DP.value].get_group() if c.dp > 1 else None  # (the loss average's)
@@ -303,7 +308,7 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
             for name in own:
                 spec.module(name, Target.HOST)
             return _SendFromDevice(partition(stage, spec), device)
-        if group is None:
+        if group is None or c.state is StateHome.HOST:  # (HostAdamW averages the replicas' gradients)
             return stage
         if c.zero >= 2:  # FSDP2 over the stage's replicas (the schedule syncs its gradients once per batch)
             return apply_zero(stage, ZeroConfig(c.zero), mesh)
@@ -320,8 +325,8 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad and p not in on_host]
     rank = mesh[MeshDim.DP.value].get_local_rank()
     # (no foreach with replicas or tp: their parameters are DTensors)
-    optimizer = _torch_optimizer([p for _, p in named], plan.optimizer, config,
-                                 None if group is None and c.tp == 1 else False) if named else None
+    optimizer = _device_optimizer(named, plan, config, group is None and c.tp == 1, mesh[MeshDim.DP.value].get_group()) \
+        if named else None
     host_optimizers = [_torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config)] if on_host else []
     host_tensors = on_host | {b for n in hosted if n in stages for b in stages[n].buffers()}
     return Applied(pipe.modules[0], optimizer, host_optimizers,
@@ -356,7 +361,10 @@ def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: Optimiz
 
 
 def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: OptimizerConfig,
-                      foreach: bool = True) -> Any:  # noqa: ANN401
+                      foreach: bool = True, replicas: Any = None) -> Any:  # noqa: ANN401
+    """The device parameters' optimizer as the plan keeps its state; ``replicas``: the process
+    group an offloaded state averages gradients over (``None``: every rank; a pipeline's: its
+    stage's ``dp`` ranks, not the other stages)."""
     state = plan.candidate.state
     if state is StateHome.DEVICE or plan.optimizer is not OptimizerKind.ADAMW:
         # (no foreach under tp: it takes one kind of tensor, and tp mixes DTensor shards and plain ones)
@@ -364,9 +372,10 @@ def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: Opti
     # the device keeps its weights in their own dtype: the update is AdamW's, exactly
     host = HostOffloadConfig(device_dtype=named[0][1].dtype, accumulate=plan.candidate.micro_batches)
     if state is StateHome.HOST:
-        return HostAdamW(named, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, config=host)
+        return HostAdamW(named, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, config=host,
+                         process_group=replicas)
     return PartialOffloadAdamW(named, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                               config=PartialOffloadConfig(plan.candidate.offload_ratio, host))
+                               config=PartialOffloadConfig(plan.candidate.offload_ratio, host), process_group=replicas)
 
 
 def split_batch(tree: Any, parts: int) -> list[Any]:  # noqa: ANN401 - a pytree of batch tensors

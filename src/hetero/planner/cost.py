@@ -52,6 +52,8 @@ class UnitCost:
 
     Attributes:
         seconds: its forward, backward, recompute and optimizer update per step.
+        update_seconds: of ``seconds``, its parameters' optimizer update (once per step, after
+            the last micro-batch's backward: a pipeline's fill and drain do not stretch it).
         device_static: its parameters, gradients and optimizer state on the device (bytes).
         device_kept: activations its forward keeps on the device until its backward.
         device_during: device bytes its backward holds (``device_kept`` and more).
@@ -63,6 +65,7 @@ class UnitCost:
     device_kept: int = 0
     device_during: int = 0
     host_bytes: int = 0
+    update_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +157,9 @@ class MeasuredCost:
         self.staged_tensor = staged_tensor
         self._movable: dict[int, list[TableInfo]] = {}
         self._row_counts: dict[tuple[str, int, int], tuple[float, float]] = {}  # (table, dp, passes) -> ids, rows
+        # remembered: the searches ask for the same unit's passes under many candidates (the hot spot)
+        self._pass_seconds: dict[tuple[str, bool, Target, int, float], float] = {}
+        self._unit_costs: dict[tuple[int, UnitChoice, Candidate], UnitCost] = {}
         for i, u in enumerate(self.units):
             kinds = {t.name: sparse_optimizer_of(t.name, sparse) for t in u.tables}
             movable = [t for t in u.tables if device_tables and t.row_bytes == 4 * t.dim and
@@ -220,14 +226,23 @@ class MeasuredCost:
         """Seconds of unit ``name``'s forward (or backward) ops over a step's passes, each op's
         work scaled to a pass's share (measured: isolated replays of smaller shapes flatter a
         pass, which the scaling along the family's curve does not)."""
-        u = self.graph.unit(name)
-        ops = u.backward if backward else u.forward
         # a host subgraph's forward runs on the partitioner's worker, its backward on autograd's
         # thread (the caller's, on CPU) with torch's count: beside a CPU device, the device's rates
         on = Target.DEVICE if backward and self.cal.host_is_device else target
-        return c.micro_batches * sum(self.cal.op_seconds(on.value, op, self._scale(c)) for op in ops)
+        key = (name, backward, on, c.micro_batches, self._scale(c))
+        if key not in self._pass_seconds:
+            u = self.graph.unit(name)
+            ops = u.backward if backward else u.forward
+            self._pass_seconds[key] = c.micro_batches * sum(self.cal.op_seconds(on.value, op, self._scale(c)) for op in ops)
+        return self._pass_seconds[key]
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
+        key = (i, choice, c)
+        if key not in self._unit_costs:
+            self._unit_costs[key] = self._unit(i, choice, c)
+        return self._unit_costs[key]
+
+    def _unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.units[i]
         if u.tables:
             return self._tables(u, c, self.table_order(i)[:choice.device_tables])
@@ -238,7 +253,8 @@ class MeasuredCost:
         activations = int(u.saved_bytes * s)  # its own; its inputs are the boundary's
         if choice.target is Target.HOST:  # everything of it is the host's; torch's optimizer there
             update, state = self._host_update(u)
-            return UnitCost(compute + update, host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s))
+            return UnitCost(compute + update, host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s),
+                            update_seconds=update)
         during = activations + int((u.input_bytes + u.output_bytes) * s)  # its activations + gradient workspace
         if choice.weights is Target.HOST:
             return self._streamed(u, c, compute, activations, during)
@@ -247,7 +263,7 @@ class MeasuredCost:
         if c.state is not StateHome.DEVICE or c.micro_batches > 1:
             # one gradient in flight: streaming to the host, or beside the sum it accumulates into
             during += u.largest_param_bytes
-        return UnitCost(compute + seconds, static, kept, during, host)
+        return UnitCost(compute + seconds, static, kept, during, host, seconds)
 
     def _streamed(self, u: Unit, c: Candidate, compute: float, activations: int, during: int) -> UnitCost:
         """A device unit whose parameters live on the host: each pass copies them in (autograd
@@ -261,7 +277,7 @@ class MeasuredCost:
         update, state = self._host_update(u)
         # kept: its activations and the weights' copy; during its backward also a gradient on its way out
         return UnitCost(compute + c.micro_batches * copies + update, 0, activations + nbytes,
-                        during + nbytes + u.largest_param_bytes, 2 * nbytes + state)
+                        during + nbytes + u.largest_param_bytes, 2 * nbytes + state, update)
 
     def _host_update(self, u: Unit) -> tuple[float, int]:
         """Seconds of torch's optimizer updating unit ``u``'s parameters on the host, and the

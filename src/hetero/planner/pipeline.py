@@ -16,8 +16,9 @@ backward - plus the largest backward workspace. The ops of no unit (the loss) ru
 stage; the batch is on every stage's budget (conservative: only the first holds it).
 
 **The step** is the slowest stage's: its work per micro-batch times ``m + p - 1`` (the fill and
-drain of the pipeline: the bubble, ``(p - 1) / (m + p - 1)`` of it), then the all-reduce of its
-gradients over its ``dp`` replicas (each replica of the pipeline runs ``1 / dp`` of the batch).
+drain of the pipeline: the bubble, ``(p - 1) / (m + p - 1)`` of it), then its optimizer updates
+(once, after the last backward: on the device, or on the host for offloaded state) and the
+all-reduce of its gradients over its ``dp`` replicas (each replica runs ``1 / dp`` of the batch).
 
 **The search** (:func:`search_stages`): ``best(s, i)`` - the least bottleneck of cutting units
 ``i..n-1`` into stages ``s..p-1`` - over every end of stage ``s`` (a cut position), each stage's
@@ -94,12 +95,12 @@ def stage_cost(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, choi
     docstring); ``transfer(i)``: seconds to send boundary ``i``'s activations forward and their
     gradients back, once; ``reduce(lo, hi)``: the stage's gradient all-reduce over its ``dp``
     replicas."""
-    fixed = cost.fixed(c)
+    fixed, pace = cost.fixed(c), _pace(c)
     seconds, static, kept, during, host = 0.0, 0, 0, 0, 0
     previous = UnitChoice(Target.DEVICE) if lo else None  # received from the stage before: kept here
     for i, choice in zip(range(lo, hi), choices, strict=True):
         u, b = cost.unit(i, choice, c), cost.boundary(i, previous, choice, c)
-        seconds += u.seconds + b.seconds
+        seconds += (u.seconds - u.update_seconds + b.seconds) * pace + u.update_seconds
         during = max(during, kept + b.device_during, kept + b.device_bytes + u.device_during)
         kept += b.device_bytes + u.device_kept
         static += u.device_static
@@ -107,12 +108,18 @@ def stage_cost(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, choi
         previous = choice
     seconds, kept, during = _stage_end(cost, c, hi, previous, seconds, kept, during)
     if lo:
-        seconds += c.micro_batches * transfer(lo)
+        seconds += c.micro_batches * transfer(lo) * pace
     in_flight = min(c.micro_batches, c.pp - stage)
     peak = fixed.device_bytes + static + (in_flight - 1) * kept + max(kept, during)
-    # its work as the pipeline paces it (fill and drain included), then its replicas' all-reduce
-    step = seconds * (c.micro_batches + c.pp - 1) / c.micro_batches + reduce(lo, hi)
-    return StageCost(tuple(choices), step, peak, host + (fixed.host_bytes if hi == len(cost.names()) else 0))
+    # its work as the pipeline paces it and its updates, then its replicas' all-reduce
+    return StageCost(tuple(choices), seconds + reduce(lo, hi), peak,
+                     host + (fixed.host_bytes if hi == len(cost.names()) else 0))
+
+
+def _pace(c: Candidate) -> float:
+    """What the pipeline stretches a stage's per-pass work by: its fill and drain, ``m + p - 1``
+    micro-batch slots for ``m`` micro-batches (the optimizer updates run once, after them)."""
+    return (c.micro_batches + c.pp - 1) / c.micro_batches
 
 
 def _stage_end(cost: CostModel, c: Candidate, hi: int, last: UnitChoice, seconds: float, kept: int,
@@ -123,9 +130,9 @@ def _stage_end(cost: CostModel, c: Candidate, hi: int, last: UnitChoice, seconds
     if hi == len(cost.names()):
         fixed, b = cost.fixed(c), cost.boundary(hi, last, None, c)
         kept += b.device_bytes
-        return seconds + b.seconds + fixed.seconds, kept, max(during, kept + fixed.device_during)
+        return seconds + (b.seconds + fixed.seconds) * _pace(c), kept, max(during, kept + fixed.device_during)
     if last.target is Target.HOST:
-        seconds += cost.boundary(hi, last, UnitChoice(Target.DEVICE), c).seconds
+        seconds += cost.boundary(hi, last, UnitChoice(Target.DEVICE), c).seconds * _pace(c)
     return seconds, kept, during
 
 
@@ -143,7 +150,8 @@ def _best_stage(cost: CostModel, c: Candidate, lo: int, hi: int, stage: int, dev
     quantum = max(1.0, device / resolution) if device != float("inf") else 1.0
     start = Label(0.0, 0, 0, 0, fixed.host_bytes if hi == len(cost.names()) else 0, ())
     frontier = frontiers(cost, c, lo, hi, {UnitChoice(Target.DEVICE) if lo else None: [start]},
-                         lambda x: peak(x.static, x.kept, x.peak) <= device and x.host <= host, max_labels, quantum)
+                         lambda x: peak(x.static, x.kept, x.peak) <= device and x.host <= host, max_labels, quantum,
+                         _pace(c))
     best: tuple[float, tuple[UnitChoice, ...]] | None = None
     for last, labels in frontier.items():
         for label in labels:

@@ -70,7 +70,8 @@ class Decision:
 @dataclasses.dataclass(frozen=True)
 class SearchReport:
     """How the plan was found: the per-unit search's method, the candidates of the outer
-    enumeration tried and feasible, and the seconds of capture, calibration and search."""
+    enumeration, those searched (the others' lower bound lost: branch and bound) and feasible
+    of them, and the seconds of capture, calibration and search."""
 
     method: str
     candidates: int
@@ -78,6 +79,7 @@ class SearchReport:
     capture_seconds: float
     calibration_seconds: float
     search_seconds: float
+    searched: int = 0
 
 
 @dataclasses.dataclass
@@ -257,7 +259,8 @@ class Plan:
                                                "calibrated as such" if self.host_is_device else ""),
                  f"predicted step {p.seconds * 1e3:.2f} ms; device peak {mb(p.device_bytes)}, host {mb(p.host_bytes)}",
                  "  " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in p.parts.items() if v),
-                 f"search: {self.search.method}, {self.search.feasible} of {self.search.candidates} settings fit; "
+                 f"search: {self.search.method}, {self.search.searched} of {self.search.candidates} settings searched "
+                 f"(the others' bound lost), {self.search.feasible} of them fit; "
                  f"capture {self.search.capture_seconds:.2f} s, calibration {self.search.calibration_seconds:.2f} s "
                  f"(cached), search {self.search.search_seconds:.2f} s",
                  f"optimizer: {self.optimizer.value}"]

@@ -6,6 +6,13 @@ Order of work: capture on fake tensors (:mod:`hetero.planner.capture`) -> the ca
 the cache, the model's op shapes timed once (:mod:`hetero.planner.calibration`) -> for each
 candidate of the outer enumeration (:func:`hetero.planner.space.candidates`) the per-unit search
 (:mod:`hetero.planner.search`) -> runner-ups: the best plan with each decision changed.
+
+Branch and bound over the candidates: each has a lower bound, its least seconds with no budget
+(:class:`~hetero.planner.search.SecondsOnly`: one label per frontier, a fraction of a search);
+they are searched in the order of their bounds until the next bound is past the fastest plan
+found (and its ties), then, for each decision, until no bound beats the fastest plan of another
+value (its runner-up): the plan and every runner-up are those of searching every candidate
+(tested), and a pipeline's ``O(p n^2)`` stage searches run only for pipelines that can win.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from hetero.parallel.pipeline_plan import pipeline_units
 from hetero.planner.pipeline import (Stages, cut_positions, pipeline_failure, priced_stages, search_stages, split_points,
                                      stage_decisions)
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
-from hetero.planner.search import Assignment, Biased, brute_force, dynamic_programming, evaluate, ilp
+from hetero.planner.search import Assignment, Biased, SecondsOnly, brute_force, dynamic_programming, evaluate, ilp
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
 from hetero.planner.tensor_parallel import cuts_operators, tensor_options
 
@@ -171,41 +178,67 @@ class Planner:
         if method is SearchMethod.AUTO:
             method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
         search = _SEARCH[method]
-        results, pipelined = [], {}
-        for c in self.settings:  # the biased search's assignment, priced without the bias
+        searched: dict[Candidate, Assignment | None] = {}
+        pipelined: dict[Candidate, Stages] = {}
+
+        def run(c: Candidate) -> None:  # the biased search's assignment, priced without the bias
             if c.pp > 1:  # stages by dynamic programming over the unit sequence
                 stages = self._stages(c, device_budget, host_budget)
-                if stages is None:
-                    results.append((c, None))
-                    continue
-                pipelined[c] = stages
-                results.append((c, Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes,
-                                              stages.cuts)))
-                continue
+                if stages is not None:
+                    pipelined[c] = stages
+                searched[c] = Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes,
+                                         stages.cuts) if stages is not None else None
+                return
             found = search(self.biased, c, device_budget, host_budget)
-            results.append((c, evaluate(self.cost, c, found.choices) if found is not None else None))
-        feasible = [(c, a) for c, a in results if a is not None]
-        if not feasible:  # (the smallest budget of the unpipelined settings, or of the pipelines if all are)
+            searched[c] = evaluate(self.cost, c, found.choices) if found is not None else None
+
+        # branch and bound: the settings by their unbudgeted least seconds; one whose bound is past the
+        # fastest plan found (and its ties) cannot win - nor be a decision's runner-up, searched below
+        bound = {c: self._bound(c) for c in self.settings}
+        order = sorted(self.settings, key=bound.__getitem__)
+        tolerance = 1 + self.config.tolerance
+        for c in order:
+            fastest = min((a.seconds for a in searched.values() if a is not None), default=float("inf"))
+            if bound[c] > fastest * tolerance:
+                break
+            run(c)
+        feasible = [(c, a) for c, a in searched.items() if a is not None]
+        if not feasible:  # (every setting searched: the smallest budget of the unpipelined ones, or of the pipelines)
             flat = [c for c in self.settings if c.pp == 1]
 
-            def searched(cost: MeasuredCost, c: Candidate, device: float, host: float) -> Assignment | None:
+            def searched_at(cost: MeasuredCost, c: Candidate, device: float, host: float) -> Assignment | None:
                 if c.pp == 1:
                     return search(cost, c, device, host)
                 stages = self._stages(c, device, host)
                 return Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes) if stages else None
 
-            raise NoPlanError(_no_plan(self.cost, flat or self.settings, searched, device_budget, host_budget))
+            raise NoPlanError(_no_plan(self.cost, flat or self.settings, searched_at, device_budget, host_budget))
         fastest = min(a.seconds for _, a in feasible)
-        ties = [(c, a) for c, a in feasible if a.seconds <= fastest * (1 + self.config.tolerance)]
+        ties = [(c, a) for c, a in feasible if a.seconds <= fastest * tolerance]
         best_c, best = min(ties, key=lambda ca: (_changes(self.cost, ca[0], ca[1]), ca[1].seconds))
+        for what, value in best_c.describe().items():  # each decision's runner-up: the fastest of another value
+            for c in (c for c in order if c.describe()[what] != value):
+                other = [a.seconds for x, a in searched.items() if a is not None and x.describe()[what] != value]
+                if other and bound[c] > min(other):
+                    break
+                if c not in searched:
+                    run(c)
+        results = [(c, searched[c]) for c in self.settings if c in searched]  # (in the enumeration's order)
         if best_c.pp > 1:
             units = [Decision(*row) for row in stage_decisions(self.cost.names(), best_c, pipelined[best_c])]
         else:
             units = _unit_decisions(self.cost, best_c, best, device_budget, host_budget)
         decisions = _global_decisions(best_c, best, results) + units
-        report = SearchReport(method.value, len(self.settings), len(feasible), self.graph.seconds,
-                              self.calibration_seconds, time.perf_counter() - start)
+        report = SearchReport(method.value, len(self.settings), sum(a is not None for _, a in results), self.graph.seconds,
+                              self.calibration_seconds, time.perf_counter() - start, len(results))
         return self._plan(best_c, best, device_memory, host_memory, decisions, report, pipelined.get(best_c))
+
+    def _bound(self, c: Candidate) -> float:
+        """The least predicted seconds of any assignment of ``c``, budgets aside (a lower bound)."""
+        found = search_stages(SecondsOnly(self.cost), c, self.cuts, float("inf"), float("inf"), self._transfer(c),
+                              self._reduce(c)) if c.pp > 1 else \
+            dynamic_programming(SecondsOnly(self.cost), c, float("inf"), float("inf"))
+        return found.seconds if found is not None else float("inf")
 
     def _stages(self, c: Candidate, device: float, host: float) -> Stages | None:
         """The best split within the budgets, its ties broken as :meth:`plan`'s (host units, recompute and
@@ -244,7 +277,7 @@ class Planner:
                                  f"({self.pipeline_failure or f'{len(self.cuts) + 1} pipeline unit(s)'})")
             stages = self._stages(candidate, float("inf"), float("inf"))
             a = Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes, stages.cuts)
-            report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0)
+            report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0, 1)
             return self._plan(candidate, a, None, None, [], report, stages)
         names = self.cost.names()
         for name in units:
@@ -258,7 +291,7 @@ class Planner:
                 raise ValueError(f"unit {name!r} cannot take {choice}; its options are {[str(o) for o in options]}")
             choices.append(choice)
         a = evaluate(self.cost, candidate, choices)
-        report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0)
+        report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0, 1)
         return self._plan(candidate, a, None, None, [], report)
 
     def _plan(self, c: Candidate, a: Assignment, device_memory: int | None, host_memory: int | None,

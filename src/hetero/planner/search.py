@@ -16,6 +16,8 @@ minimising the predicted step time with the device and host peaks within their b
 * :func:`brute_force`: every assignment (small graphs; the reference in tests).
 * :class:`Biased`: the searches' tie-break - a cost model whose changes from the plain plan cost
   a tolerance more, so that of two plans predicted alike the one that changes less wins.
+* :class:`SecondsOnly`: a cost model's seconds alone - searched with no budget, a candidate's
+  lower bound (the planner's branch and bound over candidates).
 
 Reference: Checkmate (Jain et al. 2020) for recomputation as an integer program; Alpa (Zheng et
 al. 2022) and the reference design's ``dynamic_programming`` mode for DP over layer sequences.
@@ -28,7 +30,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from hetero.placement import Target
-from hetero.planner.cost import BoundaryCost, CostModel, MeasuredCost, UnitCost
+from hetero.planner.cost import BoundaryCost, CostModel, FixedCost, MeasuredCost, UnitCost
 from hetero.planner.space import Candidate, UnitChoice
 
 
@@ -130,10 +132,12 @@ def dynamic_programming(cost: CostModel, candidate: Candidate, device_budget: fl
 
 
 def frontiers(cost: CostModel, candidate: Candidate, lo: int, hi: int, start: dict[UnitChoice | None, list[Label]],
-              fits: Callable[[Label], bool], max_labels: int, quantum: float) -> dict[UnitChoice | None, list[Label]]:
+              fits: Callable[[Label], bool], max_labels: int, quantum: float,
+              pace: float = 1.0) -> dict[UnitChoice | None, list[Label]]:
     """The Pareto frontiers of the partial assignments ``start`` grown over units ``lo..hi-1``, by
     the last unit's option (a boundary's cost depends on both its sides); a label ``fits`` rejects
-    is dropped (every part only grows: it never fits again). Empty: none fits."""
+    is dropped (every part only grows: it never fits again). Empty: none fits. ``pace``: what a
+    pipeline stretches each pass's work by (its fill and drain), not the optimizer updates."""
     frontier = start
     for i in range(lo, hi):
         grown: dict[UnitChoice | None, list[Label]] = {}
@@ -144,7 +148,8 @@ def frontiers(cost: CostModel, candidate: Candidate, lo: int, hi: int, start: di
                 for label in labels:
                     kept = label.kept + b.device_bytes
                     peak = max(label.peak, label.kept + b.device_during, kept + u.device_during)
-                    new = Label(label.seconds + b.seconds + u.seconds, label.static + u.device_static,
+                    work = (b.seconds + u.seconds - u.update_seconds) * pace + u.update_seconds
+                    new = Label(label.seconds + work, label.static + u.device_static,
                                 kept + u.device_kept, peak, label.host + u.host_bytes, label.choices + (choice,))
                     if fits(new):
                         grown.setdefault(choice, []).append(new)
@@ -324,3 +329,29 @@ class Biased:
 
     def fixed(self, c: Candidate):  # noqa: ANN201 - FixedCost
         return self.inner.fixed(c)
+
+
+@dataclasses.dataclass
+class SecondsOnly:
+    """A cost model's seconds without its bytes: a search of it under no budget finds the least
+    seconds of any assignment - a lower bound on every budgeted search of the same candidate,
+    which lets the planner skip the candidates whose bound loses (branch and bound). Its
+    frontiers hold one label per last option: the bound costs a fraction of a search."""
+
+    inner: CostModel
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def options(self, i: int, c: Candidate) -> tuple[UnitChoice, ...]:
+        return self.inner.options(i, c)
+
+    def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
+        u = self.inner.unit(i, choice, c)
+        return UnitCost(u.seconds, update_seconds=u.update_seconds)
+
+    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
+        return BoundaryCost(self.inner.boundary(i, before, after, c).seconds)
+
+    def fixed(self, c: Candidate) -> FixedCost:
+        return FixedCost(self.inner.fixed(c).parts)
