@@ -355,3 +355,31 @@ def test_accumulated_backward_passes_equal_one_pass_over_the_whole_batch():
     assert opt.last_grad_norm == pytest.approx(want, rel=1e-5)
     with pytest.raises(ValueError, match=r"HostOffloadConfig.accumulate=0: a step takes at least 1 backward pass"):
         HostOffloadConfig(accumulate=0)
+
+
+def test_a_dropped_optimizer_frees_its_host_state_worker_and_hooks():
+    """Parameters' hooks hold HostAdamW weakly: dropped, it is collected with its host state and
+    its worker thread ends (a hook holding it kept all of it alive for as long as the model: torch's
+    collector cannot see the cycle), and the parameters lose its hooks."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    model = nn.Linear(64, 64)
+    opt = HostAdamW(model.named_parameters(), lr=1e-3, config=FP32)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()  # (its worker started)
+    assert any(t.name.startswith("hetero-host-adam") for t in threading.enumerate())
+    dropped = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert dropped() is None
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("hetero-host-adam") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name.startswith("hetero-host-adam") for t in threading.enumerate())
+    model.zero_grad()
+    model(torch.randn(4, 64)).sum().backward()  # no hook takes the gradient to the host any more
+    assert all(p.grad is not None for p in model.parameters())
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())

@@ -42,6 +42,7 @@ import functools
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -117,6 +118,7 @@ class HostAdamW(torch.optim.Optimizer):
         cuda = torch.cuda.is_available()
         names = dict((p, n) for n, p in reversed(named))  # keyed by the tensor itself, as torch.optim's state
         self._slots: dict[Tensor, _Slot] = {}
+        on_grad, hooks = weakref.WeakMethod(self._on_grad), []
         for group in self.param_groups:
             for p in group["params"]:
                 own = self._owned(p.numel())  # the elements this rank keeps state for (all, unsharded)
@@ -131,7 +133,11 @@ class HostAdamW(torch.optim.Optimizer):
                 slot = _Slot(names[p], p, group, master, host(master.numel()), host(master.numel()),
                              host(self._grad_elements(p.numel()), grad_dtype), staging)
                 self._slots[p] = slot
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, slot))
+                hooks.append(p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, on_grad)))
+        # the hooks hold the optimizer weakly and go with it: a parameter's hook holding it would
+        # keep it, its host state and its worker thread alive for as long as the parameter (torch's
+        # garbage collector cannot see a cycle through a tensor's hooks)
+        weakref.finalize(self, _remove_all, hooks)
         self._buckets = _buckets(list(self._slots.values()), config)
         for b, bucket in enumerate(self._buckets):
             for slot in bucket:
@@ -152,7 +158,8 @@ class HostAdamW(torch.optim.Optimizer):
         self.peak_device_grad_bytes = 0  # largest device gradient alive at once (accounting)
 
     # ------------------------------------------------------------------------- streaming
-    def _on_grad(self, slot: _Slot, p: Tensor) -> None:
+    def _on_grad(self, p: Tensor) -> None:
+        slot = self._slots[p]
         slot.accumulated += 1
         if slot.accumulated < self.config.accumulate:
             return  # autograd sums the next backward pass's gradient into p.grad
@@ -491,3 +498,15 @@ class HostAdam(HostAdamW):
                  process_group: dist.ProcessGroup | None = None, norm_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
                          norm_group=norm_group)
+
+
+def _call_weakly(method: weakref.WeakMethod, p: Tensor) -> None:
+    """A parameter's hook: ``method(p)`` while its optimizer lives."""
+    bound = method()
+    if bound is not None:
+        bound(p)
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
