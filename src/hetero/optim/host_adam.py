@@ -52,16 +52,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hetero.optim.host_state import (
-    HostOffloadConfig,
-    _chunks,
-    _host_all_reduce_group,
-    _host_buffer,
-    _kernels,
-    _np,
-    _buckets,
-    _Slot,
-    _sum_over,
-    f32,
+    HostOffloadConfig, _chunks, _host_all_reduce_group, _host_buffer, _kernels, _np,
+    _buckets, _call_weakly, _remove_all, _Slot, _sum_over, f32,
 )
 from hetero.placement.threads import host_worker
 
@@ -134,9 +126,8 @@ class HostAdamW(torch.optim.Optimizer):
                              host(self._grad_elements(p.numel()), grad_dtype), staging)
                 self._slots[p] = slot
                 hooks.append(p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, on_grad)))
-        # the hooks hold the optimizer weakly and go with it: a parameter's hook holding it would
-        # keep it, its host state and its worker thread alive for as long as the parameter (torch's
-        # garbage collector cannot see a cycle through a tensor's hooks)
+        # the hooks hold the optimizer weakly and go with it: holding it, they kept it, its host state and
+        # worker alive as long as the parameters (torch's collector cannot see a cycle through a tensor's hooks)
         weakref.finalize(self, _remove_all, hooks)
         self._buckets = _buckets(list(self._slots.values()), config)
         for b, bucket in enumerate(self._buckets):
@@ -498,15 +489,3 @@ class HostAdam(HostAdamW):
                  process_group: dist.ProcessGroup | None = None, norm_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
                          norm_group=norm_group)
-
-
-def _call_weakly(method: weakref.WeakMethod, p: Tensor) -> None:
-    """A parameter's hook: ``method(p)`` while its optimizer lives."""
-    bound = method()
-    if bound is not None:
-        bound(p)
-
-
-def _remove_all(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()

@@ -5,6 +5,7 @@ kernels, the optimizer's own gloo group)."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import numpy as np
@@ -141,3 +142,14 @@ def _buckets(slots: list[_Slot], config: HostOffloadConfig) -> list[list[_Slot]]
             buckets.append([])
             size = 0
     return [b for b in buckets if b]
+
+def _call_weakly(method: weakref.WeakMethod, p: Tensor) -> None:
+    """A parameter's hook: ``method(p)`` while its optimizer lives."""
+    bound = method()
+    if bound is not None:
+        bound(p)
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
