@@ -288,7 +288,29 @@ def ilp(cost: CostModel, candidate: Candidate, device_budget: float, host_budget
 
 
 @dataclasses.dataclass
-class Biased:
+class _Delegating:
+    """A cost model answering as ``inner`` does (what a wrapper does not change)."""
+
+    inner: CostModel
+
+    def names(self) -> list[str]:
+        return self.inner.names()
+
+    def options(self, i: int, c: Candidate) -> tuple[UnitChoice, ...]:
+        return self.inner.options(i, c)
+
+    def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
+        return self.inner.unit(i, choice, c)
+
+    def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
+        return self.inner.boundary(i, before, after, c)
+
+    def fixed(self, c: Candidate) -> FixedCost:
+        return self.inner.fixed(c)
+
+
+@dataclasses.dataclass
+class Biased(_Delegating):
     """A cost model whose recomputed, streamed or host units, moved tables and host/device switches cost
     more (the search's tie-break): a recompute (streaming, a dense unit on the host) ``tolerance`` of the unit's seconds, tables moved to the
     device that of the unit's host tables, a switch that of the mean unit's (a host unit inside a
@@ -297,12 +319,6 @@ class Biased:
     inner: MeasuredCost
     tolerance: float
     means: dict[Candidate, float] = dataclasses.field(default_factory=dict)  # a dense unit's mean seconds
-
-    def names(self) -> list[str]:
-        return self.inner.names()
-
-    def options(self, i: int, c: Candidate) -> tuple[UnitChoice, ...]:
-        return self.inner.options(i, c)
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.inner.unit(i, choice, c)
@@ -327,24 +343,13 @@ class Biased:
             return b
         return dataclasses.replace(b, seconds=b.seconds + self.tolerance * self._mean(c))
 
-    def fixed(self, c: Candidate):  # noqa: ANN201 - FixedCost
-        return self.inner.fixed(c)
-
 
 @dataclasses.dataclass
-class SecondsOnly:
+class SecondsOnly(_Delegating):
     """A cost model's seconds without its bytes: a search of it under no budget finds the least
     seconds of any assignment - a lower bound on every budgeted search of the same candidate,
     which lets the planner skip the candidates whose bound loses (branch and bound). Its
     frontiers hold one label per last option: the bound costs a fraction of a search."""
-
-    inner: CostModel
-
-    def names(self) -> list[str]:
-        return self.inner.names()
-
-    def options(self, i: int, c: Candidate) -> tuple[UnitChoice, ...]:
-        return self.inner.options(i, c)
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.inner.unit(i, choice, c)
