@@ -143,6 +143,7 @@ def _buckets(slots: list[_Slot], config: HostOffloadConfig) -> list[list[_Slot]]
             size = 0
     return [b for b in buckets if b]
 
+
 def _call_weakly(method: weakref.WeakMethod, p: Tensor) -> None:
     """A parameter's hook: ``method(p)`` while its optimizer lives."""
     bound = method()

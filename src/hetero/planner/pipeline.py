@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from hetero.placement import Target
 from hetero.planner.cost import CostModel
-from hetero.planner.search import Label, frontiers
+from hetero.planner.search import Assignment, Label, frontiers
 from hetero.planner.space import Candidate, UnitChoice
 
 
@@ -77,6 +77,10 @@ class Stages:
     stage_seconds: tuple[float, ...]
     device_bytes: int
     host_bytes: int
+
+    def assignment(self) -> Assignment:
+        """The split as the per-unit searches' result (its cuts kept)."""
+        return Assignment(self.choices, self.seconds, self.device_bytes, self.host_bytes, self.cuts)
 
 
 def cut_positions(units: Sequence[str], pipeline_units: Sequence[str]) -> list[int]:

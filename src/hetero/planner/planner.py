@@ -186,8 +186,7 @@ class Planner:
                 stages = self._stages(c, device_budget, host_budget)
                 if stages is not None:
                     pipelined[c] = stages
-                searched[c] = Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes,
-                                         stages.cuts) if stages is not None else None
+                searched[c] = stages.assignment() if stages is not None else None
                 return
             found = search(self.biased, c, device_budget, host_budget)
             searched[c] = evaluate(self.cost, c, found.choices) if found is not None else None
@@ -196,12 +195,12 @@ class Planner:
         # fastest plan found (and its ties) cannot win - nor be a decision's runner-up, searched below
         bound = {c: self._bound(c) for c in self.settings}
         order = sorted(self.settings, key=bound.__getitem__)
-        tolerance = 1 + self.config.tolerance
+        tolerance, fastest = 1 + self.config.tolerance, float("inf")
         for c in order:
-            fastest = min((a.seconds for a in searched.values() if a is not None), default=float("inf"))
             if bound[c] > fastest * tolerance:
                 break
             run(c)
+            fastest = min(fastest, searched[c].seconds if searched[c] is not None else fastest)
         feasible = [(c, a) for c, a in searched.items() if a is not None]
         if not feasible:  # (every setting searched: the smallest budget of the unpipelined ones, or of the pipelines)
             flat = [c for c in self.settings if c.pp == 1]
@@ -210,7 +209,7 @@ class Planner:
                 if c.pp == 1:
                     return search(cost, c, device, host)
                 stages = self._stages(c, device, host)
-                return Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes) if stages else None
+                return stages.assignment() if stages else None
 
             raise NoPlanError(_no_plan(self.cost, flat or self.settings, searched_at, device_budget, host_budget))
         fastest = min(a.seconds for _, a in feasible)
@@ -276,7 +275,7 @@ class Planner:
                                  f"{candidate.pp} pipeline units whose forward runs as stages "
                                  f"({self.pipeline_failure or f'{len(self.cuts) + 1} pipeline unit(s)'})")
             stages = self._stages(candidate, float("inf"), float("inf"))
-            a = Assignment(stages.choices, stages.seconds, stages.device_bytes, stages.host_bytes, stages.cuts)
+            a = stages.assignment()
             report = SearchReport("given", 1, 1, self.graph.seconds, self.calibration_seconds, 0.0, 1)
             return self._plan(candidate, a, None, None, [], report, stages)
         names = self.cost.names()
