@@ -1,5 +1,7 @@
 """The planner's dp dimension made real by hetero.apply: a dense model's dp plan, with and without
-ZeRO, on 2 gloo ranks trains as one process on the global batch (each rank its share)."""
+ZeRO, with a unit on the host (every replica's, its gradients averaged beside DDP's) and with the
+optimizer state on the host, on 2 gloo ranks trains as one process on the global batch (each rank
+its share)."""
 
 import pytest
 import torch
@@ -8,7 +10,8 @@ from torch import nn
 
 from hetero.planner.plan import Plan
 from hetero.planner.planner import Planner, PlannerConfig
-from hetero.planner.space import Candidate, OptimizerKind
+from hetero.placement import Target
+from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice
 
 
 class Net(nn.Module):
@@ -25,19 +28,20 @@ def _batches(steps, n=32):
     return [(torch.randn(n, 16, generator=g), torch.randint(0, 8, (n,), generator=g)) for _ in range(steps)]
 
 
-def _train_dp(plan_path, steps):
+def _train_dp(plan_path, steps, lr=0.1):
     from torch.distributed.tensor import DTensor
 
     from hetero.planner.apply import OptimizerConfig, apply
 
     torch.manual_seed(0)
     model = Net()
-    run = apply(model, Plan.load(plan_path), OptimizerConfig(lr=0.1))
+    run = apply(model, Plan.load(plan_path), OptimizerConfig(lr=lr))
     rows = []
     model.fc1.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
     losses = [run.step((x,), y, F.cross_entropy) for x, y in _batches(steps)]  # every rank: the global batch
+    hosted = sorted(n for n, p in model.named_parameters() if p in run.host_tensors)
     return losses, {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                    for n, p in model.named_parameters()}, rows
+                    for n, p in model.named_parameters()}, rows, hosted
 
 
 @pytest.mark.parametrize("zero,micro_batches", [(0, 2), (1, 1), (3, 1)])
@@ -48,6 +52,73 @@ def test_a_dp_plan_trains_as_one_process(tmp_path, cpu_ranks, cache, zero, micro
     planner = Planner(Net(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
                       config=PlannerConfig(cache_dir=cache))
     path = planner.price(Candidate(dp=2, zero=zero, micro_batches=micro_batches)).save(tmp_path / "plan.json")
-    losses, trained, rows = run_ranks(tmp_path, 2, _train_dp, str(path), 3)
+    losses, trained, rows, _ = run_ranks(tmp_path, 2, _train_dp, str(path), 3)
     assert rows == [32 // 2 // micro_batches] * 3 * micro_batches  # each rank ran its share of each batch
     assert_trains_as_one_process(Net, _batches(3), losses, trained)
+
+
+@pytest.mark.parametrize("zero,micro_batches", [(0, 1), (1, 2)])
+def test_a_dp_plan_with_a_host_unit_trains_as_one_process(tmp_path, cpu_ranks, cache, zero, micro_batches):
+    from conftest import assert_trains_as_one_process, run_ranks
+
+    x, y = _batches(1)[0]
+    planner = Planner(Net(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
+                      config=PlannerConfig(cache_dir=cache))
+    c = Candidate(dp=2, zero=zero, micro_batches=micro_batches)
+    assert UnitChoice(Target.HOST) in planner.cost.options(0, c)
+    assert UnitChoice(Target.HOST) not in planner.cost.options(0, Candidate(dp=2, zero=2))  # FSDP2 takes no host part
+    path = planner.price(c, {"fc1": UnitChoice(Target.HOST)}).save(tmp_path / "plan.json")
+    losses, trained, rows, hosted = run_ranks(tmp_path, 2, _train_dp, str(path), 3)
+    assert hosted == ["fc1.bias", "fc1.weight"]  # every replica holds the host unit's parameters on its host
+    assert rows == [32 // 2 // micro_batches] * 3 * micro_batches
+    assert_trains_as_one_process(Net, _batches(3), losses, trained)
+
+
+def test_a_dp_plan_with_its_state_and_a_unit_on_the_host_trains_as_one_process(tmp_path, cpu_ranks, cache):
+    """HostAdamW averages the device part's gradients itself (no DDP), the host unit's beside it:
+    torch's AdamW on one process on the global batch is the reference."""
+    from conftest import run_ranks
+
+    x, y = _batches(1)[0]
+    planner = Planner(Net(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.ADAMW,
+                      config=PlannerConfig(cache_dir=cache))
+    plan = planner.price(Candidate(dp=2, state=StateHome.HOST, offload_ratio=1.0), {"fc2": UnitChoice(Target.HOST)})
+    losses, trained, _, hosted = run_ranks(tmp_path, 2, _train_dp, str(plan.save(tmp_path / "plan.json")), 3, 0.01)
+    assert hosted == ["fc2.bias", "fc2.weight"]
+    torch.manual_seed(0)
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
+    want = []
+    for bx, by in _batches(3):
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(bx), by)
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    assert losses == pytest.approx(want, abs=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _replica_grads():
+    import torch.distributed as dist
+
+    from hetero.parallel.data_parallel import HostReplicaOptimizer
+
+    used, unused, elsewhere = (nn.Parameter(torch.ones(3)) for _ in range(3))
+    opt = HostReplicaOptimizer(torch.optim.SGD([used, unused, elsewhere], lr=1.0))
+    rank = dist.get_rank()
+    used.grad = torch.full((3,), float(rank + 1))
+    if rank == 0:
+        elsewhere.grad = torch.full((3,), 4.0)  # this rank's alone: the other contributes zeros
+    opt.step()
+    return [None if p.grad is None else p.grad.tolist() for p in (used, unused, elsewhere)], \
+        [p.detach().tolist() for p in (used, unused, elsewhere)]
+
+
+def test_host_replicas_average_their_gradients_and_leave_an_unused_parameter_alone(tmp_path, cpu_ranks):
+    from conftest import run_ranks
+
+    grads, params = run_ranks(tmp_path, 2, _replica_grads)
+    assert grads == [[1.5] * 3, None, [2.0] * 3]  # the mean over the ranks; none where no rank had one
+    assert params == [[-0.5] * 3, [1.0] * 3, [-1.0] * 3]  # the unused one not stepped

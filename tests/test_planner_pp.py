@@ -128,7 +128,9 @@ def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_pro
     pinned = PlacementSpec().module("blocks.1", Target.HOST)
     planner = Planner(Stack(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
                       placement=pinned, config=PlannerConfig(cache_dir=cache))
-    assert {(c.pp, c.dp, c.tp) for c in planner.settings} == {(2, 1, 1)}  # dp and tp take no host units
+    assert {(c.pp, c.dp, c.tp) for c in planner.settings} == {(2, 1, 1), (1, 2, 1)}  # tp takes no host units
+    assert "blocks.1" in planner.plan().host_units()  # (pp or dp: a measured choice)
+    planner.settings = [c for c in planner.settings if c.pp == 2]  # the pipeline's (dp's: test_planner_dp)
     plan = planner.plan()
     # its neighbours may join it (saving two copies where host and device are one CPU): a measured choice
     host = plan.host_units()
@@ -143,8 +145,8 @@ def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_pro
         assert threads == (["hetero-host"] if "blocks.1.0.weight" in mine else [])  # blocks.1 runs on the host thread
     assert sum(bool(hosted) for _, _, _, (hosted, _) in gathered) >= 1
     assert_trains_as_one_process(Stack, _batches(3), losses, gathered[0][0] | gathered[1][0])
-    with pytest.raises(ValueError, match="pinned to the host, which runs without data or tensor parallelism"):
-        Planner(Flat(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y),
+    with pytest.raises(ValueError, match="pinned to the host, which runs without tensor parallelism"):
+        Planner(Flat(), (x[:3],), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y[:3]),  # (dp cannot cut 3 rows)
                 placement=PlacementSpec().module("a", Target.HOST), config=PlannerConfig(cache_dir=cache))
 
 
@@ -173,7 +175,9 @@ class _DeviceOnly:
 def test_a_stage_over_its_budget_puts_units_on_the_host(cache):
     planner = _planner(cache, Stack(depth=6))
     c = Candidate(pp=2, micro_batches=2)
-    assert all(x.target is Target.DEVICE for x in planner.cost.options(1, Candidate(dp=2)))  # none beside dp
+    assert any(x.target is Target.HOST for x in planner.cost.options(1, Candidate(dp=2)))  # every replica's
+    for other in (Candidate(dp=2, zero=3), Candidate(pp=2, dp=2, micro_batches=2)):  # none beside FSDP2, a stage's replicas
+        assert all(x.target is Target.DEVICE for x in planner.cost.options(1, other))
     device_only, send = _DeviceOnly(planner.cost), planner._transfer(c)
     budget = search_stages(device_only, c, planner.cuts, float("inf"), float("inf"), send).device_bytes
     while brute_force_stages(device_only, c, planner.cuts, budget, float("inf"), send) is not None:

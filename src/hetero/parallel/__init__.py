@@ -8,6 +8,7 @@ communication fusion, and ``parallelize`` (one order for the dimensions: operato
 from hetero.parallel.data_parallel import (
     DataParallelConfig,
     DistributedSparse,
+    HostReplicaOptimizer,
     check_replicas,
     data_parallel,
     full_model_state,
@@ -53,6 +54,7 @@ __all__ = [
     "DistConfig",
     "DistributedSparse",
     "FusionMode",
+    "HostReplicaOptimizer",
     "MeshConfig",
     "MeshDim",
     "ParallelPlan",

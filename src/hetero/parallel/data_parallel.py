@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import zlib
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -57,12 +58,15 @@ class DataParallelConfig:
     dense_sharded: bool = False
 
 
-def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelConfig()) -> nn.Module:
+def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelConfig(),
+                  host: Set[torch.Tensor] = frozenset()) -> nn.Module:
     """Wrap ``model`` for data parallelism (the model itself at world size 1).
 
     Host tables are left out of DDP: they are not broadcast (ranks build them identically from
     the same seed; :func:`check_replicas` verifies it) and their gradients go through
-    :class:`DistributedSparse`.
+    :class:`DistributedSparse`. So are the parameters and buffers in ``host`` (a partitioned
+    model's host units: DDP takes one device type; their gradients go through
+    :class:`HostReplicaOptimizer`).
     """
     if not active() or config.dense_sharded:
         return model
@@ -70,13 +74,16 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
     # buffers they are then needs no buffer broadcast before every forward (measured 11 ms per
     # step with 4 processes on 2 cores).
     ignore = [f"{name}.{attr}" for name in host_tables(model) for attr in ("weight", "_device_anchor")]
+    if host:  # by the names DDP matches: a parameter's module path, a buffer's as named_buffers gives it
+        ignore += [f"{m}.{n}" for m, module in model.named_modules() for n, p in module.named_parameters(recurse=False)
+                   if p in host] + [n for n, b in model.named_buffers() if b in host]  # (tensors hash by identity)
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
+    ignored = set(ignore)
+    dense = [p for name, p in model.named_parameters() if name not in ignored and p.requires_grad]
+    device_ids = [torch.cuda.current_device()] if dense and dense[0].is_cuda else None
     group = data_parallel_group()
     setting = config.fusion.allreduce
     if isinstance(setting, tuple):  # an index list: one parameter per DDP bucket, fused by the comm hook
-        ignored = set(ignore)
-        dense = [p for name, p in model.named_parameters() if name not in ignored and p.requires_grad]
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb_list=[1e-9],
                                                   process_group=group)
         ddp.register_comm_hook(IndexFusedAllReduce(dense, setting, group, config.gradients_mean),
@@ -92,6 +99,57 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
 def _sum_hook(group, bucket):  # noqa: ANN001 - DDP comm hook signature (state: the process group)
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
+
+
+class HostReplicaOptimizer:
+    """A torch optimizer over host parameters that every data-parallel rank holds (a partitioned
+    model's host units, which DDP does not take): :meth:`step` first averages (or sums) their
+    gradients over the ranks, then steps, so every replica applies the same update.
+
+    A parameter with no gradient here contributes zeros; it gets the averaged gradient when any
+    rank produced one (one process on the global batch would have), else stays without one
+    (torch's optimizer skips it, as it would). One all-reduce per step of one flat float32 host
+    buffer (every gradient, then one arrival count per parameter) on ``group`` (gloo; ``None``:
+    :func:`~hetero.parallel.env.host_group`), on the calling thread. Reference: DDP's gradient
+    averaging (Li et al., PyTorch Distributed, VLDB 2020).
+
+    Args:
+        optimizer: torch's optimizer over the host parameters (CPU tensors).
+        config: ``gradients_mean`` (else the sum) of :class:`DataParallelConfig`.
+        group: the data-parallel ranks (gloo).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: DataParallelConfig = DataParallelConfig(),
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.optimizer, self.config = optimizer, config
+        self.group = group if group is not None else host_group()
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        if active():
+            self._reduce()
+        self.optimizer.step()
+
+    def _reduce(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        arrived = [float(p.grad is not None) for p in self.params]
+        # the copy into one buffer: one collective's latency per step, not one per parameter
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [torch.tensor(arrived)])
+        dist.all_reduce(flat, group=self.group)
+        if self.config.gradients_mean:
+            flat[: flat.numel() - len(arrived)] /= dist.get_world_size(self.group)
+        counts = flat[flat.numel() - len(arrived):].tolist()
+        for p, part, n in zip(self.params, flat.split([g.numel() for g in grads] + [len(arrived)]), counts):
+            p.grad = part.view_as(p).to(p.dtype) if n > 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
 
 
 def check_replicas(model: nn.Module) -> None:

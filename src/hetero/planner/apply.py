@@ -9,7 +9,8 @@ tables moved, then the host/device partition (``hetero.partition``: host units' 
 host, their parameters live there; streamed units' parameters live there too, their ops on the
 device; the copies inserted), then the optimizers where the plan puts
 their state: torch's beside device parameters, ``HostAdamW`` (all offloaded) or
-``PartialOffloadAdamW`` (a ratio), torch's on the host for host units; host tables get their
+``PartialOffloadAdamW`` (a ratio), torch's on the host for host units (beside ``dp`` averaging
+their gradients over the replicas itself, as DDP does the device's); host tables get their
 sparse optimizers, device tables torch's of the same rule. :class:`Applied` runs a training step
 with the plan's micro-batches (gradients accumulated, one update; a pipeline's schedule).
 """
@@ -27,34 +28,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from hetero.embedding import dense_parameters, host_tables, move_tables_to_device
-from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind, device_sparse_optimizer
-from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
+from hetero.optim import SparseOptimizerKind, device_sparse_optimizer
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 from hetero.placement import Target, resolve_device
+from hetero.planner.optimizers import OptimizerConfig, device_optimizer, optimizer_args, torch_optimizer
 from hetero.planner.plan import Plan
-from hetero.planner.space import OptimizerKind, StateHome, sparse_optimizer_of
+from hetero.planner.space import StateHome, sparse_optimizer_of
 
 if TYPE_CHECKING:
     from hetero.parallel.pipeline import Pipeline
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """The dense optimizer's hyperparameters (its kind is the plan's).
-
-    Attributes:
-        lr: learning rate; ``weight_decay``: AdamW's decoupled decay (SGD: L2).
-        betas, eps: AdamW's; ``momentum``: momentum SGD's.
-    """
-
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    momentum: float = 0.9  # OptimizerKind.SGD_MOMENTUM's (plain SGD has none)
 
 
 @dataclasses.dataclass
@@ -111,9 +96,14 @@ class Applied:
         if self.pipeline is not None:  # the schedule runs the micro-batches (its loss: apply's loss_fn)
             total = self.pipeline.step(inputs, target)  # sync point: the loss, over the pp group
         else:
-            for part_inputs, part_target in zip(split_batch(inputs, m), split_batch(target, m)):
-                loss = loss_fn(self.model(*part_inputs), part_target) / m
-                loss.backward()
+            for i, (part_inputs, part_target) in enumerate(zip(split_batch(inputs, m), split_batch(target, m))):
+                # DDP reduces the gradients summed over the micro-batches once, in the last backward
+                # (torch's gradient-accumulation idiom; FSDP2 reduce-scatters each: ZeRO keeps shards)
+                quiet = self.model.no_sync() if isinstance(self.model, nn.parallel.DistributedDataParallel) and \
+                    i < m - 1 else contextlib.nullcontext()
+                with quiet:
+                    loss = loss_fn(self.model(*part_inputs), part_target) / m
+                    loss.backward()
                 total += float(loss.detach())  # sync point: the reported loss
         for opt in optimizers:
             opt.step()
@@ -152,9 +142,9 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         ValueError: the plan names units the model does not have (another model's plan), its
             mesh is not the world's, it puts units or weights on the host beside ``tp``, a
             ``pp`` plan comes without ``loss_fn`` or has host weights or host units beside
-            ``dp``, a ``dp`` plan has host units or weights, tables or offloaded state (the main
-            job applies host tables and offloaded state: ``hetero train --plan``), or ZeRO 1
-            beside ``tp``.
+            ``dp``, a ``dp`` plan has host weights, tables, part of its state offloaded or host
+            units beside ZeRO 2, 3 (the main job applies host tables and offloaded state:
+            ``hetero train --plan``), or ZeRO 1 beside ``tp``.
     """
     from hetero.planner.graph import plan_units
 
@@ -190,7 +180,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host and p in dense]
     host_optimizers = []
     if on_host:
-        host_optimizers.append(_torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config))
+        host_optimizers.append(torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config))
     tables, table_optimizers = host_tables(model), []
     for kind in SparseOptimizerKind:  # each table's sparse optimizer: hetero's on the host, torch's on the device
         own = {k: t for k, t in tables.items() if sparse_optimizer_of(k, sparse_optimizers) is kind}
@@ -200,45 +190,66 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         if on_device:
             table_optimizers.append(device_sparse_optimizer(kind, on_device))
     host_tensors = on_host | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
-    return Applied(runnable, _device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
+    return Applied(runnable, device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
                    c.micro_batches, plan, host_tensors, table_optimizers=table_optimizers)
 
 
 def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None) -> Applied:
-    """A dp plan of a dense model: recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``), DDP
-    (stages 0, 1), torch's optimizer (stage 1: its state sharded), every rank its share of the batch."""
+    """A dp plan of a dense model: recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``), the
+    host units partitioned out (their parameters on the host, averaged over the replicas by
+    :class:`~hetero.parallel.data_parallel.HostReplicaOptimizer`), DDP over the device
+    parameters (stages 0, 1; none with the state on the host: HostAdamW averages the replicas'
+    gradients itself), torch's optimizer (stage 1: its state sharded) or HostAdamW, every rank
+    its share of the batch."""
     from hetero.embedding import device_tables
-    from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
+    from hetero.parallel.data_parallel import DataParallelConfig, HostReplicaOptimizer, data_parallel
 
     c = plan.candidate
-    if plan.host_units() or plan.streamed_units() or host_tables(model) or device_tables(model) or \
-            c.state is not StateHome.DEVICE:
-        raise ValueError(f"a dp {c.dp} plan with host units or weights, tables or offloaded state: hetero.apply makes dense "
-                         f"data-parallel plans real; run it with hetero train --plan")
+    hosted = plan.host_units()
+    if plan.streamed_units() or host_tables(model) or device_tables(model) or c.state is StateHome.PARTIAL or \
+            (hosted and not c.takes_host_units()):
+        raise ValueError(f"a dp {c.dp} plan with host weights, tables, part of its state offloaded or host units beside "
+                         f"tp or ZeRO {c.zero}: hetero.apply makes dense data-parallel plans real (host units, all of "
+                         f"the state on the host); run it with hetero train --plan")
     if c.tp > 1 and c.zero == 1:
         raise ValueError(f"a dp {c.dp} x tp {c.tp} plan at ZeRO 1 (torch's ZeroRedundancyOptimizer takes no DTensor "
                          f"parameters): plan the model again (hetero.plan never makes one)")
     mesh = _mesh(mesh, plan)
+    dp = mesh[MeshDim.DP.value]
     model.to(resolve_device(Target.DEVICE))
     if c.tp > 1:  # each replica's tp ranks cut its operators, before recompute and ZeRO (torchtitan's order)
         _shard(model, plan, mesh)
     apply_recompute(model, plan.recompute_config())
     zero = ZeroConfig(c.zero)
     apply_zero(model, zero, mesh)  # (stages 2, 3: parameters become dp shards - of the tp shards with tp)
+    runnable: nn.Module = model
+    if hosted:
+        from hetero.placement.partitioner import partition
+
+        runnable = partition(model, plan.placement_spec(model))  # moves the host units' parameters to the host
+    units = dict(model.named_modules())
+    on_host = {p for n in hosted for p in units[n].parameters()}  # (tensors hash by identity)
+    host_buffers = {b for n in hosted for b in units[n].buffers()}
     if c.tp > 1 and c.zero < 2:
         # torch's replicate (data parallel on FSDP2's machinery) takes the tp shards, DDP does not
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        runnable: nn.Module = replicate(model, mesh=mesh[MeshDim.DP.value])
+        runnable = replicate(model, mesh=dp)
+    elif c.state is not StateHome.HOST:
+        runnable = data_parallel(runnable, DataParallelConfig(dense_sharded=c.zero >= 2), host=on_host | host_buffers)
+    # (after replicate, which makes the parameters new dp DTensors)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host]
+    if c.state is StateHome.HOST:  # HostAdamW: its own gloo group over the replicas averages the gradients
+        optimizer = device_optimizer(named, plan, config, foreach=True, replicas=dp.get_group()) if named else None
     else:
-        runnable = data_parallel(model, DataParallelConfig(dense_sharded=c.zero >= 2))
-    kind, defaults = _optimizer_args(plan.optimizer, config)
-    if c.tp > 1:
-        defaults["foreach"] = False  # foreach takes one kind of tensor; tp mixes DTensor shards and plain ones
-    optimizer = zero_optimizer([p for p in model.parameters() if p.requires_grad], kind, zero, mesh, **defaults)
-    dp = mesh[MeshDim.DP.value]
-    return Applied(runnable, optimizer, [], c.micro_batches, plan, set(), data_parallel=(dp.get_local_rank(), c.dp),
-                   dp_group=dp.get_group())
+        kind, defaults = optimizer_args(plan.optimizer, config)
+        if c.tp > 1:
+            defaults["foreach"] = False  # foreach takes one kind of tensor; tp mixes DTensor shards and plain ones
+        optimizer = zero_optimizer([p for _, p in named], kind, zero, mesh, **defaults) if named else None
+    host_optimizers = [HostReplicaOptimizer(torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer,
+                                                            config))] if on_host else []
+    return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, on_host | host_buffers,
+                   data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
 
 
 def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
@@ -325,9 +336,9 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad and p not in on_host]
     rank = mesh[MeshDim.DP.value].get_local_rank()
     # (no foreach with replicas or tp: their parameters are DTensors)
-    optimizer = _device_optimizer(named, plan, config, group is None and c.tp == 1, mesh[MeshDim.DP.value].get_group()) \
+    optimizer = device_optimizer(named, plan, config, group is None and c.tp == 1, mesh[MeshDim.DP.value].get_group()) \
         if named else None
-    host_optimizers = [_torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config)] if on_host else []
+    host_optimizers = [torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config)] if on_host else []
     host_tensors = on_host | {b for n in hosted if n in stages for b in stages[n].buffers()}
     return Applied(pipe.modules[0], optimizer, host_optimizers,
                    c.micro_batches, plan, host_tensors, pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
@@ -344,38 +355,6 @@ class _SendFromDevice(nn.Module):
     def forward(self, *args: Any) -> Any:  # noqa: ANN401 - the stage's outputs
         # copy (host -> device, differentiable) where the last subgraph ran on the host; none otherwise
         return pytree.tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, self.module(*args))
-
-
-def _optimizer_args(kind: OptimizerKind, c: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """torch's optimizer class of ``kind`` and its hyperparameters from ``c``."""
-    if kind is OptimizerKind.ADAMW:
-        return torch.optim.AdamW, {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
-    momentum = c.momentum if kind is OptimizerKind.SGD_MOMENTUM else 0.0
-    return torch.optim.SGD, {"lr": c.lr, "momentum": momentum, "weight_decay": c.weight_decay}
-
-
-def _torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig,
-                     foreach: bool | None = None) -> torch.optim.Optimizer:
-    cls, defaults = _optimizer_args(kind, c)
-    return cls(params, foreach=foreach, **defaults)
-
-
-def _device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: OptimizerConfig,
-                      foreach: bool = True, replicas: Any = None) -> Any:  # noqa: ANN401
-    """The device parameters' optimizer as the plan keeps its state; ``replicas``: the process
-    group an offloaded state averages gradients over (``None``: every rank; a pipeline's: its
-    stage's ``dp`` ranks, not the other stages)."""
-    state = plan.candidate.state
-    if state is StateHome.DEVICE or plan.optimizer is not OptimizerKind.ADAMW:
-        # (no foreach under tp: it takes one kind of tensor, and tp mixes DTensor shards and plain ones)
-        return _torch_optimizer([p for _, p in named], plan.optimizer, c, None if foreach else False)
-    # the device keeps its weights in their own dtype: the update is AdamW's, exactly
-    host = HostOffloadConfig(device_dtype=named[0][1].dtype, accumulate=plan.candidate.micro_batches)
-    if state is StateHome.HOST:
-        return HostAdamW(named, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, config=host,
-                         process_group=replicas)
-    return PartialOffloadAdamW(named, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                               config=PartialOffloadConfig(plan.candidate.offload_ratio, host), process_group=replicas)
 
 
 def split_batch(tree: Any, parts: int) -> list[Any]:  # noqa: ANN401 - a pytree of batch tensors

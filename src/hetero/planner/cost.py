@@ -211,9 +211,7 @@ class MeasuredCost:
                 for k in range(1, len(movable) + 1))
         out = [x for x in UNIT_CHOICES if not (x.recompute and not u.saved_bytes)
                and (self.host_units or x.target is Target.DEVICE or u.name in self.pinned)
-               and ((c.tp, c.dp) == (1, 1) or x.target is Target.DEVICE)]
-        # (tp shards device ops: host subgraphs take no DTensors; dp: no data-parallel wrapper -
-        # DDP, FSDP2, replicate - takes a partitioned model's host parameters)
+               and (c.takes_host_units() or x.target is Target.DEVICE)]
         if u.name in self.streamable and u.name not in self.pinned and (c.tp, c.dp, c.pp) == (1, 1, 1):
             out.append(STREAMED)  # (host parameters on one rank: the partitioner's, not DDP's, ZeRO's or a stage's)
         pin = self.pinned.get(u.name)
@@ -397,13 +395,26 @@ class MeasuredCost:
             parts["tensor-parallel collectives (ops of no unit)"] = self._tp_seconds("", c)
         if c.dp > 1 and c.pp == 1:  # (a pipeline's stages reduce their own units': the stage split prices them)
             parts["gradient collectives"] = self.gradient_seconds(c, dense_bytes)
+        if c.dp > 1:  # the step's loss averaged over the replicas (hetero.apply's, a sync point): one latency
+            curves = self.cal.collectives.get(f"gloo:{c.dp}")
+            parts["loss average"] = curves["all_reduce"].seconds(8) if curves else 0.0
         return FixedCost(parts, device, 0, int(2 * self.root.grad_bytes * s))
 
     def gradient_seconds(self, c: Candidate, nbytes: float) -> float:
         """Seconds of the gradient collectives of ``nbytes`` of parameters over ``c``'s ``dp``
-        ranks, once per step (0 without ``dp`` or a calibration of that group size)."""
+        ranks per step (0 without ``dp`` or a calibration of that group size): once (DDP reduces
+        the micro-batches' sum; a pipeline's schedule syncs once), or per micro-batch at ZeRO 2, 3
+        outside a pipeline (FSDP2 reduce-scatters each pass's gradients, gathers for each pass)."""
         curves = self.cal.collectives.get(f"gloo:{c.dp}", {}) if c.dp > 1 else {}
         if not curves:
             return 0.0
-        factor = 1.5 if c.zero == 3 else 1.0  # ZeRO-3 also gathers the parameters twice
-        return factor * curves["all_reduce"].seconds(nbytes)
+        passes = c.micro_batches if c.zero >= 2 and c.pp == 1 else 1
+        # (the curves' sizes: an all-reduce's and a reduce-scatter's input, an all-gather's part per rank)
+        if c.zero == 0:  # DDP: one all-reduce of the gradients
+            return curves["all_reduce"].seconds(nbytes)
+        gather = curves["all_gather"].seconds(nbytes / c.dp)  # each rank's updated part of the parameters to all
+        if c.zero == 1:  # DDP's all-reduce, then torch's ZeroRedundancyOptimizer sends each rank's updated part
+            return curves["all_reduce"].seconds(nbytes) + gather
+        # FSDP2: gradients reduce-scattered; parameters gathered once (ZeRO 2), or before the
+        # forward and again before the backward (ZeRO 3: resharded after the forward)
+        return passes * (curves["reduce_scatter"].seconds(nbytes) + (2 if c.zero == 3 else 1) * gather)

@@ -143,15 +143,15 @@ class Planner:
                               max_pp=min(world_size, len(self.cuts) + 1) if self.cuts else 1,
                               max_tp=max(self.tensor, default=1))
         # annotations that cut operators are kept: only the degrees they fit
-        # (a dense unit pinned to the host rules tp and dp out: the partitioner's host subgraphs
-        # take no DTensors, and no data-parallel wrapper takes its host parameters; a pipeline
-        # stage partitions its own)
+        # (a dense unit pinned to the host: only the settings that take host units)
         pinned_host = sorted(n for n, t in self.pinned.items() if t is Target.HOST and not self.graph.unit(n).tables)
         self.settings = [c for c in settings if ((c.tp == 1 and not required) or c.tp in self.tensor)
-                         and not (pinned_host and (c.tp, c.dp) != (1, 1)) and (c.pp == 1 or c.tp == 1 or c.tp in self.staged_tensor)]
+                         and not (pinned_host and not c.takes_host_units())
+                         and (c.pp == 1 or c.tp == 1 or c.tp in self.staged_tensor)]
         if not self.settings and pinned_host:
-            raise ValueError(f"units {pinned_host} are pinned to the host, which runs without data or tensor parallelism: "
-                             f"plan with world_size=1, give a model whose forward runs as pipeline stages, or unpin them")
+            raise ValueError(f"units {pinned_host} are pinned to the host, which runs without tensor parallelism: "
+                             f"plan without operator strategies that cut operators (or with a batch the ranks divide), "
+                             f"or unpin them")
         self.cost = MeasuredCost(self.graph, self.calibration, optimizer, sparse_optimizers, self.pinned,
                                  host_units=self.untraceable is None, tensor=self.tensor,
                                  device_tables=config.device_tables, staged_tensor=self.staged_tensor,
