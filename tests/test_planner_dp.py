@@ -122,3 +122,18 @@ def test_host_replicas_average_their_gradients_and_leave_an_unused_parameter_alo
     grads, params = run_ranks(tmp_path, 2, _replica_grads)
     assert grads == [[1.5] * 3, None, [2.0] * 3]  # the mean over the ranks; none where no rank had one
     assert params == [[-0.5] * 3, [1.0] * 3, [-1.0] * 3]  # the unused one not stepped
+
+
+def test_a_dp_ranks_work_is_priced_at_its_share_of_the_batch(cache):
+    """A dp 2 rank's units cost what the same model planned on half the batch costs: their ops
+    timed at the share's own shapes (the global batch's scaled was 40% off for GPT). (The loss
+    is the default sum: a user's loss holds the global batch's target, so the share's is a sum.)"""
+    x = _batches(1)[0][0]
+    config = PlannerConfig(cache_dir=cache)
+    two = Planner(Net(), (x,), world_size=2, optimizer=OptimizerKind.SGD, config=config)
+    half = Planner(Net(), (x[:16],), optimizer=OptimizerKind.SGD, config=config)
+    assert two.cost.shares[2].batch == 16
+    for i, name in enumerate(two.cost.names()):
+        for choice in (UnitChoice(Target.DEVICE), UnitChoice(Target.HOST)):
+            got, want = two.cost.unit(i, choice, Candidate(dp=2)), half.cost.unit(i, choice, Candidate())
+            assert got.seconds == pytest.approx(want.seconds, rel=1e-9), (name, choice)

@@ -142,14 +142,16 @@ class MeasuredCost:
             whose sparse optimizer torch has).
         streamable: the units whose weights may live on the host (the partitioner traces the
             modules owning their parameters: :func:`hetero.planner.capture.streamable_units`).
+        shares: by ``dp`` degree, the model captured on a rank's share of the batch (its ops
+            timed at those shapes; without one, the global batch's ops scaled to the share).
     """
 
     def __init__(self, graph: ModelGraph, calibration: Calibration, optimizer: OptimizerKind,
                  sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {},
                  host_units: bool = True, tensor: Mapping[int, TensorSharding] = {},
                  device_tables: bool = True, staged_tensor: Mapping[int, TensorSharding] = {},
-                 streamable: frozenset[str] = frozenset()) -> None:
-        self.graph, self.cal, self.optimizer = graph, calibration, optimizer
+                 streamable: frozenset[str] = frozenset(), shares: Mapping[int, ModelGraph] = {}) -> None:
+        self.graph, self.cal, self.optimizer, self.shares = graph, calibration, optimizer, shares
         self.units = [u for u in graph.units if u.name]
         self.root = next(u for u in graph.units if not u.name)
         self.sparse, self.pinned, self.host_units, self.tensor = sparse, pinned, host_units, tensor
@@ -158,7 +160,7 @@ class MeasuredCost:
         self._movable: dict[int, list[TableInfo]] = {}
         self._row_counts: dict[tuple[str, int, int], tuple[float, float]] = {}  # (table, dp, passes) -> ids, rows
         # remembered: the searches ask for the same unit's passes under many candidates (the hot spot)
-        self._pass_seconds: dict[tuple[str, bool, Target, int, float], float] = {}
+        self._pass_seconds: dict[tuple[str, bool, Target, int, int], float] = {}
         self._unit_costs: dict[tuple[int, UnitChoice, Candidate], UnitCost] = {}
         for i, u in enumerate(self.units):
             kinds = {t.name: sparse_optimizer_of(t.name, sparse) for t in u.tables}
@@ -227,11 +229,13 @@ class MeasuredCost:
         # a host subgraph's forward runs on the partitioner's worker, its backward on autograd's
         # thread (the caller's, on CPU) with torch's count: beside a CPU device, the device's rates
         on = Target.DEVICE if backward and self.cal.host_is_device else target
-        key = (name, backward, on, c.micro_batches, self._scale(c))
+        key = (name, backward, on, c.micro_batches, c.dp)
         if key not in self._pass_seconds:
-            u = self.graph.unit(name)
+            share = self.shares.get(c.dp)
+            u, scale = (share.unit(name), 1.0 / c.micro_batches) if share is not None else \
+                (self.graph.unit(name), self._scale(c))
             ops = u.backward if backward else u.forward
-            self._pass_seconds[key] = c.micro_batches * sum(self.cal.op_seconds(on.value, op, self._scale(c)) for op in ops)
+            self._pass_seconds[key] = c.micro_batches * sum(self.cal.op_seconds(on.value, op, scale) for op in ops)
         return self._pass_seconds[key]
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
