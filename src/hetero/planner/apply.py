@@ -34,7 +34,7 @@ from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 from hetero.placement import Target, resolve_device
-from hetero.planner.optimizers import OptimizerConfig, device_optimizer, optimizer_args, torch_optimizer
+from hetero.planner.optimizers import OptimizerConfig, device_optimizer, host_optimizer, optimizer_args
 from hetero.planner.plan import Plan
 from hetero.planner.space import StateHome, sparse_optimizer_of
 
@@ -180,7 +180,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host and p in dense]
     host_optimizers = []
     if on_host:
-        host_optimizers.append(torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config))
+        host_optimizers.append(host_optimizer(on_host, plan, config))
     tables, table_optimizers = host_tables(model), []
     for kind in SparseOptimizerKind:  # each table's sparse optimizer: hetero's on the host, torch's on the device
         own = {k: t for k, t in tables.items() if sparse_optimizer_of(k, sparse_optimizers) is kind}
@@ -246,8 +246,7 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
         if c.tp > 1:
             defaults["foreach"] = False  # foreach takes one kind of tensor; tp mixes DTensor shards and plain ones
         optimizer = zero_optimizer([p for _, p in named], kind, zero, mesh, **defaults) if named else None
-    host_optimizers = [HostReplicaOptimizer(torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer,
-                                                            config))] if on_host else []
+    host_optimizers = [HostReplicaOptimizer(host_optimizer(on_host, plan, config))] if on_host else []
     return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, on_host | host_buffers,
                    data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
 
@@ -338,7 +337,7 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     # (no foreach with replicas or tp: their parameters are DTensors)
     optimizer = device_optimizer(named, plan, config, group is None and c.tp == 1, mesh[MeshDim.DP.value].get_group()) \
         if named else None
-    host_optimizers = [torch_optimizer([p for p in on_host if p.requires_grad], plan.optimizer, config)] if on_host else []
+    host_optimizers = [host_optimizer(on_host, plan, config)] if on_host else []
     host_tensors = on_host | {b for n in hosted if n in stages for b in stages[n].buffers()}
     return Applied(pipe.modules[0], optimizer, host_optimizers,
                    c.micro_batches, plan, host_tensors, pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)

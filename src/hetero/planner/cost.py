@@ -223,9 +223,10 @@ class MeasuredCost:
         return 1.0 / (c.dp * c.micro_batches)  # a pass's share of the captured batch
 
     def _passes(self, name: str, backward: bool, target: Target, c: Candidate) -> float:
-        """Seconds of unit ``name``'s forward (or backward) ops over a step's passes, each op's
-        work scaled to a pass's share (measured: isolated replays of smaller shapes flatter a
-        pass, which the scaling along the family's curve does not)."""
+        """Seconds of unit ``name``'s forward (or backward) ops over a step's passes: a ``dp``
+        rank's ops as captured on its share of the batch (``shares``), each op's work scaled to a
+        micro-batch's share (measured: isolated replays of smaller shapes flatter a pass, which
+        the scaling along the family's curve does not)."""
         # a host subgraph's forward runs on the partitioner's worker, its backward on autograd's
         # thread (the caller's, on CPU) with torch's count: beside a CPU device, the device's rates
         on = Target.DEVICE if backward and self.cal.host_is_device else target

@@ -49,6 +49,12 @@ def torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: Optimize
     return cls(params, foreach=foreach, **defaults)
 
 
+def host_optimizer(params: set[nn.Parameter], plan: Plan, c: OptimizerConfig) -> torch.optim.Optimizer:
+    """torch's optimizer of the plan's kind over the host units' parameters (those that train),
+    beside them on the host."""
+    return torch_optimizer([p for p in params if p.requires_grad], plan.optimizer, c)
+
+
 def device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: OptimizerConfig,
                      foreach: bool = True, replicas: Any = None) -> Any:  # noqa: ANN401
     """The device parameters' optimizer as the plan keeps its state; ``replicas``: the process

@@ -32,6 +32,7 @@ from hetero.optim import SparseOptimizerKind
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.placement import PlacementSpec, Target
 from hetero.placement.capture import capture_failure
+from hetero.planner.apply import split_batch
 from hetero.planner.calibration import calibrate, collectives, time_shapes
 from hetero.planner.capture import capture, streamable_units
 from hetero.planner.cost import CostModel, MeasuredCost
@@ -154,7 +155,7 @@ class Planner:
                              f"or unpin them")
         # each dp degree's per-rank batch captured too, its ops timed at their own shapes: a
         # share's time scaled from the global batch's shapes is 40% off (measured: GPT at dp 2)
-        shares = {d: capture(model, _rows(example_inputs, self.graph.batch // d), None, (), config.granularity)
+        shares = {d: capture(model, split_batch(example_inputs, d)[0], None, (), config.granularity)
                   for d in sorted({c.dp for c in self.settings if c.dp > 1})} if splittable else {}
         for g in shares.values():
             time_shapes(self.calibration, g, targets, config.cache_dir)
@@ -311,11 +312,6 @@ class Planner:
                     report, self.calibration.machine, self.calibration.host_is_device,
                     dict(t.strategies) if t else {}, dict(t.layout) if t else {}, t.annotated if t else (), moved,
                     split_points(self.cost.names(), self.pipeline_units, a.cuts), self.config.granularity)
-
-
-def _rows(example_inputs: tuple[Any, ...], n: int) -> tuple[Any, ...]:
-    """The first ``n`` rows of every tensor of a batch (a data-parallel rank's share's shapes)."""
-    return pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, example_inputs)
 
 
 def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: int | None = None,
