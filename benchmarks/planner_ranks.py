@@ -6,9 +6,9 @@ MLP (SGD) - are planned for ``world_size=2`` in this process and run on 2 spawne
 The ranks share this machine's cores: each runs ``cores / 2`` intra-op threads, and the planner
 plans with that many (its calibration is keyed by the thread count: a rank's rates, measured on
 the machine it runs on). The grid: every mesh the planner offers (dp 2 at ZeRO 0-3, pp 2, tp 2),
-the GPT's optimizer state on the host beside dp, the first half of the units on the host beside
-dp (every replica's: their gradients averaged apart from DDP's), each priced by the same cost
-model. Each distinct plan runs ``steps`` timed steps after 3 warm-up ones on both ranks (its step time:
+the GPT's optimizer state on the host beside dp (all of it, and half), the first half of the
+units on the host beside dp (every replica's: their gradients averaged apart from DDP's), each
+priced by the same cost model. Each distinct plan runs ``steps`` timed steps after 3 warm-up ones on both ranks (its step time:
 the slower rank's median), in two rounds, keeping each plan's faster one.
 
 Result (last line, also benchmarks/results/planner_ranks_<cpu|cuda>.json):
@@ -60,6 +60,8 @@ def grid(planner: Planner, optimizer: OptimizerKind) -> dict[str, Plan]:
             out[f"tp {c.tp}"] = planner.price(c)
     if optimizer is OptimizerKind.ADAMW:
         out[f"dp {WORLD}, state on the host"] = planner.price(Candidate(dp=WORLD, state=StateHome.HOST, offload_ratio=1.0))
+        out[f"dp {WORLD}, half the state on the host"] = planner.price(Candidate(dp=WORLD, state=StateHome.PARTIAL,
+                                                                                 offload_ratio=0.5))
     dp = Candidate(dp=WORLD, micro_batches=m)
     dense = [n for i, n in enumerate(planner.cost.names()) if UnitChoice(Target.HOST) in planner.cost.options(i, dp)]
     if dense and planner.untraceable is None:

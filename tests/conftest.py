@@ -1,5 +1,8 @@
+import multiprocessing
+import os
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -137,13 +140,81 @@ def _rank_main(r, n, port, fn, args, out):
         shutdown(clean=ok)  # a failed rank skips the final barrier: mp.spawn then stops the others at once
 
 
+# Spawned ranks start from a fork server that has imported torch and hetero once for the whole
+# session: each rank then starts in milliseconds, not the seconds of a fresh interpreter's
+# `import torch` (with 2 ranks a test, most of the suite's multi-rank time). The server is a
+# fresh interpreter, not pytest's process: no threads, no CUDA, no test state are forked.
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint", "hetero",
+                                    "hetero.parallel", "hetero.planner.apply", "hetero.cli"])
+
+
+def spawn(fn, args=(), nprocs=2):
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` from the session's fork server: each
+    process runs ``fn(rank, *args)`` with this process's environment as it is now (the server's
+    is the one it started with) and raises like ``mp.spawn`` when one fails."""
+    import torch.multiprocessing as mp
+
+    return mp.start_processes(_in_environment, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True,
+                              start_method="forkserver")
+
+
+def _in_environment(rank, environ, fn, args):
+    os.environ.clear()
+    os.environ.update(environ)
+    if "OMP_NUM_THREADS" in environ:  # (read by OpenMP when the server loaded torch, not now)
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    fn(rank, *args)
+
+
+class CliRun(NamedTuple):
+    returncode: int
+    stderr: str
+
+
+def hetero_on_ranks(tmp_path, n, argv, env=None):
+    """``torchrun --standalone --nproc-per-node n -m hetero *argv``, its ranks forked from the
+    session's server (:func:`spawn`) with ``env`` added to this process's environment: the
+    ranks' return code (0, or 1 when any failed) and their stderr, rank by rank. The launcher
+    itself (its agent, restarts, network) is tested under torchrun elsewhere."""
+    import torch.multiprocessing as mp
+
+    logs = tmp_path / f"ranks_{free_port()}"
+    logs.mkdir()
+    saved = dict(os.environ)
+    os.environ.update({**CPU_RANKS, **(env or {})})
+    failure = ""
+    try:
+        spawn(_hetero_rank, args=(n, free_port(), list(argv), str(logs)), nprocs=n)
+        code = 0
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        code, failure = 1, str(e)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return CliRun(code, "".join((logs / f"{r}.err").read_text() for r in range(n) if (logs / f"{r}.err").exists()) + failure)
+
+
+def _hetero_rank(r, n, port, argv, logs):
+    import sys
+
+    from hetero.cli import main
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                      LOCAL_WORLD_SIZE=str(n))
+    err = open(os.path.join(logs, f"{r}.err"), "w")  # (left open: the process ends with this function)
+    os.dup2(err.fileno(), 2)  # the rank's stderr, as torchrun collects it
+    code = main(argv)
+    sys.stderr.flush()
+    if code != 0:
+        sys.exit(code)  # the other ranks are stopped, as torchrun stops them
+
+
 def run_ranks(tmp_path, n, fn, *args):
     """Run ``fn(*args)`` on ``n`` gloo ranks (spawned processes; ``fn`` importable at module
     level) and return rank 0's result: the N-ranks side of an "N ranks equal 1 process" test."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / f"rank0_{fn.__name__}_{n}.pt"
-    mp.spawn(_rank_main, args=(n, free_port(), fn, args, str(out)), nprocs=n, join=True)
+    spawn(_rank_main, args=(n, free_port(), fn, args, str(out)), nprocs=n)
     return torch.load(out, map_location="cpu", weights_only=False)
 
 

@@ -6,7 +6,6 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hetero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hetero.cli import build_trainer, main, merge, parse_args
@@ -42,14 +41,14 @@ def _worker(r, n, port, ml_dir, run_dir):
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    from conftest import CPU_RANKS, write_ml100k
+    from conftest import CPU_RANKS, spawn, write_ml100k
 
     root = tmp_path_factory.mktemp("sharded")
     ml = write_ml100k(root / "ml-100k")
     with pytest.MonkeyPatch.context() as mpatch:  # the ranks run on the CPU (see conftest.CPU_RANKS)
         for k, v in CPU_RANKS.items():
             mpatch.setenv(k, v)
-        mp.spawn(_worker, args=(2, _free_port(), str(ml), str(root / "run")), nprocs=2, join=True)
+        spawn(_worker, args=(2, _free_port(), str(ml), str(root / "run")), nprocs=2)
     return root / "run", ml
 
 

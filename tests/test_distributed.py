@@ -5,10 +5,9 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import make_dataset, movielens
+from conftest import hetero_on_ranks, make_dataset, movielens, spawn
 
 from hetero.data import BatchConfig, Batches, FeatureRole
 from hetero.embedding import RowPlacement, dense_parameters, host_tables
@@ -120,7 +119,7 @@ def _worker(r, n, port, kind, mean, out):
 
 def _distributed(tmp_path, kind, n, mean):
     out = tmp_path / f"{kind}_{n}_{mean}.pt"
-    mp.spawn(_worker, args=(n, _free_port(), kind, mean, str(out)), nprocs=n, join=True)
+    spawn(_worker, args=(n, _free_port(), kind, mean, str(out)), nprocs=n)
     return torch.load(out, map_location="cpu")
 
 
@@ -161,7 +160,7 @@ def _untouched_shard_worker(r, n, port, out):
 
 def test_a_shard_the_batch_missed_still_counts_the_step(tmp_path, cpu_ranks):
     """LazyAdam's bias correction uses the table's step count: equal on every shard, as in one process."""
-    mp.spawn(_untouched_shard_worker, args=(2, _free_port(), str(tmp_path / "steps")), nprocs=2, join=True)
+    spawn(_untouched_shard_worker, args=(2, _free_port(), str(tmp_path / "steps")), nprocs=2)
     assert torch.load(tmp_path / "steps.0") == torch.load(tmp_path / "steps.1") == {"t": 3}
 
 
@@ -221,9 +220,7 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tm
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "killed").exists()  # rank 1 was killed mid-epoch 1 (15 steps per epoch) ...
     assert "resumed from" in run.stderr and "at epoch 0, batch 8 (step 8)" in run.stderr  # ... and restarted
-    clean = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "-m", "hetero", "train", *args, "--run-dir", str(tmp_path / "clean_run")],
-                           capture_output=True, text=True, env=env, timeout=300)
+    clean = hetero_on_ranks(tmp_path, 2, ["train", *args, "--run-dir", str(tmp_path / "clean_run")])
     assert clean.returncode == 0, clean.stderr[-2000:]
     a = torch.load(tmp_path / "killed_run" / "checkpoint.pt", map_location="cpu")
     b = torch.load(tmp_path / "clean_run" / "checkpoint.pt", map_location="cpu")
@@ -239,20 +236,15 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout
     row-sharded tables (torch.distributed.checkpoint), and loading at 2 ranks or 1 reshards them.
     The position counts global batches, so both continue under any world size."""
     import shutil
-    import subprocess
-    import sys
 
     from hetero.cli import main, merge
 
     fmt, sharding = layout
     args = [*movielens(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
             "--hidden", "16,8", "--dropout", "0", "--checkpoint-format", fmt]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def torchrun(n, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", "hetero",
-               "train", *args, "--table-sharding", sharding, *extra]
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    def on_ranks(n, *extra):
+        run = hetero_on_ranks(tmp_path, n, ["train", *args, "--table-sharding", sharding, *extra])
         assert run.returncode == 0, run.stderr[-2000:]
 
     def final(name):
@@ -261,11 +253,11 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2_and_1(tmp_path, ml_dir, layout
         return torch.load(merge(tmp_path / name / "checkpoint.dcp", tmp_path / name / "merged.pt"))
 
     assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0  # the uninterrupted 1-rank run
-    torchrun(4, "--max-steps", "7", "--run-dir", str(tmp_path / "four"))  # mid-epoch 1 of 15 steps
+    on_ranks(4, "--max-steps", "7", "--run-dir", str(tmp_path / "four"))  # mid-epoch 1 of 15 steps
     if fmt == "sharded":
         assert len(list((tmp_path / "four" / "checkpoint.dcp").glob("__*_0.distcp"))) == 4
     shutil.copytree(tmp_path / "four", tmp_path / "two")
-    torchrun(2, "--resume", "--run-dir", str(tmp_path / "two"))
+    on_ranks(2, "--resume", "--run-dir", str(tmp_path / "two"))
     shutil.copytree(tmp_path / "four", tmp_path / "single")
     assert main(["train", *args, "--resume", "--run-dir", str(tmp_path / "single")]) == 0
     reference = final("one")
@@ -352,8 +344,6 @@ def test_wide_deep_with_a_sharded_dense_part_trains_and_resumes_as_one_process(t
     layout), each ends where one uninterrupted process ends."""
     import json
     import shutil
-    import subprocess
-    import sys
 
     from hetero.cli import main, merge
 
@@ -361,12 +351,9 @@ def test_wide_deep_with_a_sharded_dense_part_trains_and_resumes_as_one_process(t
     args = [*movielens(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
             "--hidden", "16,8", "--dropout", "0", "--checkpoint-format", fmt]
     sharding = ["--tp", str(n)] if mode == "tp" else ["--zero", mode[-1]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def torchrun(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", "hetero",
-               "train", *args, *sharding, *extra]
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    def on_ranks(*extra):
+        run = hetero_on_ranks(tmp_path, n, ["train", *args, *sharding, *extra])
         assert run.returncode == 0, run.stderr[-2000:]
         return run
 
@@ -376,7 +363,7 @@ def test_wide_deep_with_a_sharded_dense_part_trains_and_resumes_as_one_process(t
         return torch.load(merge(tmp_path / name / "checkpoint.dcp", tmp_path / name / "merged.pt"))
 
     assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0
-    run = torchrun("--max-steps", "7", "--run-dir", str(tmp_path / "sharded"))  # mid-epoch 1
+    run = on_ranks("--max-steps", "7", "--run-dir", str(tmp_path / "sharded"))  # mid-epoch 1
     if mode == "tp":
         # 16,8 hidden over w inputs: mlp.0 (weight, bias) column-parallel, mlp.2's weight row-parallel;
         # mlp.2's bias and mlp.4 (8 -> 1) whole. The bytes are the ranks' live local shards.
@@ -397,7 +384,7 @@ def test_wide_deep_with_a_sharded_dense_part_trains_and_resumes_as_one_process(t
         assert f"stage {mode[-1]} over 2 data-parallel ranks" in line, line
         assert mine < whole and (mode == "zero1" or 0.45 * whole < mine < 0.55 * whole), line
     shutil.copytree(tmp_path / "sharded", tmp_path / "resumed")
-    torchrun("--resume", "--run-dir", str(tmp_path / "resumed"))
+    on_ranks("--resume", "--run-dir", str(tmp_path / "resumed"))
     shutil.copytree(tmp_path / "sharded", tmp_path / "single")
     assert main(["train", *args, "--resume", "--run-dir", str(tmp_path / "single")]) == 0
     reference = final("one")

@@ -3,15 +3,13 @@ sparse gradients on the host; equal to the unpipelined job on the same batches, 
 checkpoints move between pipeline degrees."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import criteo_job, criteo_lines, movielens
+from conftest import criteo_job, criteo_lines, hetero_on_ranks, movielens
 
 from hetero.cli import main
 
@@ -31,10 +29,8 @@ def _data(path):
     return ["--config", str(criteo_job(path.parent)), "--data-path", str(path)]
 
 
-def _torchrun(data, run_dir, *extra, args=ARGS, ok=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "hetero",
-           *args, *data, "--run-dir", str(run_dir), "--pp", "2", *extra]
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+def _on_ranks(data, run_dir, *extra, args=ARGS, ok=True):
+    run = hetero_on_ranks(Path(run_dir).parent, 2, [*args, *data, "--run-dir", str(run_dir), "--pp", "2", *extra])
     assert (run.returncode == 0) == ok, run.stderr[-3000:]
     return run
 
@@ -68,19 +64,19 @@ def _assert_same_run(got, want, name):
 @pytest.mark.parametrize("schedule,micro", [("1f1b", "4"), ("gpipe", "2")])
 def test_the_pipelined_main_job_equals_the_unpipelined_one(tmp_path, criteo, schedule, micro, cpu_ranks):
     _single(criteo, tmp_path / "one")
-    run = _torchrun(_data(criteo), tmp_path / "pp", "--schedule", schedule, "--micro-batches", micro)
+    run = _on_ranks(_data(criteo), tmp_path / "pp", "--schedule", schedule, "--micro-batches", micro)
     assert "stage 0 (rank 0): wide, deep, wide_dense, mlp.0, mlp.1; parameters" in run.stderr  # tables in stage 0
     _assert_same_run(tmp_path / "pp", tmp_path / "one", schedule)
 
 
 def test_a_pipelined_checkpoint_resumes_without_the_pipeline_and_back(tmp_path, criteo, cpu_ranks):
     _single(criteo, tmp_path / "one")
-    _torchrun(_data(criteo), tmp_path / "pp", "--max-steps", "3")  # mid-epoch 1
+    _on_ranks(_data(criteo), tmp_path / "pp", "--max-steps", "3")  # mid-epoch 1
     shutil.copytree(tmp_path / "pp", tmp_path / "pp_then_one")
     _single(criteo, tmp_path / "pp_then_one", "--resume")
     _assert_same_run(tmp_path / "pp_then_one", tmp_path / "one", "pp 2 -> 1")
     _single(criteo, tmp_path / "one_then_pp", "--max-steps", "6")  # mid-epoch 2, after the short batch
-    _torchrun(_data(criteo), tmp_path / "one_then_pp", "--resume")
+    _on_ranks(_data(criteo), tmp_path / "one_then_pp", "--resume")
     _assert_same_run(tmp_path / "one_then_pp", tmp_path / "one", "pp 1 -> 2")
 
 
@@ -95,7 +91,7 @@ def test_bad_pipeline_flags_are_refused_naming_the_fix(tmp_path, criteo, capsys,
         "hetero: error: --pp runs the pipeline alone in hetero train (replicated tables, integrated checkpoints): "
         "drop --zero, --prefetch")
     # MovieLens' genres are bags: rows cannot cut them into micro-batches (yet)
-    run = _torchrun(movielens(ml_dir), tmp_path / "ml", args=["train", "--epochs", "1", "--no-progress"], ok=False)
+    run = _on_ranks(movielens(ml_dir), tmp_path / "ml", args=["train", "--epochs", "1", "--no-progress"], ok=False)
     assert ("hetero: error: a pipeline cuts each batch into micro-batches by rows, which cannot cut the multi-hot "
             "features ['age_group_x_genres', 'gender_x_genres', 'genres', 'user_x_genres'] (bags) yet: train them "
             "without a pipeline") in run.stderr

@@ -74,17 +74,19 @@ def test_a_dp_plan_with_a_host_unit_trains_as_one_process(tmp_path, cpu_ranks, c
     assert_trains_as_one_process(Net, _batches(3), losses, trained)
 
 
-def test_a_dp_plan_with_its_state_and_a_unit_on_the_host_trains_as_one_process(tmp_path, cpu_ranks, cache):
-    """HostAdamW averages the device part's gradients itself (no DDP), the host unit's beside it:
-    torch's AdamW on one process on the global batch is the reference."""
+@pytest.mark.parametrize("state,ratio,unit", [(StateHome.HOST, 1.0, "fc2"), (StateHome.PARTIAL, 0.5, None)])
+def test_a_dp_plan_with_its_state_on_the_host_trains_as_one_process(tmp_path, cpu_ranks, cache, state, ratio, unit):
+    """All of the state on the host: HostAdamW averages the device part's gradients itself (no
+    DDP), a host unit's beside it. Half of it (fc1.weight's, the largest): HostAdamW averages
+    that part, DDP the rest. torch's AdamW on one process on the global batch is the reference."""
     from conftest import run_ranks
 
     x, y = _batches(1)[0]
     planner = Planner(Net(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.ADAMW,
                       config=PlannerConfig(cache_dir=cache))
-    plan = planner.price(Candidate(dp=2, state=StateHome.HOST, offload_ratio=1.0), {"fc2": UnitChoice(Target.HOST)})
+    plan = planner.price(Candidate(dp=2, state=state, offload_ratio=ratio), {unit: UnitChoice(Target.HOST)} if unit else {})
     losses, trained, _, hosted = run_ranks(tmp_path, 2, _train_dp, str(plan.save(tmp_path / "plan.json")), 3, 0.01)
-    assert hosted == ["fc2.bias", "fc2.weight"]
+    assert hosted == ([f"{unit}.bias", f"{unit}.weight"] if unit else [])
     torch.manual_seed(0)
     ref = Net()
     opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
@@ -137,3 +139,47 @@ def test_a_dp_ranks_work_is_priced_at_its_share_of_the_batch(cache):
         for choice in (UnitChoice(Target.DEVICE), UnitChoice(Target.HOST)):
             got, want = two.cost.unit(i, choice, Candidate(dp=2)), half.cost.unit(i, choice, Candidate())
             assert got.seconds == pytest.approx(want.seconds, rel=1e-9), (name, choice)
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(16, 64), nn.BatchNorm1d(64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def _train_norm(plan_path):
+    """Every replica's buffers after 3 steps (each rank's share of each batch differs): rank 0's
+    result holds all ranks' (gathered)."""
+    import torch.distributed as dist
+
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    torch.manual_seed(0)
+    model = NormNet()
+    run = apply(model, Plan.load(plan_path), OptimizerConfig(lr=0.01))
+    for x, y in _batches(3):
+        run.step((x,), y, F.cross_entropy)
+    mine = torch.cat([b.detach().float().cpu().reshape(-1) for b in model.bn.buffers()])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return every, model.bn.running_mean in run.host_tensors
+
+
+@pytest.mark.parametrize("hosted,state", [(True, StateHome.DEVICE), (False, StateHome.HOST)])
+def test_the_replicas_keep_one_set_of_buffers_without_ddp_taking_them(tmp_path, cpu_ranks, cache, hosted, state):
+    """BatchNorm's running statistics on the host beside DDP, or on the device with no DDP (the
+    AdamW state on the host): rank 0's after every step, as DDP keeps its own buffers."""
+    from conftest import run_ranks
+
+    x, y = _batches(1)[0]
+    planner = Planner(NormNet(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y),
+                      optimizer=OptimizerKind.ADAMW, config=PlannerConfig(cache_dir=cache))
+    plan = planner.price(Candidate(dp=2, state=state, offload_ratio=1.0 if state is StateHome.HOST else 0.0),
+                         {"bn": UnitChoice(Target.HOST if hosted else Target.DEVICE)})
+    every, on_host = run_ranks(tmp_path, 2, _train_norm, str(plan.save(tmp_path / "plan.json")))
+    assert on_host == hosted
+    assert not torch.equal(every[0][:64], torch.zeros(64))  # the statistics moved
+    assert torch.equal(every[0], every[1])

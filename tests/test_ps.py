@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import CPU_RANKS, movielens, write_ml100k
+from conftest import CPU_RANKS, hetero_on_ranks, movielens, spawn, write_ml100k
 
 from hetero import ps
 from hetero.cli import main, merge
@@ -28,9 +27,8 @@ ARGS = ["--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim
 ENV = {**os.environ, **CPU_RANKS}
 
 
-def _torchrun(n, *args, script=("-m", "hetero"), extra_env=None, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *script, "train", *args]
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(extra_env or {})}, timeout=300)
+def _on_ranks(tmp_path, n, *args, check=True):
+    run = hetero_on_ranks(tmp_path, n, ["train", *args])
     if check:
         assert run.returncode == 0, run.stderr[-3000:]
     return run
@@ -56,7 +54,7 @@ def test_sync_mode_equals_one_process_with_tables_no_single_server_could_hold(tm
     data = [*movielens(ml_dir), *ARGS]
     assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
     # What the whole tables need: a 1-server job reports it before allocating, on every rank, and stops.
-    tiny = _torchrun(2, *data, "--ps-servers", "1", "--ps-server-memory-mb", "0.001", "--run-dir", str(tmp_path / "x"),
+    tiny = _on_ranks(tmp_path, 2, *data, "--ps-servers", "1", "--ps-server-memory-mb", "0.001", "--run-dir", str(tmp_path / "x"),
                      check=False)
     assert tiny.returncode != 0
     rows = re.search(r"hetero: error: parameter server rank 1 \(shard 0 of 1\): its table rows alone need ([0-9.]+) MiB, "
@@ -66,7 +64,7 @@ def test_sync_mode_equals_one_process_with_tables_no_single_server_could_hold(tm
     # With the state of FTRL (wide) and LazyAdam (deep), two tensors of the table's shape each, one
     # server would need 3x the rows; each of two servers about half of that.
     budget = 0.6 * 3 * float(rows.group(1))
-    _torchrun(4, *data, "--ps-servers", "2", "--ps-server-memory-mb", str(budget), "--run-dir", str(tmp_path / "ps"))
+    _on_ranks(tmp_path, 4, *data, "--ps-servers", "2", "--ps-server-memory-mb", str(budget), "--run-dir", str(tmp_path / "ps"))
     assert sorted(p.name for p in (tmp_path / "ps" / "checkpoint.dcp").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     _assert_same_training(tmp_path / "one" / "checkpoint.pt", tmp_path / "ps" / "checkpoint.dcp", tmp_path)
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())
@@ -96,7 +94,7 @@ def test_async_mode_converges_to_the_auc_of_sync(tmp_path):
     ml = write_ml100k(tmp_path / "ml", n_users=300, n_items=400, n_ratings=12000)
     data = [*movielens(ml), *ARGS, "--epochs", "3", "--batch-size", "256"]
     assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
-    _torchrun(4, *data, "--ps-servers", "2", "--ps-mode", "async", "--run-dir", str(tmp_path / "async"))
+    _on_ranks(tmp_path, 4, *data, "--ps-servers", "2", "--ps-mode", "async", "--run-dir", str(tmp_path / "async"))
     sync = json.loads((tmp_path / "one" / "metrics.json").read_text())["test_auc"]
     asyn = json.loads((tmp_path / "async" / "metrics.json").read_text())["test_auc"]
     assert sync > 0.85 and abs(asyn - sync) <= 0.01, (sync, asyn)
@@ -167,7 +165,7 @@ def _staleness_job(rank, world, port, out):
 
 
 def test_bounded_staleness_reuses_a_row_for_at_most_k_steps(tmp_path, cpu_ranks):
-    mp.spawn(_staleness_job, args=(4, _port(), str(tmp_path)), nprocs=4)
+    spawn(_staleness_job, args=(4, _port(), str(tmp_path)), nprocs=4)
     for worker in (0, 1):
         got = json.loads((tmp_path / f"{worker}.json").read_text())
         # 7 rows, steps 0..7, k = 2: pulled at steps 0, 3, 6 (an entry of age 3 is dropped), cached otherwise
@@ -206,7 +204,7 @@ def _silent_server_job(rank, world, port, out):
 
 
 def test_a_server_rejects_an_out_of_range_id_with_the_table_name(tmp_path, cpu_ranks):
-    mp.spawn(_bad_input_job, args=(2, _port(), str(tmp_path)), nprocs=2)
+    spawn(_bad_input_job, args=(2, _port(), str(tmp_path)), nprocs=2)
     assert (tmp_path / "index.txt").read_text() == (
         "parameter server rank 1 (shard 0 of 1): table 'items': id 45 is out of range for vocab size 40 (valid ids are "
         "0..39); fix the feature encoding or set hashed=True")
@@ -214,7 +212,7 @@ def test_a_server_rejects_an_out_of_range_id_with_the_table_name(tmp_path, cpu_r
 
 
 def test_an_unresponsive_server_is_a_timeout_naming_its_rank(tmp_path, cpu_ranks):
-    mp.spawn(_silent_server_job, args=(2, _port(), str(tmp_path)), nprocs=2)
+    spawn(_silent_server_job, args=(2, _port(), str(tmp_path)), nprocs=2)
     seconds, message = (tmp_path / "timeout.txt").read_text().split("\n", 1)
     assert 1.5 <= float(seconds) < 5
     assert message.startswith("parameter server rank 1 (shard 0 of 1) did not answer a pull of table group 'items' "

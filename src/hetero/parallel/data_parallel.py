@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import zlib
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from typing import Any
 
 import torch
@@ -110,28 +110,51 @@ class HostReplicaOptimizer:
     rank produced one (one process on the global batch would have), else stays without one
     (torch's optimizer skips it, as it would). One all-reduce per step of one flat float32 host
     buffer (every gradient, then one arrival count per parameter) on ``group`` (gloo; ``None``:
-    :func:`~hetero.parallel.env.host_group`), on the calling thread. Reference: DDP's gradient
-    averaging (Li et al., PyTorch Distributed, VLDB 2020).
+    :func:`~hetero.parallel.env.host_group`), on the calling thread. After the update the host
+    units' ``buffers`` (BatchNorm's running statistics, each rank's from its own share) are
+    broadcast from the group's first rank, one collective per device and dtype: DDP's rule for
+    the device part's buffers (``broadcast_buffers``), so the replicas keep one set (a model
+    without DDP - its optimizer state on the host - passes its device buffers here too). Reference: DDP's
+    gradient averaging and buffer broadcast (Li et al., PyTorch Distributed, VLDB 2020).
 
     Args:
-        optimizer: torch's optimizer over the host parameters (CPU tensors).
+        optimizer: torch's optimizer over the host parameters (CPU tensors); ``None`` when the
+            host units hold buffers only.
         config: ``gradients_mean`` (else the sum) of :class:`DataParallelConfig`.
         group: the data-parallel ranks (gloo).
+        buffers: the buffers to keep equal over the ranks (the host units'; CPU or device
+            tensors, in the same order on every rank), overwritten in place at each step.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: DataParallelConfig = DataParallelConfig(),
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer | None, config: DataParallelConfig = DataParallelConfig(),
+                 group: dist.ProcessGroup | None = None, buffers: Sequence[torch.Tensor] = ()) -> None:
         self.optimizer, self.config = optimizer, config
         self.group = group if group is not None else host_group()
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+        self.buffers = list(buffers)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none)
 
     def step(self) -> None:
-        if active():
-            self._reduce()
-        self.optimizer.step()
+        if self.optimizer is not None:
+            if active():
+                self._reduce()
+            self.optimizer.step()
+        if active() and self.buffers:
+            self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for b in self.buffers:
+            kinds.setdefault((b.device, b.dtype), []).append(b)
+        for buffers in kinds.values():
+            # the copy: one collective per device and dtype, not per buffer (gloo broadcasts CUDA tensors too)
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            dist.broadcast(flat, group=self.group, group_src=0)
+            for b, part in zip(buffers, flat.split([b.numel() for b in buffers])):
+                b.copy_(part.view_as(b))
 
     def _reduce(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -146,10 +169,11 @@ class HostReplicaOptimizer:
             p.grad = part.view_as(p).to(p.dtype) if n > 0 else None
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        return self.optimizer.state_dict() if self.optimizer is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state)
 
 
 def check_replicas(model: nn.Module) -> None:

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from hetero.embedding import dense_parameters, host_tables, move_tables_to_device
 from hetero.optim import SparseOptimizerKind, device_sparse_optimizer
+from hetero.optim.partial_offload import PartialOffloadAdamW
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
@@ -142,9 +143,8 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         ValueError: the plan names units the model does not have (another model's plan), its
             mesh is not the world's, it puts units or weights on the host beside ``tp``, a
             ``pp`` plan comes without ``loss_fn`` or has host weights or host units beside
-            ``dp``, a ``dp`` plan has host weights, tables, part of its state offloaded or host
-            units beside ZeRO 2, 3 (the main job applies host tables and offloaded state:
-            ``hetero train --plan``), or ZeRO 1 beside ``tp``.
+            ``dp``, a ``dp`` plan has host weights, tables or host units beside ZeRO 2, 3 (the
+            main job applies host tables: ``hetero train --plan``), or ZeRO 1 beside ``tp``.
     """
     from hetero.planner.graph import plan_units
 
@@ -198,19 +198,18 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     """A dp plan of a dense model: recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``), the
     host units partitioned out (their parameters on the host, averaged over the replicas by
     :class:`~hetero.parallel.data_parallel.HostReplicaOptimizer`), DDP over the device
-    parameters (stages 0, 1; none with the state on the host: HostAdamW averages the replicas'
-    gradients itself), torch's optimizer (stage 1: its state sharded) or HostAdamW, every rank
-    its share of the batch."""
+    parameters (stages 0, 1; none with all of the state on the host, HostAdamW averaging the
+    replicas' gradients itself; with part of it, DDP over the rest), torch's optimizer (stage 1:
+    its state sharded), HostAdamW or PartialOffloadAdamW, every rank its share of the batch."""
     from hetero.embedding import device_tables
     from hetero.parallel.data_parallel import DataParallelConfig, HostReplicaOptimizer, data_parallel
 
     c = plan.candidate
     hosted = plan.host_units()
-    if plan.streamed_units() or host_tables(model) or device_tables(model) or c.state is StateHome.PARTIAL or \
-            (hosted and not c.takes_host_units()):
-        raise ValueError(f"a dp {c.dp} plan with host weights, tables, part of its state offloaded or host units beside "
-                         f"tp or ZeRO {c.zero}: hetero.apply makes dense data-parallel plans real (host units, all of "
-                         f"the state on the host); run it with hetero train --plan")
+    if plan.streamed_units() or host_tables(model) or device_tables(model) or (hosted and not c.takes_host_units()):
+        raise ValueError(f"a dp {c.dp} plan with host weights, tables or host units beside tp or ZeRO {c.zero}: "
+                         f"hetero.apply makes dense data-parallel plans real (host units, the state on the host); "
+                         f"run it with hetero train --plan")
     if c.tp > 1 and c.zero == 1:
         raise ValueError(f"a dp {c.dp} x tp {c.tp} plan at ZeRO 1 (torch's ZeroRedundancyOptimizer takes no DTensor "
                          f"parameters): plan the model again (hetero.plan never makes one)")
@@ -229,25 +228,32 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
         runnable = partition(model, plan.placement_spec(model))  # moves the host units' parameters to the host
     units = dict(model.named_modules())
     on_host = {p for n in hosted for p in units[n].parameters()}  # (tensors hash by identity)
-    host_buffers = {b for n in hosted for b in units[n].buffers()}
+    host_buffers = [b for n in hosted for b in units[n].buffers()]  # (in the units' order: the same on every rank)
     if c.tp > 1 and c.zero < 2:
         # torch's replicate (data parallel on FSDP2's machinery) takes the tp shards, DDP does not
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         runnable = replicate(model, mesh=dp)
-    elif c.state is not StateHome.HOST:
-        runnable = data_parallel(runnable, DataParallelConfig(dense_sharded=c.zero >= 2), host=on_host | host_buffers)
     # (after replicate, which makes the parameters new dp DTensors)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host]
-    if c.state is StateHome.HOST:  # HostAdamW: its own gloo group over the replicas averages the gradients
+    offloaded: set[nn.Parameter] = set()
+    if c.state is not StateHome.DEVICE:  # HostAdamW: its own gloo group over the replicas averages its part's gradients
         optimizer = device_optimizer(named, plan, config, foreach=True, replicas=dp.get_group()) if named else None
+        if isinstance(optimizer, PartialOffloadAdamW):
+            offloaded = {p for n, p in named if n in set(optimizer.host_params)}  # (tensors hash by identity)
     else:
         kind, defaults = optimizer_args(plan.optimizer, config)
         if c.tp > 1:
             defaults["foreach"] = False  # foreach takes one kind of tensor; tp mixes DTensor shards and plain ones
         optimizer = zero_optimizer([p for _, p in named], kind, zero, mesh, **defaults) if named else None
-    host_optimizers = [HostReplicaOptimizer(host_optimizer(on_host, plan, config))] if on_host else []
-    return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, on_host | host_buffers,
+    if c.tp == 1 and c.state is not StateHome.HOST:  # DDP over what no host optimizer averages (none: all offloaded)
+        runnable = data_parallel(runnable, DataParallelConfig(dense_sharded=c.zero >= 2),
+                                 host=on_host | set(host_buffers) | offloaded)
+    # the replicas' buffers stay rank 0's (DDP's rule): the host units' always, the device's too without DDP
+    synced = host_buffers + ([b for b in model.buffers() if b not in set(host_buffers)] if c.state is StateHome.HOST else [])
+    host_optimizers = [HostReplicaOptimizer(host_optimizer(on_host, plan, config) if on_host else None,
+                                            buffers=synced)] if on_host or synced else []
+    return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, on_host | set(host_buffers),
                    data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
 
 
