@@ -183,3 +183,29 @@ def test_the_replicas_keep_one_set_of_buffers_without_ddp_taking_them(tmp_path, 
     assert on_host == hosted
     assert not torch.equal(every[0][:64], torch.zeros(64))  # the statistics moved
     assert torch.equal(every[0], every[1])
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_the_host_units_optimizer_lists_their_parameters_in_the_models_order(cache):
+    """Its state, and the replicas' flat all-reduce of their gradients, are laid out by that order:
+    a set's would differ between processes (an all-reduce summing one rank's weight with another's
+    bias; a checkpoint's state loaded onto the wrong parameters)."""
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    x = torch.randn(8, 16)
+    model = Deep()
+    planner = Planner(model, (x,), optimizer=OptimizerKind.ADAMW, config=PlannerConfig(cache_dir=cache))
+    plan = planner.price(Candidate(), {f"layers.{i}": UnitChoice(Target.HOST) for i in range(6)})
+    run = apply(model, plan, OptimizerConfig())
+    names = [n for p in run.host_optimizers[0].param_groups[0]["params"] for n, q in model.named_parameters() if q is p]
+    assert names == [n for n, _ in model.named_parameters()]

@@ -121,16 +121,21 @@ def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_
     assert_trains_as_one_process(Stack, _batches(3), losses, stages[0][0] | stages[1][0])
 
 
-def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_process(tmp_path, cpu_ranks, cache):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_process(tmp_path, cpu_ranks, cache, dp):
+    """Each stage's host units on its host; beside dp every replica's, averaged over the stage's
+    replicas apart from the device part's (replicate)."""
     from conftest import assert_trains_as_one_process, run_ranks
 
     x, y = _batches(1)[0]
     pinned = PlacementSpec().module("blocks.1", Target.HOST)
-    planner = Planner(Stack(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
-                      placement=pinned, config=PlannerConfig(cache_dir=cache))
-    assert {(c.pp, c.dp, c.tp) for c in planner.settings} == {(2, 1, 1), (1, 2, 1)}  # tp takes no host units
+    planner = Planner(Stack(), (x,), world_size=2 * dp, loss_fn=lambda o: F.cross_entropy(o, y),
+                      optimizer=OptimizerKind.SGD, placement=pinned, config=PlannerConfig(cache_dir=cache))
+    meshes = {(c.pp, c.dp, c.tp) for c in planner.settings}
+    assert meshes == ({(2, 1, 1), (1, 2, 1)} if dp == 1 else {(4, 1, 1), (2, 2, 1), (1, 4, 1)})  # tp takes no host units
+    assert {c.zero for c in planner.settings if c.dp > 1} == {0, 1}  # nor ZeRO 2, 3 (FSDP2)
     assert "blocks.1" in planner.plan().host_units()  # (pp or dp: a measured choice)
-    planner.settings = [c for c in planner.settings if c.pp == 2]  # the pipeline's (dp's: test_planner_dp)
+    planner.settings = [c for c in planner.settings if (c.pp, c.dp) == (2, dp)]  # the pipeline's (dp's: test_planner_dp)
     plan = planner.plan()
     # its neighbours may join it (saving two copies where host and device are one CPU): a measured choice
     host = plan.host_units()
@@ -138,13 +143,20 @@ def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_pro
     said = [line.partition("on the host ")[2].partition(" (")[0].split(", ") for line in str(hetero.explain(plan)).splitlines()
             if "on the host " in line]  # each stage's host units
     assert sum(said, []) == host
+    assert plan.candidate.dp == dp
     path = plan.save(tmp_path / "plan.json")
-    losses, gathered = run_ranks(tmp_path, 2, _train_pp, str(path), 3)
+    losses, gathered = run_ranks(tmp_path, 2 * dp, _train_pp, str(path), 3)
     for mine, _, _, (hosted, threads) in gathered:  # each stage's host units hold their parameters on its host
         assert hosted == sorted(n for n in mine if any(n.startswith(u + ".") for u in host))
         assert threads == (["hetero-host"] if "blocks.1.0.weight" in mine else [])  # blocks.1 runs on the host thread
-    assert sum(bool(hosted) for _, _, _, (hosted, _) in gathered) >= 1
-    assert_trains_as_one_process(Stack, _batches(3), losses, gathered[0][0] | gathered[1][0])
+    assert sum(bool(hosted) for _, _, _, (hosted, _) in gathered) >= dp
+    stages = [m for m, *_ in gathered if set(m) == set(gathered[0][0])], [m for m, *_ in gathered if set(m) != set(gathered[0][0])]
+    for replicas in stages:  # a stage's replicas stay equal, host units included
+        assert len(replicas) == dp
+        assert not [k for r in replicas for k in r if not torch.equal(r[k], replicas[0][k])], host
+    assert_trains_as_one_process(Stack, _batches(3), losses, stages[0][0] | stages[1][0])
+    if dp > 1:
+        return
     with pytest.raises(ValueError, match="pinned to the host, which runs without tensor parallelism"):
         Planner(Flat(), (x[:3],), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y[:3]),  # (dp cannot cut 3 rows)
                 placement=PlacementSpec().module("a", Target.HOST), config=PlannerConfig(cache_dir=cache))
@@ -175,8 +187,9 @@ class _DeviceOnly:
 def test_a_stage_over_its_budget_puts_units_on_the_host(cache):
     planner = _planner(cache, Stack(depth=6))
     c = Candidate(pp=2, micro_batches=2)
-    assert any(x.target is Target.HOST for x in planner.cost.options(1, Candidate(dp=2)))  # every replica's
-    for other in (Candidate(dp=2, zero=3), Candidate(pp=2, dp=2, micro_batches=2)):  # none beside FSDP2, a stage's replicas
+    for replicas in (Candidate(dp=2), Candidate(pp=2, dp=2, micro_batches=2)):  # every replica's (of a stage)
+        assert any(x.target is Target.HOST for x in planner.cost.options(1, replicas))
+    for other in (Candidate(dp=2, zero=3), Candidate(pp=2, dp=2, zero=2, micro_batches=2)):  # none beside FSDP2
         assert all(x.target is Target.DEVICE for x in planner.cost.options(1, other))
     device_only, send = _DeviceOnly(planner.cost), planner._transfer(c)
     budget = search_stages(device_only, c, planner.cuts, float("inf"), float("inf"), send).device_bytes

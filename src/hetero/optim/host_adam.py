@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hetero.optim.host_state import (
-    HostOffloadConfig, _chunks, _host_all_reduce_group, _host_buffer, _kernels, _np,
+    HostOffloadConfig, _chunks, _host_buffer, _kernels, _np, host_all_reduce_group,
     _buckets, _call_weakly, _remove_all, _Slot, _sum_over, f32,
 )
 from hetero.placement.threads import host_worker
@@ -105,8 +105,8 @@ class HostAdamW(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.config = config
         self.loss_scaler = config.loss_scaler
-        self._group, self._world = _host_all_reduce_group(process_group)
-        self._norm_group = _host_all_reduce_group(norm_group)[0] if norm_group is not None else None
+        self._group, self._world = host_all_reduce_group(process_group)
+        self._norm_group = host_all_reduce_group(norm_group)[0] if norm_group is not None else None
         cuda = torch.cuda.is_available()
         names = dict((p, n) for n, p in reversed(named))  # keyed by the tensor itself, as torch.optim's state
         self._slots: dict[Tensor, _Slot] = {}

@@ -77,7 +77,7 @@ class _Slot:
     shard: Tensor | None = None  # ShardedHostAdamW: this rank's reduced gradient elements, then its new weights
 
 
-def _host_all_reduce_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
+def host_all_reduce_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
     """A gloo group over ``group``'s ranks for the host all-reduces, and its size (``None``, 1
     without a process group of more than one rank). A group of its own: the worker thread's
     collectives must not interleave with the training thread's (DDP, loss averaging) on a

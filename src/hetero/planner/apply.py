@@ -175,7 +175,8 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         runnable: nn.Module = partition(model, spec)  # moves every parameter to its target
     else:
         runnable = model.to(device)
-    on_host = {p for n in host_dense + streamed for p in units[n].parameters()}  # (tensors hash by identity)
+    # in the model's order (a set's would differ between processes: the optimizer's state order)
+    on_host = dict.fromkeys(p for n in host_dense + streamed for p in units[n].parameters())
     dense = set(dense_parameters(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host and p in dense]
     host_optimizers = []
@@ -189,7 +190,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         on_device = [t.weight for k, t in moved.items() if sparse_optimizer_of(k, sparse_optimizers) is kind]
         if on_device:
             table_optimizers.append(device_sparse_optimizer(kind, on_device))
-    host_tensors = on_host | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
+    host_tensors = set(on_host) | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
     return Applied(runnable, device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
                    c.micro_batches, plan, host_tensors, table_optimizers=table_optimizers)
 
@@ -227,7 +228,8 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
 
         runnable = partition(model, plan.placement_spec(model))  # moves the host units' parameters to the host
     units = dict(model.named_modules())
-    on_host = {p for n in hosted for p in units[n].parameters()}  # (tensors hash by identity)
+    # in the model's order: every replica's flat all-reduce must lay them out alike
+    on_host = dict.fromkeys(p for n in hosted for p in units[n].parameters())
     host_buffers = [b for n in hosted for b in units[n].buffers()]  # (in the units' order: the same on every rank)
     if c.tp > 1 and c.zero < 2:
         # torch's replicate (data parallel on FSDP2's machinery) takes the tp shards, DDP does not
@@ -248,12 +250,12 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
         optimizer = zero_optimizer([p for _, p in named], kind, zero, mesh, **defaults) if named else None
     if c.tp == 1 and c.state is not StateHome.HOST:  # DDP over what no host optimizer averages (none: all offloaded)
         runnable = data_parallel(runnable, DataParallelConfig(dense_sharded=c.zero >= 2),
-                                 host=on_host | set(host_buffers) | offloaded)
+                                 host=set(on_host) | set(host_buffers) | offloaded)
     # the replicas' buffers stay rank 0's (DDP's rule): the host units' always, the device's too without DDP
     synced = host_buffers + ([b for b in model.buffers() if b not in set(host_buffers)] if c.state is StateHome.HOST else [])
     host_optimizers = [HostReplicaOptimizer(host_optimizer(on_host, plan, config) if on_host else None,
                                             buffers=synced)] if on_host or synced else []
-    return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, on_host | set(host_buffers),
+    return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, set(on_host) | set(host_buffers),
                    data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
 
 
@@ -297,10 +299,10 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     if loss_fn is None:
         raise ValueError(f"a pp {c.pp} plan runs its loss in the last stage: pass loss_fn=(output, target) -> loss")
     hosted = plan.host_units()
-    if plan.streamed_units() or (hosted and (c.dp, c.tp) != (1, 1)):
-        raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan with host units {hosted} or host weights "
-                         f"{plan.streamed_units()}: a stage's host units run without dp or tp, its weights on the device; "
-                         f"plan the model again (hetero.plan never makes one)")
+    if plan.streamed_units() or (hosted and not c.takes_host_units()):
+        raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with host units {hosted} or host "
+                         f"weights {plan.streamed_units()}: a stage's host units run without tp or ZeRO 2, 3, its weights "
+                         f"on the device; plan the model again (hetero.plan never makes one)")
     if (c.state is StateHome.PARTIAL and c.dp > 1) or (c.state is not StateHome.DEVICE and (c.tp > 1 or c.zero)):
         raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with its optimizer state "
                          f"{c.describe()['optimizer state']}: a stage offloads all of its state beside dp, part of it only "
@@ -316,6 +318,7 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
             _shard(stage, plan, mesh)
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
         own = [n for n in hosted if n in present]
+        kept: set[nn.Parameter] = set()
         if own:  # the stage as host and device subgraphs (its host units' parameters move to the host)
             from hetero.placement import PlacementSpec
             from hetero.placement.partitioner import partition
@@ -323,7 +326,8 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
             spec = PlacementSpec()
             for name in own:
                 spec.module(name, Target.HOST)
-            return _SendFromDevice(partition(stage, spec), device)
+            stage = _SendFromDevice(partition(stage, spec), device)
+            kept = {p for n in own for p in present[n].parameters()}  # (HostReplicaOptimizer averages these)
         if group is None or c.state is StateHome.HOST:  # (HostAdamW averages the replicas' gradients)
             return stage
         if c.zero >= 2:  # FSDP2 over the stage's replicas (the schedule syncs its gradients once per batch)
@@ -332,19 +336,27 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         # once per batch, which DDP's reducer does not take (it rebuilds buckets across micro-batches)
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        return replicate(stage, mesh=mesh[MeshDim.DP.value])
+        return replicate(stage, mesh=mesh[MeshDim.DP.value], ignored_params=kept or None)
 
     pipe = pipeline(model.to(device), PipelineConfig(micro_batches=c.micro_batches, split_points=plan.split_points),
                     mesh, loss_fn, recompute_stage)
     stages = {n: m for stage in pipe.modules for n, m in stage.named_modules()}
-    on_host = {p for n in hosted if n in stages for p in stages[n].parameters()}  # (tensors hash by identity)
+    on_host = dict.fromkeys(p for n in hosted if n in stages for p in stages[n].parameters())  # (in the model's order)
     named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad and p not in on_host]
     rank = mesh[MeshDim.DP.value].get_local_rank()
     # (no foreach with replicas or tp: their parameters are DTensors)
     optimizer = device_optimizer(named, plan, config, group is None and c.tp == 1, mesh[MeshDim.DP.value].get_group()) \
         if named else None
-    host_optimizers = [host_optimizer(on_host, plan, config)] if on_host else []
-    host_tensors = on_host | {b for n in hosted if n in stages for b in stages[n].buffers()}
+    host_buffers = [b for n in hosted if n in stages for b in stages[n].buffers()]  # (in the units' order)
+    host_optimizers: list[Any] = [host_optimizer(on_host, plan, config)] if on_host else []
+    if c.dp > 1 and (on_host or host_buffers):  # the stage's replicas average them on a gloo group of their own
+        from hetero.optim.host_state import host_all_reduce_group
+        from hetero.parallel.data_parallel import HostReplicaOptimizer
+
+        replicas = host_all_reduce_group(mesh[MeshDim.DP.value].get_group())[0]
+        host_optimizers = [HostReplicaOptimizer(host_optimizers[0] if on_host else None, group=replicas,
+                                                buffers=host_buffers)]
+    host_tensors = set(on_host) | set(host_buffers)
     return Applied(pipe.modules[0], optimizer, host_optimizers,
                    c.micro_batches, plan, host_tensors, pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
 

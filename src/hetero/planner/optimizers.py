@@ -7,6 +7,7 @@ stays with them, :class:`~hetero.optim.HostAdamW` (all of the state on the host)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -49,9 +50,10 @@ def torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: Optimize
     return cls(params, foreach=foreach, **defaults)
 
 
-def host_optimizer(params: set[nn.Parameter], plan: Plan, c: OptimizerConfig) -> torch.optim.Optimizer:
+def host_optimizer(params: Iterable[nn.Parameter], plan: Plan, c: OptimizerConfig) -> torch.optim.Optimizer:
     """torch's optimizer of the plan's kind over the host units' parameters (those that train),
-    beside them on the host."""
+    beside them on the host. ``params`` in the model's order: the optimizer's state and a
+    replicas' all-reduce are laid out by it, alike on every rank (a set's order is not)."""
     return torch_optimizer([p for p in params if p.requires_grad], plan.optimizer, c)
 
 

@@ -113,10 +113,10 @@ class Candidate:
     def takes_host_units(self) -> bool:
         """Whether dense units may run on the host under this setting: not beside ``tp`` (the
         partitioner's host subgraphs take no DTensors), nor beside ZeRO 2 and 3 (FSDP2 takes no
-        partitioned model), nor beside both ``pp`` and ``dp`` (a stage's host units run on one
-        replica). Beside ``dp`` alone every replica holds them; their gradients are averaged
-        apart from DDP's (:class:`hetero.parallel.data_parallel.HostReplicaOptimizer`)."""
-        return self.tp == 1 and (self.dp == 1 or (self.pp == 1 and self.zero < 2))
+        partitioned model). Beside ``dp`` every replica (of the model, or of a pipeline's stage)
+        holds them; their gradients are averaged apart from DDP's or replicate's
+        (:class:`hetero.parallel.data_parallel.HostReplicaOptimizer`)."""
+        return self.tp == 1 and self.zero < 2
 
     def describe(self) -> dict[str, str]:
         """The candidate's decisions in words, by name (as ``hetero.explain`` prints them)."""
