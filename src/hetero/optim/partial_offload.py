@@ -51,6 +51,21 @@ class PartialOffloadConfig:
                              f"optimizer state lives on the host (0: all on the device, 1: all on the host)")
 
 
+def host_part(named: Iterable[tuple[str, Tensor]], ratio: float) -> list[str]:
+    """The names of the parameters whose state :class:`PartialOffloadAdamW` keeps on the host at
+    ``ratio``: the largest first (ties in the given order) while the elements taken stay nearest
+    to ``ratio`` of all; in the given order. A data-parallel wrapper leaves these out (their
+    gradients are the host part's to average)."""
+    named = list(named)
+    total = sum(p.numel() for _, p in named)
+    chosen, taken = set(), 0
+    for name, p in sorted(named, key=lambda item: -item[1].numel()):  # largest first, ties in model order
+        if taken + p.numel() <= ratio * total + 0.5 * p.numel():  # nearest to the ratio
+            chosen.add(name)
+            taken += p.numel()
+    return [n for n, _ in named if n in chosen]
+
+
 class _HostPart(HostAdamW):
     """The host part: its global gradient norm also counts the device part's gradients."""
 
@@ -93,14 +108,8 @@ class PartialOffloadAdamW:
             raise ValueError(f"offload ratio {config.ratio} with a loss scaler: the device part would step on scaled "
                              f"gradients; train in bf16 (no loss scaling) or offload everything (ratio 1)")
         self.config = config
-        total = sum(p.numel() for _, p in named)
-        host: list[tuple[str, Tensor]] = []
-        taken = 0
-        for name, p in sorted(named, key=lambda item: -item[1].numel()):  # largest first, ties in model order
-            if taken + p.numel() <= config.ratio * total + 0.5 * p.numel():  # nearest to the ratio
-                host.append((name, p))
-                taken += p.numel()
-        chosen = {name for name, _ in host}
+        chosen = set(host_part(named, config.ratio))
+        host = [(n, p) for n, p in named if n in chosen]
         device = [p for name, p in named if name not in chosen]
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.host_params = [name for name, _ in named if name in chosen]

@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from hetero.embedding import dense_parameters, host_tables, move_tables_to_device
 from hetero.optim import SparseOptimizerKind, device_sparse_optimizer
-from hetero.optim.partial_offload import PartialOffloadAdamW
+from hetero.optim.partial_offload import PartialOffloadAdamW, host_part
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
@@ -289,9 +289,10 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Applied:
     """A pp plan: the model split at the plan's points (``hetero.parallel.pipeline``, 1F1B), this
     rank's stage recomputing its planned units (and over its ``dp`` replicas torch's replicate, or
-    FSDP2 at ZeRO 2 and 3), torch's optimizer beside its parameters or HostAdamW /
-    PartialOffloadAdamW keeping their state on the host (HostAdamW averaging the replicas'
-    gradients itself), each replica its share of the batch."""
+    FSDP2 at ZeRO 2 and 3; its host units and a partial offload's host part left out of
+    replicate), torch's optimizer beside its parameters or HostAdamW / PartialOffloadAdamW
+    keeping their state on the host (HostAdamW averaging the replicas' gradients of its part
+    itself), the host units' optimizer averaging theirs, each replica its share of the batch."""
     from hetero.parallel.pipeline import pipeline
     from hetero.parallel.pipeline_plan import PipelineConfig
 
@@ -303,12 +304,13 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with host units {hosted} or host "
                          f"weights {plan.streamed_units()}: a stage's host units run without tp or ZeRO 2, 3, its weights "
                          f"on the device; plan the model again (hetero.plan never makes one)")
-    if (c.state is StateHome.PARTIAL and c.dp > 1) or (c.state is not StateHome.DEVICE and (c.tp > 1 or c.zero)):
+    if c.state is not StateHome.DEVICE and (c.tp > 1 or c.zero):
         raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with its optimizer state "
-                         f"{c.describe()['optimizer state']}: a stage offloads all of its state beside dp, part of it only "
-                         f"without dp, none beside tp or ZeRO; plan the model again (hetero.plan never makes one)")
+                         f"{c.describe()['optimizer state']}: a stage offloads none of its state beside tp or ZeRO; "
+                         f"plan the model again (hetero.plan never makes one)")
     mesh = _mesh(mesh, plan)
     recomputed = plan.recompute_config().modules
+    offloaded: set[nn.Parameter] = set()  # the stages' parameters whose state a partial offload keeps on the host
     group = mesh[MeshDim.DP.value].get_group() if c.dp > 1 else None  # (the loss average's)
     device = resolve_device(Target.DEVICE)
 
@@ -330,6 +332,12 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
             kept = {p for n in own for p in present[n].parameters()}  # (HostReplicaOptimizer averages these)
         if group is None or c.state is StateHome.HOST:  # (HostAdamW averages the replicas' gradients)
             return stage
+        if c.state is StateHome.PARTIAL:  # its host part's too (PartialOffloadAdamW's choice: checked below)
+            trained = [(n, p) for n, p in stage.named_parameters() if p.requires_grad and p not in kept]
+            chosen = set(host_part(trained, c.offload_ratio))
+            mine = {p for n, p in trained if n in chosen}
+            offloaded.update(mine)
+            kept = kept | mine
         if c.zero >= 2:  # FSDP2 over the stage's replicas (the schedule syncs its gradients once per batch)
             return apply_zero(stage, ZeroConfig(c.zero), mesh)
         # torch's replicate (data parallel on FSDP2's machinery): the schedule syncs its gradients
@@ -347,6 +355,9 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     # (no foreach with replicas or tp: their parameters are DTensors)
     optimizer = device_optimizer(named, plan, config, group is None and c.tp == 1, mesh[MeshDim.DP.value].get_group()) \
         if named else None
+    if offloaded:  # replicate left out what the optimizer's host part averages: the same parameters
+        host = set(optimizer.host_params)
+        assert {p for n, p in named if n in host} == offloaded, "partial offload chose other parameters than replicate left out"
     host_buffers = [b for n in hosted if n in stages for b in stages[n].buffers()]  # (in the units' order)
     host_optimizers: list[Any] = [host_optimizer(on_host, plan, config)] if on_host else []
     if c.dp > 1 and (on_host or host_buffers):  # the stage's replicas average them on a gloo group of their own

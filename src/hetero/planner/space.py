@@ -129,8 +129,7 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                micro_batches: tuple[int, ...] = (1, 2, 4, 8), ratios: tuple[float, ...] = (0.25, 0.5, 0.75),
                max_pp: int = 1, max_tp: int = 1) -> list[Candidate]:
     """The outer enumeration: every mesh shape of ``world_size`` ranks (``pp <= max_pp``,
-    ``tp <= max_tp``), state home (offload for AdamW only, without ``tp``; a partial one not beside
-    both ``pp`` and ``dp``), micro-batch count
+    ``tp <= max_tp``), state home (offload for AdamW only, without ``tp``), micro-batch count
     dividing the per-rank batch (at least ``pp``), ZeRO stage (with ``dp > 1``; 1 not beside ``tp``), and table placement
     (with ``dp > 1``). A pipeline's stages are operator-sharded over ``tp`` and replicated (or ZeRO 2, 3 sharded) over ``dp``."""
     out = []
@@ -144,9 +143,8 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
             per_rank = batch // dp
             homes = [(StateHome.DEVICE, 0.0)]
             if optimizer is OptimizerKind.ADAMW and tp == 1:  # HostAdamW keeps whole master weights
-                # (a stage's replicas: HostAdamW averages their gradients itself; a partial offload's
-                # device part would need a data-parallel wrapper that skips the host part's)
-                homes += [(StateHome.HOST, 1.0)] + ([(StateHome.PARTIAL, r) for r in ratios] if pp == 1 or dp == 1 else [])
+                # (replicas: HostAdamW averages its part's gradients itself, DDP or replicate the rest)
+                homes += [(StateHome.HOST, 1.0)] + [(StateHome.PARTIAL, r) for r in ratios]
             tables = [TablePlacement.HOST] if dp == 1 or not has_tables else \
                 [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED]
             # (ZeRO 1 is torch's ZeroRedundancyOptimizer, which takes neither tp shards nor a schedule's stages)
