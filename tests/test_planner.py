@@ -369,3 +369,24 @@ def test_hetero_plan_writes_a_plan_that_hetero_train_applies_without_changing_th
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hetero: error: no plan fits the device budget of 0.0 MiB; the smallest that works is ")
     assert not (tmp_path / "none.json").exists()
+
+
+def test_micro_batches_pay_for_summing_their_gradients(cache):
+    """Each pass after the first adds its gradients into ``.grad`` (autograd's in-place sum, not
+    in the captured single pass): per parameter and extra pass one memory op of its
+    gradient's reads and write, on the device for device units, on the host's side for host ones."""
+    from hetero.planner.graph import OpCost, OpFamily
+
+    x, y = _batch()
+    planner = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
+                      config=PlannerConfig(cache_dir=cache))
+    cost = planner.cost
+    for i, u in enumerate(cost.units):
+        if not u.param_tensors:
+            continue
+        for target in (Target.DEVICE, Target.HOST):
+            one, four = (cost.unit(i, UnitChoice(target), Candidate(micro_batches=m)).seconds -
+                         sum(cost._passes(u.name, b, target, Candidate(micro_batches=m)) for b in (False, True))
+                         for m in (1, 4))  # what a unit costs beyond its ops' passes
+            add = cost.cal.op_seconds("device", OpCost(OpFamily.MEMORY, 0, int(3 * u.param_bytes / u.param_tensors)))
+            assert four - one == pytest.approx(3 * u.param_tensors * add, rel=1e-9), (u.name, target)

@@ -256,6 +256,7 @@ class MeasuredCost:
         activations = int(u.saved_bytes * s)  # its own; its inputs are the boundary's
         if choice.target is Target.HOST:  # everything of it is the host's; torch's optimizer there
             update, state = self._host_update(u)
+            compute += self._accumulate(u, c, Target.HOST, u.param_bytes)
             return UnitCost(compute + update, host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s),
                             update_seconds=update)
         during = activations + int((u.input_bytes + u.output_bytes) * s)  # its activations + gradient workspace
@@ -263,10 +264,22 @@ class MeasuredCost:
             return self._streamed(u, c, compute, activations, during)
         kept = 0 if choice.recompute else activations
         static, host, seconds = self._dense_state(u, c)
+        # (FSDP2 at ZeRO 2, 3 sums each pass's reduce-scattered shard)
+        compute += self._accumulate(u, c, Target.DEVICE, u.param_bytes * self._shares(u.name, c)[1] / (c.dp if c.zero >= 2 else 1))
         if c.state is not StateHome.DEVICE or c.micro_batches > 1:
             # one gradient in flight: streaming to the host, or beside the sum it accumulates into
             during += u.largest_param_bytes
         return UnitCost(compute + seconds, static, kept, during, host, seconds)
+
+    def _accumulate(self, u: Unit, c: Candidate, target: Target, held: float) -> float:
+        """Seconds of autograd adding each micro-batch's gradients after the first into the
+        parameters' ``.grad`` (one in-place add per parameter: two reads and a write, ``held``
+        bytes over ``u.param_tensors`` tensors): not in the captured graph, which is one pass."""
+        if c.micro_batches == 1 or not u.param_tensors:
+            return 0.0
+        on = "device" if target is Target.DEVICE or self.cal.host_is_device else "host"  # (autograd's thread)
+        add = self.cal.op_seconds(on, OpCost(OpFamily.MEMORY, 0, int(3 * held / u.param_tensors)))
+        return (c.micro_batches - 1) * u.param_tensors * add
 
     def _streamed(self, u: Unit, c: Candidate, compute: float, activations: int, during: int) -> UnitCost:
         """A device unit whose parameters live on the host: each pass copies them in (autograd
