@@ -1,8 +1,9 @@
 """The planner at 2 ranks: predicted against measured step time of multi-rank plans, and the
 chosen plan against a grid of hand-written ones, on gloo ranks of this machine.
 
-Two models of ``benchmarks/planner.py`` - the GPT example's decoder (AdamW) and the seed's MNIST
-MLP (SGD) - are planned for ``world_size=2`` in this process and run on 2 spawned gloo ranks.
+Three models of ``benchmarks/planner.py`` - the GPT example's decoder (AdamW), the seed's MNIST
+MLP (SGD) and ResNet-50 (momentum SGD) - are planned for ``world_size=2`` in this process and run
+on 2 spawned gloo ranks.
 The ranks share this machine's cores: each runs ``cores / 2`` intra-op threads, and the planner
 plans with that many (its calibration is keyed by the thread count: a rank's rates, measured on
 the machine it runs on). The grid: every mesh the planner offers (dp 2 at ZeRO 0-3, pp 2, tp 2),
@@ -16,7 +17,7 @@ median_prediction_error and worst_prediction_error (|predicted - measured| / mea
 plan executed), fraction_within_5pct_of_best (models whose chosen plan measured at most 5% slower
 than the fastest grid plan), max_plan_seconds.
 
-    python benchmarks/planner_ranks.py [--models gpt,mnist_mlp] [--rounds 2]
+    python benchmarks/planner_ranks.py [--models gpt,mnist_mlp,resnet50] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def run_model(name: str, model: Model, rounds: int, threads: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt,mnist_mlp")
+    p.add_argument("--models", default="gpt,mnist_mlp,resnet50")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     start = time.perf_counter()
