@@ -390,3 +390,38 @@ def test_micro_batches_pay_for_summing_their_gradients(cache):
                          for m in (1, 4))  # what a unit costs beyond its ops' passes
             add = cost.cal.op_seconds("device", OpCost(OpFamily.MEMORY, 0, int(3 * u.param_bytes / u.param_tensors)))
             assert four - one == pytest.approx(3 * u.param_tensors * add, rel=1e-9), (u.name, target)
+
+
+def test_an_offloaded_update_overlaps_backward_only_beside_a_separate_device(cache):
+    """HostAdamW updates each parameter on the host while the device runs the backward of the
+    units before it: on a separate device the update is hidden up to about one unit's backward
+    (the last pass's); beside a CPU device, whose cores the update takes, none of it is."""
+    import dataclasses
+
+    x, y = _batch()
+    planner = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.ADAMW,
+                      config=PlannerConfig(cache_dir=cache))
+    cost = planner.cost
+    host, device = Candidate(state=StateHome.HOST, offload_ratio=1.0, micro_batches=2), Candidate(micro_batches=2)
+    rate = cost.cal.optimizers["host_adamw"]
+    units = [(i, u) for i, u in enumerate(cost.units) if u.params]
+
+    def seconds(c):
+        return [cost.unit(i, UnitChoice(Target.DEVICE), c).seconds for i, _ in units]
+
+    def update(u, copies):
+        return rate.seconds(u.params, u.param_tensors) - rate.fixed + copies(u)
+
+    beside_cpu = seconds(host)
+    for (_, u), got, plain in zip(units, beside_cpu, seconds(device)):  # the whole update added
+        device_update = cost.cal.optimizers["adamw"].seconds(u.params, u.param_tensors) - cost.cal.optimizers["adamw"].fixed
+        assert got == pytest.approx(plain - device_update + update(u, lambda u: 0.0), rel=1e-9)
+    copy = cost.cal.ops["device"]["memory"]  # (a stand-in for PCIe: any curve)
+    cost.cal = dataclasses.replace(cost.cal, host_is_device=False, h2d=copy, d2h=copy)
+    cost._unit_costs.clear()
+    separate = seconds(host)
+    for (_, u), got, before in zip(units, separate, beside_cpu):
+        copies = update(u, lambda u: copy.seconds(u.params * 4) * 2) - update(u, lambda u: 0.0)
+        backward = cost._passes(u.name, True, Target.DEVICE, host) / 2
+        assert got == pytest.approx(before + copies - min(update(u, lambda u: 0.0) + copies, backward), rel=1e-9)
+        assert got < before + copies

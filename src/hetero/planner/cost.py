@@ -263,7 +263,14 @@ class MeasuredCost:
         if choice.weights is Target.HOST:
             return self._streamed(u, c, compute, activations, during)
         kept = 0 if choice.recompute else activations
-        static, host, seconds = self._dense_state(u, c)
+        static, host, seconds, streamed = self._dense_state(u, c)
+        if streamed and not self.cal.host_is_device:
+            # HostAdamW updates a parameter on the host worker as soon as backward has made (and
+            # copied) its gradient, while the device goes on with the backward of the units before
+            # it: hidden up to about one unit's backward (its own, as the measure of its
+            # neighbour's), the last pass's (earlier passes accumulate on the device). Beside a
+            # CPU device both compete for the same cores: no overlap counted there.
+            seconds -= min(streamed, self._passes(u.name, True, Target.DEVICE, c) / c.micro_batches)
         # (FSDP2 at ZeRO 2, 3 sums each pass's reduce-scattered shard)
         compute += self._accumulate(u, c, Target.DEVICE, u.param_bytes * self._shares(u.name, c)[1] / (c.dp if c.zero >= 2 else 1))
         if c.state is not StateHome.DEVICE or c.micro_batches > 1:
@@ -301,8 +308,10 @@ class MeasuredCost:
         rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
         return rate.seconds(u.params, u.param_tensors) - rate.fixed, _STATE_BYTES[self.optimizer] * u.params
 
-    def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float]:
-        """Device bytes, host bytes and update seconds of a device unit's parameters."""
+    def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float, float]:
+        """Device bytes, host bytes and update seconds of a device unit's parameters, and of
+        those seconds the offloaded part's (its host update and copies: HostAdamW streams them
+        during backward)."""
         ratio = {StateHome.DEVICE: 0.0, StateHome.HOST: 1.0, StateHome.PARTIAL: c.offload_ratio}[c.state]
         share = self._shares(u.name, c)[1]  # what tp leaves one rank of the unit's parameters
         device_part = (1 - ratio) * u.params * share
@@ -318,13 +327,14 @@ class MeasuredCost:
         rate, host_rate = self.cal.optimizers[self.optimizer.value], self.cal.optimizers["host_adamw"]
         update_elems = device_part / c.dp if zero >= 1 else device_part
         seconds = rate.seconds(update_elems, u.param_tensors) - rate.fixed if device_part else 0.0
-        offloaded = ratio * u.params
+        offloaded, streamed = ratio * u.params, 0.0
         if offloaded:
             host_s = host_rate.seconds(offloaded, u.param_tensors) - host_rate.fixed
             copies = 0.0 if self.cal.host_is_device else \
                 self.cal.d2h.seconds(offloaded * 4) + self.cal.h2d.seconds(offloaded * 4)
-            seconds += host_s + copies
-        return int(params + grads + state), int(HOST_ADAMW_BYTES * offloaded), seconds
+            streamed = host_s + copies
+            seconds += streamed
+        return int(params + grads + state), int(HOST_ADAMW_BYTES * offloaded), seconds, streamed
 
     def _rows(self, t: TableInfo, c: Candidate) -> tuple[float, float]:
         """A table's ids per pass and distinct rows per step on one rank of ``c`` (remembered:
