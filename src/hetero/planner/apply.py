@@ -142,8 +142,8 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     Raises:
         ValueError: the plan names units the model does not have (another model's plan), its
             mesh is not the world's, it puts units or weights on the host beside ``tp``, a
-            ``pp`` plan comes without ``loss_fn`` or has host weights or host units beside
-            ``dp``, a ``dp`` plan has host weights, tables or host units beside ZeRO 2, 3 (the
+            ``pp`` plan comes without ``loss_fn`` or has host weights or host units beside ZeRO
+            2, 3, a ``dp`` plan has host weights, tables or host units beside ZeRO 2, 3 (the
             main job applies host tables: ``hetero train --plan``), or ZeRO 1 beside ``tp``.
     """
     from hetero.planner.graph import plan_units
