@@ -168,16 +168,17 @@ def _train_norm(plan_path):
     return every, model.bn.running_mean in run.host_tensors
 
 
-@pytest.mark.parametrize("hosted,state", [(True, StateHome.DEVICE), (False, StateHome.HOST)])
-def test_the_replicas_keep_one_set_of_buffers_without_ddp_taking_them(tmp_path, cpu_ranks, cache, hosted, state):
+@pytest.mark.parametrize("hosted,state,zero", [(True, StateHome.DEVICE, 0), (False, StateHome.HOST, 0),
+                                               (False, StateHome.DEVICE, 3)])
+def test_the_replicas_keep_one_set_of_buffers_without_ddp_taking_them(tmp_path, cpu_ranks, cache, hosted, state, zero):
     """BatchNorm's running statistics on the host beside DDP, or on the device with no DDP (the
-    AdamW state on the host): rank 0's after every step, as DDP keeps its own buffers."""
+    AdamW state on the host; FSDP2 at ZeRO 3): rank 0's after every step, as DDP keeps its own."""
     from conftest import run_ranks
 
     x, y = _batches(1)[0]
     planner = Planner(NormNet(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y),
                       optimizer=OptimizerKind.ADAMW, config=PlannerConfig(cache_dir=cache))
-    plan = planner.price(Candidate(dp=2, state=state, offload_ratio=1.0 if state is StateHome.HOST else 0.0),
+    plan = planner.price(Candidate(dp=2, state=state, offload_ratio=1.0 if state is StateHome.HOST else 0.0, zero=zero),
                          {"bn": UnitChoice(Target.HOST if hosted else Target.DEVICE)})
     every, on_host = run_ranks(tmp_path, 2, _train_norm, str(plan.save(tmp_path / "plan.json")))
     assert on_host == hosted

@@ -220,3 +220,42 @@ def test_a_model_whose_forward_cannot_run_as_stages_gets_no_pipeline(cache):
     with pytest.raises(ValueError, match="forward fails as stages"):
         planner.price(Candidate(pp=2, micro_batches=2))
     assert {c.pp for c in _planner(cache, Stack(), world_size=1).settings} == {1}
+
+
+class NormStack(Stack):
+    """The Stack with BatchNorm in every block: running statistics, each replica's from its share."""
+
+    def __init__(self):
+        super().__init__()
+        for block in self.blocks.values():
+            block.insert(1, nn.BatchNorm1d(64))
+
+
+def _train_norm(plan_path):
+    import torch.distributed as dist
+
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    torch.manual_seed(0)
+    run = apply(NormStack(), Plan.load(plan_path), OptimizerConfig(lr=0.1), loss_fn=F.cross_entropy)
+    for x, y in _batches(3):
+        run.step((x,), y, F.cross_entropy)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {n: b.detach().clone() for n, b in run.model.named_buffers()})
+    return every
+
+
+def test_a_stages_replicas_keep_one_set_of_buffers(tmp_path, cpu_ranks, cache):
+    """torch's replicate keeps no buffers equal; hetero.apply keeps each stage's first replica's,
+    as DDP does (BatchNorm's running statistics would drift apart otherwise)."""
+    from conftest import run_ranks
+
+    planner = _planner(cache, NormStack(), world_size=4)
+    c = Candidate(pp=2, dp=2, micro_batches=2)
+    every = run_ranks(tmp_path, 4, _train_norm, str(planner.price(c).save(tmp_path / "plan.json")))
+    stages = [b for b in every if set(b) == set(every[0])], [b for b in every if set(b) != set(every[0])]
+    assert [len(s) for s in stages] == [2, 2]
+    means = [b for s in stages for n, b in s[0].items() if n.endswith("running_mean")]
+    assert means and all(not torch.equal(b, torch.zeros_like(b)) for b in means)  # the statistics moved
+    for first, second in stages:
+        assert [n for n in first if not torch.equal(first[n], second[n])] == []

@@ -251,8 +251,10 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     if c.tp == 1 and c.state is not StateHome.HOST:  # DDP over what no host optimizer averages (none: all offloaded)
         runnable = data_parallel(runnable, DataParallelConfig(dense_sharded=c.zero >= 2),
                                  host=set(on_host) | set(host_buffers) | offloaded)
-    # the replicas' buffers stay rank 0's (DDP's rule): the host units' always, the device's too without DDP
-    synced = host_buffers + ([b for b in model.buffers() if b not in set(host_buffers)] if c.state is StateHome.HOST else [])
+    # the replicas' buffers stay rank 0's (DDP's rule): the host units' always, the device's too
+    # where no DDP runs (state on the host; replicate and FSDP2 keep none equal)
+    ddp = c.tp == 1 and c.state is not StateHome.HOST and c.zero < 2
+    synced = host_buffers + ([b for b in model.buffers() if b not in set(host_buffers)] if not ddp else [])
     host_optimizers = [HostReplicaOptimizer(host_optimizer(on_host, plan, config) if on_host else None,
                                             buffers=synced)] if on_host or synced else []
     return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, set(on_host) | set(host_buffers),
@@ -360,13 +362,16 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         assert {p for n, p in named if n in host} == offloaded, "partial offload chose other parameters than replicate left out"
     host_buffers = [b for n in hosted if n in stages for b in stages[n].buffers()]  # (in the units' order)
     host_optimizers: list[Any] = [host_optimizer(on_host, plan, config)] if on_host else []
-    if c.dp > 1 and (on_host or host_buffers):  # the stage's replicas average them on a gloo group of their own
+    # a stage's replicas keep its first replica's buffers, host units' and device's alike (DDP's
+    # rule; torch's replicate and FSDP2 keep none equal), in module order
+    synced = list(dict.fromkeys(b for stage in pipe.modules for b in stage.buffers())) if c.dp > 1 else []
+    if on_host and c.dp > 1 or synced:  # the host units' gradients averaged on a gloo group of their own
         from hetero.optim.host_state import host_all_reduce_group
         from hetero.parallel.data_parallel import HostReplicaOptimizer
 
         replicas = host_all_reduce_group(mesh[MeshDim.DP.value].get_group())[0]
         host_optimizers = [HostReplicaOptimizer(host_optimizers[0] if on_host else None, group=replicas,
-                                                buffers=host_buffers)]
+                                                buffers=synced)]
     host_tensors = set(on_host) | set(host_buffers)
     return Applied(pipe.modules[0], optimizer, host_optimizers,
                    c.micro_batches, plan, host_tensors, pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
