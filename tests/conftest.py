@@ -149,14 +149,14 @@ _FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "torch.distrib
                                     "hetero.parallel", "hetero.planner.apply", "hetero.cli"])
 
 
-def spawn(fn, args=(), nprocs=2):
+def spawn(fn, args=(), nprocs=2, env=None):
     """``torch.multiprocessing.spawn(fn, args, nprocs)`` from the session's fork server: each
     process runs ``fn(rank, *args)`` with this process's environment as it is now (the server's
-    is the one it started with) and raises like ``mp.spawn`` when one fails."""
+    is the one it started with) and ``env`` added, and raises like ``mp.spawn`` when one fails."""
     import torch.multiprocessing as mp
 
-    return mp.start_processes(_in_environment, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True,
-                              start_method="forkserver")
+    return mp.start_processes(_in_environment, args=({**os.environ, **(env or {})}, fn, args), nprocs=nprocs,
+                              join=True, start_method="forkserver")
 
 
 def _in_environment(rank, environ, fn, args):
@@ -181,17 +181,11 @@ def hetero_on_ranks(tmp_path, n, argv, env=None):
 
     logs = tmp_path / f"ranks_{free_port()}"
     logs.mkdir()
-    saved = dict(os.environ)
-    os.environ.update({**CPU_RANKS, **(env or {})})
-    failure = ""
+    code, failure = 0, ""
     try:
-        spawn(_hetero_rank, args=(n, free_port(), list(argv), str(logs)), nprocs=n)
-        code = 0
+        spawn(_hetero_rank, args=(n, free_port(), list(argv), str(logs)), nprocs=n, env={**CPU_RANKS, **(env or {})})
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         code, failure = 1, str(e)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     return CliRun(code, "".join((logs / f"{r}.err").read_text() for r in range(n) if (logs / f"{r}.err").exists()) + failure)
 
 

@@ -108,11 +108,11 @@ class PartialOffloadAdamW:
             raise ValueError(f"offload ratio {config.ratio} with a loss scaler: the device part would step on scaled "
                              f"gradients; train in bf16 (no loss scaling) or offload everything (ratio 1)")
         self.config = config
-        chosen = set(host_part(named, config.ratio))
+        self.host_params = host_part(named, config.ratio)
+        chosen = set(self.host_params)
         host = [(n, p) for n, p in named if n in chosen]
         device = [p for name, p in named if name not in chosen]
         hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.host_params = [name for name, _ in named if name in chosen]
         host_config = dataclasses.replace(config.host, max_grad_norm=config.max_grad_norm)
         self.host = _HostPart([(n, p) for n, p in named if n in chosen], **hyper, config=host_config,
                               process_group=process_group) if host else None

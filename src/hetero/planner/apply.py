@@ -203,7 +203,7 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     replicas' gradients itself; with part of it, DDP over the rest), torch's optimizer (stage 1:
     its state sharded), HostAdamW or PartialOffloadAdamW, every rank its share of the batch."""
     from hetero.embedding import device_tables
-    from hetero.parallel.data_parallel import DataParallelConfig, HostReplicaOptimizer, data_parallel
+    from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
 
     c = plan.candidate
     hosted = plan.host_units()
@@ -242,7 +242,8 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     if c.state is not StateHome.DEVICE:  # HostAdamW: its own gloo group over the replicas averages its part's gradients
         optimizer = device_optimizer(named, plan, config, foreach=True, replicas=dp.get_group()) if named else None
         if isinstance(optimizer, PartialOffloadAdamW):
-            offloaded = {p for n, p in named if n in set(optimizer.host_params)}  # (tensors hash by identity)
+            host = set(optimizer.host_params)
+            offloaded = {p for n, p in named if n in host}  # (tensors hash by identity)
     else:
         kind, defaults = optimizer_args(plan.optimizer, config)
         if c.tp > 1:
@@ -254,9 +255,8 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     # the replicas' buffers stay rank 0's (DDP's rule): the host units' always, the device's too
     # where no DDP runs (state on the host; replicate and FSDP2 keep none equal)
     ddp = c.tp == 1 and c.state is not StateHome.HOST and c.zero < 2
-    synced = host_buffers + ([b for b in model.buffers() if b not in set(host_buffers)] if not ddp else [])
-    host_optimizers = [HostReplicaOptimizer(host_optimizer(on_host, plan, config) if on_host else None,
-                                            buffers=synced)] if on_host or synced else []
+    synced = list(dict.fromkeys(host_buffers + (list(model.buffers()) if not ddp else [])))  # (in order, once each)
+    host_optimizers = _replicas_host_optimizer(on_host, synced, plan, config, None)
     return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, set(on_host) | set(host_buffers),
                    data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
 
@@ -362,19 +362,29 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         assert {p for n, p in named if n in host} == offloaded, "partial offload chose other parameters than replicate left out"
     host_buffers = [b for n in hosted if n in stages for b in stages[n].buffers()]  # (in the units' order)
     host_optimizers: list[Any] = [host_optimizer(on_host, plan, config)] if on_host else []
-    # a stage's replicas keep its first replica's buffers, host units' and device's alike (DDP's
-    # rule; torch's replicate and FSDP2 keep none equal), in module order
-    synced = list(dict.fromkeys(b for stage in pipe.modules for b in stage.buffers())) if c.dp > 1 else []
-    if on_host and c.dp > 1 or synced:  # the host units' gradients averaged on a gloo group of their own
+    if c.dp > 1:  # the host units' gradients averaged on a gloo group of the stage's replicas; the
+        # stage's buffers, host units' and device's alike, kept its first replica's (DDP's rule;
+        # torch's replicate and FSDP2 keep none equal), in module order
         from hetero.optim.host_state import host_all_reduce_group
-        from hetero.parallel.data_parallel import HostReplicaOptimizer
 
+        synced = list(dict.fromkeys(b for stage in pipe.modules for b in stage.buffers()))
         replicas = host_all_reduce_group(mesh[MeshDim.DP.value].get_group())[0]
-        host_optimizers = [HostReplicaOptimizer(host_optimizers[0] if on_host else None, group=replicas,
-                                                buffers=synced)]
+        host_optimizers = _replicas_host_optimizer(on_host, synced, plan, config, replicas)
     host_tensors = set(on_host) | set(host_buffers)
     return Applied(pipe.modules[0], optimizer, host_optimizers,
                    c.micro_batches, plan, host_tensors, pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
+
+
+def _replicas_host_optimizer(on_host: Mapping[nn.Parameter, None], buffers: list[torch.Tensor], plan: Plan,
+                             config: OptimizerConfig, group: Any) -> list[Any]:  # noqa: ANN401 - a ProcessGroup
+    """The host units' optimizer over the replicas (:class:`~hetero.parallel.data_parallel.HostReplicaOptimizer`:
+    their gradients averaged, ``buffers`` kept the first replica's) on ``group`` (gloo; ``None``: the
+    host group); none without host parameters or buffers."""
+    from hetero.parallel.data_parallel import HostReplicaOptimizer
+
+    if not on_host and not buffers:
+        return []
+    return [HostReplicaOptimizer(host_optimizer(on_host, plan, config) if on_host else None, group=group, buffers=buffers)]
 
 
 class _SendFromDevice(nn.Module):
