@@ -333,3 +333,18 @@ def test_the_readme_placement_example_runs_as_written(capsys):
     hm = scope["model"]
     assert hm.param_targets["fc2.weight"] is Target.HOST and hm.param_targets["fc1.weight"] is Target.HOST
     assert hm(scope["example_batch"]).shape == (8, 1)
+
+
+def test_a_module_with_forward_hooks_runs_whole_so_its_hooks_run():
+    """torch.fx traces into a module's forward without its hooks: a module with hooks of its own
+    (FSDP2's gathers, an operator strategy's layouts, a user's) is kept as one op, so the
+    partitioned model computes what the model does."""
+    torch.manual_seed(0)
+    model = MLP()
+    model.fc2.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model.fc2.register_forward_hook(lambda m, args, out: out + 1)
+    x = torch.randn(4, 6)
+    want = model(x)
+    hm = partition(model, PlacementSpec().module("fc1", "host"))
+    assert [op for s in hm.subgraphs for op, path in s.ops if path == "fc2"] == ["dense"]  # one op, not traced into
+    assert_parity(hm(x), want)

@@ -155,7 +155,8 @@ def test_streamed_weights_leave_the_device_their_parameters_gradients_and_state(
     state on the device between passes - measured, not predicted - and the plan file keeps it."""
     x, y = _batch(512)
     planner = Planner(MLP(width=512), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
-    assert STREAMED in planner.cost.options(1, Candidate()) and STREAMED not in planner.cost.options(1, Candidate(dp=2))
+    assert STREAMED in planner.cost.options(1, Candidate()) and STREAMED in planner.cost.options(1, Candidate(dp=2))
+    assert STREAMED not in planner.cost.options(1, Candidate(dp=2, tp=1, pp=2))  # (not in a stage)
     layers = [n for n in planner.cost.names() if n.startswith("layers.")]
     measured = {}
     for streamed in ((), tuple(layers)):

@@ -11,7 +11,7 @@ from torch import nn
 from hetero.planner.plan import Plan
 from hetero.planner.planner import Planner, PlannerConfig
 from hetero.placement import Target
-from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice
+from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, UnitChoice
 
 
 class Net(nn.Module):
@@ -37,7 +37,8 @@ def _train_dp(plan_path, steps, lr=0.1):
     model = Net()
     run = apply(model, Plan.load(plan_path), OptimizerConfig(lr=lr))
     rows = []
-    model.fc1.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    # (fc2: a streamed fc1 is traced through, its hooks never run)
+    model.fc2.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
     losses = [run.step((x,), y, F.cross_entropy) for x, y in _batches(steps)]  # every rank: the global batch
     hosted = sorted(n for n, p in model.named_parameters() if p in run.host_tensors)
     return losses, {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
@@ -57,21 +58,82 @@ def test_a_dp_plan_trains_as_one_process(tmp_path, cpu_ranks, cache, zero, micro
     assert_trains_as_one_process(Net, _batches(3), losses, trained)
 
 
-@pytest.mark.parametrize("zero,micro_batches", [(0, 1), (1, 2)])
-def test_a_dp_plan_with_a_host_unit_trains_as_one_process(tmp_path, cpu_ranks, cache, zero, micro_batches):
+@pytest.mark.parametrize("zero,micro_batches,choice", [(0, 1, UnitChoice(Target.HOST)), (1, 2, UnitChoice(Target.HOST)),
+                                                       (3, 1, UnitChoice(Target.HOST)), (2, 2, UnitChoice(Target.HOST)),
+                                                       (0, 2, STREAMED), (1, 1, STREAMED), (3, 2, STREAMED)])
+def test_a_dp_plan_with_a_host_unit_trains_as_one_process(tmp_path, cpu_ranks, cache, zero, micro_batches, choice):
+    """A host unit, or a device unit whose weights live on the host (streamed each pass): every
+    replica's parameters on its host, their gradients averaged beside DDP's (or FSDP2's, which
+    shards the device units and holds the partitioned model as its root)."""
     from conftest import assert_trains_as_one_process, run_ranks
 
     x, y = _batches(1)[0]
     planner = Planner(Net(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
                       config=PlannerConfig(cache_dir=cache))
     c = Candidate(dp=2, zero=zero, micro_batches=micro_batches)
-    assert UnitChoice(Target.HOST) in planner.cost.options(0, c)
-    assert UnitChoice(Target.HOST) not in planner.cost.options(0, Candidate(dp=2, zero=2))  # FSDP2 takes no host part
-    path = planner.price(c, {"fc1": UnitChoice(Target.HOST)}).save(tmp_path / "plan.json")
+    assert choice in planner.cost.options(0, c)
+    path = planner.price(c, {"fc1": choice}).save(tmp_path / "plan.json")
     losses, trained, rows, hosted = run_ranks(tmp_path, 2, _train_dp, str(path), 3)
     assert hosted == ["fc1.bias", "fc1.weight"]  # every replica holds the host unit's parameters on its host
     assert rows == [32 // 2 // micro_batches] * 3 * micro_batches
     assert_trains_as_one_process(Net, _batches(3), losses, trained)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class Blocks(nn.Module):
+    """A device unit that is no leaf (its forward would be traced into) and a parameter of the
+    root's (no unit holds it: FSDP2's root shards it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.block = nn.Linear(16, 64), Block()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return self.block(torch.relu(self.fc1(x))) * self.scale
+
+
+def _train_blocks(plan_path, steps):
+    from torch.distributed.tensor import DTensor
+
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    torch.manual_seed(0)
+    model = Blocks()
+    run = apply(model, Plan.load(plan_path), OptimizerConfig(lr=0.1))
+    losses = [run.step((x,), y, F.cross_entropy) for x, y in _batches(steps)]
+    local = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()}
+    return losses, {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                    for n, p in model.named_parameters()}, local
+
+
+@pytest.mark.parametrize("zero,choice", [(3, UnitChoice(Target.HOST)), (2, STREAMED)])
+def test_zero_shards_the_device_units_around_host_units(tmp_path, cpu_ranks, cache, zero, choice):
+    """FSDP2 over the device units (a block whose forward the partitioner must not trace into:
+    its gathers are hooks) and the root's own parameter, the host unit's (or streamed weights')
+    left whole on every replica's host: each rank holds half the device parameters and the
+    replicas train as one process."""
+    from conftest import assert_trains_as_one_process, run_ranks
+
+    x, y = _batches(1)[0]
+    planner = Planner(Blocks(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
+                      config=PlannerConfig(cache_dir=cache))
+    c = Candidate(dp=2, zero=zero)
+    assert choice in planner.cost.options(0, c)
+    plan = planner.price(c, {"fc1": choice})
+    assert "block" in plan.units  # (a unit of its own)
+    losses, trained, local = run_ranks(tmp_path, 2, _train_blocks, str(plan.save(tmp_path / "plan.json")), 3)
+    whole = {n: p.numel() for n, p in Blocks().named_parameters()}
+    assert local == {n: k if n.startswith("fc1.") else k // 2 for n, k in whole.items()}
+    assert_trains_as_one_process(Blocks, _batches(3), losses, trained)
 
 
 @pytest.mark.parametrize("state,ratio,unit", [(StateHome.HOST, 1.0, "fc2"), (StateHome.PARTIAL, 0.5, None)])

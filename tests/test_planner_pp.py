@@ -12,7 +12,7 @@ from hetero.placement import PlacementSpec, Target
 from hetero.planner.pipeline import brute_force_stages, search_stages
 from hetero.planner.plan import Plan
 from hetero.planner.planner import Planner, PlannerConfig
-from hetero.planner.space import Candidate, OptimizerKind
+from hetero.planner.space import Candidate, OptimizerKind, UnitChoice
 
 
 class Stack(nn.Module):
@@ -121,10 +121,11 @@ def test_a_pp_plan_cuts_balanced_stages_and_trains_as_one_process(tmp_path, cpu_
     assert_trains_as_one_process(Stack, _batches(3), losses, stages[0][0] | stages[1][0])
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_process(tmp_path, cpu_ranks, cache, dp):
+@pytest.mark.parametrize("dp,zero", [(1, 0), (2, 0), (2, 3)])
+def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_process(tmp_path, cpu_ranks, cache, dp, zero):
     """Each stage's host units on its host; beside dp every replica's, averaged over the stage's
-    replicas apart from the device part's (replicate)."""
+    replicas apart from the device part's (replicate's, or FSDP2's: its units the stage's device
+    units, its root the partitioned stage)."""
     from conftest import assert_trains_as_one_process, run_ranks
 
     x, y = _batches(1)[0]
@@ -133,23 +134,27 @@ def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_pro
                       optimizer=OptimizerKind.SGD, placement=pinned, config=PlannerConfig(cache_dir=cache))
     meshes = {(c.pp, c.dp, c.tp) for c in planner.settings}
     assert meshes == ({(2, 1, 1), (1, 2, 1)} if dp == 1 else {(4, 1, 1), (2, 2, 1), (1, 4, 1)})  # tp takes no host units
-    assert {c.zero for c in planner.settings if c.dp > 1} == {0, 1}  # nor ZeRO 2, 3 (FSDP2)
+    assert {c.zero for c in planner.settings if c.dp > 1} == {0, 1, 2, 3}  # (FSDP2 leaves them out)
     assert "blocks.1" in planner.plan().host_units()  # (pp or dp: a measured choice)
-    planner.settings = [c for c in planner.settings if (c.pp, c.dp) == (2, dp)]  # the pipeline's (dp's: test_planner_dp)
+    # the pipeline's (dp's: test_planner_dp)
+    planner.settings = [c for c in planner.settings if (c.pp, c.dp, c.zero) == (2, dp, zero)]
     plan = planner.plan()
     # its neighbours may join it (saving two copies where host and device are one CPU): a measured choice
+    assert plan.candidate.pp == 2 and "blocks.1" in plan.host_units()
+    if zero:  # a stage of host and device units (FSDP2's around the partition), as a plan file may say
+        plan.units.update({n: UnitChoice() for n in plan.host_units() if n != "blocks.1"})
     host = plan.host_units()
-    assert plan.candidate.pp == 2 and "blocks.1" in host
     said = [line.partition("on the host ")[2].partition(" (")[0].split(", ") for line in str(hetero.explain(plan)).splitlines()
             if "on the host " in line]  # each stage's host units
     assert sum(said, []) == host
-    assert plan.candidate.dp == dp
+    assert (plan.candidate.dp, plan.candidate.zero) == (dp, zero)
     path = plan.save(tmp_path / "plan.json")
     losses, gathered = run_ranks(tmp_path, 2 * dp, _train_pp, str(path), 3)
     for mine, _, _, (hosted, threads) in gathered:  # each stage's host units hold their parameters on its host
         assert hosted == sorted(n for n in mine if any(n.startswith(u + ".") for u in host))
         assert threads == (["hetero-host"] if "blocks.1.0.weight" in mine else [])  # blocks.1 runs on the host thread
     assert sum(bool(hosted) for _, _, _, (hosted, _) in gathered) >= dp
+    assert all((held < 1) == (zero == 3) for _, _, held, _ in gathered)  # FSDP2 shards each stage's device units
     stages = [m for m, *_ in gathered if set(m) == set(gathered[0][0])], [m for m, *_ in gathered if set(m) != set(gathered[0][0])]
     for replicas in stages:  # a stage's replicas stay equal, host units included
         assert len(replicas) == dp
@@ -189,8 +194,9 @@ def test_a_stage_over_its_budget_puts_units_on_the_host(cache):
     c = Candidate(pp=2, micro_batches=2)
     for replicas in (Candidate(dp=2), Candidate(pp=2, dp=2, micro_batches=2)):  # every replica's (of a stage)
         assert any(x.target is Target.HOST for x in planner.cost.options(1, replicas))
-    for other in (Candidate(dp=2, zero=3), Candidate(pp=2, dp=2, zero=2, micro_batches=2)):  # none beside FSDP2
-        assert all(x.target is Target.DEVICE for x in planner.cost.options(1, other))
+    for other in (Candidate(dp=2, zero=3), Candidate(pp=2, dp=2, zero=2, micro_batches=2)):  # beside FSDP2 too
+        assert any(x.target is Target.HOST for x in planner.cost.options(1, other))
+    assert all(x.target is Target.DEVICE for x in planner.cost.options(1, Candidate(tp=2)))  # not beside tp
     device_only, send = _DeviceOnly(planner.cost), planner._transfer(c)
     budget = search_stages(device_only, c, planner.cuts, float("inf"), float("inf"), send).device_bytes
     while brute_force_stages(device_only, c, planner.cuts, budget, float("inf"), send) is not None:

@@ -122,12 +122,20 @@ def zero_units(model: nn.Module, config: ZeroConfig, fusion: CommFusion = CommFu
     return [[name] for name in config.units] or fusion_unit_names(model, fusion.unit_mb)
 
 
-def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh, fusion: CommFusion = CommFusion()) -> nn.Module:
+def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh, fusion: CommFusion = CommFusion(),
+               ignored: Iterable[nn.Parameter] = (), root: bool = True) -> nn.Module:
     """Shard ``model`` for stages 2 and 3 (FSDP2, in place; returns it); stages 0 and 1 leave it
     as it is (stage 1 shards the optimizer only: :func:`zero_optimizer`, with DDP on the model).
 
     Units: :func:`zero_units`; the root holds the rest. Collective: every rank calls it with the
     same model and config.
+
+    Args:
+        ignored: parameters FSDP2 leaves whole and alone (beside the host tables', always left
+            out: the sparse exchange's): host units' (averaged by their own optimizer).
+        root: shard ``model`` itself as the root. ``False``: only the units; the caller shards
+            the module whose forward runs the model (a partitioned model's ``HeteroModule``,
+            which calls the units but never ``model``'s forward) with :func:`zero_root`.
 
     Raises:
         ValueError: as :func:`zero_units`.
@@ -136,15 +144,28 @@ def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh, fusion: C
         return model
     from torch.distributed.fsdp import fully_shard
 
-    units = [[model.get_submodule(name) for name in unit] for unit in zero_units(model, config, fusion)]
-    ignored = {t.weight for t in host_tables(model).values()}  # host rows: the sparse exchange's
-    dp = mesh[MeshDim.DP.value]
-    reshard = config.stage is ZeroStage.PARAMETERS
-    for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=dp, reshard_after_forward=reshard,
-                    ignored_params=ignored or None)
-    fully_shard(model, mesh=dp, reshard_after_forward=reshard, ignored_params=ignored or None)
+    left = {t.weight for t in host_tables(model).values()} | set(ignored)
+    for unit in zero_units(model, config, fusion):
+        modules = [model.get_submodule(name) for name in unit]
+        if any(p not in left for m in modules for p in m.parameters()):  # (a unit of left-out parameters: none)
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh[MeshDim.DP.value],
+                        reshard_after_forward=config.stage is ZeroStage.PARAMETERS, ignored_params=left or None)
+    if root:
+        zero_root(model, config, mesh, left)
     return model
+
+
+def zero_root(module: nn.Module, config: ZeroConfig, mesh: DeviceMesh, ignored: Iterable[nn.Parameter] = ()) -> None:
+    """FSDP2's root over ``module`` (stages 2, 3: the parameters no unit holds; its forward runs
+    the units' gathers and the step's final reduce), leaving ``ignored`` and host tables alone.
+    Collective."""
+    if config.stage < ZeroStage.GRADIENTS or mesh_size(mesh, MeshDim.DP) == 1:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    left = {t.weight for t in host_tables(module).values()} | set(ignored)
+    fully_shard(module, mesh=mesh[MeshDim.DP.value], reshard_after_forward=config.stage is ZeroStage.PARAMETERS,
+                ignored_params=left or None)
 
 
 def zero_optimizer(params: Iterable[torch.Tensor], optimizer_class: type[torch.optim.Optimizer], config: ZeroConfig,

@@ -1,7 +1,8 @@
 """The partitioner's capture of a model's forward graph: ``torch.fx`` symbolic tracing that keeps
-modules with a placement of their own (host tables) and instance forwards (recompute regions)
-as single ops and records ``on()`` regions (see :mod:`hetero.placement.partitioner` for why
-symbolic tracing), with the helpers that read a node's op type and module path.
+modules with a placement of their own (host tables), instance forwards (recompute regions) and
+forward hooks (FSDP2 units, operator strategies) as single ops and records ``on()`` regions
+(see :mod:`hetero.placement.partitioner` for why symbolic tracing), with the helpers that read
+a node's op type and module path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from hetero.placement.annotate import current_region, module_target
 
 
 class PlacementTracer(fx.Tracer):
-    """Keeps modules with a placement or a forward of their own as single ops; records ``on()`` regions.
+    """Keeps modules with a placement, a forward or forward hooks of their own as single ops;
+    records ``on()`` regions.
 
     A module with a pinned parameter (``PlacementSpec.param``) is traced through even when torch
     keeps it whole (``nn.Linear`` becomes ``linear`` on ``get_attr`` nodes), so the pin can put
@@ -24,9 +26,11 @@ class PlacementTracer(fx.Tracer):
         self.trace_through = trace_through
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if module_target(m) is not None or "forward" in vars(m):
+        if module_target(m) is not None or "forward" in vars(m) or m._forward_pre_hooks or m._forward_hooks:
             # a forward set on the instance (hetero.parallel.recompute's checkpoint region) is
-            # not the class's graph: tracing into it would drop what it wraps
+            # not the class's graph, and a module's forward hooks (an FSDP2 unit's gathers, an
+            # operator strategy's layouts) run only where it is called: tracing into either
+            # would drop what wraps it
             return True
         return qualname not in self.trace_through and super().is_leaf_module(m, qualname)
 

@@ -33,7 +33,7 @@ from hetero.optim.partial_offload import PartialOffloadAdamW, host_part
 from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
-from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
+from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer, zero_root
 from hetero.placement import Target, resolve_device
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer, host_optimizer, optimizer_args
 from hetero.planner.plan import Plan
@@ -142,9 +142,8 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     Raises:
         ValueError: the plan names units the model does not have (another model's plan), its
             mesh is not the world's, it puts units or weights on the host beside ``tp``, a
-            ``pp`` plan comes without ``loss_fn`` or has host weights or host units beside ZeRO
-            2, 3, a ``dp`` plan has host weights, tables or host units beside ZeRO 2, 3 (the
-            main job applies host tables: ``hetero train --plan``), or ZeRO 1 beside ``tp``.
+            ``pp`` plan comes without ``loss_fn`` or has host weights, a ``dp`` plan has tables
+            (the main job applies host tables: ``hetero train --plan``), or ZeRO 1 beside ``tp``.
     """
     from hetero.planner.graph import plan_units
 
@@ -196,8 +195,9 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
 
 
 def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None) -> Applied:
-    """A dp plan of a dense model: recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``), the
-    host units partitioned out (their parameters on the host, averaged over the replicas by
+    """A dp plan of a dense model: recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``; with
+    host units, its units the device units and its root the partitioned model), the host units
+    and streamed weights partitioned out (their parameters on the host, averaged over the replicas by
     :class:`~hetero.parallel.data_parallel.HostReplicaOptimizer`), DDP over the device
     parameters (stages 0, 1; none with all of the state on the host, HostAdamW averaging the
     replicas' gradients itself; with part of it, DDP over the rest), torch's optimizer (stage 1:
@@ -206,11 +206,11 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
 
     c = plan.candidate
-    hosted = plan.host_units()
-    if plan.streamed_units() or host_tables(model) or device_tables(model) or (hosted and not c.takes_host_units()):
-        raise ValueError(f"a dp {c.dp} plan with host weights, tables or host units beside tp or ZeRO {c.zero}: "
-                         f"hetero.apply makes dense data-parallel plans real (host units, the state on the host); "
-                         f"run it with hetero train --plan")
+    hosted, streamed = plan.host_units(), plan.streamed_units()
+    if host_tables(model) or device_tables(model) or ((hosted or streamed) and not c.takes_host_units()):
+        raise ValueError(f"a dp {c.dp} plan with tables, or host units or weights beside tp or ZeRO {c.zero}: "
+                         f"hetero.apply makes dense data-parallel plans real (host units and weights, the state on "
+                         f"the host); run it with hetero train --plan")
     if c.tp > 1 and c.zero == 1:
         raise ValueError(f"a dp {c.dp} x tp {c.tp} plan at ZeRO 1 (torch's ZeroRedundancyOptimizer takes no DTensor "
                          f"parameters): plan the model again (hetero.plan never makes one)")
@@ -220,16 +220,19 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     if c.tp > 1:  # each replica's tp ranks cut its operators, before recompute and ZeRO (torchtitan's order)
         _shard(model, plan, mesh)
     apply_recompute(model, plan.recompute_config())
-    zero = ZeroConfig(c.zero)
-    apply_zero(model, zero, mesh)  # (stages 2, 3: parameters become dp shards - of the tp shards with tp)
+    units = dict(model.named_modules())
+    # in the model's order: every replica's flat all-reduce must lay them out alike (a streamed
+    # unit's weights are host parameters as a host unit's are: averaged and updated there)
+    on_host = dict.fromkeys(p for n in hosted + streamed for p in units[n].parameters())
+    zero = _zero_around(plan, units, hosted + streamed)
+    if not (hosted or streamed) or zero.units:  # (stages 2, 3: parameters become dp shards - of the tp shards with tp)
+        apply_zero(model, zero, mesh, ignored=on_host, root=not (hosted or streamed))
     runnable: nn.Module = model
-    if hosted:
+    if hosted or streamed:
         from hetero.placement.partitioner import partition
 
-        runnable = partition(model, plan.placement_spec(model))  # moves the host units' parameters to the host
-    units = dict(model.named_modules())
-    # in the model's order: every replica's flat all-reduce must lay them out alike
-    on_host = dict.fromkeys(p for n in hosted for p in units[n].parameters())
+        runnable = partition(model, plan.placement_spec(model))  # moves the host units' (and weights') parameters
+        zero_root(runnable, zero, mesh, on_host)  # (its forward calls the units; the model's never runs)
     host_buffers = [b for n in hosted for b in units[n].buffers()]  # (in the units' order: the same on every rank)
     if c.tp > 1 and c.zero < 2:
         # torch's replicate (data parallel on FSDP2's machinery) takes the tp shards, DDP does not
@@ -259,6 +262,19 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     host_optimizers = _replicas_host_optimizer(on_host, synced, plan, config, None)
     return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, set(on_host) | set(host_buffers),
                    data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
+
+
+def _zero_around(plan: Plan, present: Mapping[str, nn.Module], apart: list[str]) -> ZeroConfig:
+    """The plan's ZeRO stage; where units of ``present`` (a model's or a stage's modules) are
+    ``apart`` on the host (their parameters there), FSDP2's units are the device units, each
+    its own: the partitioner keeps a module with hooks whole, so each unit's gathers run, and
+    the partitioned model becomes the root after (:func:`~hetero.parallel.zero.zero_root`; the
+    model's own forward never runs); none there: no units (the root holds every device
+    parameter), never the units by size, which may hold host units."""
+    if not any(n in present for n in apart):
+        return ZeroConfig(plan.candidate.zero)
+    return ZeroConfig(plan.candidate.zero, units=tuple(n for n in plan.units if n in present and n not in apart
+                                                       and any(True for _ in present[n].parameters())))
 
 
 def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
@@ -303,9 +319,9 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         raise ValueError(f"a pp {c.pp} plan runs its loss in the last stage: pass loss_fn=(output, target) -> loss")
     hosted = plan.host_units()
     if plan.streamed_units() or (hosted and not c.takes_host_units()):
-        raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with host units {hosted} or host "
-                         f"weights {plan.streamed_units()}: a stage's host units run without tp or ZeRO 2, 3, its weights "
-                         f"on the device; plan the model again (hetero.plan never makes one)")
+        raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan with host units {hosted} or host weights "
+                         f"{plan.streamed_units()}: a stage's host units run without tp, its weights on the device; plan "
+                         f"the model again (hetero.plan never makes one)")
     if c.state is not StateHome.DEVICE and (c.tp > 1 or c.zero):
         raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with its optimizer state "
                          f"{c.describe()['optimizer state']}: a stage offloads none of its state beside tp or ZeRO; "
@@ -322,7 +338,10 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
             _shard(stage, plan, mesh)
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
         own = [n for n in hosted if n in present]
-        kept: set[nn.Parameter] = set()
+        kept = {p for n in own for p in present[n].parameters()}  # (HostReplicaOptimizer averages these)
+        zero = _zero_around(plan, present, own)
+        if own and group is not None and zero.units:  # FSDP2's units before the partition (which keeps them whole)
+            apply_zero(stage, zero, mesh, ignored=kept, root=False)
         if own:  # the stage as host and device subgraphs (its host units' parameters move to the host)
             from hetero.placement import PlacementSpec
             from hetero.placement.partitioner import partition
@@ -331,7 +350,6 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
             for name in own:
                 spec.module(name, Target.HOST)
             stage = _SendFromDevice(partition(stage, spec), device)
-            kept = {p for n in own for p in present[n].parameters()}  # (HostReplicaOptimizer averages these)
         if group is None or c.state is StateHome.HOST:  # (HostAdamW averages the replicas' gradients)
             return stage
         if c.state is StateHome.PARTIAL:  # its host part's too (PartialOffloadAdamW's choice: checked below)
@@ -341,7 +359,10 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
             offloaded.update(mine)
             kept = kept | mine
         if c.zero >= 2:  # FSDP2 over the stage's replicas (the schedule syncs its gradients once per batch)
-            return apply_zero(stage, ZeroConfig(c.zero), mesh)
+            if own:  # (its units are sharded already; the partitioned stage is the root)
+                zero_root(stage, zero, mesh, kept)
+                return stage
+            return apply_zero(stage, zero, mesh)
         # torch's replicate (data parallel on FSDP2's machinery): the schedule syncs its gradients
         # once per batch, which DDP's reducer does not take (it rebuilds buckets across micro-batches)
         from torch.distributed._composable.replicate_with_fsdp import replicate

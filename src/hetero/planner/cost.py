@@ -214,8 +214,8 @@ class MeasuredCost:
         out = [x for x in UNIT_CHOICES if not (x.recompute and not u.saved_bytes)
                and (self.host_units or x.target is Target.DEVICE or u.name in self.pinned)
                and (c.takes_host_units() or x.target is Target.DEVICE)]
-        if u.name in self.streamable and u.name not in self.pinned and (c.tp, c.dp, c.pp) == (1, 1, 1):
-            out.append(STREAMED)  # (host parameters on one rank: the partitioner's, not DDP's, ZeRO's or a stage's)
+        if u.name in self.streamable and u.name not in self.pinned and c.takes_host_units() and c.pp == 1:
+            out.append(STREAMED)  # (host parameters beside DDP as a host unit's; not in a pipeline's stage)
         pin = self.pinned.get(u.name)
         return tuple(x for x in out if pin is None or x.target is pin)
 

@@ -111,12 +111,12 @@ class Candidate:
     tables: TablePlacement = TablePlacement.HOST
 
     def takes_host_units(self) -> bool:
-        """Whether dense units may run on the host under this setting: not beside ``tp`` (the
-        partitioner's host subgraphs take no DTensors), nor beside ZeRO 2 and 3 (FSDP2 takes no
-        partitioned model). Beside ``dp`` every replica (of the model, or of a pipeline's stage)
-        holds them; their gradients are averaged apart from DDP's or replicate's
+        """Whether dense units may run on the host (or keep their weights there) under this
+        setting: not beside ``tp`` (the partitioner's host subgraphs take no DTensors). Beside
+        ``dp`` every replica (of the model, or of a pipeline's stage) holds them; their gradients
+        are averaged apart from DDP's, replicate's or FSDP2's, which leave them out
         (:class:`hetero.parallel.data_parallel.HostReplicaOptimizer`)."""
-        return self.tp == 1 and self.zero < 2
+        return self.tp == 1
 
     def describe(self) -> dict[str, str]:
         """The candidate's decisions in words, by name (as ``hetero.explain`` prints them)."""
