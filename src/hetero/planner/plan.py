@@ -250,7 +250,7 @@ class Plan:
     # ---------------------------------------------------------------- report
     def __str__(self) -> str:
         def mb(b: float | None) -> str:
-            return "unlimited" if b is None else f"{b / 2**20:.1f} MiB"
+            return "unlimited" if b is None else format_bytes(b)
 
         p = self.predicted
         lines = [f"plan for {self.model}: batch {self.batch}, {self.world_size} rank(s); budgets: device "
@@ -284,3 +284,12 @@ class Plan:
                 line += f"; runner-up {d.runner_up} ({alt}{'; ' + d.why if d.why and d.runner_up_seconds else ''})"
             lines.append(line)
         return "\n".join(lines)
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit that leaves at least 1 of it (``"1.5 KiB"``,
+    ``"12.0 MiB"``), so a small budget does not read as ``0.0 MiB``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(nbytes) >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -40,7 +40,7 @@ from hetero.planner.graph import Granularity
 from hetero.parallel.pipeline_plan import pipeline_units
 from hetero.planner.pipeline import (Stages, cut_positions, pipeline_failure, priced_stages, search_stages, split_points,
                                      stage_decisions)
-from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
+from hetero.planner.plan import Decision, Plan, Prediction, SearchReport, format_bytes
 from hetero.planner.search import Assignment, Biased, SecondsOnly, brute_force, dynamic_programming, evaluate, ilp
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
 from hetero.planner.tensor_parallel import cuts_operators, tensor_options
@@ -218,7 +218,8 @@ class Planner:
                 stages = self._stages(c, device, host)
                 return stages.assignment() if stages else None
 
-            raise NoPlanError(_no_plan(self.cost, flat or self.settings, searched_at, device_budget, host_budget))
+            raise NoPlanError(_no_plan(self.cost, flat or self.settings, searched_at, device_budget, host_budget,
+                                       self.config.memory_margin))
         fastest = min(a.seconds for _, a in feasible)
         ties = [(c, a) for c, a in feasible if a.seconds <= fastest * tolerance]
         best_c, best = min(ties, key=lambda ca: (_changes(self.cost, ca[0], ca[1]), ca[1].seconds))
@@ -451,8 +452,10 @@ def _why(runner_up: float, chosen: float) -> str:
     return "slower" if runner_up >= chosen else "within the tolerance of it: the plan that changes less wins"
 
 
-def _no_plan(cost: MeasuredCost, settings: list[Candidate], search: Callable, device: float, host: float) -> str:
-    """The error text: the smallest device (or host) budget that works and what dominates it."""
+def _no_plan(cost: MeasuredCost, settings: list[Candidate], search: Callable, device: float, host: float,
+             margin: float) -> str:
+    """The error text: the smallest device (or host) budget that works and what dominates it
+    (``device``: the budget planned to, ``margin`` under the user's; both said as the user's)."""
     def fits(budget_device: float, budget_host: float) -> tuple[Candidate, Assignment] | None:
         found = [(c, search(cost, c, budget_device, budget_host)) for c in settings]
         found = [(c, a) for c, a in found if a is not None]
@@ -461,8 +464,8 @@ def _no_plan(cost: MeasuredCost, settings: list[Candidate], search: Callable, de
     if fits(float("inf"), host) is None:
         least = fits(float("inf"), float("inf"))
         need = min(a.host_bytes for _, a in [least]) if least else 0
-        return (f"no plan fits the host budget of {host / 2**20:.1f} MiB: the smallest that works is "
-                f"{need / 2**20:.1f} MiB (host tables, their optimizer state and offloaded optimizer state dominate)")
+        return (f"no plan fits the host budget of {format_bytes(host)}: the smallest that works is "
+                f"{format_bytes(need)} (host tables, their optimizer state and offloaded optimizer state dominate)")
     low, high = 0.0, fits(float("inf"), host)[1].device_bytes
     while high - low > max(1.0, high * 1e-3):  # the smallest device budget that some plan meets
         mid = (low + high) / 2
@@ -471,8 +474,8 @@ def _no_plan(cost: MeasuredCost, settings: list[Candidate], search: Callable, de
         else:
             high = mid
     c, a = fits(high, host)
-    return (f"no plan fits the device budget of {device / 2**20:.1f} MiB; the smallest that works is "
-            f"{high / 2**20:.1f} MiB ({_dominant(cost, c, a)})")
+    return (f"no plan fits the device budget of {format_bytes(device / (1 - margin))}; the smallest that works is "
+            f"{format_bytes(high / (1 - margin))} ({_dominant(cost, c, a)})")
 
 
 def _dominant(cost: MeasuredCost, c: Candidate, a: Assignment) -> str:
@@ -486,6 +489,6 @@ def _dominant(cost: MeasuredCost, c: Candidate, a: Assignment) -> str:
     detail = ""
     if what.startswith("parameters"):
         i = max(range(len(costs)), key=lambda i: costs[i].device_static)
-        detail = f"; the largest: unit {cost.names()[i]!r}, {costs[i].device_static / 2**20:.1f} MiB"
-    return f"dominated by {what}: {nbytes / 2**20:.1f} MiB{detail}, with the optimizer state on the " \
+        detail = f"; the largest: unit {cost.names()[i]!r}, {format_bytes(costs[i].device_static)}"
+    return f"dominated by {what}: {format_bytes(nbytes)}{detail}, with the optimizer state on the " \
            f"{c.describe()['optimizer state']} and {c.micro_batches} micro-batch(es)"
