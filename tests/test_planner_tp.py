@@ -11,7 +11,7 @@ import hetero
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.planner.plan import Plan
 from hetero.planner.planner import Planner, PlannerConfig
-from hetero.planner.space import Candidate, OptimizerKind
+from hetero.planner.space import Candidate, OptimizerKind, UnitChoice
 
 
 class Net(nn.Module):
@@ -141,3 +141,44 @@ def test_a_dp_by_tp_plan_trains_as_one_process(tmp_path, cpu_ranks, cache, zero)
     # fc1's columns cut over tp (and its rows over dp at ZeRO 3): a quarter or a half of the weight here
     assert local["fc1.weight"] == ((64 // 2 // 2, 16) if zero == 3 else (64 // 2, 16))
     assert_trains_as_one_process(Net, _batches(3), losses, whole)
+
+
+def _train_tp_host(plan_path, steps):
+    from torch.distributed.tensor import DTensor
+
+    from hetero.parallel.comm import CollectiveCounter
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    torch.manual_seed(0)
+    model = Net()
+    run = apply(model, Plan.load(plan_path), OptimizerConfig(lr=0.1))
+    losses, counted = [], 0.0
+    for x, y in _batches(steps):
+        with CollectiveCounter() as counter:
+            losses.append(run.step((x,), y, F.cross_entropy))
+        counted = counter.total_bytes
+    whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    hosted = sorted(n for n, p in model.named_parameters() if p in run.host_tensors and not isinstance(p, DTensor))
+    return losses, whole, hosted, counted
+
+
+def test_a_unit_pinned_to_the_host_runs_whole_beside_tp_and_trains_as_one_process(tmp_path, cpu_ranks, cache):
+    """A user pins fc2 to the host: tp 2 cuts fc1 and fc3 around it, every value into and out
+    of it whole and plain (the partitioner's host subgraph takes no DTensor), each rank running
+    it whole on its host; the plan trains as one unsharded process and sends what it predicts."""
+    from conftest import assert_trains_as_one_process, run_ranks
+    from hetero.placement import PlacementSpec, Target
+
+    x, y = _batches(1)[0]
+    planner = Planner(Net(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
+                      placement=PlacementSpec().module("fc2", Target.HOST), config=PlannerConfig(cache_dir=cache))
+    assert {(c.dp, c.tp) for c in planner.settings} == {(2, 1), (1, 2)}  # (not dp x tp: replicate takes no partition)
+    plan = planner.price(Candidate(tp=2), {"fc2": UnitChoice(Target.HOST)})
+    assert set(plan.sharding) == {"fc1", "fc3"} and plan.sharding["fc1"].use_local_output  # fc2 takes it whole
+    losses, whole, hosted, counted = run_ranks(tmp_path, 2, _train_tp_host, str(plan.save(tmp_path / "plan.json")), 3)
+    assert hosted == ["fc2.bias", "fc2.weight"]
+    assert_trains_as_one_process(Net, _batches(3), losses, whole)
+    assert counted > 0 and counted == pytest.approx(planner.tensor[2].bytes_per_step())
+    with pytest.raises(ValueError, match="pinned to the host, which runs whole"):
+        Planner(Net(), (x,), world_size=2, placement=PlacementSpec().module("fc2", Target.HOST),
+                sharding=ShardingPlan().module("fc2", ((1, 1), (1, 2))), config=PlannerConfig(cache_dir=cache))

@@ -141,7 +141,8 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
 
     Raises:
         ValueError: the plan names units the model does not have (another model's plan), its
-            mesh is not the world's, it puts units or weights on the host beside ``tp``, a
+            mesh is not the world's, it streams weights beside ``tp`` or cuts a host unit's
+            module, it has host units beside ``dp x tp``, a
             ``pp`` plan comes without ``loss_fn`` or has host weights, a ``dp`` plan has tables
             (the main job applies host tables: ``hetero train --plan``), or ZeRO 1 beside ``tp``.
     """
@@ -161,10 +162,12 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     host_dense, streamed = list(spec.modules), plan.streamed_units()
     device = resolve_device(Target.DEVICE)
     if c.tp > 1:
-        if host_dense or streamed:
-            raise ValueError(f"a tp {c.tp} plan with host units or host weights {host_dense + streamed}: plan the model "
-                             f"again (hetero.plan never makes one)")
-        _shard(model.to(device), plan, _mesh(mesh, plan))  # before recompute: its regions replay the sharded operators
+        if streamed:
+            raise ValueError(f"a tp {c.tp} plan with host weights {streamed}: plan the model again (hetero.plan "
+                             f"never makes one)")
+        # before recompute (its regions replay the sharded operators) and the partition (which
+        # keeps a sharded module whole: its layouts are hooks); host units run whole, unsharded
+        _shard(model.to(device), plan, _mesh(mesh, plan), apart=host_dense)
     # the plan's device tables: one host->device copy of each, before the partition (a device leaf there)
     moved = move_tables_to_device(model, list(plan.device_tables), device)
     apply_recompute(model, plan.recompute_config())
@@ -289,13 +292,18 @@ def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
     return mesh
 
 
-def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, apart: list[str] = []) -> None:  # noqa: B006 - not mutated
     """The plan's operator strategies of the modules ``model`` holds (a pipeline stage: its own)
-    applied over ``mesh``'s ``tp`` ranks (one replica's)."""
+    applied over ``mesh``'s ``tp`` ranks (one replica's); none may cut a module of the units
+    ``apart`` on the host (a hand-written plan's: ``ValueError``)."""
     sharding = plan.sharding_plan()
     if sharding is None:
         raise ValueError(f"a tp {plan.candidate.tp} plan without operator strategies: plan the model again "
                          f"(hetero.plan never makes one)")
+    cut = [n for n in sharding.modules if any(n == u or n.startswith(u + ".") for u in apart)]
+    if cut:
+        raise ValueError(f"the plan cuts {cut}, modules of units it places on the host, which run whole: drop their "
+                         f"strategies, or plan the model again")
     present, own = dict(model.named_modules()), ShardingPlan()
     for name, s in sharding.modules.items():
         if name in present:

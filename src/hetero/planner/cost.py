@@ -213,7 +213,8 @@ class MeasuredCost:
                 for k in range(1, len(movable) + 1))
         out = [x for x in UNIT_CHOICES if not (x.recompute and not u.saved_bytes)
                and (self.host_units or x.target is Target.DEVICE or u.name in self.pinned)
-               and (c.takes_host_units() or x.target is Target.DEVICE)]
+               and (x.target is Target.DEVICE or c.takes_host_units()
+                    or (u.name in self.pinned and c.takes_pinned_host_units()))]
         if u.name in self.streamable and u.name not in self.pinned and c.takes_host_units() and c.pp == 1:
             out.append(STREAMED)  # (host parameters beside DDP as a host unit's; not in a pipeline's stage)
         pin = self.pinned.get(u.name)

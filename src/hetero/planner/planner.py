@@ -119,8 +119,11 @@ class Planner:
         # a model the partitioner cannot trace would place host units through hooks, whose copies
         # the cost model does not price: its dense units stay on the device (annotations apart)
         self.untraceable = capture_failure(model)
-        # the tp dimension: operator strategies at each degree, around the user's annotations
-        self.tensor = tensor_options(model, example_inputs, sharding, world_size, self.graph, self.untraceable is None)
+        # the tp dimension: operator strategies at each degree, around the user's annotations (the
+        # units pinned to the host run whole: values into and out of them whole and plain)
+        pinned_host = sorted(n for n, t in self.pinned.items() if t is Target.HOST and not self.graph.unit(n).tables)
+        self.tensor = tensor_options(model, example_inputs, sharding, world_size, self.graph, self.untraceable is None,
+                                     host=pinned_host)
         required = cuts_operators(sharding)
         start = time.perf_counter()
         self.calibration = calibrate(config.cache_dir)
@@ -144,15 +147,14 @@ class Planner:
                               max_pp=min(world_size, len(self.cuts) + 1) if self.cuts else 1,
                               max_tp=max(self.tensor, default=1))
         # annotations that cut operators are kept: only the degrees they fit
-        # (a dense unit pinned to the host: only the settings that take host units)
-        pinned_host = sorted(n for n, t in self.pinned.items() if t is Target.HOST and not self.graph.unit(n).tables)
+        # (a dense unit pinned to the host: only the settings that take pinned host units)
         self.settings = [c for c in settings if ((c.tp == 1 and not required) or c.tp in self.tensor)
-                         and not (pinned_host and not c.takes_host_units())
+                         and not (pinned_host and not c.takes_pinned_host_units())
                          and (c.pp == 1 or c.tp == 1 or c.tp in self.staged_tensor)]
         if not self.settings and pinned_host:
-            raise ValueError(f"units {pinned_host} are pinned to the host, which runs without tensor parallelism: "
-                             f"plan without operator strategies that cut operators (or with a batch the ranks divide), "
-                             f"or unpin them")
+            raise ValueError(f"units {pinned_host} are pinned to the host, which runs beside tensor parallelism only "
+                             f"on a mesh of tp ranks alone: plan without operator strategies that cut operators, with a "
+                             f"batch the ranks divide, or for tp ranks alone; or unpin them")
         # each dp degree's per-rank batch captured too, its ops timed at their own shapes: a
         # share's time scaled from the global batch's shapes is 40% off (measured: GPT at dp 2)
         shares = {d: capture(model, split_batch(example_inputs, d)[0], None, (), config.granularity)

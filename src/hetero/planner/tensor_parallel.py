@@ -101,7 +101,7 @@ def cuts_operators(plan: ShardingPlan | None) -> bool:
 
 def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: ShardingPlan | None, tp: int,
                     units: Sequence[str], unit_flops: Mapping[str, float], unit_params: Mapping[str, int],
-                    boundaries: Sequence[str] = ()) -> TensorSharding:
+                    boundaries: Sequence[str] = (), host: Sequence[str] = ()) -> TensorSharding:
     """The operator strategies at degree ``tp`` (see the module docstring).
 
     Args:
@@ -113,6 +113,9 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
             and backward) and parameter elements.
         boundaries: pipeline units across which every value is made whole and plain (a
             pipeline's sends take plain tensors; empty: the strategies of a model run whole).
+        host: units that run on the host, whole on every rank: their ``nn.Linear`` modules get
+            no strategy, and every value into or out of them is made whole and plain (the
+            partitioner's host subgraphs take no DTensors).
 
     Raises:
         ValueError: an annotation that does not fit ``tp`` ranks, an ``nn.Linear`` on inputs
@@ -122,9 +125,10 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
     sizes = (1, 1, tp)  # (pp, dp, tp): the data-parallel ranks are priced apart (batch share)
     result = propagate(gm, strategies, sizes, all_to_all=False, training=True)
     ops = {op.node: op for op in _ops(gm)}
-    linears = {n: op for n, op in ops.items()
-               if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear)}
+    linears = {n: op for n, op in ops.items() if n.op == "call_module"
+               and isinstance(gm.get_submodule(str(n.target)), nn.Linear) and not _unit_of(str(n.target), host)}
     user_modules = {} if user is None else user.modules
+    borders = list(boundaries) + list(host)  # (values cross them whole and plain)
 
     def whole(places: tuple[Place, ...]) -> tuple[Place, ...]:
         return tuple(("R",) if p[0] == "P" else p for p in places)
@@ -132,8 +136,8 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
     def where(node: fx.Node) -> str:  # the module an op belongs to
         return str(node.target) if node.op == "call_module" else module_path(node)
 
-    def region(node: fx.Node) -> str:  # its pipeline unit
-        return _unit_of(where(node), boundaries)
+    def region(node: fx.Node) -> str:  # its pipeline unit, or its host unit
+        return _unit_of(where(node), borders)
 
     # which values may stay DTensors: every use a sharded Linear, or a one-input elementwise op
     # whose own value may (reverse topological order: users first), in the same pipeline unit
@@ -141,7 +145,7 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
     for node in reversed(list(gm.graph.nodes)):
         keeps[node] = bool(node.users) and all(
             (u in linears or (u in ops and len(ops[u].args) == 1 and keeps.get(u, False)))
-            and (not boundaries or region(u) == region(node)) for u in node.users)
+            and (not borders or region(u) == region(node)) for u in node.users)
 
     strategy_of: dict[str, OpStrategy] = {}
     place: dict[fx.Node, tuple[Place, ...] | None] = {}  # a DTensor's placements (None: a plain tensor)
@@ -166,7 +170,9 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
         if op is None:
             continue
         lay = result.layouts[node.name]
-        if node in linears:
+        if _unit_of(where(node), host):  # a host unit's op: whole, on plain tensors (its inputs made so)
+            place[node] = None
+        elif node in linears:
             name, m = str(node.target), gm.get_submodule(str(node.target))
             cut, x_letters = lay.cuts[0], op.inputs[0]
             if len(x_letters) != 2:  # what apply_sharding shards: a plan it cannot apply is no plan
@@ -218,16 +224,19 @@ def _unit_of(module: str, units: Sequence[str]) -> str:
 
 
 def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPlan | None, world_size: int,
-                   graph: ModelGraph, traceable: bool, boundaries: Sequence[str] = ()) -> dict[int, TensorSharding]:
+                   graph: ModelGraph, traceable: bool, boundaries: Sequence[str] = (),
+                   host: Sequence[str] = ()) -> dict[int, TensorSharding]:
     """The model's :class:`TensorSharding` at every tensor-parallel degree ``tp > 1`` dividing
     ``world_size`` that the user's annotations fit (none for a model the partitioner cannot trace
     or without ``nn.Linear`` modules); with ``boundaries`` (pipeline units), those beside a
-    pipeline of at least two stages.
+    pipeline of at least two stages; with ``host`` (units pinned to the host), those that run
+    them whole.
 
     Raises:
         ValueError: an annotation naming a module the forward does not call (listing those it
             calls), or one that is not ``nn.Linear``; annotations on a model that does not trace;
-            annotations that cut operators but fit no degree of ``world_size`` ranks.
+            annotations that cut operators but fit no degree of ``world_size`` ranks, or cut one
+            of a host unit.
     """
     from hetero.parallel.sharding_graph import capture_for_sharding
 
@@ -238,7 +247,7 @@ def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPl
         return {}
     if sharding is None and world_size == 1:
         return {}
-    gm, strategies = capture_for_sharding(model, example_inputs, sharding or ShardingPlan())
+    gm, strategies = capture_for_sharding(model, example_inputs, _whole_on_host(sharding, host))
     units = [u.name for u in graph.units]
     flops = {u.name: float(sum(op.flops for op in u.forward + u.backward)) for u in graph.units}
     params = {u.name: u.params for u in graph.units}
@@ -248,7 +257,7 @@ def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPl
         if world_size % (stages * tp) or graph.batch % (world_size // (stages * tp)):
             continue
         try:
-            t = tensor_sharding(gm, strategies, sharding, tp, units, flops, params, boundaries)
+            t = tensor_sharding(gm, strategies, sharding, tp, units, flops, params, boundaries, host)
         except ValueError as e:
             why = f" ({e})"
             continue  # not at this degree
@@ -258,3 +267,17 @@ def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPl
         raise ValueError(f"the operator annotations {sorted(strategies)} fit no tensor-parallel degree of {world_size} "
                          f"rank(s){why}: give slice counts that multiply to a divisor of the world size")
     return out
+
+
+def _whole_on_host(sharding: ShardingPlan | None, host: Sequence[str]) -> ShardingPlan:
+    """The user's annotations, checked to cut no operator of a ``host`` unit.
+
+    Raises:
+        ValueError: an annotation that cuts an operator of a host unit.
+    """
+    for name, s in (sharding.modules.items() if sharding is not None else ()):
+        if _unit_of(name, host) and any(k > 1 for part in s.in_strategy for k in part):
+            raise ValueError(f"module {name!r} is cut by its annotation {s.in_strategy}, but its unit "
+                             f"{_unit_of(name, host)!r} is pinned to the host, which runs whole: drop the annotation "
+                             f"or unpin the unit")
+    return sharding or ShardingPlan()
