@@ -8,8 +8,9 @@ The ranks share this machine's cores: each runs ``cores / 2`` intra-op threads, 
 plans with that many (its calibration is keyed by the thread count: a rank's rates, measured on
 the machine it runs on). The grid: every mesh the planner offers (dp 2 at ZeRO 0-3, pp 2, tp 2),
 the GPT's optimizer state on the host beside dp (all of it, and half), the first half of the
-units on the host beside dp (every replica's: their gradients averaged apart from DDP's), each
-priced by the same cost model. Each distinct plan runs ``steps`` timed steps after 3 warm-up ones on both ranks (its step time:
+units on the host beside dp (every replica's: their gradients averaged apart from DDP's) and
+beside ZeRO 3 (FSDP2 over the device units), the first half of the streamable units' weights
+on the host beside dp, each priced by the same cost model. Each distinct plan runs ``steps`` timed steps after 3 warm-up ones on both ranks (its step time:
 the slower rank's median), in two rounds, keeping each plan's faster one.
 
 Result (last line, also benchmarks/results/planner_ranks_<cpu|cuda>.json):
@@ -41,7 +42,7 @@ from hetero.placement import Target  # noqa: E402
 from hetero.planner.calibration import calibrate  # noqa: E402
 from hetero.planner.plan import Plan  # noqa: E402
 from hetero.planner.planner import Planner  # noqa: E402
-from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice  # noqa: E402
+from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, UnitChoice  # noqa: E402
 
 WORLD = 2
 
@@ -66,8 +67,15 @@ def grid(planner: Planner, optimizer: OptimizerKind) -> dict[str, Plan]:
     dp = Candidate(dp=WORLD, micro_batches=m)
     dense = [n for i, n in enumerate(planner.cost.names()) if UnitChoice(Target.HOST) in planner.cost.options(i, dp)]
     if dense and planner.untraceable is None:
-        out[f"dp {WORLD}, first half on the host"] = planner.price(dp, {n: UnitChoice(Target.HOST)
-                                                                          for n in dense[: max(1, len(dense) // 2)]})
+        half = {n: UnitChoice(Target.HOST) for n in dense[: max(1, len(dense) // 2)]}
+        out[f"dp {WORLD}, first half on the host"] = planner.price(dp, half)
+        sharded = Candidate(dp=WORLD, zero=3, micro_batches=m)  # FSDP2 over the device units around them
+        if sharded in planner.settings:
+            out[f"dp {WORLD}, ZeRO 3, first half on the host"] = planner.price(sharded, half)
+    streamable = [n for i, n in enumerate(planner.cost.names()) if STREAMED in planner.cost.options(i, dp)]
+    if streamable:
+        out[f"dp {WORLD}, first half's weights streamed"] = planner.price(dp, {n: STREAMED for n in
+                                                                                 streamable[: max(1, len(streamable) // 2)]})
     return out
 
 

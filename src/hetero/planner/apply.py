@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -292,7 +292,7 @@ def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
     return mesh
 
 
-def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, apart: list[str] = []) -> None:  # noqa: B006 - not mutated
+def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, apart: Sequence[str] = ()) -> None:
     """The plan's operator strategies of the modules ``model`` holds (a pipeline stage: its own)
     applied over ``mesh``'s ``tp`` ranks (one replica's); none may cut a module of the units
     ``apart`` on the host (a hand-written plan's: ``ValueError``)."""
