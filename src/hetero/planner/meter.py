@@ -36,7 +36,7 @@ from hetero.optim import HostAdamW
 from hetero.optim.partial_offload import PartialOffloadAdamW
 from hetero.placement import Target, resolve_device
 from hetero.placement.tagging import TARGET
-from hetero.planner.apply import Applied
+from hetero.planner.applied import Applied
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from hetero.optim import SparseOptimizerKind
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.placement import PlacementSpec, Target
 from hetero.placement.capture import capture_failure
-from hetero.planner.apply import split_batch
+from hetero.planner.applied import split_batch
 from hetero.planner.calibration import calibrate, collectives, time_shapes
 from hetero.planner.capture import capture, streamable_units
 from hetero.planner.cost import CostModel, MeasuredCost
