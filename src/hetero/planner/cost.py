@@ -257,7 +257,7 @@ class MeasuredCost:
         activations = int(u.saved_bytes * s)  # its own; its inputs are the boundary's
         if choice.target is Target.HOST:  # everything of it is the host's; torch's optimizer there
             update, state = self._host_update(u)
-            compute += self._accumulate(u, c, Target.HOST, u.param_bytes)
+            compute += self._accumulate(u, c, Target.HOST, u.param_bytes) + self._host_replicas(u, c)
             return UnitCost(compute + update, host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s),
                             update_seconds=update)
         during = activations + int((u.input_bytes + u.output_bytes) * s)  # its activations + gradient workspace
@@ -299,9 +299,26 @@ class MeasuredCost:
         else:
             copies = self.cal.h2d.seconds(nbytes) + self.cal.d2h.seconds(nbytes)
         update, state = self._host_update(u)
+        compute += self._host_replicas(u, c)
         # kept: its activations and the weights' copy; during its backward also a gradient on its way out
         return UnitCost(compute + c.micro_batches * copies + update, 0, activations + nbytes,
                         during + nbytes + u.largest_param_bytes, 2 * nbytes + state, update)
+
+    def _host_replicas(self, u: Unit, c: Candidate) -> float:
+        """Beside ``dp`` (outside a pipeline, whose stages price their own), a unit whose
+        parameters live on the host has its gradients averaged by ``HostReplicaOptimizer``'s
+        all-reduce, not by the collectives :meth:`fixed` prices over every unit's parameters
+        (DDP's, ZeRO 1's gather, FSDP2's per-pass reduce-scatter and gathers): its share of the
+        difference, at the aggregate's rates."""
+        curves = self.cal.collectives.get(f"gloo:{c.dp}") if c.dp > 1 and c.pp == 1 else None
+        total = self._dense_bytes(c)
+        if not curves or not total:
+            return 0.0
+        return u.param_bytes / total * (curves["all_reduce"].seconds(total) - self.gradient_seconds(c, total))
+
+    def _dense_bytes(self, c: Candidate) -> float:
+        """Bytes of one rank's dense parameters (what tp leaves it of each unit's)."""
+        return sum(u.param_bytes * self._shares(u.name, c)[1] for u in self.graph.units)
 
     def _host_update(self, u: Unit) -> tuple[float, int]:
         """Seconds of torch's optimizer updating unit ``u``'s parameters on the host, and the
@@ -419,7 +436,7 @@ class MeasuredCost:
             int((2 * self.root.param_bytes + _STATE_BYTES[self.optimizer] * self.root.params) * param_share)
         if c.state is not StateHome.DEVICE:
             parts["optimizer fixed"] += self.cal.optimizers["host_adamw"].fixed
-        dense_bytes = sum(u.param_bytes * self._shares(u.name, c)[1] for u in self.graph.units)
+        dense_bytes = self._dense_bytes(c)  # (each host unit's share moved to its own: _host_replicas)
         if c.tp > 1:  # (each unit's own are its cost's)
             parts["tensor-parallel collectives (ops of no unit)"] = self._tp_seconds("", c)
         if c.dp > 1 and c.pp == 1:  # (a pipeline's stages reduce their own units': the stage split prices them)
