@@ -143,12 +143,12 @@ def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_pro
     plan = planner.plan()
     # its neighbours may join it (saving two copies where host and device are one CPU): a measured choice
     assert plan.candidate.pp == 2 and "blocks.1" in plan.host_units()
+    said = [line.partition("on the host ")[2].partition(" (")[0].split(", ") for line in str(hetero.explain(plan)).splitlines()
+            if "on the host " in line]  # each stage's host units
+    assert sum(said, []) == plan.host_units()
     if zero:  # a stage of host and device units (FSDP2's around the partition), as a plan file may say
         plan.units.update({n: UnitChoice() for n in plan.host_units() if n != "blocks.1"})
     host = plan.host_units()
-    said = [line.partition("on the host ")[2].partition(" (")[0].split(", ") for line in str(hetero.explain(plan)).splitlines()
-            if "on the host " in line]  # each stage's host units
-    assert sum(said, []) == host
     assert (plan.candidate.dp, plan.candidate.zero) == (dp, zero)
     path = plan.save(tmp_path / "plan.json")
     losses, gathered = run_ranks(tmp_path, 2 * dp, _train_pp, str(path), 3)
