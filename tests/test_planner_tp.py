@@ -182,3 +182,22 @@ def test_a_unit_pinned_to_the_host_runs_whole_beside_tp_and_trains_as_one_proces
     with pytest.raises(ValueError, match="pinned to the host, which runs whole"):
         Planner(Net(), (x,), world_size=2, placement=PlacementSpec().module("fc2", Target.HOST),
                 sharding=ShardingPlan().module("fc2", ((1, 1), (1, 2))), config=PlannerConfig(cache_dir=cache))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_unit_pinned_to_the_host_runs_whole_beside_dp_by_tp(tmp_path, cpu_ranks, cache, zero):
+    """4 ranks, dp 2 x tp 2, fc2 pinned to the host: each replica's tp ranks cut fc1 and fc3 and
+    run fc2 whole; the replicas' device gradients meet in torch's replicate (or FSDP2 at ZeRO
+    3), each around the partitioned model, fc2's in HostReplicaOptimizer's all-reduce."""
+    from conftest import assert_trains_as_one_process, run_ranks
+    from hetero.placement import PlacementSpec, Target
+
+    x, y = _batches(1)[0]
+    planner = Planner(Net(), (x,), world_size=4, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
+                      placement=PlacementSpec().module("fc2", Target.HOST), config=PlannerConfig(cache_dir=cache))
+    c = Candidate(dp=2, tp=2, zero=zero)
+    assert c in planner.settings
+    plan = planner.price(c, {"fc2": UnitChoice(Target.HOST)})
+    losses, whole, hosted, _ = run_ranks(tmp_path, 4, _train_tp_host, str(plan.save(tmp_path / "plan.json")), 3)
+    assert hosted == ["fc2.bias", "fc2.weight"]
+    assert_trains_as_one_process(Net, _batches(3), losses, whole)

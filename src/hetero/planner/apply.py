@@ -57,7 +57,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     Raises:
         ValueError: the plan names units the model does not have (another model's plan), its
             mesh is not the world's, it streams weights beside ``tp`` or cuts a host unit's
-            module, it has host units beside ``dp x tp``, a
+            module, it has host units beside ``pp x tp``, a
             ``pp`` plan comes without ``loss_fn`` or has host weights, a ``dp`` plan has tables
             (the main job applies host tables: ``hetero train --plan``), or ZeRO 1 beside ``tp``.
     """
@@ -113,8 +113,10 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
 
 
 def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None) -> Applied:
-    """A dp plan of a dense model: recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``; with
-    host units, its units the device units and its root the partitioned model), the host units
+    """A dp plan of a dense model: each replica's tp ranks cutting its operators (host units
+    whole), recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``; with host units, its units
+    the device units and its root the partitioned model; with tp and ZeRO 0, 1 torch's
+    replicate so, in place of DDP), the host units
     and streamed weights partitioned out (their parameters on the host, averaged over the replicas by
     :class:`~hetero.parallel.data_parallel.HostReplicaOptimizer`), DDP over the device
     parameters (stages 0, 1; none with all of the state on the host, HostAdamW averaging the
@@ -125,10 +127,10 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
 
     c = plan.candidate
     hosted, streamed = plan.host_units(), plan.streamed_units()
-    if host_tables(model) or device_tables(model) or ((hosted or streamed) and not c.takes_host_units()):
-        raise ValueError(f"a dp {c.dp} plan with tables, or host units or weights beside tp or ZeRO {c.zero}: "
-                         f"hetero.apply makes dense data-parallel plans real (host units and weights, the state on "
-                         f"the host); run it with hetero train --plan")
+    if host_tables(model) or device_tables(model) or (streamed and not c.takes_host_units()):
+        raise ValueError(f"a dp {c.dp} plan with tables, or host weights beside tp: hetero.apply makes dense "
+                         f"data-parallel plans real (host units and weights, the state on the host); run it with "
+                         f"hetero train --plan")
     if c.tp > 1 and c.zero == 1:
         raise ValueError(f"a dp {c.dp} x tp {c.tp} plan at ZeRO 1 (torch's ZeroRedundancyOptimizer takes no DTensor "
                          f"parameters): plan the model again (hetero.plan never makes one)")
@@ -136,27 +138,33 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     dp = mesh[MeshDim.DP.value]
     model.to(resolve_device(Target.DEVICE))
     if c.tp > 1:  # each replica's tp ranks cut its operators, before recompute and ZeRO (torchtitan's order)
-        _shard(model, plan, mesh)
+        _shard(model, plan, mesh, apart=hosted)  # (host units run whole on each rank)
     apply_recompute(model, plan.recompute_config())
     units = dict(model.named_modules())
     # in the model's order: every replica's flat all-reduce must lay them out alike (a streamed
     # unit's weights are host parameters as a host unit's are: averaged and updated there)
     on_host = dict.fromkeys(p for n in hosted + streamed for p in units[n].parameters())
     zero = _zero_around(plan, units, hosted + streamed)
-    if not (hosted or streamed) or zero.units:  # (stages 2, 3: parameters become dp shards - of the tp shards with tp)
-        apply_zero(model, zero, mesh, ignored=on_host, root=not (hosted or streamed))
+    apart = bool(hosted or streamed)
+    if not apart or zero.units:  # (stages 2, 3: parameters become dp shards - of the tp shards with tp)
+        apply_zero(model, zero, mesh, ignored=on_host, root=not apart)
+    # torch's replicate (data parallel on FSDP2's machinery) takes the tp shards, DDP does not:
+    # like FSDP2, around host units its units are the device units, its root the partitioned model
+    replicated = c.tp > 1 and c.zero < 2
+    if replicated:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for name in zero.units if apart else ():
+            replicate(units[name], mesh=dp, ignored_params=set(on_host) or None)
     runnable: nn.Module = model
-    if hosted or streamed:
+    if apart:
         from hetero.placement.partitioner import partition
 
         runnable = partition(model, plan.placement_spec(model))  # moves the host units' (and weights') parameters
         zero_root(runnable, zero, mesh, on_host)  # (its forward calls the units; the model's never runs)
+    if replicated:
+        runnable = replicate(runnable, mesh=dp, ignored_params=set(on_host) or None)
     host_buffers = [b for n in hosted for b in units[n].buffers()]  # (in the units' order: the same on every rank)
-    if c.tp > 1 and c.zero < 2:
-        # torch's replicate (data parallel on FSDP2's machinery) takes the tp shards, DDP does not
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        runnable = replicate(model, mesh=dp)
     # (after replicate, which makes the parameters new dp DTensors)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host]
     offloaded: set[nn.Parameter] = set()

@@ -153,8 +153,8 @@ class Planner:
                          and (c.pp == 1 or c.tp == 1 or c.tp in self.staged_tensor)]
         if not self.settings and pinned_host:
             raise ValueError(f"units {pinned_host} are pinned to the host, which runs beside tensor parallelism only "
-                             f"on a mesh of tp ranks alone: plan without operator strategies that cut operators, with a "
-                             f"batch the ranks divide, or for tp ranks alone; or unpin them")
+                             f"outside a pipeline: plan without operator strategies that cut operators, with a batch "
+                             f"the ranks divide, or for ranks that need no pipeline; or unpin them")
         # each dp degree's per-rank batch captured too, its ops timed at their own shapes: a
         # share's time scaled from the global batch's shapes is 40% off (measured: GPT at dp 2)
         shares = {d: capture(model, split_batch(example_inputs, d)[0], None, (), config.granularity)

@@ -120,10 +120,10 @@ class Candidate:
 
     def takes_pinned_host_units(self) -> bool:
         """Whether the units a user pins to the host may run there under this setting: wherever
-        any unit may, and beside ``tp`` alone (the operator strategies propagated with them
-        whole, their values whole and plain at their borders; not beside ``dp``, whose torch
-        ``replicate`` takes no partitioned model, nor in a pipeline's stages)."""
-        return self.takes_host_units() or (self.dp == 1 and self.pp == 1)
+        any unit may, and beside ``tp`` outside a pipeline (the operator strategies propagated
+        with them whole, their values whole and plain at their borders; every tp rank runs
+        them whole; a pipeline's stages are propagated apart)."""
+        return self.takes_host_units() or self.pp == 1
 
     def describe(self) -> dict[str, str]:
         """The candidate's decisions in words, by name (as ``hetero.explain`` prints them)."""
