@@ -156,7 +156,8 @@ def test_streamed_weights_leave_the_device_their_parameters_gradients_and_state(
     x, y = _batch(512)
     planner = Planner(MLP(width=512), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
     assert STREAMED in planner.cost.options(1, Candidate()) and STREAMED in planner.cost.options(1, Candidate(dp=2))
-    assert STREAMED not in planner.cost.options(1, Candidate(dp=2, tp=1, pp=2))  # (not in a stage)
+    assert STREAMED in planner.cost.options(1, Candidate(dp=2, pp=2, micro_batches=2))  # (a stage's too)
+    assert STREAMED not in planner.cost.options(1, Candidate(tp=2))  # (the partitioner's host tensors are no DTensors)
     layers = [n for n in planner.cost.names() if n.startswith("layers.")]
     measured = {}
     for streamed in ((), tuple(layers)):

@@ -12,7 +12,7 @@ from hetero.placement import PlacementSpec, Target
 from hetero.planner.pipeline import brute_force_stages, search_stages
 from hetero.planner.plan import Plan
 from hetero.planner.planner import Planner, PlannerConfig
-from hetero.planner.space import Candidate, OptimizerKind, UnitChoice
+from hetero.planner.space import STREAMED, Candidate, OptimizerKind, UnitChoice
 
 
 class Stack(nn.Module):
@@ -161,6 +161,33 @@ def test_a_unit_pinned_to_the_host_runs_on_its_stages_host_and_trains_as_one_pro
     for replicas in stages:  # a stage's replicas stay equal, host units included
         assert len(replicas) == dp
         assert not [k for r in replicas for k in r if not torch.equal(r[k], replicas[0][k])], host
+    assert_trains_as_one_process(Stack, _batches(3), losses, stages[0][0] | stages[1][0])
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_stages_streamed_weights_live_on_its_host_and_train_as_one_process(tmp_path, cpu_ranks, cache, dp):
+    """Units whose weights live on the host (copied to the device each pass) in both stages: each
+    stage's partition pins their parameters there, beside dp every replica's (averaged by the
+    host optimizer, left out of replicate)."""
+    from conftest import assert_trains_as_one_process, run_ranks
+
+    planner = _planner(cache, Stack(), world_size=2 * dp)
+    c = Candidate(pp=2, dp=dp, micro_batches=2)
+    assert STREAMED in planner.cost.options(planner.cost.names().index("blocks.0"), c)
+    planner.settings = [c]
+    plan = planner.plan()
+    names = planner.cost.names()
+    cut = names.index(plan.split_points[0])
+    streamed = [next(n for n in part if n in planner.cost.streamable) for part in (names[:cut], names[cut:])]  # one a stage
+    plan.units.update({n: STREAMED for n in streamed})  # as a plan file may say
+    assert plan.streamed_units() == streamed
+    losses, gathered = run_ranks(tmp_path, 2 * dp, _train_pp, str(plan.save(tmp_path / "plan.json")), 3)
+    for mine, _, _, (hosted, threads) in gathered:
+        assert hosted == sorted(n for n in mine if any(n.startswith(u + ".") for u in streamed))
+        assert hosted and "hetero-host" not in threads  # (their ops on the device)
+    stages = [m for m, *_ in gathered if set(m) == set(gathered[0][0])], [m for m, *_ in gathered if set(m) != set(gathered[0][0])]
+    for replicas in stages:
+        assert len(replicas) == dp and not [k for r in replicas for k in r if not torch.equal(r[k], replicas[0][k])]
     assert_trains_as_one_process(Stack, _batches(3), losses, stages[0][0] | stages[1][0])
 
 

@@ -248,11 +248,11 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     c = plan.candidate
     if loss_fn is None:
         raise ValueError(f"a pp {c.pp} plan runs its loss in the last stage: pass loss_fn=(output, target) -> loss")
-    hosted = plan.host_units()
-    if plan.streamed_units() or (hosted and not c.takes_host_units()):
+    hosted, streamed = plan.host_units(), plan.streamed_units()
+    if (hosted or streamed) and not c.takes_host_units():
         raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan with host units {hosted} or host weights "
-                         f"{plan.streamed_units()}: a stage's host units run without tp, its weights on the device; plan "
-                         f"the model again (hetero.plan never makes one)")
+                         f"{streamed}: a stage's host units and weights run without tp; plan the model again "
+                         f"(hetero.plan never makes one)")
     if c.state is not StateHome.DEVICE and (c.tp > 1 or c.zero):
         raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with its optimizer state "
                          f"{c.describe()['optimizer state']}: a stage offloads none of its state beside tp or ZeRO; "
@@ -268,18 +268,22 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         if c.tp > 1:  # the stage's own operators cut over its tp ranks (values whole between stages)
             _shard(stage, plan, mesh)
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
-        own = [n for n in hosted if n in present]
-        kept = {p for n in own for p in present[n].parameters()}  # (HostReplicaOptimizer averages these)
-        zero = _zero_around(plan, present, own)
-        if own and group is not None and zero.units:  # FSDP2's units before the partition (which keeps them whole)
+        own, weights = [n for n in hosted if n in present], [n for n in streamed if n in present]
+        # (HostReplicaOptimizer averages these)
+        kept = {p for n in own + weights for p in present[n].parameters()}
+        zero = _zero_around(plan, present, own + weights)
+        if (own or weights) and group is not None and zero.units:  # FSDP2's units before the partition (which keeps them whole)
             apply_zero(stage, zero, mesh, ignored=kept, root=False)
-        if own:  # the stage as host and device subgraphs (its host units' parameters move to the host)
+        if own or weights:  # the stage as host and device subgraphs (its host units' and weights' parameters move there)
             from hetero.placement import PlacementSpec
             from hetero.placement.partitioner import partition
 
             spec = PlacementSpec()
             for name in own:
                 spec.module(name, Target.HOST)
+            for name in weights:  # (as Plan.placement_spec pins them: the stage lacks the other stages' units)
+                for param, _ in present[name].named_parameters(prefix=name):
+                    spec.param(param, Target.HOST)
             stage = _SendFromDevice(partition(stage, spec), device)
         if group is None or c.state is StateHome.HOST:  # (HostAdamW averages the replicas' gradients)
             return stage
@@ -290,7 +294,7 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
             offloaded.update(mine)
             kept = kept | mine
         if c.zero >= 2:  # FSDP2 over the stage's replicas (the schedule syncs its gradients once per batch)
-            if own:  # (its units are sharded already; the partitioned stage is the root)
+            if own or weights:  # (its units are sharded already; the partitioned stage is the root)
                 zero_root(stage, zero, mesh, kept)
                 return stage
             return apply_zero(stage, zero, mesh)
@@ -303,7 +307,8 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     pipe = pipeline(model.to(device), PipelineConfig(micro_batches=c.micro_batches, split_points=plan.split_points),
                     mesh, loss_fn, recompute_stage)
     stages = {n: m for stage in pipe.modules for n, m in stage.named_modules()}
-    on_host = dict.fromkeys(p for n in hosted if n in stages for p in stages[n].parameters())  # (in the model's order)
+    # (in the model's order)
+    on_host = dict.fromkeys(p for n in hosted + streamed if n in stages for p in stages[n].parameters())
     named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad and p not in on_host]
     rank = mesh[MeshDim.DP.value].get_local_rank()
     # (no foreach with replicas or tp: their parameters are DTensors)

@@ -215,8 +215,8 @@ class MeasuredCost:
                and (self.host_units or x.target is Target.DEVICE or u.name in self.pinned)
                and (x.target is Target.DEVICE or c.takes_host_units()
                     or (u.name in self.pinned and c.takes_pinned_host_units()))]
-        if u.name in self.streamable and u.name not in self.pinned and c.takes_host_units() and c.pp == 1:
-            out.append(STREAMED)  # (host parameters beside DDP as a host unit's; not in a pipeline's stage)
+        if u.name in self.streamable and u.name not in self.pinned and c.takes_host_units():
+            out.append(STREAMED)  # (host parameters beside DDP or a stage's replicas as a host unit's)
         pin = self.pinned.get(u.name)
         return tuple(x for x in out if pin is None or x.target is pin)
 
