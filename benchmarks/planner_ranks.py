@@ -1,12 +1,13 @@
 """The planner at 2 ranks: predicted against measured step time of multi-rank plans, and the
 chosen plan against a grid of hand-written ones, on gloo ranks of this machine.
 
-Three models of ``benchmarks/planner.py`` - the GPT example's decoder (AdamW), the seed's MNIST
-MLP (SGD) and ResNet-50 (momentum SGD) - are planned for ``world_size=2`` in this process and run
-on 2 spawned gloo ranks.
+Four models of ``benchmarks/planner.py`` - the GPT example's decoder (AdamW), the seed's MNIST
+MLP (SGD), ResNet-50 (momentum SGD) and the DLRM with 26 host tables (AdamW, LazyAdam) - are
+planned for ``world_size=2`` in this process and run on 2 spawned gloo ranks.
 The ranks share this machine's cores: each runs ``cores / 2`` intra-op threads, and the planner
 plans with that many (its calibration is keyed by the thread count: a rank's rates, measured on
-the machine it runs on). The grid: every mesh the planner offers (dp 2 at ZeRO 0-3, pp 2, tp 2),
+the machine it runs on). The grid: every mesh the planner offers (dp 2 at ZeRO 0-3 - the DLRM's
+tables replicated and row-sharded at each - pp 2, tp 2),
 the GPT's optimizer state on the host beside dp (all of it, and half), the first half of the
 units on the host beside dp (every replica's: their gradients averaged apart from DDP's) and
 beside ZeRO 3 (FSDP2 over the device units), the first half of the streamable units' weights
@@ -18,7 +19,7 @@ median_prediction_error and worst_prediction_error (|predicted - measured| / mea
 plan executed), fraction_within_5pct_of_best (models whose chosen plan measured at most 5% slower
 than the fastest grid plan), max_plan_seconds.
 
-    python benchmarks/planner_ranks.py [--models gpt,mnist_mlp,resnet50] [--rounds 2]
+    python benchmarks/planner_ranks.py [--models gpt,mnist_mlp,resnet50,dlrm] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from hetero.placement import Target  # noqa: E402
 from hetero.planner.calibration import calibrate  # noqa: E402
 from hetero.planner.plan import Plan  # noqa: E402
 from hetero.planner.planner import Planner  # noqa: E402
-from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, UnitChoice  # noqa: E402
+from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice  # noqa: E402
 
 WORLD = 2
 
@@ -51,25 +52,29 @@ def grid(planner: Planner, optimizer: OptimizerKind) -> dict[str, Plan]:
     """The hand-written multi-rank plans (see the module docstring)."""
     out: dict[str, Plan] = {}
     m = min(c.micro_batches for c in planner.settings if c.pp == 1)
+    tabled = any(u.tables for u in planner.cost.units)  # (its tables replicated below, unless said)
+    places = (TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED) if tabled else (TablePlacement.HOST,)
     for zero in (0, 1, 2, 3):
-        c = Candidate(dp=WORLD, zero=zero, micro_batches=m)
-        if c in planner.settings:
-            out[f"dp {WORLD}, ZeRO {zero}"] = planner.price(c)
+        for place in places:
+            c = Candidate(dp=WORLD, zero=zero, micro_batches=m, tables=place)
+            if c in planner.settings:
+                out[f"dp {WORLD}, ZeRO {zero}" + (f", {place.value} tables" if tabled else "")] = planner.price(c)
     for c in planner.settings:
         if c.pp > 1 and c.dp == 1 and c.state is StateHome.DEVICE and f"pp {c.pp}" not in out:
             out[f"pp {c.pp}"] = planner.price(c)
         if c.tp > 1 and c.state is StateHome.DEVICE and f"tp {c.tp}" not in out:
             out[f"tp {c.tp}"] = planner.price(c)
     if optimizer is OptimizerKind.ADAMW:
-        out[f"dp {WORLD}, state on the host"] = planner.price(Candidate(dp=WORLD, state=StateHome.HOST, offload_ratio=1.0))
+        out[f"dp {WORLD}, state on the host"] = planner.price(Candidate(dp=WORLD, state=StateHome.HOST, offload_ratio=1.0,
+                                                                        tables=places[0]))
         out[f"dp {WORLD}, half the state on the host"] = planner.price(Candidate(dp=WORLD, state=StateHome.PARTIAL,
-                                                                                 offload_ratio=0.5))
-    dp = Candidate(dp=WORLD, micro_batches=m)
+                                                                                 offload_ratio=0.5, tables=places[0]))
+    dp = Candidate(dp=WORLD, micro_batches=m, tables=places[0])
     dense = [n for i, n in enumerate(planner.cost.names()) if UnitChoice(Target.HOST) in planner.cost.options(i, dp)]
     if dense and planner.untraceable is None:
         half = {n: UnitChoice(Target.HOST) for n in dense[: max(1, len(dense) // 2)]}
         out[f"dp {WORLD}, first half on the host"] = planner.price(dp, half)
-        sharded = Candidate(dp=WORLD, zero=3, micro_batches=m)  # FSDP2 over the device units around them
+        sharded = Candidate(dp=WORLD, zero=3, micro_batches=m, tables=places[0])  # FSDP2 over the device units around them
         if sharded in planner.settings:
             out[f"dp {WORLD}, ZeRO 3, first half on the host"] = planner.price(sharded, half)
     streamable = [n for i, n in enumerate(planner.cost.names()) if STREAMED in planner.cost.options(i, dp)]
@@ -131,7 +136,7 @@ def run_model(name: str, model: Model, rounds: int, threads: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt,mnist_mlp,resnet50")
+    p.add_argument("--models", default="gpt,mnist_mlp,resnet50,dlrm")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     start = time.perf_counter()

@@ -11,7 +11,8 @@ from torch import nn
 from hetero.planner.plan import Plan
 from hetero.planner.planner import Planner, PlannerConfig
 from hetero.placement import Target
-from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, UnitChoice
+from hetero.optim import SparseOptimizerKind
+from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
 
 
 class Net(nn.Module):
@@ -291,3 +292,84 @@ def test_a_host_unit_beside_zero_3_leaves_fsdps_collectives(cache):
     # the host unit's own cost: the same work, less its share of what ZeRO 3 adds to DDP's all-reduce
     got = cost.unit(i, UnitChoice(Target.HOST), c0).seconds - cost.unit(i, UnitChoice(Target.HOST), c3).seconds
     assert got == pytest.approx(cost.units[i].param_bytes / dense * (zero3 - zero0), rel=1e-6)
+
+
+def _clicks(steps, n=32):
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        features = {f"C{i}": (torch.rand(n, generator=g) ** 2 * 50).long() for i in range(3)}  # skewed: shared rows
+        out.append(((features, torch.randn(n, 4, generator=g)), (torch.rand(n, generator=g) < 0.3).float()))
+    return out
+
+
+def _dlrm():
+    from hetero.models.dlrm import DLRM, DLRMConfig
+    from hetero.models.wide_deep import FeatureSlot
+
+    torch.manual_seed(0)
+    return DLRM([FeatureSlot(f"C{i}", 50) for i in range(3)], 4, DLRMConfig(8, (16,), (16,)))
+
+
+def _train_tables(plan_path, steps):
+    """Losses and the whole model after ``steps`` (row-sharded tables gathered whole)."""
+    from hetero.parallel.data_parallel import full_model_state
+    from hetero.planner.apply import OptimizerConfig, apply
+
+    model = _dlrm()
+    run = apply(model, Plan.load(plan_path), OptimizerConfig(lr=0.05), {"": SparseOptimizerKind.SGD})
+    losses = [run.step(inputs, y, F.binary_cross_entropy_with_logits) for inputs, y in _clicks(steps)]
+    rows = sum(t.weight.shape[0] for t in model.deep.tables.values())  # this rank's rows
+    return losses, {k: v.detach().clone() for k, v in full_model_state(model).items()}, rows
+
+
+@pytest.mark.parametrize("tables", [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED])
+def test_a_dp_plan_places_host_tables_and_trains_as_one_process(tmp_path, cpu_ranks, cache, tables):
+    """A DLRM's dp 2 plan: its host tables replicated (sparse gradients all-gathered) or
+    row-sharded (each row's gradient to its owner), its MLPs under DDP; equal to the same model
+    planned for one process on the global batch."""
+    from conftest import run_ranks
+
+    (inputs, y), = _clicks(1)
+    loss = lambda o: F.binary_cross_entropy_with_logits(o, y)  # noqa: E731
+    two = Planner(_dlrm(), inputs, world_size=2, loss_fn=loss, optimizer=OptimizerKind.SGD,
+                  config=PlannerConfig(cache_dir=cache, micro_batches=(1,)))
+    c = Candidate(dp=2, tables=tables)
+    assert c in two.settings
+    losses, trained, rows = run_ranks(tmp_path, 2, _train_tables, str(two.price(c).save(tmp_path / "two.json")), 3)
+    one = Planner(_dlrm(), inputs, loss_fn=loss, optimizer=OptimizerKind.SGD,
+                  config=PlannerConfig(cache_dir=cache, micro_batches=(1,)))
+    want, reference, whole = _train_tables(str(one.price(Candidate()).save(tmp_path / "one.json")), 3)
+    assert rows == (whole // 2 if tables is TablePlacement.ROW_SHARDED else whole)  # rank 0's share of the rows
+    assert losses == pytest.approx(want, abs=1e-6)
+    assert trained.keys() == reference.keys()
+    for name, t in reference.items():
+        torch.testing.assert_close(trained[name], t, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_table_placement_pays_for_its_sparse_exchange(cache):
+    """Beside dp the host tables' sparse gradients are exchanged (DistributedSparse): replicated
+    tables all-gather every rank's distinct rows once per step, row-sharded ones all-to-all
+    each pass's lookups and once the gradient rows; one rank exchanges nothing."""
+    import dataclasses
+
+    (inputs, y), = _clicks(1)
+    planner = Planner(_dlrm(), inputs, world_size=2, loss_fn=lambda o: F.binary_cross_entropy_with_logits(o, y),
+                      optimizer=OptimizerKind.SGD, config=PlannerConfig(cache_dir=cache))
+    cost = planner.cost
+    i = next(k for k, u in enumerate(cost.units) if u.tables)
+    quiet = dataclasses.replace(cost.tables.cal, collectives={})  # (no gloo rates: no exchange priced)
+
+    def exchange(tables, m):
+        c = Candidate(dp=2, tables=tables, micro_batches=m)
+        with_it = cost._unit(i, UnitChoice(Target.HOST), c).seconds
+        cost.tables.cal, kept = quiet, cost.tables.cal
+        try:
+            return with_it - cost._unit(i, UnitChoice(Target.HOST), c).seconds
+        finally:
+            cost.tables.cal = kept
+
+    replicated, sharded = (exchange(t, 1) for t in (TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED))
+    assert replicated > 0 and sharded > 0
+    assert exchange(TablePlacement.REPLICATED, 2) == pytest.approx(replicated, rel=0.2)  # once a step: the step's rows
+    assert exchange(TablePlacement.ROW_SHARDED, 2) > 1.1 * sharded  # each pass's lookups: twice the calls

@@ -37,7 +37,7 @@ from hetero.placement import Target, resolve_device
 from hetero.planner.applied import Applied
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer, host_optimizer, optimizer_args
 from hetero.planner.plan import Plan
-from hetero.planner.space import StateHome, sparse_optimizer_of
+from hetero.planner.space import StateHome, TablePlacement, sparse_optimizer_of
 
 def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfig(),
           sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}, mesh: DeviceMesh | None = None,
@@ -58,8 +58,9 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
         ValueError: the plan names units the model does not have (another model's plan), its
             mesh is not the world's, it streams weights beside ``tp`` or cuts a host unit's
             module, it has host units beside ``pp x tp``, a
-            ``pp`` plan comes without ``loss_fn`` or has host weights, a ``dp`` plan has tables
-            (the main job applies host tables: ``hetero train --plan``), or ZeRO 1 beside ``tp``.
+            ``pp`` plan comes without ``loss_fn``, a ``dp`` plan has device tables or host
+            tables beside ``tp``, or ZeRO 1 beside ``tp``; a replicated host table that differs
+            between the ranks (build the model from the same seed on every rank).
     """
     from hetero.planner.graph import plan_units
 
@@ -72,7 +73,7 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     if c.pp > 1:
         return _apply_pipeline(model, plan, config, mesh, loss_fn)
     if c.dp > 1:
-        return _apply_data_parallel(model, plan, config, mesh)
+        return _apply_data_parallel(model, plan, config, mesh, sparse_optimizers)
     spec = plan.placement_spec(model)
     host_dense, streamed = list(spec.modules), plan.streamed_units()
     device = resolve_device(Target.DEVICE)
@@ -99,24 +100,37 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     host_optimizers = []
     if on_host:
         host_optimizers.append(host_optimizer(on_host, plan, config))
-    tables, table_optimizers = host_tables(model), []
-    for kind in SparseOptimizerKind:  # each table's sparse optimizer: hetero's on the host, torch's on the device
-        own = {k: t for k, t in tables.items() if sparse_optimizer_of(k, sparse_optimizers) is kind}
-        if own:
-            host_optimizers.append(kind.optimizer(own, kind.optimizer.Config()))
-        on_device = [t.weight for k, t in moved.items() if sparse_optimizer_of(k, sparse_optimizers) is kind]
-        if on_device:
-            table_optimizers.append(device_sparse_optimizer(kind, on_device))
+    tables = host_tables(model)
+    sparse, table_optimizers = _table_optimizers(tables, moved, sparse_optimizers)
+    host_optimizers += sparse
     host_tensors = set(on_host) | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
     return Applied(runnable, device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
                    c.micro_batches, plan, host_tensors, table_optimizers=table_optimizers)
 
 
-def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None) -> Applied:
+def _table_optimizers(tables: Mapping[str, nn.Module], moved: Mapping[str, nn.Module],
+                      kinds: Mapping[str, SparseOptimizerKind]) -> tuple[list[Any], list[torch.optim.Optimizer]]:
+    """Each table's sparse optimizer, by the rule ``kinds`` gives its name: hetero's over the
+    host ``tables`` (one per rule), torch's of the same rule over the ``moved`` device tables."""
+    host, device = [], []
+    for kind in SparseOptimizerKind:
+        own = {k: t for k, t in tables.items() if sparse_optimizer_of(k, kinds) is kind}
+        if own:
+            host.append(kind.optimizer(own, kind.optimizer.Config()))
+        on_device = [t.weight for k, t in moved.items() if sparse_optimizer_of(k, kinds) is kind]
+        if on_device:
+            device.append(device_sparse_optimizer(kind, on_device))
+    return host, device
+
+
+def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,
+                         sparse_optimizers: Mapping[str, SparseOptimizerKind]) -> Applied:
     """A dp plan of a dense model: each replica's tp ranks cutting its operators (host units
     whole), recompute regions, ZeRO (stages 2, 3: FSDP2 over ``dp``; with host units, its units
     the device units and its root the partitioned model; with tp and ZeRO 0, 1 torch's
-    replicate so, in place of DDP), the host units
+    replicate so, in place of DDP), the host tables replicated or row-sharded as the plan says
+    (:class:`~hetero.parallel.data_parallel.DistributedSparse` exchanging their sparse
+    gradients), the host units
     and streamed weights partitioned out (their parameters on the host, averaged over the replicas by
     :class:`~hetero.parallel.data_parallel.HostReplicaOptimizer`), DDP over the device
     parameters (stages 0, 1; none with all of the state on the host, HostAdamW averaging the
@@ -126,11 +140,12 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
 
     c = plan.candidate
-    hosted, streamed = plan.host_units(), plan.streamed_units()
-    if host_tables(model) or device_tables(model) or (streamed and not c.takes_host_units()):
-        raise ValueError(f"a dp {c.dp} plan with tables, or host weights beside tp: hetero.apply makes dense "
-                         f"data-parallel plans real (host units and weights, the state on the host); run it with "
-                         f"hetero train --plan")
+    # (the dense host units: a unit of host tables places itself)
+    hosted, streamed = list(plan.placement_spec(model).modules), plan.streamed_units()
+    tables = host_tables(model)
+    if device_tables(model) or (tables and c.tp > 1) or (streamed and not c.takes_host_units()):
+        raise ValueError(f"a dp {c.dp} x tp {c.tp} plan with device tables, host tables beside tp, or host weights "
+                         f"beside tp: plan the model again (hetero.plan never makes one)")
     if c.tp > 1 and c.zero == 1:
         raise ValueError(f"a dp {c.dp} x tp {c.tp} plan at ZeRO 1 (torch's ZeroRedundancyOptimizer takes no DTensor "
                          f"parameters): plan the model again (hetero.plan never makes one)")
@@ -165,8 +180,9 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     if replicated:
         runnable = replicate(runnable, mesh=dp, ignored_params=set(on_host) or None)
     host_buffers = [b for n in hosted for b in units[n].buffers()]  # (in the units' order: the same on every rank)
-    # (after replicate, which makes the parameters new dp DTensors)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host]
+    # (after replicate, which makes the parameters new dp DTensors; the tables' are their own)
+    dense = set(dense_parameters(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host and p in dense]
     offloaded: set[nn.Parameter] = set()
     if c.state is not StateHome.DEVICE:  # HostAdamW: its own gloo group over the replicas averages its part's gradients
         optimizer = device_optimizer(named, plan, config, foreach=True, replicas=dp.get_group()) if named else None
@@ -186,7 +202,20 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     ddp = c.tp == 1 and c.state is not StateHome.HOST and c.zero < 2
     synced = list(dict.fromkeys(host_buffers + (list(model.buffers()) if not ddp else [])))  # (in order, once each)
     host_optimizers = _replicas_host_optimizer(on_host, synced, plan, config, None)
-    return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan, set(on_host) | set(host_buffers),
+    if tables:  # the plan's table placement over the replicas (world = dp here): DistributedSparse
+        # exchanges the sparse gradients - all-gathered for replicated tables, each row to its
+        # owner for row-sharded ones (their rows cut before the optimizers allocate state)
+        from hetero.parallel.data_parallel import DistributedSparse, check_replicas
+        from hetero.parallel.row_sharded import shard_rows
+
+        if c.tables is TablePlacement.ROW_SHARDED:
+            shard_rows(model)
+        else:
+            check_replicas(model)  # (replicas built alike: the same seed on every rank)
+        sparse, _ = _table_optimizers(tables, {}, sparse_optimizers)
+        host_optimizers += [DistributedSparse(o) for o in sparse]
+    return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan,
+                   set(on_host) | set(host_buffers) | {t.weight for t in tables.values()},
                    data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
 
 

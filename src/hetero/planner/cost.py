@@ -39,10 +39,10 @@ from hetero.planner.space import (
     Candidate,
     OptimizerKind,
     StateHome,
-    TablePlacement,
     UnitChoice,
     sparse_optimizer_of,
 )
+from hetero.planner.table_cost import TablePricing
 from hetero.planner.tensor_parallel import TensorSharding
 
 
@@ -117,9 +117,6 @@ class CostModel(Protocol):
 
 
 _STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.SGD: 0, OptimizerKind.SGD_MOMENTUM: 4}  # per fp32 element
-_TABLE_STATE = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.FTRL: 2, SparseOptimizerKind.ADAGRAD: 1,
-                SparseOptimizerKind.ROWWISE_ADAGRAD: 0, SparseOptimizerKind.SGD: 0}  # table-sized states
-_DEVICE_TABLE_STATE = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.ADAGRAD: 1}  # torch's, table-sized
 HOST_ADAMW_BYTES = 16  # per parameter on the host: fp32 master, two moments, the gradient buffer
 
 
@@ -157,8 +154,8 @@ class MeasuredCost:
         self.sparse, self.pinned, self.host_units, self.tensor = sparse, pinned, host_units, tensor
         self.streamable = streamable
         self.staged_tensor = staged_tensor
+        self.tables = TablePricing(graph, calibration, sparse)
         self._movable: dict[int, list[TableInfo]] = {}
-        self._row_counts: dict[tuple[str, int, int], tuple[float, float]] = {}  # (table, dp, passes) -> ids, rows
         # remembered: the searches ask for the same unit's passes under many candidates (the hot spot)
         self._pass_seconds: dict[tuple[str, bool, Target, int, int], float] = {}
         self._unit_costs: dict[tuple[int, UnitChoice, Candidate], UnitCost] = {}
@@ -166,7 +163,7 @@ class MeasuredCost:
             kinds = {t.name: sparse_optimizer_of(t.name, sparse) for t in u.tables}
             movable = [t for t in u.tables if device_tables and t.row_bytes == 4 * t.dim and
                        kinds[t.name] in DEVICE_SPARSE_OPTIMIZERS and kinds[t.name].value in calibration.device_tables]
-            self._movable[i] = sorted(movable, key=lambda t: -self._ids(t) / self._table_device_bytes(t))
+            self._movable[i] = sorted(movable, key=lambda t: -self.tables.ids(t) / self.tables.device_bytes(t))
 
     def table_order(self, i: int) -> list[TableInfo]:
         """Unit ``i``'s tables that may move to the device (float32 rows, a sparse optimizer torch
@@ -174,14 +171,6 @@ class MeasuredCost:
         :class:`UnitChoice`'s ``device_tables = k`` moves the first ``k`` (a greedy knapsack
         order: a byte of the device budget saves the most host work on the tables first in it)."""
         return self._movable.get(i, [])
-
-    def _ids(self, t: TableInfo) -> float:
-        traffic = self.graph.traffic.get(t.name)
-        return traffic.ids_per_batch if traffic is not None else 0.0
-
-    def _table_device_bytes(self, t: TableInfo) -> int:
-        """A device table's rows and its torch optimizer's state (in the rows' dtype)."""
-        return t.rows * t.row_bytes * (1 + _DEVICE_TABLE_STATE.get(sparse_optimizer_of(t.name, self.sparse), 0))
 
     def _shares(self, name: str, c: Candidate) -> tuple[float, float]:
         """A unit's share of compute and of parameter elements on one rank of ``c``'s ``tp``."""
@@ -249,7 +238,8 @@ class MeasuredCost:
     def _unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.units[i]
         if u.tables:
-            return self._tables(u, c, self.table_order(i)[:choice.device_tables])
+            seconds, device, host = self.tables.unit(u, c, self.table_order(i)[:choice.device_tables])
+            return UnitCost(seconds, device_static=device, host_bytes=host)
         s = self._scale(c)
         compute = self._passes(u.name, False, choice.target, c) * (2 if choice.recompute else 1) + \
             self._passes(u.name, True, choice.target, c)
@@ -354,46 +344,12 @@ class MeasuredCost:
             seconds += streamed
         return int(params + grads + state), int(HOST_ADAMW_BYTES * offloaded), seconds, streamed
 
-    def _rows(self, t: TableInfo, c: Candidate) -> tuple[float, float]:
-        """A table's ids per pass and distinct rows per step on one rank of ``c`` (remembered:
-        the expectation over the id frequencies is the search's hot spot)."""
-        key = (t.name, c.dp, c.micro_batches)
-        if key not in self._row_counts:
-            traffic = self.graph.traffic.get(t.name)
-            per_pass = traffic.ids_per_batch / (c.dp * c.micro_batches) if traffic is not None else 0.0
-            self._row_counts[key] = (per_pass, traffic.unique(per_pass * c.micro_batches) if traffic is not None else 0.0)
-        return self._row_counts[key]
-
-    def _tables(self, u: Unit, c: Candidate, on_device: list[TableInfo]) -> UnitCost:
-        moved = {t.name for t in on_device}
-        seconds, static = 0.0, 0
-        for t in on_device:  # one torch embedding call per table and pass, torch's sparse optimizer
-            kind = sparse_optimizer_of(t.name, self.sparse)
-            ids, rows = self._rows(t, c)
-            seconds += self.cal.device_tables[kind.value].seconds(c.micro_batches, 1, ids, rows, t.dim)
-            # rows and state, and the step's sparse gradient (values and indices, uncoalesced) until the update
-            static += self._table_device_bytes(t) + int(ids * c.micro_batches * (t.row_bytes + 8))
-        host = 0
-        groups: dict[str, list] = {}
-        for t in (t for t in u.tables if t.name not in moved):
-            kind = sparse_optimizer_of(t.name, self.sparse)
-            groups.setdefault((t.group, kind), []).append(t)
-            state_rows = t.rows * (1 + _TABLE_STATE[kind]) if kind is not SparseOptimizerKind.ROWWISE_ADAGRAD \
-                else t.rows + t.rows / t.dim
-            host += int(state_rows * t.row_bytes / (c.dp if c.tables is TablePlacement.ROW_SHARDED else 1))
-        for (_, kind), tables in groups.items():  # one kernel call per group and pass
-            ids = sum(self._rows(t, c)[0] for t in tables)
-            rows = sum(self._rows(t, c)[1] for t in tables)
-            seconds += self.cal.tables[kind.value].seconds(c.micro_batches, len(tables), ids, rows, tables[0].dim)
-        # the host lookups' outputs reach the device each pass (the boundary after this unit copies them)
-        return UnitCost(seconds, device_static=static, host_bytes=host)
-
     def _host_output_share(self, i: int, choice: UnitChoice) -> float:
         """The share of unit ``i``'s output its host tables make (its device tables' is on the
         device already): pooled tables make a row per bag, the others a row per id."""
         u = self.units[i]
         moved = {t.name for t in self.table_order(i)[:choice.device_tables]}
-        size = {t.name: t.row_bytes * (self.graph.batch if t.pooled else max(self._ids(t), 1.0)) for t in u.tables}
+        size = {t.name: t.row_bytes * (self.graph.batch if t.pooled else max(self.tables.ids(t), 1.0)) for t in u.tables}
         return sum(v for k, v in size.items() if k not in moved) / max(sum(size.values()), 1.0)
 
     def boundary(self, i: int, before: UnitChoice | None, after: UnitChoice | None, c: Candidate) -> BoundaryCost:
