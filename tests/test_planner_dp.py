@@ -277,8 +277,8 @@ def test_the_host_units_optimizer_lists_their_parameters_in_the_models_order(cac
 
 def test_a_host_unit_beside_zero_3_leaves_fsdps_collectives(cache):
     """FSDP2 gathers and reduce-scatters every pass; a unit on the host is averaged by one
-    all-reduce instead (HostReplicaOptimizer): moving it there takes its share out of ZeRO 3's
-    dearer collectives, which ZeRO 0 (DDP's all-reduce) does not."""
+    all-reduce instead (HostReplicaOptimizer): its cost carries its share of the difference
+    between ZeRO 3's collectives and an all-reduce, which ZeRO 0 (DDP's all-reduce) has none of."""
     x, y = _batches(1)[0]
     planner = Planner(Net(), (x,), world_size=2, loss_fn=lambda o: F.cross_entropy(o, y), optimizer=OptimizerKind.SGD,
                       config=PlannerConfig(cache_dir=cache))
@@ -288,7 +288,7 @@ def test_a_host_unit_beside_zero_3_leaves_fsdps_collectives(cache):
     c0, c3 = Candidate(dp=2, micro_batches=2), Candidate(dp=2, zero=3, micro_batches=2)
     dense = sum(u.param_bytes for u in cost.units)
     zero0, zero3 = cost.gradient_seconds(c0, dense), cost.gradient_seconds(c3, dense)  # what fixed() prices
-    assert zero3 > zero0 > 0
+    assert zero3 > 0 and zero0 > 0  # (which is dearer depends on this machine's calibrated rates)
     # the host unit's own cost: the same work, less its share of what ZeRO 3 adds to DDP's all-reduce
     got = cost.unit(i, UnitChoice(Target.HOST), c0).seconds - cost.unit(i, UnitChoice(Target.HOST), c3).seconds
     assert got == pytest.approx(cost.units[i].param_bytes / dense * (zero3 - zero0), rel=1e-6)
