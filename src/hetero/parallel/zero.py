@@ -151,7 +151,7 @@ def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh, fusion: C
             fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh[MeshDim.DP.value],
                         reshard_after_forward=config.stage is ZeroStage.PARAMETERS, ignored_params=left or None)
     if root:
-        zero_root(model, config, mesh, left)
+        zero_root(model, config, mesh, ignored)
     return model
 
 

@@ -34,6 +34,7 @@ from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer, zero_root
 from hetero.placement import Target, resolve_device
+from hetero.placement.capture import modules_on_path
 from hetero.planner.applied import Applied
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer, host_optimizer, optimizer_args
 from hetero.planner.plan import Plan
@@ -252,7 +253,7 @@ def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, apart: Sequence[str] 
     if sharding is None:
         raise ValueError(f"a tp {plan.candidate.tp} plan without operator strategies: plan the model again "
                          f"(hetero.plan never makes one)")
-    cut = [n for n in sharding.modules if any(n == u or n.startswith(u + ".") for u in apart)]
+    cut = [n for n in sharding.modules if set(modules_on_path(n)) & set(apart)]
     if cut:
         raise ValueError(f"the plan cuts {cut}, modules of units it places on the host, which run whole: drop their "
                          f"strategies, or plan the model again")
@@ -301,19 +302,12 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         # (HostReplicaOptimizer averages these)
         kept = {p for n in own + weights for p in present[n].parameters()}
         zero = _zero_around(plan, present, own + weights)
-        if (own or weights) and group is not None and zero.units:  # FSDP2's units before the partition (which keeps them whole)
-            apply_zero(stage, zero, mesh, ignored=kept, root=False)
-        if own or weights:  # the stage as host and device subgraphs (its host units' and weights' parameters move there)
-            from hetero.placement import PlacementSpec
+        if (own or weights) and group is not None and zero.units:  # FSDP2's units, before the partition
+            apply_zero(stage, zero, mesh, ignored=kept, root=False)  # (which keeps them whole)
+        if own or weights:  # the stage as host and device subgraphs (its host parameters move there)
             from hetero.placement.partitioner import partition
 
-            spec = PlacementSpec()
-            for name in own:
-                spec.module(name, Target.HOST)
-            for name in weights:  # (as Plan.placement_spec pins them: the stage lacks the other stages' units)
-                for param, _ in present[name].named_parameters(prefix=name):
-                    spec.param(param, Target.HOST)
-            stage = _SendFromDevice(partition(stage, spec), device)
+            stage = _SendFromDevice(partition(stage, plan.placement_spec(stage, partial=True)), device)
         if group is None or c.state is StateHome.HOST:  # (HostAdamW averages the replicas' gradients)
             return stage
         if c.state is StateHome.PARTIAL:  # its host part's too (PartialOffloadAdamW's choice: checked below)

@@ -139,24 +139,32 @@ class Plan:
         """The device units whose parameters live on the host (streamed to the device each pass)."""
         return [name for name, c in self.units.items() if c.weights is Target.HOST]
 
-    def placement_spec(self, model: nn.Module) -> PlacementSpec:
+    def placement_spec(self, model: nn.Module, partial: bool = False) -> PlacementSpec:
         """The plan's host/device placement of ``model`` as a :class:`~hetero.placement.PlacementSpec`:
         its host units (host tables place themselves) and the parameters of its units whose
-        weights are streamed.
+        weights are streamed. ``partial``: ``model`` holds some of the units (a pipeline stage,
+        names unchanged); the spec places those.
 
         Raises:
             ValueError: a unit ``model`` does not have (another model's plan), naming it.
         """
         modules = dict(model.named_modules())
         missing = [n for n in self.host_units() + self.streamed_units() if n not in modules]
+        if partial:
+            return self._placement(model, [n for n in self.host_units() if n in modules],
+                                   [n for n in self.streamed_units() if n in modules])
         if missing:
             raise ValueError(f"the plan places units {missing}, which {type(model).__name__} does not have: plan this "
                              f"model (hetero.plan)")
+        return self._placement(model, self.host_units(), self.streamed_units())
+
+    @staticmethod
+    def _placement(model: nn.Module, hosted: list[str], streamed: list[str]) -> PlacementSpec:
         spec = PlacementSpec()
-        for name in self.host_units():
+        for name in hosted:
             if not any(isinstance(m, HostEmbedding) for m in model.get_submodule(name).modules()):
                 spec.module(name, Target.HOST)
-        for name in self.streamed_units():
+        for name in streamed:
             for param, _ in model.get_submodule(name).named_parameters(prefix=name):
                 spec.param(param, Target.HOST)
         return spec

@@ -32,7 +32,8 @@ class TablePricing:
 
     def __init__(self, graph: ModelGraph, calibration: Calibration, sparse: Mapping[str, SparseOptimizerKind]) -> None:
         self.graph, self.cal, self.sparse = graph, calibration, sparse
-        self._row_counts: dict[tuple[str, int, int], tuple[float, float]] = {}  # (table, dp, passes) -> ids, rows
+        # (table, dp, passes) -> ids a pass, distinct rows a step, distinct rows a pass
+        self._row_counts: dict[tuple[str, int, int], tuple[float, float, float]] = {}
 
     def ids(self, t: TableInfo) -> float:
         """Ids table ``t`` looks up per captured batch (0 without sampled traffic)."""
@@ -46,11 +47,18 @@ class TablePricing:
     def rows(self, t: TableInfo, c: Candidate) -> tuple[float, float]:
         """A table's ids per pass and distinct rows per step on one rank of ``c`` (remembered:
         the expectation over the id frequencies is the search's hot spot)."""
+        return self._counts(t, c)[:2]
+
+    def _counts(self, t: TableInfo, c: Candidate) -> tuple[float, float, float]:
+        """Ids per pass, distinct rows per step and distinct rows per pass of ``t`` on one rank."""
         key = (t.name, c.dp, c.micro_batches)
         if key not in self._row_counts:
             traffic = self.graph.traffic.get(t.name)
-            per_pass = traffic.ids_per_batch / (c.dp * c.micro_batches) if traffic is not None else 0.0
-            self._row_counts[key] = (per_pass, traffic.unique(per_pass * c.micro_batches) if traffic is not None else 0.0)
+            if traffic is None:
+                self._row_counts[key] = (0.0, 0.0, 0.0)
+            else:
+                per_pass = traffic.ids_per_batch / (c.dp * c.micro_batches)
+                self._row_counts[key] = (per_pass, traffic.unique(per_pass * c.micro_batches), traffic.unique(per_pass))
         return self._row_counts[key]
 
     def unit(self, u: Unit, c: Candidate, on_device: list[TableInfo]) -> tuple[float, int, int]:
@@ -112,8 +120,7 @@ class TablePricing:
             return gather.seconds(8 * len(groups)) + gather.seconds(rows)
         seconds, sent = curves["all_reduce"].seconds(8 * len(groups)), 0.0
         for group in groups.values():
-            unique = sum(self.graph.traffic[t.name].unique(self.rows(t, c)[0]) if t.name in self.graph.traffic else 0.0
-                         for t in group)  # a pass's distinct ids (the lookup asks each owner once)
+            unique = sum(self._counts(t, c)[2] for t in group)  # a pass's distinct ids (each owner asked once)
             dim = group[0].dim
             seconds += c.micro_batches * (gather.seconds(8) + gather.seconds(8 * unique / n) +
                                           gather.seconds(4 * dim * unique / n))

@@ -125,8 +125,8 @@ def tensor_sharding(gm: fx.GraphModule, strategies: dict[str, Strategy], user: S
     sizes = (1, 1, tp)  # (pp, dp, tp): the data-parallel ranks are priced apart (batch share)
     result = propagate(gm, strategies, sizes, all_to_all=False, training=True)
     ops = {op.node: op for op in _ops(gm)}
-    linears = {n: op for n, op in ops.items() if n.op == "call_module"
-               and isinstance(gm.get_submodule(str(n.target)), nn.Linear) and not _unit_of(str(n.target), host)}
+    linears = {n: op for n, op in ops.items()
+               if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), nn.Linear)}
     user_modules = {} if user is None else user.modules
     borders = list(boundaries) + list(host)  # (values cross them whole and plain)
 
