@@ -323,8 +323,9 @@ def _train_tables(plan_path, steps):
     return losses, {k: v.detach().clone() for k, v in full_model_state(model).items()}, rows
 
 
-@pytest.mark.parametrize("tables", [TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED])
-def test_a_dp_plan_places_host_tables_and_trains_as_one_process(tmp_path, cpu_ranks, cache, tables):
+@pytest.mark.parametrize("tables,micro_batches", [(TablePlacement.REPLICATED, 1), (TablePlacement.ROW_SHARDED, 1),
+                                                  (TablePlacement.REPLICATED, 2), (TablePlacement.ROW_SHARDED, 2)])
+def test_a_dp_plan_places_host_tables_and_trains_as_one_process(tmp_path, cpu_ranks, cache, tables, micro_batches):
     """A DLRM's dp 2 plan: its host tables replicated (sparse gradients all-gathered) or
     row-sharded (each row's gradient to its owner), its MLPs under DDP; equal to the same model
     planned for one process on the global batch."""
@@ -334,8 +335,8 @@ def test_a_dp_plan_places_host_tables_and_trains_as_one_process(tmp_path, cpu_ra
     loss = lambda o: F.binary_cross_entropy_with_logits(o, y)  # noqa: E731
     two = Planner(_dlrm(), inputs, world_size=2, loss_fn=loss, optimizer=OptimizerKind.SGD,
                   config=PlannerConfig(cache_dir=cache, micro_batches=(1,)))
-    c = Candidate(dp=2, tables=tables)
-    assert c in two.settings
+    assert Candidate(dp=2, tables=tables) in two.settings
+    c = Candidate(dp=2, tables=tables, micro_batches=micro_batches)  # (2: each rank's two passes exchange once)
     losses, trained, rows = run_ranks(tmp_path, 2, _train_tables, str(two.price(c).save(tmp_path / "two.json")), 3)
     one = Planner(_dlrm(), inputs, loss_fn=loss, optimizer=OptimizerKind.SGD,
                   config=PlannerConfig(cache_dir=cache, micro_batches=(1,)))
