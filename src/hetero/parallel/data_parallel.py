@@ -31,6 +31,7 @@ from hetero.parallel.comm_fusion import CommFusion, IndexFusedAllReduce, by_size
 from hetero.parallel.env import active, data_parallel_group, host_group, world_size
 from hetero.parallel.operator import to_dtensor
 from hetero.embedding.group import TableGroup
+from hetero.parallel.tree_comm import broadcast_tree
 from hetero.parallel.row_sharded import (
     RowSharding,
     gather_rows,
@@ -341,9 +342,8 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):  # each rank holds its partition
         optimizer.consolidate_state_dict(to=0)  # collective over its group
         group = optimizer.process_group
-        held = [optimizer.state_dict() if dist.get_rank(group) == 0 else None]
-        dist.broadcast_object_list(held, group_src=0, group=group)  # every rank gets the same whole state
-        return held[0]
+        # every rank gets the same whole state (tensors as tensors: pickling one writes its whole storage)
+        return broadcast_tree(optimizer.state_dict() if dist.get_rank(group) == 0 else None, 0, group)
     sd = optimizer.state_dict()
     sd["state"] = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
                    for i, st in sd["state"].items()}

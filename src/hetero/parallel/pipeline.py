@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hetero.parallel.mesh import MeshDim, mesh_size, torch_device
+from hetero.parallel.tree_comm import broadcast_tree, recv_tree, send_tree
 from hetero.parallel.pipeline_plan import PipelineConfig, PipelinePlan, Schedule, pipeline_units, plan_pipeline
 
 
@@ -218,7 +219,8 @@ class Pipeline:
         every ``pp`` rank. Every rank passes the same ``args``; the stages run in order.
 
         Sync points: each stage's output goes to the next stage's rank, the last stage's to
-        every rank (pickled through the ``pp`` group; copied to the host first).
+        every rank (tensors as tensors over the ``pp`` group: :mod:`hetero.parallel.tree_comm`; returned
+        on the host).
         """
         pp, me = dist.get_world_size(self.group), dist.get_rank(self.group)
         value: object = args
@@ -230,15 +232,11 @@ class Pipeline:
             nxt = (s + 1) % pp if s + 1 < self.num_stages else None
             if nxt is None or nxt == owner:
                 continue
-            box = [tuple(v.cpu() for v in value)] if me == owner else [None]  # host copy: pickled below
             if me == owner:
-                dist.send_object_list(box, group=self.group, group_dst=nxt)
+                send_tree(tuple(value), nxt, self.group)
             elif me == nxt:
-                dist.recv_object_list(box, group=self.group, group_src=owner)
-                value = tuple(v.to(self.device) for v in box[0])  # host -> device
-        box = [value[0].cpu() if me == self.last_rank else None]
-        dist.broadcast_object_list(box, group=self.group, group_src=self.last_rank)
-        return box[0]
+                value = tuple(v.to(self.device) for v in recv_tree(owner, self.group))  # host -> device
+        return broadcast_tree(value[0] if me == self.last_rank else None, self.last_rank, self.group)
 
 
 def pipeline(model: nn.Module, config: PipelineConfig, mesh: DeviceMesh, loss_fn: Callable[[Tensor, Tensor], Tensor],

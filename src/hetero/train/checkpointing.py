@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from hetero.parallel import world_size
 from hetero.parallel.checkpoint_state import model_state
+from hetero.parallel.tree_comm import gather_tree
 
 if TYPE_CHECKING:
     from hetero.train.trainer import Trainer
@@ -110,15 +111,15 @@ def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _every_stage(group: dist.ProcessGroup, part: Any) -> list[Any]:
-    """``part`` of every pp rank, in pp-rank order (a collective: pickled, on the host)."""
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, part, group=group)
-    return parts
+    """``part`` of every pp rank, in pp-rank order (a collective: the structure pickled, the
+    tensors sent as tensors and returned on the host; never pickled, see
+    :mod:`hetero.parallel.tree_comm`)."""
+    return gather_tree(part, group)
 
 
 def whole_model_state(group: dist.ProcessGroup, stage_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The whole model's state from every stage's (name-keyed, disjoint): on every pp rank."""
-    return {k: v for part in _every_stage(group, {k: v.cpu() for k, v in stage_state.items()}) for k, v in part.items()}
+    return {k: v for part in _every_stage(group, dict(stage_state)) for k, v in part.items()}
 
 
 def whole_model_shapes(group: dist.ProcessGroup, stage_shapes: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -159,7 +160,7 @@ def stage_optimizer_state(group: dist.ProcessGroup, whole: Mapping[str, Any], mi
     Raises:
         ValueError: ``whole`` has other parameter groups or counts than the stages together.
     """
-    counts = [[len(g["params"]) for g in part["param_groups"]] for part in _every_stage(group, mine)]
+    counts = _every_stage(group, [len(g["params"]) for g in mine["param_groups"]])
     me = dist.get_rank(group)
     wanted = [sum(c[g] for c in counts) for g in range(len(counts[me]))]
     if [len(g["params"]) for g in whole["param_groups"]] != wanted:
