@@ -110,7 +110,10 @@ class WideDeep(nn.Module):
                              "at layers of mlp (hetero.models.wide_deep.pipeline_split_points)")
         if self.deep is not None:
             dense = copy_to(dense, self.wide_bias.device)  # host -> device, async on CUDA
-            wide = torch.stack([v.reshape(-1) for v in self.wide(features).values()], dim=1).sum(1) + self.wide_bias
+            terms = [v.reshape(-1) for v in self.wide(features).values()]
+            # no wide feature (every one deep-only): the wide part is its bias (and dense term)
+            wide = (torch.stack(terms, dim=1).sum(1) if terms else self.wide_bias.new_zeros(dense.shape[0])) \
+                + self.wide_bias
             if self.wide_dense is not None:
                 wide = wide + self.wide_dense(dense).squeeze(1)
             h = torch.cat([*self.deep(features).values(), dense], dim=1)

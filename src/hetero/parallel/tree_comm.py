@@ -117,14 +117,21 @@ def _broadcast_tensors(slots: list[_Slot], mine: list[torch.Tensor] | None, src:
     return out
 
 
-def gather_tree(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:  # noqa: ANN401
+def gather_tree(value: Any, group: dist.ProcessGroup | None = None, dst: int | None = None) -> list[Any] | None:  # noqa: ANN401
     """Every rank's ``value`` (nested dicts / lists / tuples of tensors and picklable leaves), in
-    group-rank order, on every rank of ``group``; a collective. Tensors come back on the host."""
+    group-rank order, on every rank of ``group`` - or with ``dst`` on group rank ``dst`` alone
+    (``None`` elsewhere: the others never hold the whole); a collective. Tensors come back on the
+    host."""
+    me = dist.get_rank(group)
+    if dst is not None:  # point to point: only dst receives
+        if me != dst:
+            send_tree(value, dst, group)
+            return None
+        return [value if r == me else recv_tree(r, group) for r in range(dist.get_world_size(group))]
     tensors: list[torch.Tensor] = []
     skeleton = _strip(value, tensors)
     skeletons: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(skeletons, skeleton, group=group)  # the structure only: no tensor is pickled
-    me = dist.get_rank(group)
     out = []
     for r, sk in enumerate(skeletons):
         src = dist.get_global_rank(group, r) if group is not None else r

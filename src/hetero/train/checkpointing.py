@@ -110,16 +110,19 @@ def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
 # the whole model's in its order: optimizer indices concatenate.
 
 
-def _every_stage(group: dist.ProcessGroup, part: Any) -> list[Any]:
-    """``part`` of every pp rank, in pp-rank order (a collective: the structure pickled, the
-    tensors sent as tensors and returned on the host; never pickled, see
-    :mod:`hetero.parallel.tree_comm`)."""
-    return gather_tree(part, group)
+def _every_stage(group: dist.ProcessGroup, part: Any, dst: int | None = None) -> list[Any] | None:
+    """``part`` of every pp rank, in pp-rank order, on every pp rank (or on pp rank ``dst`` alone,
+    ``None`` elsewhere): a collective, the structure pickled, the tensors sent as tensors and
+    returned on the host; never pickled (see :mod:`hetero.parallel.tree_comm`)."""
+    return gather_tree(part, group, dst)
 
 
-def whole_model_state(group: dist.ProcessGroup, stage_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The whole model's state from every stage's (name-keyed, disjoint): on every pp rank."""
-    return {k: v for part in _every_stage(group, dict(stage_state)) for k, v in part.items()}
+def whole_model_state(group: dist.ProcessGroup, stage_state: Mapping[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor] | None:
+    """The whole model's state from every stage's (name-keyed, disjoint), on pp rank 0 (the
+    checkpoint's writer); ``None`` on the other pp ranks, which never hold the whole model."""
+    parts = _every_stage(group, dict(stage_state), dst=0)
+    return None if parts is None else {k: v for part in parts for k, v in part.items()}
 
 
 def whole_model_shapes(group: dist.ProcessGroup, stage_shapes: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -128,15 +131,18 @@ def whole_model_shapes(group: dist.ProcessGroup, stage_shapes: Mapping[str, torc
     return {k: torch.empty(shape, device="meta") for part in parts for k, shape in part.items()}
 
 
-def whole_optimizer_state(group: dist.ProcessGroup, state: Mapping[str, Any]) -> dict[str, Any]:
-    """A torch optimizer state dict over the whole model from every stage's: group ``g`` holds
+def whole_optimizer_state(group: dist.ProcessGroup, state: Mapping[str, Any]) -> dict[str, Any] | None:
+    """On pp rank 0 (``None`` on the others, as :func:`whole_model_state`), a torch optimizer
+    state dict over the whole model from every stage's: group ``g`` holds
     every stage's group ``g`` in stage order (hyper-parameters: stage 0's), numbered as torch
     numbers an unpipelined optimizer's parameters (in order, across the groups).
 
     Raises:
         ValueError: stages whose optimizers have different numbers of parameter groups.
     """
-    parts = _every_stage(group, state)
+    parts = _every_stage(group, state, dst=0)
+    if parts is None:
+        return None
     groups = [dict(g, params=[]) for g in parts[0]["param_groups"]]
     merged: dict[int, Any] = {}
     for g, whole in enumerate(groups):

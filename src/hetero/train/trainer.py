@@ -145,7 +145,7 @@ class Trainer:
         dense = full_optimizer_state(self.dense_optimizer)  # operator-parallel shards gathered
         if tables:
             state["model"] = full_model_state(self.model)  # row-sharded tables gathered whole (collective)
-        if self.pipeline is not None:  # the stages' parts gathered whole (collectives over pp)
+        if self.pipeline is not None:  # the stages' parts gathered whole on pp rank 0, the writer (None elsewhere)
             state["model"] = whole_model_state(self.pipeline.group, state["model"])
             dense = whole_optimizer_state(self.pipeline.group, dense)
         state.update({
@@ -269,8 +269,8 @@ class Trainer:
             if self.remote:
                 ps.request_checkpoint(save=True, path=path)  # the servers write their shards
             return save_sharded(sharded_state(self), path)
-        # Every rank builds the state (it gathers row-sharded tables: a collective); it is then
-        # identical on all ranks, so rank 0 writes and the others wait until the file is complete.
+        # Every rank builds the state (it gathers row-sharded tables: a collective; a pipeline's
+        # stages gather on rank 0 alone); rank 0 writes and the others wait until the file is complete.
         state = self.state_dict()
         if global_rank() == 0:
             save_checkpoint(state, path)
