@@ -143,9 +143,15 @@ def test_read_dataset_fits_on_its_training_split_only(tmp_path):
     path.write_text("y,city,row\n" + "".join(f"{i % 2},c{i},{i}\n" for i in range(100)))
     schema = Schema(Label("y"), (Categorical("city"),), (Dense("row", Transform.STANDARDIZE),))
     train, valid, test, enc = read_dataset(path, schema, seed=1)
-    assert (len(train), len(valid), len(test)) == (80, 10, 10)
-    assert train.specs[0].vocab_size == 81 and sorted(train.features["city"].tolist()) == list(range(1, 81))
-    assert valid.features["city"].tolist() == [0] * 10 and test.features["city"].tolist() == [0] * 10
+    # the split's definition, in plain Python: row i's part by the i-th uniform draw of the seed
+    u = np.random.default_rng(1).random(100)
+    want = [[i for i in range(100) if lo <= u[i] < hi] for lo, hi in ((0, 0.8), (0.8, 0.9), (0.9, 1))]
+    assert [len(train), len(valid), len(test)] == [len(w) for w in want]
+    assert sorted((train.dense[:, 0] * enc.statistics["row"][1] + enc.statistics["row"][0]).round().int().tolist()) \
+        == want[0]
+    n = len(want[0])
+    assert train.specs[0].vocab_size == n + 1 and sorted(train.features["city"].tolist()) == list(range(1, n + 1))
+    assert valid.features["city"].tolist() == [0] * len(want[1]) and test.features["city"].tolist() == [0] * len(want[2])
     rows = train.dense[:, 0] * enc.statistics["row"][1] + enc.statistics["row"][0]  # undo the standardisation
     assert enc.statistics["row"][0] == pytest.approx(rows.double().mean().item(), abs=1e-4)  # the training rows' mean
 

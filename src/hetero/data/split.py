@@ -21,7 +21,8 @@ class Split:
     """How a file's rows become train / validation / test.
 
     Attributes:
-        fractions: the three parts' shares of the rows (positive, summing to 1).
+        fractions: the three parts' shares of the rows (positive, summing to 1): exact for a
+            time split, in expectation for a random one (:meth:`assign`).
         time_column: ``None``: a random split, seeded; else the rows in this column's order
             (numbers, or ISO-8601 text), the earliest the training part and the latest the test
             part - no future row trains a model scored on the past.
@@ -42,6 +43,18 @@ class Split:
                              f"validation, test)")
         if (self.valid_path is None) != (self.test_path is None):
             raise ValueError("a split by files needs both valid_path and test_path")
+
+    def assign(self, rng: np.random.Generator, rows: int) -> np.ndarray:
+        """The random split's part (0 train, 1 validation, 2 test) of the next ``rows`` rows, in
+        file order: one uniform draw of ``rng`` per row against the cumulative fractions. Draws
+        continue across calls, so a file read in blocks is split as one read whole: the single
+        definition of a random split, used in memory and by ``hetero data prepare``. Each part's
+        share is its fraction in expectation.
+
+        Returns:
+            int64 ``(rows,)``.
+        """
+        return np.searchsorted(np.cumsum(self.fractions)[:2], rng.random(rows), side="right")
 
 
 def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(), split: Split = Split(),
@@ -69,10 +82,11 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
                                  f"or drop the row")
             order = np.asarray(table.column(split.time_column).to_numpy(zero_copy_only=False).argsort(kind="stable"))
             table = table.drop_columns([c for c in extra if c not in schema.columns])
-        else:
-            order = np.random.default_rng(seed).permutation(n)
-        bounds = [0, round(n * fr[0]), round(n * (fr[0] + fr[1])), n]
-        parts = [table.take(order[a:b]) for a, b in zip(bounds, bounds[1:])]
+            bounds = [0, round(n * fr[0]), round(n * (fr[0] + fr[1])), n]
+            parts = [table.take(order[a:b]) for a, b in zip(bounds, bounds[1:])]
+        else:  # the rows of each part in file order (training shuffles them per epoch)
+            which = split.assign(np.random.default_rng(seed), n)
+            parts = [table.filter(which == k) for k in range(3)]
         sources = [f"{path} ({part} split)" for part in ("training", "validation", "test")]
     encoding = fit(schema, parts[0], sources[0])
     train, valid, test = (encoding.encode(t, source) for t, source in zip(parts, sources))

@@ -136,7 +136,8 @@ class TabularDataset:
             col = self.features[name]
             columns += [col.values, col.offsets] if isinstance(col, Jagged) else [col]
         for c in columns:
-            crc = zlib.crc32(memoryview(c.contiguous().numpy()).cast("B"), crc)  # read in place, no copy
+            if c.numel():  # (no dense column: an (N, 0) block, whose bytes are none)
+                crc = zlib.crc32(memoryview(c.contiguous().numpy()).cast("B"), crc)  # read in place, no copy
         return crc
 
     def select(self, index: Tensor) -> Batch:
