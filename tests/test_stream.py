@@ -5,6 +5,8 @@ read whole into memory."""
 import json
 
 import pytest
+
+from hetero.record import RECORD_KEY, RunRecord
 import torch
 
 from hetero.cli import main
@@ -185,7 +187,8 @@ def test_a_prepared_cache_trains_exactly_as_the_file_read_into_memory(tmp_path, 
     got = _metrics(capsys)
     assert got["test_auc"] == want["test_auc"] > 0.75
     assert (tmp_path / "prepared/losses.csv").read_text() == (tmp_path / "memory/losses.csv").read_text()
-    assert load_encoding(tmp_path / "cache") == load_encoding(tmp_path / "memory")  # saved with the run
+    saved = RunRecord.from_state(torch.load(tmp_path / "memory" / "checkpoint.pt")[RECORD_KEY], "memory")
+    assert load_encoding(tmp_path / "cache") == saved.encoding  # the run's record, in its checkpoint
     assert main(["data", "prepare", "--config", str(job), "--out", str(tmp_path / "cache")]) == 1
     assert "cache exists: remove it or give another output directory" in capsys.readouterr().err
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import linecache
 import logging
@@ -32,7 +33,6 @@ from hetero.data import (
 from hetero.cli_data import job_data, prepare_cache
 from hetero.cli_plan import add_plan_arguments, apply_job_plan, build_model, dense_optimizer, job_plan, plan_job, \
     planning_batches
-from hetero.data.encode import save_encoding
 from hetero.data.readers import ReaderConfig
 from hetero.data.stream import StreamBatches
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
@@ -49,7 +49,8 @@ from hetero.parallel.pipeline_plan import PipelineConfig, Schedule
 from hetero.parallel.recompute import apply_recompute
 from hetero.parallel.zero import ZeroConfig, local_elements, zero_optimizer
 from hetero.placement import Target, resolve_device
-from hetero.predict import ModelRecord, predict
+from hetero.predict import predict
+from hetero.record import ModelRecord, RunRecord
 from hetero.ps import PSConfig, PSMode
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
 from hetero.train.trainer import weighted_bce
@@ -164,10 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("predict", help="score a schema-described file with a run's checkpoint (hetero.predict)",
                         formatter_class=defaults)
     pr.add_argument("--checkpoint", type=Path, required=True, help="an integrated checkpoint of a `hetero train "
-                    "--config` run (best.pt, checkpoint.pt); its run directory holds the encoding and model record")
+                    "--config` run (best.pt, checkpoint.pt, a merged file): it holds the model, encoding and reader "
+                    "settings the run used")
     pr.add_argument("--data", type=Path, required=True, help="the file to score (with the schema's columns)")
-    pr.add_argument("--out", type=Path, required=True, help="scores.parquet or scores.csv (score, label per row)")
-    pr.add_argument("--config", type=Path, help="a job config file whose [data] says how to read --data (and joins)")
+    pr.add_argument("--out", type=Path, required=True, help="scores.parquet or scores.csv (score, and label when the "
+                    "file has the label column: AUC and log loss are then printed)")
+    pr.add_argument("--config", type=Path, help="a job config file to locate the run's side tables (joins); its "
+                    "[data] reader settings must be the run's (by default the file is read as the run read its data)")
+    pr.add_argument("--id-column", help="a column of --data copied into the scores beside each row's score (a key)")
     pr.add_argument("--data-dir", type=Path, help="the directory the job file's relative paths are in")
     pr.add_argument("--cache-dir", type=Path, help="download cache (default $HETERO_CACHE or ~/.cache/hetero)")
     pr.add_argument("--batch-size", type=int, default=8192)
@@ -248,10 +253,12 @@ def _pipeline_mesh(args: argparse.Namespace):  # noqa: ANN202 - a DeviceMesh
 
 
 def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: ANN001 - a DeviceMesh
-                  job: JobFile | None = None) -> Trainer | None:
-    """The trainer of this process; ``None`` on a parameter server, which has served the job by
-    the time this returns. With ``mesh`` (``--tp``), the deep MLP is operator-parallel on it;
-    with ``job``, its schema and data (``--config``)."""
+                  job: JobFile | None = None) -> tuple[Trainer | None, Callable[[], None]]:
+    """The trainer of this process (``None`` on a parameter server, which has served the job by
+    the time this returns) and what writes the run's own files (``plan.json``,
+    ``strategy.json``): called after a resume's checks, every rank (nothing is written before
+    them). With ``mesh`` (``--tp``), the deep MLP is operator-parallel on it; with ``job``, its
+    schema and data (``--config``). Nothing is written into ``args.run_dir`` here."""
     torch.manual_seed(args.seed)
     data = job_data(args, job)
     slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
@@ -259,12 +266,12 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
     # a parameter server runs no model: it keeps it on the host and leaves the accelerator alone
     device = torch.device("cpu") if ps.role() is ps.Role.SERVER else resolve_device(Target.DEVICE)
     model, model_config = build_model(args, slots, data.num_dense, device)
-    plan = None
+    plan = planned = strategy = None
     if args.plan:
         if isinstance(data.train, StreamBatches) or args.pp > 1 or args.tp > 1 or args.ps_servers:
             raise ValueError("--plan plans a data-parallel job on in-memory or prepared data: drop --stream (prepare a "
                              "cache: hetero data prepare), --pp, --tp and --ps-servers")
-        plan = job_plan(args, model, planning_batches(args, data.train))
+        plan = planned = job_plan(args, model, planning_batches(args, data.train))
         apply_job_plan(args, plan, model)  # the table placement and ZeRO stage it chose
         apply_recompute(model, plan.recompute_config())
     pipe = None
@@ -289,7 +296,7 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
     if args.ps_servers:
         ps.start(model, sparse)  # memory budgets checked on every rank; a server serves here until the workers stop
         if ps.role() is ps.Role.SERVER:
-            return None
+            return None, lambda: None
     zero = ZeroConfig(args.zero, units=("mlp",))
     if args.zero and args.ps_servers:
         raise ValueError("--zero shards the dense part over the data-parallel ranks; a parameter-server job's "
@@ -304,8 +311,7 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
             whole = sum(p.numel() * p.element_size() for p in model.mlp.parameters())
             log.info("hetero: deep MLP operator-parallel over %d ranks: %d parameters sharded, %d of %d bytes per rank",
                      args.tp, sum(any(pl.is_shard() for pl in v) for v in layout.values()), local, whole)
-            args.run_dir.mkdir(parents=True, exist_ok=True)
-            parallel.save_strategy(args.run_dir / "strategy.json", mesh, layout)  # the resolved layout, for predict runs
+            strategy = (mesh, layout)  # written with the run's files, after a resume's checks
     # foreach=False under --tp: the parameters mix DTensor shards and plain tensors
     foreach = None if mesh is None or args.tp == 1 else False
     if plan is not None and mesh is None:  # where the plan puts the dense optimizer's state
@@ -331,15 +337,37 @@ def build_trainer(args: argparse.Namespace, on_step=None, mesh=None,  # noqa: AN
                          progress=not args.no_progress, prefetch=args.prefetch, checkpoint_format=CheckpointFormat(fmt),
                          data_parallel=DataParallelConfig(dense_sharded=args.zero >= 2))
     set_num_threads(args.threads)
-    if data.encoding is not None and parallel.global_rank() == 0:
-        # with the run: what `hetero predict` encodes new files with and rebuilds the model from
-        save_encoding(data.encoding, args.run_dir)
-        ModelRecord(args.model, dataclasses.asdict(model_config), data.num_dense).save(args.run_dir)
+    # what reads the run back (predict, a resume's checks), written inside every checkpoint
+    record = RunRecord(ModelRecord(args.model, dataclasses.asdict(model_config), data.num_dense), data.encoding,
+                       data.reader, _plain_config(args), None if planned is None else planned.to_dict())
     batches = data.train if isinstance(data.train, StreamBatches) else Batches(
         data.train, BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed, rank=parallel.rank(),
                                 world_size=parallel.world_size()))
     return Trainer(model, dense, sparse, batches, data.valid, data.test, config, args.run_dir, on_step=on_step,
-                   pipeline=pipe)
+                   pipeline=pipe, record=record.to_state()), functools.partial(_write_run_files, args.run_dir, planned,
+                                                                             strategy)
+
+
+def _write_run_files(run_dir: Path, plan, strategy) -> None:  # noqa: ANN001 - a Plan, a (mesh, layout) pair
+    """The run's own readable files (every rank calls it: the strategy's write is collective)."""
+    if plan is not None and parallel.global_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        plan.save(run_dir / "plan.json")
+    if strategy is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        parallel.save_strategy(run_dir / "strategy.json", *strategy)  # the resolved layout
+
+
+def _plain_config(args: argparse.Namespace) -> dict:
+    """The resolved command line (job file and flags) as JSON-able data, for the run record."""
+    def plain(v):  # noqa: ANN001, ANN202
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        return v
+
+    return {k: plain(v) for k, v in sorted(vars(args).items())}
 
 
 def _predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -347,18 +375,20 @@ def _predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     failed = True
     try:
         reader = (read_job_file(args.config, _train_flags(parser)).source.located(args.data_dir, args.cache_dir).reader
-                  if args.config else ReaderConfig())
+                  if args.config else None)  # None: the run's own reader settings, from its checkpoint
         parallel.init(parallel.DistConfig(backend="gloo"))  # scoring runs on the host: gloo for the barrier
-        out = predict(args.checkpoint, args.data, args.out, reader, args.batch_size, parallel.global_rank(),
-                      parallel.world_size())
+        got = predict(args.checkpoint, args.data, args.out, reader, args.batch_size, parallel.global_rank(),
+                      parallel.world_size(), args.id_column)
         failed = False
     except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed
         report_error(e)
         return 1
     finally:
         parallel.shutdown(clean=not failed)
-    if out is not None:
-        print(json.dumps({"scores": str(out), "checkpoint": str(args.checkpoint), "data": str(args.data)}))
+    if got is not None:
+        out, metrics = got
+        print(json.dumps({"scores": str(out), "checkpoint": str(args.checkpoint), "data": str(args.data), **metrics},
+                         allow_nan=False))
     return 0
 
 
@@ -471,12 +501,13 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         rank = parallel.global_rank()
         if rank != 0:  # one voice per job: the other ranks only warn
             logging.getLogger("hetero").setLevel(logging.WARNING)
-        trainer = build_trainer(args, on_step, mesh, job)
+        trainer, write_run_files = build_trainer(args, on_step, mesh, job)
         if trainer is None:  # a parameter server: the workers are done
             failed = False
             return 0
         if args.resume == "yes" or (args.resume == "auto" and trainer.has_checkpoint()):
-            trainer.resume()
+            trainer.resume()  # checks the checkpoint against this run before it loads anything
+        write_run_files()
         metrics = trainer.fit()
         failed = False
     except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed

@@ -11,7 +11,8 @@ from pathlib import Path
 from hetero import parallel
 from hetero.data import BatchConfig
 from hetero.data.encode import Encoding
-from hetero.data.prepare import load_prepared, prepare
+from hetero.data.readers import ReaderConfig
+from hetero.data.prepare import load_prepared, prepare, prepared_reader
 from hetero.data.split import read_dataset
 from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, fit_stream
 from hetero.data.tabular import EvalData, Feature, Rows
@@ -30,6 +31,7 @@ class JobData:
     specs: tuple[Feature, ...]
     num_dense: int
     encoding: Encoding | None = None
+    reader: ReaderConfig = ReaderConfig()  # how the job's files were read (predict reads files so too)
 
 
 def job_source(args: argparse.Namespace, job: JobFile) -> tuple[Path, DataSource]:
@@ -47,7 +49,7 @@ def job_data(args: argparse.Namespace, job: JobFile | None) -> JobData:
     file, streamed (``--stream``) or read, fitted on the training split."""
     if args.prepared is not None:
         train, valid, test, encoding = load_prepared(args.prepared)
-        return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding)
+        return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding, prepared_reader(args.prepared))
     if job is None or job.schema is None:
         raise ValueError("hetero train needs data: --config job.toml with [data] and [schema] (examples/movielens.toml "
                          "is the demo's), or --prepared DIR")
@@ -66,13 +68,13 @@ def job_data(args: argparse.Namespace, job: JobFile | None) -> JobData:
         return JobData(StreamBatches(path, encoding, reader, batches, stream, host_group()),
                        StreamEval(split.valid_path, encoding, reader, stream),
                        StreamEval(split.test_path, encoding, reader, stream),
-                       encoding.specs(), len(job.schema.dense), encoding)
+                       encoding.specs(), len(job.schema.dense), encoding, reader)
     train, valid, test, encoding = read_dataset(path, job.schema, reader, source.split, args.seed)
     n = len(train) + len(valid) + len(test)
     if not (len(train) and len(valid) and len(test)):
         raise ValueError(f"{path} has {n} samples: its train/validation/test split leaves a part empty; use a larger "
                          f"file")
-    return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding)
+    return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding, reader)
 
 
 def prepare_cache(args: argparse.Namespace, flags: dict[str, bool]) -> Path:

@@ -110,7 +110,8 @@ def example_batches(batches: Batches, count: int = 4) -> list[tuple[Any, ...]]:
 
 def job_plan(args: argparse.Namespace, model: nn.Module, batches: Batches) -> Plan:
     """``--plan auto``: planned on rank 0 for this job's world size, broadcast to every rank;
-    ``--plan FILE``: read (every rank). Logged, and written to ``RUN_DIR/plan.json``.
+    ``--plan FILE``: read (every rank). Logged (the CLI writes it to ``RUN_DIR/plan.json`` once a
+    resume's checks pass).
 
     Raises:
         ValueError: a plan file for another model or world size; as :func:`hetero.plan`.
@@ -124,8 +125,6 @@ def job_plan(args: argparse.Namespace, model: nn.Module, batches: Batches) -> Pl
     else:
         plan = _broadcast(_make_plan(args, model, batches, world) if parallel.global_rank() == 0 else None)
     if parallel.global_rank() == 0:
-        args.run_dir.mkdir(parents=True, exist_ok=True)
-        plan.save(args.run_dir / "plan.json")
         log.info("%s", plan)
     return plan
 

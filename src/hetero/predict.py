@@ -1,78 +1,72 @@
 """``hetero predict``: a trained run's checkpoint scoring a schema-described file, streamed.
 
-A run trained from a schema (``hetero train --config``) keeps beside its checkpoints what
-scoring needs: ``encoding.json`` + ``vocabularies.parquet`` (the fitted schema:
-:func:`hetero.data.encode.save_encoding`) and ``model.json`` (:class:`ModelRecord`). Prediction
-streams the file in blocks (:func:`hetero.data.stream.encoded_blocks`), memory bounded as in
-training; under torchrun each rank scores its shard (:func:`hetero.data.stream.file_shards`)
-and rank 0 joins the parts in file order. The output (Parquet, or CSV by the suffix) has one row
-per input row: ``score`` (the predicted probability, float64) and, when the file has the label
-column, ``label`` (0/1 by the schema's rule).
+Everything scoring needs comes from the checkpoint's run record (:mod:`hetero.record`): the
+model, the fitted encoding and the reader settings the run read its files with - so a file is
+read and encoded exactly as training read it, wherever the checkpoint lies (a merged
+``model.pt`` too). Prediction streams the file in blocks (memory bounded as in training); under
+torchrun each rank scores its shard (:func:`hetero.data.stream.file_shards`) and rank 0 joins the
+parts in file order. The output (Parquet, or CSV by the suffix) has one row per input row: the
+``id_column``'s value if one is named, ``score`` (the predicted probability, float64) and, when
+the file has the label column, ``label`` (0/1 by the schema's rule); the returned metrics then
+hold the file's AUC and log loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint
-from hetero.data.encode import load_encoding
-from hetero.data.readers import ReaderConfig, file_columns
-from hetero.data.stream import StreamConfig, encoded_blocks, file_shards
+from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, record_batches
+from hetero.data.stream import file_shards
 from hetero.data.tabular import FeatureRole
 from hetero.models.dlrm import DLRM, DLRMConfig
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
-
-MODEL_FILE = "model.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelRecord:
-    """What rebuilds a run's model for scoring (written by ``hetero train`` as ``model.json``).
-
-    Attributes:
-        kind: the model (``"wide_deep"``, ``"dlrm"``).
-        config: the model config's fields (e.g. :class:`WideDeepConfig`'s).
-        num_dense: dense input features.
-    """
-
-    kind: str
-    config: dict
-    num_dense: int
-
-    def save(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (MODEL_FILE + ".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
-        os.replace(tmp, directory / MODEL_FILE)
-
-    @staticmethod
-    def load(directory: Path) -> "ModelRecord":
-        path = directory / MODEL_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{directory} has no {MODEL_FILE}: score the run directory of a `hetero train "
-                                    f"--config` job (runs trained before hetero saved one cannot be scored this way)")
-        return ModelRecord(**json.loads(path.read_text()))
+from hetero.record import RECORD_KEY, ModelRecord, RunRecord
+from hetero.train.report import binary_metrics
 
 
-def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: ReaderConfig = ReaderConfig(),
-            batch_size: int = 8192, rank: int = 0, world_size: int = 1) -> Path | None:
-    """Score ``data`` with ``checkpoint`` (an integrated checkpoint of a schema run) into ``out``.
-
-    With ``world_size`` > 1 (every rank calls it, torch.distributed initialised), rank ``r``
-    scores its byte shard into ``out.part-r``; rank 0 then joins the parts in order into ``out``.
-    Returns ``out`` on rank 0, ``None`` on the others.
+def run_record(checkpoint: Path, state: dict[str, Any]) -> RunRecord:
+    """The run record a loaded checkpoint holds.
 
     Raises:
-        FileNotFoundError: no checkpoint, no ``encoding.json``/``model.json`` beside it, or no data.
-        CheckpointError: a sharded checkpoint (merge it: ``hetero checkpoint merge``), or one
-            that does not fit the recorded model.
-        ValueError: the data lacks a feature column (naming the file's columns), or a bad value
-            (file, line, column, value).
+        CheckpointError: none there (a checkpoint of a built-in data set's run, or written
+            before hetero kept one), or no encoding in it.
+    """
+    if RECORD_KEY not in state:
+        raise CheckpointError(f"checkpoint {checkpoint} holds no run record (a run on a built-in data set, or written "
+                              f"by an older hetero): score the checkpoint of a `hetero train --config` run")
+    record = RunRecord.from_state(state[RECORD_KEY], checkpoint)
+    if record.encoding is None:
+        raise CheckpointError(f"checkpoint {checkpoint} is of a run without a schema: hetero predict scores runs "
+                              f"trained from a job file's [schema]")
+    return record
+
+
+def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: ReaderConfig | None = None,
+            batch_size: int = 8192, rank: int = 0, world_size: int = 1,
+            id_column: str | None = None) -> tuple[Path, dict[str, float | None]] | None:
+    """Score ``data`` with ``checkpoint`` (an integrated checkpoint of a schema run) into ``out``.
+
+    ``reader``: ``None`` reads ``data`` with the run's own reader settings (its record); a
+    config given must equal them, join paths apart (a job file that locates the side tables).
+    With ``world_size`` > 1 (every rank calls it, torch.distributed initialised), rank ``r``
+    scores its shard; rank 0 then joins the parts in order into ``out``. Returns ``out`` and the
+    metrics (``rows``; ``auc`` and ``logloss`` when the file has labels) on rank 0, ``None`` on
+    the others.
+
+    Raises:
+        FileNotFoundError: no checkpoint or no data.
+        CheckpointError: a sharded checkpoint (merge it: ``hetero checkpoint merge``), one
+            without a run record, or one that does not fit its recorded model.
+        ValueError: a reader that reads the file otherwise than the run did (naming the
+            setting), the data lacks a feature column or ``id_column`` (naming the file's
+            columns), or a bad value (file, line, column, value).
     """
     import pyarrow as pa
 
@@ -84,40 +78,75 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
     if out.suffix not in (".parquet", ".csv"):
         raise ValueError(f"--out {out}: give a .parquet or .csv file")
-    run = checkpoint.parent
-    encoding, record = load_encoding(run), ModelRecord.load(run)
+    state = load_checkpoint(checkpoint)
+    record = run_record(checkpoint, state)
+    reader = _reader(record.reader, reader, checkpoint)
+    encoding = record.encoding
     names = file_columns(data, reader)
     labelled = encoding.schema.label.column in names
+    schema = dataclasses.replace(encoding.schema, drop=())  # a dropped column need not be in a file to score
     if not labelled:  # rows to score, no labels: the output has no label column
-        encoding = dataclasses.replace(encoding, schema=encoding.schema.unlabelled())
-    model = _model(encoding.specs(), record)
-    state = load_checkpoint(checkpoint)["model"]
-    check_model_compatible(model.state_dict(), state, checkpoint)
-    model.load_state_dict(state)
+        schema = schema.unlabelled()
+    encoding = dataclasses.replace(encoding, schema=schema)
+    model = _model(encoding.specs(), record.model)
+    check_model_compatible(model.state_dict(), state["model"], checkpoint)
+    model.load_state_dict(state["model"])
     model.eval()
+    del state
     shard = file_shards(data, reader, world_size)[rank] if world_size > 1 else None
-    part = out if world_size == 1 else out.with_name(f"{out.name}.part-{rank}")
-    scores, labels = [], []
+    extra = (id_column,) if id_column is not None and id_column not in schema.columns else ()
+    scores, labels, ids = [], [], []
     with torch.no_grad():
-        for block in encoded_blocks(data, encoding, reader, shard, StreamConfig(block_bytes=1 << 22)):
+        for batch in record_batches(data, schema, reader, extra=extra, shard=shard, block_bytes=1 << 22):
+            block = encoding.encode(batch, str(data))
+            if id_column is not None:
+                ids.append(batch.column(id_column))
             for b in block.batches(batch_size):
                 scores.append(torch.sigmoid(model(b.features, b.dense)).double())
                 labels.append(b.label)
-    columns = {"score": torch.cat(scores).numpy() if scores else torch.zeros(0, dtype=torch.float64).numpy()}
+    columns: dict[str, Any] = {}
+    if id_column is not None:
+        columns[id_column] = pa.chunked_array(ids, type=ids[0].type) if ids else pa.array([], pa.string())
+    columns["score"] = torch.cat(scores).numpy() if scores else np.zeros(0)
     if labelled:
-        columns["label"] = torch.cat(labels).numpy().astype("int8") if labels else torch.zeros(0).numpy().astype("int8")
-    as_csv = out.suffix == ".csv"
-    _write(pa.table(columns), part, as_csv)
-    if world_size == 1:
-        return out
-    torch.distributed.barrier()  # every part written
-    if rank != 0:
-        return None
-    parts = [out.with_name(f"{out.name}.part-{r}") for r in range(world_size)]
-    _write(pa.concat_tables([_read(p, as_csv) for p in parts]), out, as_csv)
-    for p in parts:
-        p.unlink()
-    return out
+        columns["label"] = (torch.cat(labels).numpy() if labels else np.zeros(0)).astype("int8")
+    table = pa.table(columns)
+    if world_size > 1:  # each rank's part as Parquet (typed even when empty), joined on rank 0
+        part = out.with_name(f"{out.name}.part-{rank}.parquet")
+        _write(table, part, as_csv=False)
+        torch.distributed.barrier()  # every part written
+        if rank != 0:
+            return None
+        parts = [out.with_name(f"{out.name}.part-{r}.parquet") for r in range(world_size)]
+        table = pa.concat_tables([_read(p) for p in parts])
+        for p in parts:
+            p.unlink()
+    _write(table, out, as_csv=out.suffix == ".csv")
+    metrics: dict[str, float | None] = {"rows": table.num_rows}
+    if labelled:
+        m = binary_metrics(table.column("label").to_numpy(), table.column("score").to_numpy())
+        metrics.update({"auc": m["auc"], "logloss": m["logloss"]})
+    return out, metrics
+
+
+def _reader(saved: ReaderConfig, given: ReaderConfig | None, checkpoint: Path) -> ReaderConfig:
+    """The reader a file is scored with: the run's, or ``given`` if it reads files alike."""
+    if given is None:
+        return saved
+
+    def settings(r: ReaderConfig) -> dict[str, Any]:
+        doc = reader_to_dict(r)
+        for j in doc["joins"]:
+            j.pop("path")  # a side table may lie elsewhere now
+        return doc
+
+    a, b = settings(saved), settings(given)
+    for key in a:
+        if a[key] != b[key]:
+            raise ValueError(f"the job file's [data] {key} = {b[key]!r} reads files otherwise than the run did ({a[key]!r}, "
+                             f"recorded in {checkpoint}): hetero predict reads every file as its run did; drop --config, "
+                             f"or give a job file with the run's [data] settings")
+    return given
 
 
 def _model(specs: tuple, record: ModelRecord) -> WideDeep | DLRM:
@@ -128,7 +157,7 @@ def _model(specs: tuple, record: ModelRecord) -> WideDeep | DLRM:
         return DLRM(slots, record.num_dense, DLRMConfig(**fields))
     if record.kind == "wide_deep":
         return WideDeep(slots, record.num_dense, WideDeepConfig(**fields))
-    raise ValueError(f"{MODEL_FILE}: model {record.kind!r} cannot be scored here (known: 'wide_deep', 'dlrm')")
+    raise ValueError(f"the run record's model {record.kind!r} cannot be scored here (known: 'wide_deep', 'dlrm')")
 
 
 def _write(table, path: Path, as_csv: bool) -> None:  # noqa: ANN001 - a pyarrow Table
@@ -144,8 +173,7 @@ def _write(table, path: Path, as_csv: bool) -> None:  # noqa: ANN001 - a pyarrow
     os.replace(tmp, path)
 
 
-def _read(path: Path, as_csv: bool):  # noqa: ANN202 - a pyarrow Table
-    import pyarrow.csv as csv
+def _read(path: Path):  # noqa: ANN202 - a pyarrow Table
     import pyarrow.parquet as pq
 
-    return csv.read_csv(path) if as_csv else pq.read_table(path)
+    return pq.read_table(path)

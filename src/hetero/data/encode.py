@@ -119,23 +119,52 @@ class Encoding:
 ENCODING_FILE, VOCABULARY_FILE = "encoding.json", "vocabularies.parquet"
 
 
-def save_encoding(encoding: Encoding, directory: Path) -> None:
-    """Write ``encoding`` into ``directory`` (``encoding.json``: the schema and statistics;
-    ``vocabularies.parquet``: one row per (feature, value), in id order), each file atomically,
-    so a run or a prepared cache can be scored later (``hetero predict``)."""
+def encoding_document(encoding: Encoding) -> tuple[dict, pa.Table]:
+    """``encoding`` as JSON-able data (the schema, statistics and vocabulary sizes) and a table
+    of its vocabularies (``feature``, ``value``: one row per value, in id order);
+    :func:`encoding_from_document` reads them back."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    directory.mkdir(parents=True, exist_ok=True)
     names = [name for name, values in encoding.vocabularies.items() for _ in values]
     table = pa.table({"feature": pa.array(names, pa.string()),
                       "value": pa.array([v for values in encoding.vocabularies.values() for v in values], pa.string())})
-    tmp = directory / (VOCABULARY_FILE + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, directory / VOCABULARY_FILE)
     doc = {"format_version": 1, "schema": schema_to_dict(encoding.schema),
            "statistics": {k: list(v) for k, v in encoding.statistics.items()},
            "vocabulary_sizes": {k: len(v) for k, v in encoding.vocabularies.items()}}
+    return doc, table
+
+
+def encoding_from_document(doc: dict, table: pa.Table | None, where: str) -> Encoding:
+    """The :class:`Encoding` of :func:`encoding_document`'s output.
+
+    Raises:
+        ValueError: vocabularies that do not match the document (naming ``where``).
+    """
+    import pyarrow.compute as pc
+
+    schema = schema_from_dict(doc["schema"], where)
+    vocabularies = {}
+    for name, size in doc["vocabulary_sizes"].items():
+        values = [] if table is None else \
+            pc.filter(table.column("value"), pc.equal(table.column("feature"), name)).to_pylist()
+        if len(values) != size:
+            raise ValueError(f"{where}: its vocabularies hold {len(values)} values of {name!r}, its encoding says {size}: "
+                             f"they are from different runs")
+        vocabularies[name] = values
+    return Encoding(schema, vocabularies, {k: (float(a), float(b)) for k, (a, b) in doc["statistics"].items()})
+
+
+def save_encoding(encoding: Encoding, directory: Path) -> None:
+    """Write ``encoding`` into ``directory`` (``encoding.json``: the schema and statistics;
+    ``vocabularies.parquet``: one row per (feature, value), in id order), each file atomically
+    (a prepared cache's; a run keeps its encoding in its checkpoints: :mod:`hetero.record`)."""
+    import pyarrow.parquet as pq
+
+    directory.mkdir(parents=True, exist_ok=True)
+    doc, table = encoding_document(encoding)
+    tmp = directory / (VOCABULARY_FILE + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, directory / VOCABULARY_FILE)
     tmp = directory / (ENCODING_FILE + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, directory / ENCODING_FILE)
@@ -148,24 +177,12 @@ def load_encoding(directory: Path) -> Encoding:
         FileNotFoundError: no ``encoding.json`` there (naming what wrote one).
         ValueError: a vocabulary file that does not match it.
     """
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     path = directory / ENCODING_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} has no {ENCODING_FILE}: give the run directory of a `hetero train "
-                                f"--config` job or a `hetero data prepare` cache")
-    doc = json.loads(path.read_text())
-    schema = schema_from_dict(doc["schema"], str(path))
-    table = pq.read_table(directory / VOCABULARY_FILE)
-    vocabularies = {}
-    for name, size in doc["vocabulary_sizes"].items():
-        values = pc.filter(table.column("value"), pc.equal(table.column("feature"), name)).to_pylist()
-        if len(values) != size:
-            raise ValueError(f"{directory / VOCABULARY_FILE} holds {len(values)} values of {name!r}, {path} says {size}: "
-                             f"the files are from different runs")
-        vocabularies[name] = values
-    return Encoding(schema, vocabularies, {k: (float(a), float(b)) for k, (a, b) in doc["statistics"].items()})
+        raise FileNotFoundError(f"{directory} has no {ENCODING_FILE}: give a `hetero data prepare` cache")
+    return encoding_from_document(json.loads(path.read_text()), pq.read_table(directory / VOCABULARY_FILE), str(path))
 
 
 def fit(schema: Schema, train: pa.Table | pa.RecordBatch, source: str) -> Encoding:

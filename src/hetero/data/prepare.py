@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from hetero.data.encode import Encoding, Fitter, load_encoding, save_encoding
-from hetero.data.readers import ReaderConfig, record_batches
+from hetero.data.readers import ReaderConfig, reader_from_dict, reader_to_dict, record_batches
 from hetero.data.split import Split
 from hetero.data.schema import Schema
 from hetero.data.tabular import Batch, Feature, Jagged, TabularDataset
@@ -99,6 +99,7 @@ def prepare(path: str | Path, schema: Schema, out: str | Path, reader: ReaderCon
             writers[name].write(encoding.encode(batch, f"{path} ({name} split)"))
         save_encoding(encoding, tmp)
         manifest = {"format_version": FORMAT_VERSION, "source": str(path), "seed": seed,
+                    "reader": reader_to_dict(reader),  # how the source was read: a run's predict reads files so too
                     "splits": {name: w.close() for name, w in writers.items()}}
         empty = [name for name, info in manifest["splits"].items() if not info["rows"]]
         if empty:
@@ -225,7 +226,8 @@ class PreparedDataset:
 
 
 def load_prepared(directory: str | Path) -> tuple[PreparedDataset, PreparedDataset, PreparedDataset, Encoding]:
-    """The train, validation and test splits of a cache :func:`prepare` wrote, and its encoding.
+    """The train, validation and test splits of a cache :func:`prepare` wrote, and its encoding
+    (:func:`prepared_reader`: the reader settings its source was read with).
 
     Raises:
         FileNotFoundError: not a prepared cache (no manifest).
@@ -261,3 +263,8 @@ def _verify(directory: Path, crcs: dict[str, int], chunk: int = 1 << 22) -> None
         if crc != want:
             raise ValueError(f"prepared cache file {path} does not match its checksum in {MANIFEST} (changed or damaged "
                              f"on disk): prepare the cache again (hetero data prepare)")
+
+
+def prepared_reader(directory: str | Path) -> ReaderConfig:
+    """The reader settings a cache's source was read with (its manifest's)."""
+    return reader_from_dict(json.loads((Path(directory) / MANIFEST).read_text())["reader"])

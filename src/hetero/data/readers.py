@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 
 from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, typed_batch
@@ -96,6 +96,31 @@ class Join:
         if self.reader.joins:
             raise ValueError(f"join of {self.path}: a side table has no joins of its own; join every table to the main "
                              f"file")
+
+
+def reader_to_dict(reader: ReaderConfig) -> dict[str, Any]:
+    """``reader`` as JSON-able data (:func:`reader_from_dict` reads it back)."""
+    def plain(value: Any) -> Any:  # noqa: ANN401 - JSON-able data
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+
+    return plain(reader)
+
+
+def reader_from_dict(doc: Mapping[str, Any]) -> ReaderConfig:
+    """The :class:`ReaderConfig` of :func:`reader_to_dict`'s output."""
+    fields = dict(doc)
+    fields["format"] = FileFormat(fields["format"])
+    fields["on_bad_rows"] = BadRows(fields["on_bad_rows"])
+    fields["joins"] = tuple(Join(Path(j["path"]), j["on"], reader_from_dict(j["reader"])) for j in fields["joins"])
+    return ReaderConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
 def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:

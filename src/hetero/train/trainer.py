@@ -41,6 +41,7 @@ from hetero.parallel import (
     local_model_state,
     world_size,
 )
+from hetero.record import RECORD_KEY, record_differences
 from hetero.parallel.pipeline import Pipeline
 from hetero.placement import copy_to
 from hetero.train.checkpointing import (
@@ -77,6 +78,9 @@ class Trainer:
             sample with loss weight 0 (its rows are in the batch already: no other row or
             parameter moves). The integrated checkpoint holds the whole model, as without a
             pipeline, and resumes at any pipeline degree.
+        record: the run's record (:meth:`hetero.record.RunRecord.to_state`), written into every
+            checkpoint; a resume from a checkpoint whose record differs in the model, encoding
+            or reader settings is refused before anything is loaded.
 
     Raises:
         ValueError: a pipeline with the sharded checkpoint format, several stages per rank, or
@@ -95,6 +99,7 @@ class Trainer:
         run_dir: str | Path,
         on_step: Callable[["Trainer"], None] | None = None,
         pipeline: Pipeline | None = None,
+        record: Mapping[str, Any] | None = None,
     ) -> None:
         if pipeline is not None and (config.checkpoint_format is CheckpointFormat.SHARDED or len(pipeline.modules) > 1):
             raise ValueError("a pipelined trainer runs one stage per rank and writes integrated checkpoints: use a "
@@ -129,6 +134,7 @@ class Trainer:
         self.best_path = self.run_dir / config.checkpoint_format.best_name
         self.best: dict[str, Any] = {"score": None, "epoch": 0, "stopped": False}  # early stopping's record
         self.on_step = on_step
+        self.record = record
         self._identity = train.identity()  # read once (a dataset's checksum is a pass over it)
 
     # ----------------------------------------------------------------------------- state
@@ -142,6 +148,8 @@ class Trainer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         state = {"format_version": FORMAT_VERSION, "run": self.run_identity()}
+        if self.record is not None:
+            state[RECORD_KEY] = self.record
         dense = full_optimizer_state(self.dense_optimizer)  # operator-parallel shards gathered
         if tables:
             state["model"] = full_model_state(self.model)  # row-sharded tables gathered whole (collective)
@@ -204,6 +212,16 @@ class Trainer:
                 opt.check_state_dict(state["sparse_optimizers"][k])
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {path}: {e}") from e
+        # the run record last: whatever the checks above do not name (a transform, the reader settings)
+        if self.record is not None:
+            if RECORD_KEY not in state:
+                raise CheckpointError(f"checkpoint {path} holds no run record (written by an older hetero, or by a run "
+                                      f"without one): the data, encoding and model it was trained with cannot be "
+                                      f"checked; start a new run")
+            differ = record_differences(state[RECORD_KEY], self.record)
+            if differ:
+                raise CheckpointError(f"checkpoint {path} was trained with another {'; another '.join(differ)}: resume "
+                                      f"with the job it was saved with, or start a new run in another --run-dir")
 
     def _hyper_parameters(self) -> dict[str, dict[str, Any]]:
         out = {f"dense_optimizer group {i}": {k: v for k, v in g.items() if k != "params"}
