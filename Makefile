@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements-dev.txt | $(PY)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m hetero train --config examples/movielens.toml --run-dir runs/demo $(ARGS)
+	$(PY) -m hetero train --config examples/movielens.toml --run-dir runs/demo --overwrite $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

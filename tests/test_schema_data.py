@@ -124,9 +124,12 @@ def test_bad_input_names_the_file_row_column_and_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"data file .*missing.csv does not exist"):
         read_table(tmp_path / "missing.csv", SCHEMA)
     path.write_text("clicked,city\nyes,a\n,b\n")
+    # an empty label is negative by default; without "" among the negative values it is a bad row
     schema = Schema(Label("clicked", positive=("yes",)), (Categorical("city"),))
-    with pytest.raises(ValueError, match=r"clicks.csv: row 2 has no value in label column 'clicked'; fill it or drop"):
-        fit(schema, read_table(path, schema), "train").encode(read_table(path, schema), str(path))
+    assert fit(schema, read_table(path, schema), "t").encode(read_table(path, schema), "t").label.tolist() == [1, 0]
+    schema = Schema(Label("clicked", positive=("yes",), negative=("no",)), (Categorical("city"),))
+    with pytest.raises(ValueError, match=r"clicks.csv: line 3, column 'clicked': None is neither of \['yes', 'no'\]"):
+        read_table(path, schema)
     with pytest.raises(ValueError, match=r"dense 'age' transform 'log2' does not exist; valid values are "
                                          r"\['none', 'log1p', 'standardize'\]"):
         Dense("age", "log2")
@@ -181,11 +184,11 @@ def test_a_split_by_time_and_a_split_by_files(tmp_path):
         Split((0.5, 0.5, 0.0))
 
 
-def test_libsvm_and_libfm_read_as_categorical_columns(tmp_path):
-    libfm = tmp_path / "clicks.libfm"
+def test_libsvm_and_libffm_read_as_categorical_columns(tmp_path):
+    libfm = tmp_path / "clicks.libffm"
     libfm.write_text("1 0:17:1 1:5:1 2:9:1\n0 0:3:1 2:9:1 2:11:1\n1 1:5:1\n", encoding="utf-8")
     schema = Schema(Label("label"), (Categorical("0"), Categorical("1"), Categorical("2", separator="|")))
-    config = ReaderConfig(FileFormat.LIBFM)
+    config = ReaderConfig(FileFormat.LIBFFM)
     table = read_table(libfm, schema, config)
     assert table.column("label").to_pylist() == ["1", "0", "1"]
     assert table.column("0").to_pylist() == ["17", "3", None]  # a field the row lacks: missing

@@ -17,6 +17,8 @@ import functools
 import json
 import linecache
 import logging
+import os
+import shutil
 import sys
 import traceback
 from collections.abc import Callable
@@ -98,6 +100,8 @@ def _train_arguments(t: argparse.ArgumentParser, train: bool = True) -> None:
     g.add_argument("--run-dir", type=Path, default=Path("runs/wide_deep"))
     g.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
                    help="continue from RUN_DIR's checkpoint; 'auto': if it exists (for torchrun --max-restarts)")
+    g.add_argument("--overwrite", action="store_true", help="start a new run in a RUN_DIR that holds another run's "
+                   "checkpoint: its files (checkpoints, metrics, plots, plan) are removed once the job's checks pass")
     g.add_argument("--checkpoint-format", choices=[f.value for f in CheckpointFormat],
                    help="integrated (default): RUN_DIR/checkpoint.pt, written whole by rank 0; sharded (the default with "
                         "--ps-servers): RUN_DIR/checkpoint.dcp, each rank writing its part (torch.distributed.checkpoint); "
@@ -370,6 +374,46 @@ def _plain_config(args: argparse.Namespace) -> dict:
     return {k: plain(v) for k, v in sorted(vars(args).items())}
 
 
+RUN_FILES = ("checkpoint.pt", "checkpoint.dcp", "best.pt", "best.dcp", "metrics.json", "losses.csv", "curves.png",
+             "plan.json", "strategy.json")  # what a run writes into its directory
+
+
+def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Check, before anything is read or written, that ``run_dir`` can take this run: a directory
+    (or creatable), writable, and not holding another run's checkpoint unless the job resumes it
+    or overwrites it.
+
+    Raises:
+        ValueError: naming the directory and the fix.
+    """
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in --run-dir and --overwrite replaces it: give one")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir} is a file: give a directory")
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--run-dir {run_dir} cannot be created: {existing} is a file; give a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--run-dir {run_dir} is not writable ({existing} denies this user): give a directory you can "
+                         f"write")
+    held = [name for name in RUN_FILES[:4] if (run_dir / name).exists()]
+    if held and not resume and not overwrite:
+        raise ValueError(f"--run-dir {run_dir} holds another run ({held[0]}): continue it with --resume, replace it with "
+                         f"--overwrite, or give another --run-dir")
+
+
+def remove_run_files(run_dir: Path) -> None:
+    """Remove a previous run's files from ``run_dir`` (``--overwrite``; nothing else in it)."""
+    for name in RUN_FILES:
+        for path in (run_dir / name, run_dir / f"{name}.old", run_dir / f"{name}.tmp"):
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
 def _predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hetero predict`` on this process's rank (under torchrun: each rank its shard)."""
     failed = True
@@ -453,12 +497,47 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None
     return parser.parse_args([*argv[:at], *file_argv, *argv[at:]]), job
 
 
+# flag -> (lowest value, whether the lowest is allowed itself); checked for train and plan
+_BOUNDS = {
+    "dense_lr": (0.0, False), "deep_lr": (0.0, False), "wide_lr": (0.0, False), "ftrl_l1": (0.0, True),
+    "ftrl_l2": (0.0, True), "dropout": (0.0, True), "epochs": (1, True), "batch_size": (1, True),
+    "embedding_dim": (1, True), "checkpoint_every": (0, True), "max_steps": (1, True), "patience": (0, True),
+    "pp": (1, True), "tp": (1, True), "micro_batches": (1, True), "threads": (1, True), "ps_servers": (0, True),
+    "ps_staleness": (0, True), "ps_server_memory_mb": (0.0, True), "ps_timeout": (0.0, False),
+    "shuffle_window": (1, True),
+}
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """Check the job's numbers before anything runs: learning rates positive (a learning rate of
+    0 trains nothing, silently; FTRL divides by it), counts and sizes in range.
+
+    Raises:
+        ValueError: naming the flag, its job-file key, the value and the range.
+    """
+    for key, (low, inclusive) in _BOUNDS.items():
+        value = getattr(args, key, None)
+        if value is None or isinstance(value, bool):
+            continue
+        if value < low or (value == low and not inclusive) or value != value:  # (NaN too)
+            flag = "--" + key.replace("_", "-")
+            bound = f">= {low}" if inclusive else f"> {low}"
+            raise ValueError(f"{flag} (job file [train] {key}) = {value}: give a value {bound}")
+    if args.dropout >= 1:
+        raise ValueError(f"--dropout (job file [train] dropout) = {args.dropout}: give a value in [0, 1)")
+    for key in ("hidden", "bottom"):
+        if any(w < 1 for w in getattr(args, key, ())):
+            raise ValueError(f"--{key} (job file [train] {key}) = {list(getattr(args, key))}: give widths >= 1")
+
+
 def main(argv: list[str] | None = None, on_step=None) -> int:
     """Run the command line; ``on_step`` (see :class:`Trainer`) is for embedding callers."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, job = parse_args(argv, parser)
+        if args.command in ("train", "plan"):
+            check_train_args(args)
     except (OSError, ValueError) as e:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 1
@@ -497,6 +576,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         if args.ps_servers:
             ps.init(PSConfig(num_servers=args.ps_servers, mode=PSMode(args.ps_mode), staleness=args.ps_staleness,
                              server_memory_bytes=int(args.ps_server_memory_mb * 2**20), timeout_s=args.ps_timeout))
+        check_run_dir(args.run_dir, args.resume, args.overwrite)
         mesh = _pipeline_mesh(args) if args.pp > 1 else _operator_parallel_mesh(args)
         rank = parallel.global_rank()
         if rank != 0:  # one voice per job: the other ranks only warn
@@ -507,6 +587,8 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
             return 0
         if args.resume == "yes" or (args.resume == "auto" and trainer.has_checkpoint()):
             trainer.resume()  # checks the checkpoint against this run before it loads anything
+        elif args.overwrite and rank == 0:
+            remove_run_files(args.run_dir)  # every check has passed: the old run's files go (rank 0 writes them all)
         write_run_files()
         metrics = trainer.fit()
         failed = False

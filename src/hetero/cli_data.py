@@ -49,6 +49,7 @@ def job_data(args: argparse.Namespace, job: JobFile | None) -> JobData:
     file, streamed (``--stream``) or read, fitted on the training split."""
     if args.prepared is not None:
         train, valid, test, encoding = load_prepared(args.prepared)
+        _check_two_classes(train, f"{args.prepared} (its training split)", encoding)
         return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding, prepared_reader(args.prepared))
     if job is None or job.schema is None:
         raise ValueError("hetero train needs data: --config job.toml with [data] and [schema] (examples/movielens.toml "
@@ -74,7 +75,19 @@ def job_data(args: argparse.Namespace, job: JobFile | None) -> JobData:
     if not (len(train) and len(valid) and len(test)):
         raise ValueError(f"{path} has {n} samples: its train/validation/test split leaves a part empty; use a larger "
                          f"file")
+    _check_two_classes(train, f"{path} (its training split)", encoding)
     return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding, reader)
+
+
+def _check_two_classes(train: Rows, where: str, encoding: Encoding) -> None:
+    """Refuse a training split of one class (nothing to learn; a label rule that matches nothing)."""
+    positives, n = int(train.label.sum()), len(train)
+    if positives in (0, n):
+        label = encoding.schema.label
+        rule = f"threshold {label.threshold}" if label.threshold is not None else f"positive values {list(label.positive)}"
+        raise ValueError(f"{where}: all {n} training rows are {'negative' if positives == 0 else 'positive'} by the "
+                         f"label column {label.column!r} ({rule}): check the label's rule in the schema (positive = [...], "
+                         f"negative = [...], threshold)")
 
 
 def prepare_cache(args: argparse.Namespace, flags: dict[str, bool]) -> Path:

@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hetero.data.readers import Join, ReaderConfig
 from hetero.data.split import Split
-from hetero.data.schema import Schema, build_dataclass, check_keys, checked, schema_from_dict
+from hetero.data.schema import Schema, build_dataclass, check_keys, check_type, checked, schema_from_dict
 
 SECTIONS = ("data", "schema", "train")
 
@@ -136,7 +137,7 @@ def read_job_file(path: Path, flags: Mapping[str, bool]) -> JobFile:
     split_keys = {"split": "fractions", "time_column": "time_column", "valid_path": "valid_path", "test_path": "test_path"}
     reader_keys = [f.name for f in dataclasses.fields(ReaderConfig) if f.name != "joins"]
     check_keys(data, ("path", "fetch", "join", *split_keys, *reader_keys), where)
-    split = {split_keys[k]: Path(v) if k.endswith("_path") else v for k, v in data.items() if k in split_keys}
+    split = {split_keys[k]: v for k, v in data.items() if k in split_keys}
     reader = {k: v for k, v in data.items() if k in reader_keys}
     joins = []
     for i, table in enumerate(data.get("join", ())):
@@ -146,12 +147,24 @@ def read_job_file(path: Path, flags: Mapping[str, bool]) -> JobFile:
             raise ValueError(f"{at}: a join needs path (the side table) and on (the key column)")
         own = {k: v for k, v in reader.items() if k != "column_names"} | {k: v for k, v in table.items()
                                                                            if k in reader_keys}
+        check_type(table["path"], Path, "path", at)
+        check_type(table["on"], str, "on", at)
         joins.append(checked(at, Join, Path(table["path"]), table["on"], build_dataclass(ReaderConfig, own, at)))
     source = DataSource(Path(data["path"]) if "path" in data else None,
                         build_dataclass(ReaderConfig, {**reader, "joins": tuple(joins)}, where),
-                        checked(where, Split, **split), data.get("fetch"))
+                        _split(split, where), data.get("fetch"))
     schema = schema_from_dict(doc["schema"], f"{path} [schema]") if "schema" in doc else None
     return JobFile(schema, source, _argv(doc.get("train", {}), flags, f"{path} [train]"))
+
+
+def _split(table: Mapping[str, Any], where: str) -> Split:
+    """The ``[data]`` split keys (``split``, ``time_column``, ``valid_path``, ``test_path``) as a :class:`Split`."""
+    names = {"fractions": "split"}  # a field's job-file key
+    hints = typing.get_type_hints(Split)
+    for key, value in table.items():
+        check_type(value, hints[key], names.get(key, key), where)
+    fields = {k: Path(v) if k.endswith("_path") else tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    return checked(where, Split, **fields)
 
 
 def _argv(table: Mapping[str, Any], flags: Mapping[str, bool], where: str) -> tuple[str, ...]:

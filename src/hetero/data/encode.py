@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from hetero.data.rows import normalized_text
 from hetero.data.schema import Categorical, Cross, Schema, Transform, schema_from_dict, schema_to_dict
 from hetero.data.tabular import Feature, FeatureRole, Jagged, TabularDataset
 
@@ -348,15 +349,15 @@ def _label(schema: Schema, table: pa.Table | pa.RecordBatch, source: str) -> tor
     if not label.column:  # an unlabelled schema (Schema.unlabelled): scoring rows without labels
         return torch.zeros(table.num_rows)
     col = _column(table, label.column)
-    missing = pc.indices_nonzero(pc.is_null(col)) if col.null_count else None
+    missing = pc.indices_nonzero(pc.is_null(col)) if col.null_count and label.threshold is not None else None
     if missing is not None and len(missing):
         row = missing[0].as_py()
         raise ValueError(f"{source}: row {row + 1} has no value in label column {label.column!r}; fill it or drop the "
                          f"row")
     if label.threshold is not None:
         positive = pc.greater_equal(col.cast(pa.float64()), label.threshold)
-    else:
-        positive = pc.is_in(col.cast(pa.string()), value_set=pa.array(label.positive))
+    else:  # the reader has checked every value is positive or negative (hetero.data.readers.value_rules)
+        positive = pc.is_in(normalized_text(col), value_set=pa.array(label.positive, pa.string()))
     return torch.from_numpy(positive.to_numpy(zero_copy_only=False).astype(np.float32))
 
 

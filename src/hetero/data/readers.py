@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, typed_batch
+from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, typed_batch
 from hetero.data.schema import Schema
 from hetero.data.svmlight import sparse_format_batches
 
@@ -38,7 +38,8 @@ class FileFormat(enum.Enum):
     CSV = "csv"  # any delimiter: CSV, TSV, ...
     PARQUET = "parquet"
     LIBSVM = "libsvm"  # "label idx:value ...": columns "label" and "features" (the indices, "|"-joined)
-    LIBFM = "libfm"  # "label field:idx:value ...": columns "label" and one per field, named by its number
+    LIBFM = "libfm"  # libFM's own files (Rendle 2012; e.g. the Frappe release): the libsvm layout
+    LIBFFM = "libffm"  # "label field:idx:value ...": columns "label" and one per field, named by its number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +129,9 @@ def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
     where its rows start (after the header line)."""
     import pyarrow.csv as csv
 
-    if config.format is FileFormat.LIBSVM:
+    if config.format in (FileFormat.LIBSVM, FileFormat.LIBFM):
         return ["label", "features"], 0
-    if config.format is FileFormat.LIBFM:  # the fields of the first MiB's lines
+    if config.format is FileFormat.LIBFFM:  # the fields of the first MiB's lines
         with open(path, "rb") as f:
             head = f.read(1 << 20).decode("utf-8", errors="replace").splitlines()[:-1] or [""]
         fields = {t.split(":")[0] for line in head for t in line.split()[1:]}
@@ -212,10 +213,12 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
     for j in config.joins:  # each side table with the columns the schema takes from it, keyed
         own = [c for c in wanted if joined.get(c) is j]
         if own:
-            sides.append((j, own, _side_table(j, {**{c: types[c] for c in own}, j.on: pa.string()}, block_bytes)))
+            sides.append((j, own, _side_table(j, {**{c: types[c] for c in own}, j.on: pa.string()}, block_bytes,
+                                              tuple(r for r in value_rules(schema) if r.column in own))))
     read = [c for c in wanted if c not in joined] + [j.on for j, _, _ in sides if j.on not in wanted]
+    rules = value_rules(schema)
     for batch in _typed_batches(path, {c: t for c, t in types.items() if c not in joined}, read, config, shard,
-                                block_bytes, bad):
+                                block_bytes, bad, tuple(r for r in rules if r.column not in joined)):
         if sides:
             columns = {c: batch.column(c) for c in read}
             for j, own, table in sides:
@@ -225,7 +228,7 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
         yield batch
 
 
-def _side_table(join: Join, types: dict, block_bytes: int) -> pa.Table:
+def _side_table(join: Join, types: dict, block_bytes: int, rules: tuple[ValueRule, ...] = ()) -> pa.Table:
     """``join``'s side table: the key (rows without one dropped, each key once) and ``types``'
     columns, typed."""
     import pyarrow as pa
@@ -233,7 +236,7 @@ def _side_table(join: Join, types: dict, block_bytes: int) -> pa.Table:
 
     wanted = list(types)
     table = pa.Table.from_batches(list(_typed_batches(join.path, types, wanted, join.reader, None, block_bytes,
-                                                      BadRowCount())), schema=pa.schema(types.items()))
+                                                      BadRowCount(), rules)), schema=pa.schema(types.items()))
     table = table.filter(pc.is_valid(table.column(join.on))).combine_chunks()
     if pc.count_distinct(table.column(join.on)).as_py() != table.num_rows:
         counts = pc.value_counts(table.column(join.on))
@@ -252,7 +255,8 @@ def _chunk(col: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderConfig,
-                   shard: tuple[int, int] | None, block_bytes: int, bad: BadRowCount) -> Iterator[pa.RecordBatch]:
+                   shard: tuple[int, int] | None, block_bytes: int, bad: BadRowCount,
+                   rules: tuple[ValueRule, ...] = ()) -> Iterator[pa.RecordBatch]:
     """``wanted`` columns of the file itself (no joins) or its ``shard``, typed by ``types``
     (others as read)."""
     import pyarrow as pa
@@ -265,7 +269,7 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
             return
         for batch in pq.ParquetFile(path).iter_batches(batch_size=max(1, block_bytes // 64), row_groups=groups,
                                                        columns=wanted):
-            yield typed_batch(batch, types, wanted, path, first, config.on_bad_rows, bad)
+            yield typed_batch(batch, types, wanted, path, first, config.on_bad_rows, bad, rules=rules)
             first += batch.num_rows
         return
     names, data_start = column_names(path, config)
@@ -273,9 +277,9 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
     lines = LineCounter(path, start)
     if end <= start:  # an empty shard (more ranks than lines) or a file of a header only: no rows
         return
-    if config.format in (FileFormat.LIBSVM, FileFormat.LIBFM):
-        yield from sparse_format_batches(path, config, config.format is FileFormat.LIBFM, start, end, block_bytes,
-                                         lines, types, wanted, bad)
+    if config.format in (FileFormat.LIBSVM, FileFormat.LIBFM, FileFormat.LIBFFM):
+        yield from sparse_format_batches(path, config, config.format is FileFormat.LIBFFM, start, end, block_bytes,
+                                         lines, types, wanted, bad, rules)
         return
     parse = _parse_options(config)
     if config.on_bad_rows is BadRows.SKIP:
@@ -303,7 +307,7 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
                         skip -= batch.num_rows
                         continue
                     batch, skip = batch.slice(skip) if skip else batch, 0
-                    yield typed_batch(batch, types, wanted, path, first, config.on_bad_rows, bad, lines)
+                    yield typed_batch(batch, types, wanted, path, first, config.on_bad_rows, bad, lines, rules)
                     first += batch.num_rows
                 return
             except pa.ArrowInvalid as e:
@@ -344,6 +348,25 @@ def empty_batch(schema: Schema) -> pa.RecordBatch:
     import pyarrow as pa
 
     return pa.RecordBatch.from_pylist([], schema=_empty_schema(schema, ()))
+
+
+def value_rules(schema: Schema) -> tuple[ValueRule, ...]:
+    """What the schema's columns must hold beyond their type: a label value in its positive or
+    negative set (a threshold label: a finite number), a dense value finite unless the schema
+    fills it."""
+    label = schema.label
+    rules = []
+    if label.column and label.threshold is not None:
+        rules.append(ValueRule(label.column, finite=True, fix="give every row a label"))
+    elif label.column:
+        rules.append(ValueRule(label.column, allowed=label.positive + label.negative,
+                               fix=f"add it to the label's positive values ({list(label.positive)}) or negative "
+                                   f"values ({list(label.negative)}) in the schema"))
+    for d in schema.dense:
+        rules.append(ValueRule(d.column, finite=True, fill=d.fill,
+                               fix=f"fix the value, or say what it reads as: fill = 0.0 in the schema's dense "
+                                   f"{d.column!r}"))
+    return tuple(rules)
 
 
 def _types(schema: Schema) -> dict[str, pa.DataType]:

@@ -73,34 +73,98 @@ class LineCounter:
         return self.before + row + 1
 
 
+@dataclasses.dataclass(frozen=True)
+class ValueRule:
+    """What a column's values must be beyond their type (checked as rows are read; a row that
+    breaks it is named - file, line, column, value - or skipped and counted, as a value that is
+    not a number is).
+
+    Attributes:
+        column: the column.
+        allowed: text values allowed, compared stripped and case-folded (a label's positive and
+            negative values; a missing value compares as ``""``); ``None``: any.
+        finite: numbers must be finite: ``NaN``, ``inf`` and ``-inf`` break the rule.
+        fill: with ``finite``, a non-finite number reads as this instead (a schema's fill).
+        fix: the advice the error gives.
+    """
+
+    column: str
+    allowed: tuple[str, ...] | None = None
+    finite: bool = False
+    fill: float | None = None
+    fix: str = ""
+
+
 def typed_batch(batch: pa.RecordBatch, types: dict, wanted: list[str], path: Path, first: int,
-                on_bad_rows: BadRows, bad: BadRowCount, lines: LineCounter | None = None) -> pa.RecordBatch:
-    """``batch`` with text columns cast to their types; rows with a value that does not convert
-    are named (the error) or dropped and counted (``BadRows.SKIP``)."""
+                on_bad_rows: BadRows, bad: BadRowCount, lines: LineCounter | None = None,
+                rules: tuple[ValueRule, ...] = ()) -> pa.RecordBatch:
+    """``batch`` with text columns cast to their types and ``rules`` applied; rows with a value
+    that does not convert or breaks a rule are named (the error) or dropped and counted
+    (``BadRows.SKIP``)."""
     import pyarrow as pa
 
     columns, drop, first_bad = {}, None, ""
+
+    def flag(name: str, original: pa.Array, rows: np.ndarray, reason: str, fix: str) -> None:
+        nonlocal drop, first_bad
+        where = (f"{path}: {'line' if lines else 'row'} "
+                 f"{lines.line(first + int(rows[0])) if lines else first + int(rows[0]) + 1}, column {name!r}: "
+                 f"{original[int(rows[0])].as_py()!r} {reason}")
+        if on_bad_rows is BadRows.ERROR:
+            raise ValueError(f"{where}; {fix}, or set on_bad_rows = \"skip\"")
+        mask = np.zeros(len(batch), dtype=bool)
+        mask[rows] = True
+        drop = mask if drop is None else drop | mask
+        first_bad = first_bad or where
+
     for name in wanted:
         col = batch.column(name)
         if name in types and col.type != types[name]:
             col, rows = _typed(col, types[name])
             if rows:
-                where = (f"{path}: {'line' if lines else 'row'} "
-                         f"{lines.line(first + rows[0]) if lines else first + rows[0] + 1}, column {name!r}: "
-                         f"{batch.column(name)[rows[0]].as_py()!r} is not a number")
-                if on_bad_rows is BadRows.ERROR:
-                    raise ValueError(f"{where}; fix the value, declare the column categorical, or set on_bad_rows = "
-                                     f"\"skip\"")
-                mask = np.zeros(len(batch), dtype=bool)
-                mask[rows] = True
-                drop = mask if drop is None else drop | mask
-                first_bad = first_bad or where
+                flag(name, batch.column(name), np.asarray(rows), "is not a number",
+                     "fix the value, declare the column categorical")
         columns[name] = col
+    for rule in rules:
+        if rule.column in columns:
+            columns[rule.column] = _apply(rule, columns[rule.column], flag)
     out = pa.RecordBatch.from_pydict(columns)
     if drop is not None:
         bad.add(int(drop.sum()), first_bad)
         out = out.filter(pa.array(~drop))
     return out
+
+
+def _apply(rule: ValueRule, col: pa.Array, flag) -> pa.Array:  # noqa: ANN001 - typed_batch's flag
+    """``col`` under ``rule``: bad rows flagged, non-finite numbers filled."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if rule.finite:
+        x = col.to_numpy(zero_copy_only=False)  # float64; a missing value is NaN here: masked by validity
+        valid = col.is_valid().to_numpy(zero_copy_only=False)
+        broken = valid & ~np.isfinite(x)
+        if broken.any():
+            if rule.fill is None:
+                flag(rule.column, col, np.flatnonzero(broken), "is not a finite number", rule.fix)
+            else:
+                col = pc.if_else(pa.array(broken), pa.scalar(float(rule.fill), pa.float64()), col)
+    if rule.allowed is not None:
+        text = normalized_text(col)
+        outside = pc.invert(pc.is_in(text, value_set=pa.array(rule.allowed, pa.string())))
+        rows = np.flatnonzero(outside.to_numpy(zero_copy_only=False))
+        if rows.size:
+            flag(rule.column, col, rows, f"is neither of {list(rule.allowed)}", rule.fix)
+    return col
+
+
+def normalized_text(col: pa.Array) -> pa.Array:
+    """``col``'s values as text stripped and case-folded; a missing value is ``""``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = col.cast(pa.string()) if col.type != pa.string() else col
+    return pc.utf8_lower(pc.utf8_trim_whitespace(text)).fill_null("")
 
 
 def _typed(col: pa.Array, kind: pa.DataType) -> tuple[pa.Array, list[int]]:

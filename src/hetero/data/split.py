@@ -9,11 +9,15 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+from typing import TYPE_CHECKING
 
 from hetero.data.encode import Encoding, fit
 from hetero.data.readers import ReaderConfig, read_table
 from hetero.data.schema import Schema
 from hetero.data.tabular import TabularDataset
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +84,7 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
                 row = pc.indices_nonzero(pc.is_null(times))[0].as_py()
                 raise ValueError(f"{path}: row {row + 1} has no value in the time column {split.time_column!r}; fill it "
                                  f"or drop the row")
-            order = np.asarray(table.column(split.time_column).to_numpy(zero_copy_only=False).argsort(kind="stable"))
+            order = time_order(table.column(split.time_column), f"{path}", split.time_column)
             table = table.drop_columns([c for c in extra if c not in schema.columns])
             bounds = [0, round(n * fr[0]), round(n * (fr[0] + fr[1])), n]
             parts = [table.take(order[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -91,3 +95,52 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
     encoding = fit(schema, parts[0], sources[0])
     train, valid, test = (encoding.encode(t, source) for t, source in zip(parts, sources))
     return train, valid, test, encoding
+
+
+def time_order(col: pa.Array | pa.ChunkedArray, source: str, name: str) -> np.ndarray:
+    """The stable order of a time column's rows by the column's own type: numbers as numbers,
+    ISO-8601 text (``2026-01-05``, ``2026-01-05T10:00:00``, with ``Z`` or an offset) as instants
+    - never as text, where ``"10"`` sorts before ``"9"``.
+
+    Raises:
+        ValueError: a column that is neither numbers nor ISO-8601 timestamps (naming ``source``,
+            the column and a value that is neither).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    keys = None
+    if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_temporal(col.type):
+        keys = col
+    else:
+        text = pc.utf8_trim_whitespace(col.cast(pa.string()))
+        for kind in (pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC")):
+            try:
+                keys = text.cast(kind)
+                break
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                continue
+        if keys is None:
+            odd = next(v for v in text.to_pylist() if not _number_or_instant(v))
+            raise ValueError(f"{source}: time column {name!r} holds {odd!r}, neither a number nor an ISO-8601 "
+                             f"timestamp (2026-01-05T10:00:00): a time split orders rows by time; give such a column")
+    if pa.types.is_timestamp(keys.type) or pa.types.is_date(keys.type):
+        keys = keys.cast(pa.int64()) if pa.types.is_timestamp(keys.type) else keys.cast(pa.int32())
+    return np.asarray(keys.to_numpy(zero_copy_only=False)).argsort(kind="stable")
+
+
+def _number_or_instant(value: str) -> bool:
+    import datetime
+
+    try:
+        float(value)
+        return True
+    except ValueError:
+        pass
+    try:
+        datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return True
+    except ValueError:
+        return False

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, typed_batch
+from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, typed_batch
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -20,11 +20,13 @@ if TYPE_CHECKING:
 
 def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: int, end: int,
                           block_bytes: int, lines: LineCounter, types: dict, wanted: list[str],
-                          bad: BadRowCount) -> Iterator[pa.RecordBatch]:
-    """libsvm/libfm lines as record batches of the schema's columns: the label's text and, per
-    field column, the row's ids joined by ``|`` (null when the row has none). Feature values
-    must be 1 (categorical ids, as CTR data sets write them); another value is an error naming
-    the line (or, under ``BadRows.SKIP``, its row is skipped)."""
+                          bad: BadRowCount, rules: tuple[ValueRule, ...] = ()) -> Iterator[pa.RecordBatch]:
+    """libsvm / libFM lines (``label index:value ...``) or libFFM lines (``label
+    field:index:value ...``, ``libfm=True``: the flag names the field-aware format) as record
+    batches of the schema's columns: the label's text and, per field column, the row's ids joined
+    by ``|`` (null when the row has none). Feature values must be 1 (categorical ids, as CTR data
+    sets write them); another value or a malformed token is an error naming the line (or, under
+    ``BadRows.SKIP``, its row is skipped)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.csv as csv
@@ -48,9 +50,11 @@ def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: 
             tokens, row = tokens.filter(pa.array(~head)), row[~head]
             pieces = pc.split_pattern(tokens, ":")
             want = 3 if libfm else 2
+            malformed = pc.list_value_length(pieces).to_numpy(zero_copy_only=False) != want
+            if malformed.any():  # ("a:b" in a field-aware file): read as a blank token, flagged below
+                pieces = pc.if_else(pa.array(malformed), pa.scalar([""] * want, type=pieces.type), pieces)
             value = pc.list_element(pieces, want - 1) if len(tokens) else pa.array([], pa.string())
-            wrong = (pc.list_value_length(pieces).to_numpy(zero_copy_only=False) != want) | \
-                pc.not_equal(value, "1").fill_null(True).to_numpy(zero_copy_only=False)
+            wrong = malformed | pc.not_equal(value, "1").fill_null(True).to_numpy(zero_copy_only=False)
             drop = np.zeros(n, dtype=bool)
             if wrong.any():
                 at = int(np.flatnonzero(wrong)[0])
@@ -76,7 +80,21 @@ def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: 
                 offsets = pa.array(np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32))
                 joined = pc.binary_join(pa.ListArray.from_arrays(offsets, index.filter(pa.array(mask))), "|")
                 columns[name] = pc.if_else(pa.array(per_row == 0), pa.nulls(n, pa.string()), joined)
-            out = typed_batch(pa.RecordBatch.from_pydict(columns), types, wanted, path, first, config.on_bad_rows, bad,
-                              lines)
-            yield out.filter(pa.array(~drop)) if drop.any() else out
+            batch = pa.RecordBatch.from_pydict(columns)
+            counter, at = lines, first
+            if drop.any():  # the bad tokens' rows out first: the rules then name only rows that remain
+                batch = batch.filter(pa.array(~drop))
+                counter, at = _Renumbered(lines, first, np.flatnonzero(~drop)), 0
+            yield typed_batch(batch, types, wanted, path, at, config.on_bad_rows, bad, counter, rules)
             first += n
+
+
+class _Renumbered:
+    """A :class:`LineCounter` for a block whose bad rows were dropped: row ``i`` of what remains
+    is row ``keep[i]`` of the block starting at row ``first``."""
+
+    def __init__(self, lines: LineCounter, first: int, keep: np.ndarray) -> None:
+        self.lines, self.first, self.keep = lines, first, keep
+
+    def line(self, row: int) -> int:
+        return self.lines.line(self.first + int(self.keep[row]))
