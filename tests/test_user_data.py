@@ -106,3 +106,59 @@ def test_a_prepared_cache_names_files_by_position_and_is_verified_on_load(tmp_pa
     target.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"bag1.values.bin does not match its checksum"):
         load_prepared(cache)
+
+
+def test_int64_parquet_ids_hash_as_their_csv_text(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hetero.data.encode import fit
+
+    ids = [42, 7, 123456789012, 42, 0]
+    pq.write_table(pa.table({"y": ["1", "0", "1", "0", "1"], "user": pa.array(ids, pa.int64())}), tmp_path / "p.parquet")
+    (tmp_path / "c.csv").write_text("y,user\n" + "".join(f"{y},{u}\n" for y, u in zip("10101", ids)))
+    schema = Schema(Label("y"), (Categorical("user", hash_buckets=1000),))
+    from hetero.data.readers import FileFormat, read_table
+
+    parquet = read_table(tmp_path / "p.parquet", schema, ReaderConfig(FileFormat.PARQUET))
+    text = read_table(tmp_path / "c.csv", schema)
+    got = [fit(schema, t, "x").encode(t, "x").features["user"].tolist() for t in (parquet, text)]
+    # the documented hash in plain Python: 1 + fnv1a64(utf8(decimal text)) mod (buckets - 1)
+    def fnv(s):
+        h = 0xCBF29CE484222325
+        for b in s.encode():
+            h = ((h ^ b) * 0x100000001B3) % 2**64
+        return 1 + h % 999
+
+    assert got[0] == got[1] == [fnv(str(u)) for u in ids]
+
+
+def test_inputs_as_users_have_them_parts_globs_lists_and_compressed_files(tmp_path, capsys):
+    import gzip
+
+    whole = tmp_path / "ids.csv"
+    _ids_csv(whole, 300)
+    header, *rows = whole.read_text().splitlines()
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i in range(3):
+        (parts / f"part-{i:05d}.csv").write_text("\n".join([header, *rows[i * 100:(i + 1) * 100]]) + "\n")
+    (parts / "_SUCCESS").write_text("")
+    (tmp_path / "ids.csv.gz").write_bytes(gzip.compress(whole.read_bytes()))
+    schema = Schema(Label("label"), (Categorical("user"), Categorical("item", hash_buckets=64)))
+    want = read_dataset(whole, schema, seed=3)
+    for path in (parts, str(parts / "part-*.csv"), [parts / f"part-{i:05d}.csv" for i in range(3)],
+                 tmp_path / "ids.csv.gz"):
+        got = read_dataset(path, schema, seed=3)
+        for a, b in zip(want[:3], got[:3]):
+            assert a.features["user"].tolist() == b.features["user"].tolist(), path
+            assert a.label.tolist() == b.label.tolist()
+    (tmp_path / "empty.csv").write_bytes(b"")
+    job = tmp_path / "job.toml"
+    job.write_text(IDS_JOB.format(data=tmp_path / "empty.csv", extra=""))
+    assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().err == (f"hetero: error: {tmp_path / 'empty.csv'} is empty (no header line): give a file "
+                                       f"with a header and rows, or set header = false and column_names\n")
+    job.write_text(IDS_JOB.format(data=tmp_path / "ids.csv.gz", extra=f'valid_path = "{whole}"\ntest_path = "{whole}"'))
+    assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run"), "--stream"]) == 1
+    assert "--stream cuts one uncompressed file into byte ranges;" in capsys.readouterr().err

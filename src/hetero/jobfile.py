@@ -3,7 +3,7 @@
 Sections (every one optional)::
 
     [data]                      # a user's file, read on pyarrow (hetero.data.readers)
-    path = "clicks.csv"         # or --data-path
+    path = "clicks.csv"         # or --data-path; also "parts/" (a directory), "day_*.csv.gz", ["a.csv", "b.csv"]
     format = "csv"              # "csv" (any delimiter), "parquet", "libsvm", "libfm"
     delimiter = ","
     header = true               # else column_names = ["label", "city", ...] (with a header: renamed)
@@ -61,14 +61,16 @@ class DataSource:
     """Where a job's own data is and how to read and split it.
 
     Attributes:
-        path: the file (``None``: given by ``--data-path``).
+        path: the data: a file, a directory of part files, a glob pattern, or several of
+            these (a tuple), compressed line files read decompressed
+            (:func:`hetero.data.readers.source_files`); ``None``: given by ``--data-path``.
         reader: how it is read (and its joins).
         split: how its rows become train / validation / test (random ones seeded by ``--seed``).
         fetch: a public data set (:data:`hetero.data.fetch.PUBLIC_DATA`) to download; relative
             paths are in its directory.
     """
 
-    path: Path | None = None
+    path: Path | tuple[Path, ...] | None = None
     reader: ReaderConfig = ReaderConfig()
     split: Split = Split()
     fetch: str | None = None
@@ -87,7 +89,9 @@ class DataSource:
         if base is None:
             return self
 
-        def under(p: Path | None) -> Path | None:
+        def under(p):  # noqa: ANN001, ANN202 - a Path, a tuple of them, or None
+            if isinstance(p, tuple):
+                return tuple(under(x) for x in p)
             return p if p is None or p.is_absolute() else base / p
 
         joins = tuple(dataclasses.replace(j, path=under(j.path)) for j in self.reader.joins)
@@ -150,7 +154,11 @@ def read_job_file(path: Path, flags: Mapping[str, bool]) -> JobFile:
         check_type(table["path"], Path, "path", at)
         check_type(table["on"], str, "on", at)
         joins.append(checked(at, Join, Path(table["path"]), table["on"], build_dataclass(ReaderConfig, own, at)))
-    source = DataSource(Path(data["path"]) if "path" in data else None,
+    if "path" in data:
+        check_type(data["path"], str | tuple[str, ...], "path", where)
+    data_path = tuple(Path(p) for p in data["path"]) if isinstance(data.get("path"), list) else \
+        Path(data["path"]) if "path" in data else None
+    source = DataSource(data_path,
                         build_dataclass(ReaderConfig, {**reader, "joins": tuple(joins)}, where),
                         _split(split, where), data.get("fetch"))
     schema = schema_from_dict(doc["schema"], f"{path} [schema]") if "schema" in doc else None

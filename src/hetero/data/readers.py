@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import glob
 import io
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, typed_batch
+from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, compressed, data_end, \
+    open_data, typed_batch
 from hetero.data.schema import Schema
 from hetero.data.svmlight import sparse_format_batches
 
@@ -132,14 +134,22 @@ def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
     if config.format in (FileFormat.LIBSVM, FileFormat.LIBFM):
         return ["label", "features"], 0
     if config.format is FileFormat.LIBFFM:  # the fields of the first MiB's lines
-        with open(path, "rb") as f:
-            head = f.read(1 << 20).decode("utf-8", errors="replace").splitlines()[:-1] or [""]
+        with open_data(path) as f:
+            text = f.read(1 << 20)
+        lines = text.decode("utf-8", errors="replace").splitlines()
+        head = (lines if len(text) < 1 << 20 else lines[:-1]) or [""]  # (a MiB may end inside a line)
         fields = {t.split(":")[0] for line in head for t in line.split()[1:]}
         return ["label", *sorted(fields, key=lambda x: (len(x), x))], 0
     if config.column_names and not config.header:
         return list(config.column_names), 0
-    with open(path, "rb") as f:  # the header is one line (no newlines inside quoted names)
-        header = f.readline()
+    header = b""
+    with open_data(path) as f:  # the header is one line (no newlines inside quoted names)
+        while b"\n" not in header and (chunk := f.read(1 << 16)):
+            header += chunk
+    if not header.strip():
+        raise ValueError(f"{path} is empty (no header line): give a file with a header and rows, or set header = false "
+                         f"and column_names")
+    header = header[:header.index(b"\n") + 1] if b"\n" in header else header
     names = csv.read_csv(io.BytesIO(header), parse_options=_parse_options(config)).schema.names  # parsed as CSV
     if config.column_names:  # the header's names replaced
         if len(config.column_names) != len(names):
@@ -147,6 +157,45 @@ def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
                              f"{len(names)} columns ({names}); give one name per column")
         return list(config.column_names), len(header)
     return names, len(header)
+
+
+def source_files(path: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The files a data path names, in order: a file; a directory's files (sorted by name, hidden
+    ones and ``_SUCCESS``-style markers left out: Spark's and Hive's part files); a glob pattern's
+    matches (sorted); or a list of any of these, in its order. A compressed line file
+    (:data:`hetero.data.rows.COMPRESSED`) is read decompressed.
+
+    Raises:
+        FileNotFoundError: a directory without files, or a pattern that matches none.
+    """
+    if isinstance(path, (list, tuple)):
+        return [f for p in path for f in source_files(p)]
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith((".", "_")))
+        if not files:
+            raise FileNotFoundError(f"data directory {p} holds no data files")
+        return files
+    if any(ch in str(p) for ch in "*?[") and not p.exists():
+        files = sorted(Path(f) for f in glob.glob(str(p)) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"no data file matches {p}")
+        return files
+    return [p]
+
+
+def single_file(path: str | Path | Sequence[str | Path], what: str) -> Path:
+    """The one uncompressed file ``what`` (a byte-sharded read) needs.
+
+    Raises:
+        ValueError: several files or a compressed one (naming them and the fix).
+    """
+    files = source_files(path)
+    if len(files) != 1 or compressed(files[0]):
+        named = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+        raise ValueError(f"{what} cuts one uncompressed file into byte ranges; {named} cannot be cut: decompress and "
+                         f"concatenate it into one file, or read it in memory (or prepare a cache: hetero data prepare)")
+    return files[0]
 
 
 def file_columns(path: str | Path, config: ReaderConfig) -> list[str]:
@@ -157,7 +206,8 @@ def file_columns(path: str | Path, config: ReaderConfig) -> list[str]:
         FileNotFoundError: no such file (or side table).
         ValueError: a join whose key a file lacks, or whose columns the file has already.
     """
-    return _own_columns(Path(path), config) + [c for j in config.joins for c in _joined_columns(Path(path), config, j)]
+    path = source_files(path)[0]  # (every file of several is checked as it is read)
+    return _own_columns(path, config) + [c for j in config.joins for c in _joined_columns(path, config, j)]
 
 
 def _own_columns(path: Path, config: ReaderConfig) -> list[str]:
@@ -184,10 +234,10 @@ def _joined_columns(path: Path, config: ReaderConfig, join: Join) -> list[str]:
     return added
 
 
-def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(),
+def record_batches(path: str | Path | Sequence[str | Path], schema: Schema, config: ReaderConfig = ReaderConfig(),
                    extra: tuple[str, ...] = (), shard: tuple[int, int] | None = None,
                    block_bytes: int = 1 << 20, bad: BadRowCount | None = None) -> Iterator[pa.RecordBatch]:
-    """The schema's columns of ``path`` (or of its ``shard``: bytes ``[start, end)`` of a line
+    """The schema's columns of ``path`` (any of :func:`source_files`; or of one file's ``shard``: bytes ``[start, end)`` of a line
     format, cut at line starts, or row groups ``[start, end)`` of a Parquet file) in record
     batches of about ``block_bytes`` of text, typed (see the module docstring), its joins'
     columns added, and the columns ``extra`` as pyarrow infers them. Decoding is pyarrow's, on its own threads; memory holds a few
@@ -203,7 +253,14 @@ def record_batches(path: str | Path, schema: Schema, config: ReaderConfig = Read
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    path = Path(path)
+    files = source_files(path)
+    if len(files) > 1:  # several files, one after the other (line numbers are each file's own)
+        if shard is not None:
+            raise ValueError(f"a shard is a byte or row-group range of one file; {path} names {len(files)} files")
+        for f in files:
+            yield from record_batches(f, schema, config, extra, None, block_bytes, bad)
+        return
+    path = files[0]
     bad = bad if bad is not None else BadRowCount()
     types = _types(schema)
     wanted = schema.columns + [c for c in extra if c not in schema.columns]
@@ -273,7 +330,7 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
             first += batch.num_rows
         return
     names, data_start = column_names(path, config)
-    start, end = shard if shard is not None else (data_start, path.stat().st_size)
+    start, end = shard if shard is not None else (data_start, data_end(path))
     lines = LineCounter(path, start)
     if end <= start:  # an empty shard (more ranks than lines) or a file of a header only: no rows
         return
@@ -297,8 +354,7 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
     while True:
         convert = csv.ConvertOptions(column_types=types if fast else {c: pa.string() for c in types},
                                      include_columns=wanted, strings_can_be_null=True, null_values=nulls)
-        with open(path, "rb") as f:
-            f.seek(start)
+        with open_data(path, start) as f:
             try:
                 skip = first
                 for batch in csv.open_csv(ByteRange(f, end - start), read_options=read, parse_options=parse,
@@ -319,7 +375,7 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
                     from None
 
 
-def read_table(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(),
+def read_table(path: str | Path | Sequence[str | Path], schema: Schema, config: ReaderConfig = ReaderConfig(),
                extra: tuple[str, ...] = ()) -> pa.Table:
     """The whole of :func:`record_batches` as one table (the same errors)."""
     import pyarrow as pa

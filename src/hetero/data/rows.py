@@ -40,6 +40,37 @@ class BadRowCount:
         self.rows += rows
 
 
+COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")  # a line file's suffixes pyarrow decompresses as it reads
+
+
+def compressed(path: Path) -> bool:
+    """Whether ``path`` is a compressed line file (by its suffix: :data:`COMPRESSED`)."""
+    return path.suffix.lower() in COMPRESSED
+
+
+def open_data(path: Path, start: int = 0):  # noqa: ANN201 - a binary file object
+    """``path`` opened for binary reading at byte ``start`` of its (decompressed) text: a
+    compressed file is decompressed as it is read (pyarrow's codecs), its first ``start`` bytes
+    read and dropped (a compressed stream cannot seek)."""
+    if not compressed(path):
+        f = open(path, "rb")  # noqa: SIM115 - the caller closes it
+        f.seek(start)
+        return f
+    import pyarrow as pa
+
+    f = pa.input_stream(str(path), compression="detect")
+    while start > 0:
+        start -= len(f.read(min(start, 1 << 24)))
+    return f
+
+
+def data_end(path: Path) -> int:
+    """The end of ``path``'s text in bytes (a compressed file's: unknown until read, so as large as any)."""
+    import sys
+
+    return sys.maxsize if compressed(path) else path.stat().st_size
+
+
 class ByteRange(io.RawIOBase):
     """``size`` bytes of an open file from its position: one rank's shard of a CSV file."""
 
@@ -65,7 +96,7 @@ class LineCounter:
     def line(self, row: int) -> int:
         if self.before < 0:
             self.before = 0
-            with open(self.path, "rb") as f:
+            with open_data(self.path) as f:
                 left = self.start
                 while left > 0:
                     chunk = f.read(min(left, 1 << 24))
@@ -173,6 +204,9 @@ def _typed(col: pa.Array, kind: pa.DataType) -> tuple[pa.Array, list[int]]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if kind in (pa.binary(), pa.string()) and not (pa.types.is_string(col.type) or pa.types.is_binary(col.type)):
+        # numbers (a Parquet int64 id column) as their decimal text: 42 hashes as "42" does in a CSV file
+        return col.cast(pa.string()).cast(kind), []
     try:
         return col.cast(kind), []
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):

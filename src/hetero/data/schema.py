@@ -8,7 +8,9 @@ and the dense features, and how each becomes model input.
   ``min_count`` times, in order of first appearance, ids ``1..n``; row 0 is the out-of-vocabulary
   row: unseen, rare and empty values) or from **hashing** into ``hash_buckets`` rows (row 0 for
   empty values, else ``1 + fnv1a64(utf8(value)) mod (hash_buckets - 1)``: FNV-1a, 64-bit, stable
-  across processes and runs - Python's ``hash`` is salted per process). A feature may derive its
+  across processes and runs - Python's ``hash`` is salted per process). A number is hashed as its
+  decimal text, so ``42`` in a CSV file and ``42`` in an int64 (or a float64 ``42.0``) Parquet
+  column hash alike, to the same row. A feature may derive its
   values from its column: the first ``prefix`` characters (a zip code's region), or the bucket of a
   number between ``boundaries`` (an age group; TensorFlow's bucketized column). A feature has a
   ``name`` of its own (default: the column's), so one column can feed several features.
@@ -335,8 +337,8 @@ def check_type(value: Any, hint: Any, key: str, where: str) -> None:  # noqa: AN
 
 def _fits(value: Any, hint: Any) -> bool:  # noqa: ANN401
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, a) for a in args if a is not type(None))
+    if origin in (typing.Union, types.UnionType):  # (None: a saved schema's; TOML has none)
+        return (value is None and type(None) in args) or any(_fits(value, a) for a in args if a is not type(None))
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             return False

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, typed_batch
+from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, open_data, typed_batch
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -35,8 +35,7 @@ def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: 
     parse = csv.ParseOptions(delimiter="\x1f", quote_char=False)  # one field per line
     convert = csv.ConvertOptions(column_types={"line": pa.string()})
     first = 0
-    with open(path, "rb") as f:
-        f.seek(start)
+    with open_data(path, start) as f:
         for batch in csv.open_csv(ByteRange(f, end - start), read_options=read, parse_options=parse,
                                   convert_options=convert):
             n = batch.num_rows
