@@ -428,3 +428,31 @@ def test_an_offloaded_update_overlaps_backward_only_beside_a_separate_device(cac
         backward = cost._passes(u.name, True, Target.DEVICE, host) / 2
         assert got == pytest.approx(before + copies - min(update(u, lambda u: 0.0) + copies, backward), rel=1e-9)
         assert got < before + copies
+
+
+def test_an_interrupted_collective_measurement_leaves_no_launcher_running(monkeypatch):
+    import os
+    import subprocess
+    import time
+
+    from hetero.planner import timing
+
+    started = []
+    real_popen, real_sleep = subprocess.Popen, time.sleep
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def interrupted(seconds):
+        real_sleep(1.0)  # torchrun is up
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        timing.collective_curves(2)
+    run = started[0]
+    assert run.poll() is not None  # the launcher was stopped and reaped
+    with pytest.raises(ProcessLookupError):
+        os.killpg(run.pid, 0)  # and its whole session (the ranks) is gone

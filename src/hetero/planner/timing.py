@@ -334,19 +334,21 @@ def collective_curves(world: int, backend: str = "gloo") -> dict[str, Curve]:
             # the result counts, not the exit: gloo's teardown has been seen to hang after the
             # ranks wrote it, so a few seconds after the file appears the launch is stopped
             deadline, written = time.monotonic() + float(os.environ.get("HETERO_COLLECTIVES_TIMEOUT", 300)), None
-            while run.poll() is None and time.monotonic() < deadline:
-                if out.is_file() and written is None:
-                    written = time.monotonic()
-                if written is not None and time.monotonic() - written > 5:
-                    break
-                time.sleep(0.1)
-            if run.poll() is None:  # torchrun stops its ranks on SIGTERM (they run in sessions of their own)
-                os.killpg(run.pid, signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(run.pid, signal.SIGKILL)
-                    run.wait()
+            try:
+                while run.poll() is None and time.monotonic() < deadline:
+                    if out.is_file() and written is None:
+                        written = time.monotonic()
+                    if written is not None and time.monotonic() - written > 5:
+                        break
+                    time.sleep(0.1)
+            finally:  # also when interrupted (Ctrl-C): its own session does not get our SIGINT
+                if run.poll() is None:  # torchrun stops its ranks on SIGTERM (they run in sessions of their own)
+                    os.killpg(run.pid, signal.SIGTERM)
+                    try:
+                        run.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(run.pid, signal.SIGKILL)
+                        run.wait()
         if not out.is_file():
             raise RuntimeError(f"measuring {backend} collectives on {world} ranks failed: {log.read_text()[-2000:]}")
         result = json.loads(out.read_text())
