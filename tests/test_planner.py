@@ -368,6 +368,19 @@ def test_hetero_plan_writes_a_plan_that_hetero_train_applies_without_changing_th
     state = load_checkpoint(tmp_path / "planned" / "checkpoint.pt")["dense_optimizer"]["state"]
     assert all(isinstance(k, str) for k in state)  # HostAdamW's state, by parameter name (torch's: by index)
     assert Plan.load(tmp_path / "planned" / "plan.json").to_dict() == plan.to_dict()
+    assert plan.optimizer.value == "adam"  # the job's own optimizer (torch's Adam), not AdamW
+    capsys.readouterr()
+    # a plan file is checked against what it was made for, before anything runs
+    assert main(["train", *job, "--batch-size", "32", "--plan", str(tmp_path / "plan.json"),
+                 "--run-dir", str(tmp_path / "other_batch")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"hetero: error: plan {tmp_path / 'plan.json'} was made for another global batch size (--batch-size): 64 in "
+        f"the plan, 32 in this job: plan this job again (--plan auto, or hetero plan --world-size 1)")
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    doc["plan"]["machine"] = "another CPU; 64 cores; 2 threads; torch 2.0; accelerator none"
+    (tmp_path / "moved.json").write_text(json.dumps(doc))
+    assert main(["train", *job, "--plan", str(tmp_path / "moved.json"), "--run-dir", str(tmp_path / "moved")]) == 1
+    assert "was made for another machine (its calibration): another CPU; 64 cores; torch 2.0" in capsys.readouterr().err
     assert main(["plan", *job, "--device-memory", "1KiB", "--out", str(tmp_path / "none.json")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hetero: error: no plan fits the device budget of 1.0 KiB; the smallest that works is ")

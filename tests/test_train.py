@@ -253,3 +253,30 @@ def test_a_failed_resume_changes_nothing_in_the_trainer(tmp_path):
     for k, v in other.model.state_dict().items():
         assert torch.equal(v, model_before[k]), k
     assert other.dense_optimizer.state_dict() == dense_before and other.global_step == 0
+
+
+def _ddp_leaves_host_adamw_out(run_dir):
+    from hetero.optim import HostAdamW
+
+    data = make_dataset()
+    torch.manual_seed(0)
+    slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
+                         deep=f.role is not FeatureRole.WIDE) for f in data.specs]
+    model = WideDeep(slots, data.dense.shape[1], WideDeepConfig(embedding_dim=4, hidden=(8,), dropout=0.0))
+    tables = host_tables(model)
+    sparse = {"wide": FTRL({k: v for k, v in tables.items() if k.startswith("wide.")}),
+              "deep": LazyAdam({k: v for k, v in tables.items() if k.startswith("deep.")})}
+    mlp = [(n, p) for n, p in model.named_parameters() if n.startswith("mlp.")]
+    dense = HostAdamW(mlp, lr=1e-3)  # the --plan path's offloaded state: it averages these gradients itself
+    batches = Batches(data, BatchConfig(batch_size=64, shuffle=True, seed=0, rank=torch.distributed.get_rank(),
+                                        world_size=2))
+    trainer = Trainer(model, dense, sparse, batches, data, data, TrainConfig(progress=False), run_dir)
+    return sorted(trainer.net.parameters_to_ignore), [n for n, _ in mlp]
+
+
+def test_ddp_leaves_out_what_an_offloaded_optimizer_averages_itself(tmp_path):
+    from conftest import run_ranks
+
+    ignored, offloaded = run_ranks(tmp_path, 2, _ddp_leaves_host_adamw_out, str(tmp_path / "run"))
+    assert set(offloaded) <= set(ignored)  # averaged once, by HostAdamW (hetero.apply's rule), not also by DDP
+    assert "wide_dense.weight" not in ignored  # the rest stays DDP's

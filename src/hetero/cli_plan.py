@@ -31,8 +31,9 @@ from hetero.jobfile import JobFile
 from hetero.models.dlrm import DLRM, DLRMConfig
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.placement import Target, resolve_device
-from hetero.optim import HostAdamW, HostOffloadConfig, SparseOptimizerKind
-from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
+from hetero.optim import SparseOptimizerKind
+from hetero.planner.calibration import machine_key
+from hetero.planner.optimizers import OptimizerConfig, device_optimizer
 from hetero.planner.plan import Plan
 from hetero.planner.space import OptimizerKind, StateHome, TablePlacement
 
@@ -119,14 +120,38 @@ def job_plan(args: argparse.Namespace, model: nn.Module, batches: Batches) -> Pl
     world = parallel.world_size()
     if args.plan != "auto":
         plan = Plan.load(args.plan)
-        if plan.world_size != world:
-            raise ValueError(f"plan {args.plan} is for {plan.world_size} rank(s), this job has {world}: plan again "
-                             f"(--plan auto, or hetero plan --world-size {world})")
+        check_plan_fits(plan, model, args.batch_size, world, args.plan)
     else:
         plan = _broadcast(_make_plan(args, model, batches, world) if parallel.global_rank() == 0 else None)
     if parallel.global_rank() == 0:
         log.info("%s", plan)
     return plan
+
+
+def _machine(description: str) -> str:
+    """A calibration's machine without its thread count (torchrun's ranks set their own)."""
+    return "; ".join(part for part in description.split("; ") if not part.endswith(" threads"))
+
+
+def check_plan_fits(plan: Plan, model: nn.Module, batch_size: int, world: int, where: str | Path) -> None:
+    """Check that a loaded plan was made for this job: the model (its class and units), the
+    global batch, the world size, the dense optimizer and this machine's calibration.
+
+    Raises:
+        ValueError: naming what differs, both values and the fix.
+    """
+    units = set(dict(model.named_modules()))
+    missing = [u for u in plan.units if u not in units]
+    here = _machine(machine_key()[1])
+    for what, planned, ours in (("model", plan.model, type(model).__name__),
+                                ("units", missing[:3], []),
+                                ("global batch size (--batch-size)", plan.batch, batch_size),
+                                ("world size (ranks)", plan.world_size, world),
+                                ("dense optimizer", plan.optimizer.value, OptimizerKind.ADAM.value),
+                                ("machine (its calibration)", _machine(plan.machine), here)):
+        if planned != ours:
+            raise ValueError(f"plan {where} was made for another {what}: {planned} in the plan, {ours} in this job: plan "
+                             f"this job again (--plan auto, or hetero plan --world-size {world})")
 
 
 def _make_plan(args: argparse.Namespace, model: nn.Module, batches: Batches, world: int) -> Plan:
@@ -135,7 +160,7 @@ def _make_plan(args: argparse.Namespace, model: nn.Module, batches: Batches, wor
     samples = example_batches(batches)
     (inputs, label), more = samples[0], tuple(s[0] for s in samples[1:])
     sparse = {"wide": SparseOptimizerKind(args.wide_optimizer), "deep": SparseOptimizerKind(args.deep_optimizer)}
-    planner = Planner(model, inputs, world_size=world, optimizer=OptimizerKind.ADAMW, sparse_optimizers=sparse,
+    planner = Planner(model, inputs, world_size=world, optimizer=OptimizerKind.ADAM, sparse_optimizers=sparse,
                       loss_fn=lambda logits: torch.nn.functional.binary_cross_entropy_with_logits(logits, label),
                       sample_batches=more, config=PlannerConfig(micro_batches=(1,), device_tables=False))
     return planner.plan(args.device_memory, args.host_memory)
@@ -173,12 +198,8 @@ def apply_job_plan(args: argparse.Namespace, plan: Plan, model: nn.Module) -> No
 
 
 def dense_optimizer(plan: Plan, named: list[tuple[str, nn.Parameter]], lr: float) -> torch.optim.Optimizer:
-    """The main job's dense optimizer (Adam) where the plan puts its state."""
-    state = plan.candidate.state
-    if state is StateHome.DEVICE:
-        return torch.optim.Adam([p for _, p in named], lr=lr)
-    host = HostOffloadConfig(device_dtype=named[0][1].dtype)  # the same update as Adam, weights in their dtype
-    if state is StateHome.HOST:
-        return HostAdamW(named, lr=lr, weight_decay=0.0, config=host)
-    return PartialOffloadAdamW(named, lr=lr, weight_decay=0.0, config=PartialOffloadConfig(plan.candidate.offload_ratio,
-                                                                                          host))
+    """The main job's dense optimizer (Adam) where the plan puts its state - built as
+    ``hetero.apply`` builds it (:func:`hetero.planner.optimizers.device_optimizer`): an
+    offloaded state's HostAdamW averages its gradients over every rank itself, and the trainer
+    leaves those parameters out of DDP."""
+    return device_optimizer(named, plan, OptimizerConfig(lr=lr))

@@ -89,6 +89,11 @@ class HostAdamW(torch.optim.Optimizer):
 
     decoupled = True
 
+    def replica_averaged_parameters(self) -> list[Tensor]:
+        """Every parameter: their gradients are averaged over ``process_group`` before each update
+        (:class:`~hetero.optim.host_state.AveragesReplicas`)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, config: HostOffloadConfig = HostOffloadConfig(),
                  process_group: dist.ProcessGroup | None = None, norm_group: dist.ProcessGroup | None = None) -> None:

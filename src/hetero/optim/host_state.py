@@ -5,6 +5,7 @@ kernels, the optimizer's own gloo group)."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 import weakref
 from typing import Any
 
@@ -154,3 +155,15 @@ def _call_weakly(method: weakref.WeakMethod, p: Tensor) -> None:
 def _remove_all(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
+
+
+@typing.runtime_checkable
+class AveragesReplicas(typing.Protocol):
+    """A dense optimizer that averages some parameters' gradients over the data-parallel
+    replicas itself (``HostAdamW``, the host part of ``PartialOffloadAdamW``): a data-parallel
+    wrapper (DDP) must leave those parameters out, as ``hetero.apply`` does - averaging them
+    twice is wasted traffic, and DDP takes one device type."""
+
+    def replica_averaged_parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients the optimizer averages, in its order."""
+        ...

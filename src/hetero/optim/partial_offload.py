@@ -100,6 +100,11 @@ class PartialOffloadAdamW:
             AdamW would step on scaled gradients: use bf16, or ratio 1).
     """
 
+    def replica_averaged_parameters(self) -> list[Tensor]:
+        """The host part's parameters: its HostAdamW averages their gradients
+        (:class:`~hetero.optim.host_state.AveragesReplicas`); the device part's are DDP's."""
+        return self.host.replica_averaged_parameters()
+
     def __init__(self, params: Iterable[tuple[str, Tensor]], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, config: PartialOffloadConfig = PartialOffloadConfig(),
                  process_group: dist.ProcessGroup | None = None) -> None:

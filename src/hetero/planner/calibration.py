@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import hashlib
 import json
 import math
@@ -54,6 +55,8 @@ from hetero.planner.timing import (
 )
 
 VERSION = 14  # bump when what is measured changes: older cache files are measured again
+
+log = logging.getLogger("hetero")
 
 
 @dataclasses.dataclass
@@ -192,6 +195,7 @@ def collectives(calibration: Calibration, world: int, cache_dir: Path | None = N
     key = f"{backend}:{world}"
     if world < 2 or key in calibration.collectives:
         return
+    log.info("hetero: measuring %s collectives on %d ranks of this host (once; cached)", backend, world)
     calibration.collectives[key] = collective_curves(world, backend)
     path = cache_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,19 +225,30 @@ def measure() -> Calibration:
     key, text = machine_key()
     device = resolve_device(Target.DEVICE)
     host_is_device = device.type == "cpu"
+    # the first calibration takes minutes on a small host: say what it measures as it goes
+    steps = iter(("the device's op rates", "the host's op rates", "host <-> device copies", "the dense optimizers",
+                  "the host tables' lookups and updates"))
+    say = lambda: log.info("hetero: calibrating this machine (once; cached): %s (%.0f s so far)",  # noqa: E731
+                           next(steps), time.perf_counter() - start)
+    say()
     ops = {"device": op_curves(device)}
+    say()
     with worker() as on_worker:  # host subgraphs run on the partitioner's worker, with its thread team
         ops["host"] = on_worker(functools.partial(op_curves, torch.device("cpu")))()[0]
+    say()
     h2d = d2h = None
     if not host_is_device:
         h2d, d2h = copy_curves(device)
+    say()
     kinds = ("adamw", "sgd", "sgd_momentum")
     optimizers = {k: optimizer_rate(device, k) for k in kinds}
     optimizers.update({f"{k}_host": optimizers[k] if host_is_device else optimizer_rate(torch.device("cpu"), k)
                        for k in kinds})
     optimizers["host_adamw"] = host_adamw_rate()
+    say()
     tables = table_rates()
     device_tables = table_rates(device)
+    log.info("hetero: calibrated in %.0f s", time.perf_counter() - start)
     small = ops["device"]["memory"].points[0][1]  # a direct call's cost, in the curves already
     overhead = max(0.0, eager_seconds_per_op(device) - small)
     return Calibration(key, text, "cpu" if host_is_device else torch.cuda.get_device_name(device), host_is_device, ops,

@@ -116,7 +116,8 @@ class CostModel(Protocol):
         """The costs of ``candidate`` that no unit's option changes."""
 
 
-_STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.SGD: 0, OptimizerKind.SGD_MOMENTUM: 4}  # per fp32 element
+_STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.ADAM: 8, OptimizerKind.SGD: 0,
+                OptimizerKind.SGD_MOMENTUM: 4}  # per fp32 element
 HOST_ADAMW_BYTES = 16  # per parameter on the host: fp32 master, two moments, the gradient buffer
 
 
@@ -313,7 +314,7 @@ class MeasuredCost:
     def _host_update(self, u: Unit) -> tuple[float, int]:
         """Seconds of torch's optimizer updating unit ``u``'s parameters on the host, and the
         bytes of its state there."""
-        rate = self.cal.optimizers[f"{self.optimizer.value}_host"]
+        rate = self.cal.optimizers[f"{self.optimizer.calibrated}_host"]
         return rate.seconds(u.params, u.param_tensors) - rate.fixed, _STATE_BYTES[self.optimizer] * u.params
 
     def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float, float]:
@@ -332,7 +333,7 @@ class MeasuredCost:
         state = state / c.dp if zero >= 1 else state
         grads = grads / c.dp if zero >= 2 else grads
         params = params / c.dp if zero >= 3 else params
-        rate, host_rate = self.cal.optimizers[self.optimizer.value], self.cal.optimizers["host_adamw"]
+        rate, host_rate = self.cal.optimizers[self.optimizer.calibrated], self.cal.optimizers["host_adamw"]
         update_elems = device_part / c.dp if zero >= 1 else device_part
         seconds = rate.seconds(update_elems, u.param_tensors) - rate.fixed if device_part else 0.0
         offloaded, streamed = ratio * u.params, 0.0
@@ -386,7 +387,7 @@ class MeasuredCost:
         s = self._scale(c)
         root = self._passes("", False, Target.DEVICE, c) + self._passes("", True, Target.DEVICE, c)
         compute_share, param_share = self._shares("", c)
-        rate = self.cal.optimizers[self.optimizer.value]
+        rate = self.cal.optimizers[self.optimizer.calibrated]
         parts = {"compute (ops of no unit)": root * compute_share, "optimizer fixed": rate.fixed}
         device = int((self.graph.input_bytes + self.root.saved_bytes) * s) + \
             int((2 * self.root.param_bytes + _STATE_BYTES[self.optimizer] * self.root.params) * param_share)

@@ -16,7 +16,7 @@ from torch import nn
 from hetero.optim import HostAdamW, HostOffloadConfig
 from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
 from hetero.planner.plan import Plan
-from hetero.planner.space import OptimizerKind, StateHome
+from hetero.planner.space import ADAM_FAMILY, OptimizerKind, StateHome
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,8 @@ def optimizer_args(kind: OptimizerKind, c: OptimizerConfig) -> tuple[type[torch.
     """torch's optimizer class of ``kind`` and its hyperparameters from ``c``."""
     if kind is OptimizerKind.ADAMW:
         return torch.optim.AdamW, {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
+    if kind is OptimizerKind.ADAM:
+        return torch.optim.Adam, {"lr": c.lr, "betas": c.betas, "eps": c.eps, "weight_decay": c.weight_decay}
     momentum = c.momentum if kind is OptimizerKind.SGD_MOMENTUM else 0.0
     return torch.optim.SGD, {"lr": c.lr, "momentum": momentum, "weight_decay": c.weight_decay}
 
@@ -63,7 +65,10 @@ def device_optimizer(named: list[tuple[str, nn.Parameter]], plan: Plan, c: Optim
     group an offloaded state averages gradients over (``None``: every rank; a pipeline's: its
     stage's ``dp`` ranks, not the other stages)."""
     state = plan.candidate.state
-    if state is StateHome.DEVICE or plan.optimizer is not OptimizerKind.ADAMW:
+    if state is not StateHome.DEVICE and plan.optimizer is OptimizerKind.ADAM and c.weight_decay:
+        raise ValueError(f"Adam's weight decay ({c.weight_decay}) is an L2 term in its gradient, which HostAdamW (AdamW's "
+                         f"decoupled decay) does not run: keep the state on the device, or use AdamW")
+    if state is StateHome.DEVICE or plan.optimizer not in ADAM_FAMILY:
         # (no foreach under tp: it takes one kind of tensor, and tp mixes DTensor shards and plain ones)
         return torch_optimizer([p for _, p in named], plan.optimizer, c, None if foreach else False)
     # the device keeps its weights in their own dtype: the update is AdamW's, exactly

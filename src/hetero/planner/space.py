@@ -22,8 +22,17 @@ class OptimizerKind(enum.Enum):
     """The model's dense optimizer - the math, which a plan never changes (only where it runs)."""
 
     ADAMW = "adamw"  # torch.optim.AdamW; offloaded: HostAdamW (the same update). Two moments per element
+    ADAM = "adam"  # torch.optim.Adam; offloaded (weight_decay 0): HostAdamW (the same update). Two moments
     SGD = "sgd"  # torch.optim.SGD without momentum: no state
     SGD_MOMENTUM = "sgd_momentum"  # torch.optim.SGD with momentum: one buffer per element, beside its parameters
+
+    @property
+    def calibrated(self) -> str:
+        """The calibration's rate it runs at (Adam's is AdamW's: the same moments, the same work)."""
+        return OptimizerKind.ADAMW.value if self is OptimizerKind.ADAM else self.value
+
+
+ADAM_FAMILY = (OptimizerKind.ADAMW, OptimizerKind.ADAM)  # what HostAdamW runs off the device
 
 
 class StateHome(enum.Enum):
@@ -149,7 +158,7 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                 continue
             per_rank = batch // dp
             homes = [(StateHome.DEVICE, 0.0)]
-            if optimizer is OptimizerKind.ADAMW and tp == 1:  # HostAdamW keeps whole master weights
+            if optimizer in ADAM_FAMILY and tp == 1:  # HostAdamW keeps whole master weights
                 # (replicas: HostAdamW averages its part's gradients itself, DDP or replicate the rest)
                 homes += [(StateHome.HOST, 1.0)] + [(StateHome.PARTIAL, r) for r in ratios]
             tables = [TablePlacement.HOST] if dp == 1 or not has_tables else \

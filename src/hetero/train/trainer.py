@@ -25,6 +25,7 @@ from hetero.checkpoint.sharded import load_sharded, read_bytes, resolve, save_sh
 from hetero.data.tabular import Batch, EvalData, TrainingData
 from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
+from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel import (
     DistributedSparse,
     active,
@@ -113,7 +114,10 @@ class Trainer:
         # dense part; host tables replicated (exchanged sparse gradients) or row-sharded
         # (hetero.parallel.shard_rows, called before the optimizers were built).
         check_replicas(model)  # ranks must start from identical replicated tables (same seed)
-        self.net = model if pipeline is not None else data_parallel(model, config.data_parallel)
+        # (an optimizer that averages its parameters' gradients itself - HostAdamW - keeps them out of DDP)
+        own = set(dense_optimizer.replica_averaged_parameters()) if isinstance(dense_optimizer, AveragesReplicas) \
+            else set()
+        self.net = model if pipeline is not None else data_parallel(model, config.data_parallel, host=own)
         # Tables on parameter servers (hetero.ps): the optimizers' steps become pushes.
         self.remote = ps.remote_tables(model)
         if self.remote and config.checkpoint_format is not CheckpointFormat.SHARDED:
