@@ -77,3 +77,29 @@ def test_job_file_values_of_the_wrong_type_name_key_type_and_example(tmp_path, c
                    f'column = "c"\n{cat}\n')
     assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run")]) == 1
     assert f"hetero: error: {job} {message}" in _err(capsys)
+
+
+def test_every_flag_of_every_command_says_its_default_in_help():
+    import argparse
+
+    from hetero.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in ("train", "plan", "predict"):
+        text = commands[name].format_help()
+        for action in commands[name]._actions:
+            if action.option_strings and action.dest != "help" and action.default is not argparse.SUPPRESS:
+                assert action.help, f"hetero {name} {action.option_strings[-1]} has no help (and so no default shown)"
+        assert text.count("(default:") >= len([a for a in commands[name]._actions if a.help and a.dest != "help"])
+
+
+def test_the_job_file_reference_is_generated_from_the_code_and_current():
+    from pathlib import Path
+
+    from hetero.cli_reference import reference
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "job-file.md"
+    assert doc.read_text() == reference(), "docs/job-file.md is stale: python -m hetero.cli_reference > docs/job-file.md"
+    for key in ("`null_values`", "`negative`", "`fill`", "`hash_buckets`", "`dense_lr`", "`overwrite`", "`split`"):
+        assert key in doc.read_text()

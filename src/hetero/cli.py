@@ -83,21 +83,22 @@ def _train_arguments(t: argparse.ArgumentParser, train: bool = True) -> None:
     g.add_argument("--model", choices=["wide_deep", "dlrm"], default="wide_deep",
                    help="Wide & Deep (--hidden: its MLP) or DLRM (--bottom, --hidden: the top MLP)")
     g.add_argument("--bottom", type=_ints, default=DLRMConfig.bottom, help="DLRM: the bottom MLP's widths")
-    g.add_argument("--embedding-dim", type=int, default=WideDeepConfig.embedding_dim)
+    g.add_argument("--embedding-dim", type=int, default=WideDeepConfig.embedding_dim, help="deep tables' row width")
     g.add_argument("--hidden", type=_ints, default=(256, 128), help="MLP widths, comma-separated")
-    g.add_argument("--dropout", type=float, default=0.3)
+    g.add_argument("--dropout", type=float, default=0.3, help="dropout after each hidden layer of the MLP")
     g = t.add_argument_group("optimizers")
     kinds = [k.value for k in SparseOptimizerKind]
-    g.add_argument("--dense-lr", type=float, default=1e-3, help="Adam on the device MLP")
-    g.add_argument("--deep-optimizer", choices=kinds, default="lazy_adam")
-    g.add_argument("--deep-lr", type=float, default=1e-2)
-    g.add_argument("--wide-optimizer", choices=kinds, default="ftrl")
-    g.add_argument("--wide-lr", type=float, default=0.05)
-    g.add_argument("--ftrl-l1", type=float, default=0.0)
-    g.add_argument("--ftrl-l2", type=float, default=1.0)
+    g.add_argument("--dense-lr", type=float, default=1e-3, help="learning rate of Adam on the device MLP (> 0)")
+    g.add_argument("--deep-optimizer", choices=kinds, default="lazy_adam", help="sparse optimizer of the deep tables")
+    g.add_argument("--deep-lr", type=float, default=1e-2, help="learning rate of the deep tables (> 0)")
+    g.add_argument("--wide-optimizer", choices=kinds, default="ftrl", help="sparse optimizer of the wide tables")
+    g.add_argument("--wide-lr", type=float, default=0.05, help="learning rate of the wide tables (> 0)")
+    g.add_argument("--ftrl-l1", type=float, default=0.0, help="FTRL's L1 strength (>= 0)")
+    g.add_argument("--ftrl-l2", type=float, default=1.0, help="FTRL's L2 strength (>= 0)")
     g = t.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=8)
-    g.add_argument("--run-dir", type=Path, default=Path("runs/wide_deep"))
+    g.add_argument("--epochs", type=int, default=8, help="passes over the training split")
+    g.add_argument("--run-dir", type=Path, default=Path("runs/wide_deep"), help="where the run's checkpoints, metrics "
+                   "and plots go (one run per directory: see --resume, --overwrite)")
     g.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
                    help="continue from RUN_DIR's checkpoint; 'auto': if it exists (for torchrun --max-restarts)")
     g.add_argument("--overwrite", action="store_true", help="start a new run in a RUN_DIR that holds another run's "
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--id-column", help="a column of --data copied into the scores beside each row's score (a key)")
     pr.add_argument("--data-dir", type=Path, help="the directory the job file's relative paths are in")
     pr.add_argument("--cache-dir", type=Path, help="download cache (default $HETERO_CACHE or ~/.cache/hetero)")
-    pr.add_argument("--batch-size", type=int, default=8192)
+    pr.add_argument("--batch-size", type=int, default=8192, help="rows scored at a time")
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True)
     m = csub.add_parser("merge", help="merge a sharded checkpoint (a checkpoint.dcp directory) into one integrated file",
