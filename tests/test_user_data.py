@@ -162,3 +162,50 @@ def test_inputs_as_users_have_them_parts_globs_lists_and_compressed_files(tmp_pa
     job.write_text(IDS_JOB.format(data=tmp_path / "ids.csv.gz", extra=f'valid_path = "{whole}"\ntest_path = "{whole}"'))
     assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run"), "--stream"]) == 1
     assert "--stream cuts one uncompressed file into byte ranges;" in capsys.readouterr().err
+
+
+def _four_formats(tmp_path, kind):
+    """A categorical-only file as its authors ship it, and the job file a user writes for it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 40, 400), rng.integers(0, 25, 400)
+    y = ((a + b) % 3 == 0).astype(int)
+    if kind == "libsvm":  # labels 0/1, "index:1" tokens
+        path = tmp_path / "data.libsvm"
+        path.write_text("".join(f"{t} {i}:1 {100 + j}:1\n" for t, i, j in zip(y, a, b)))
+        return path, 'format = "libsvm"', '[[schema.categorical]]\ncolumn = "features"\nseparator = "|"\n', "label"
+    if kind == "libfm":  # libFM's release layout (Frappe): labels -1/1
+        path = tmp_path / "data.libfm"
+        path.write_text("".join(f"{2 * t - 1} {i}:1 {100 + j}:1\n" for t, i, j in zip(y, a, b)))
+        return path, 'format = "libfm"', '[[schema.categorical]]\ncolumn = "features"\nseparator = "|"\n', "label"
+    if kind == "csv":
+        path = tmp_path / "data.csv"
+        path.write_text("clicked,user,item\n" + "".join(f"{t},{i},{j}\n" for t, i, j in zip(y, a, b)))
+        cats = '[[schema.categorical]]\ncolumn = "user"\n[[schema.categorical]]\ncolumn = "item"\n'
+        return path, "", cats, "clicked"
+    path = tmp_path / "data.parquet"  # int64 ids, an int64 label
+    pq.write_table(pa.table({"clicked": pa.array(y, pa.int64()), "user": pa.array(a * 1_000_003, pa.int64()),
+                             "item": pa.array(b, pa.int64())}), path, row_group_size=100)
+    cats = ('[[schema.categorical]]\ncolumn = "user"\nhash_buckets = 256\n'
+            '[[schema.categorical]]\ncolumn = "item"\nhash_buckets = 64\n')
+    return path, 'format = "parquet"', cats, "clicked"
+
+
+@pytest.mark.parametrize("kind", ["libsvm", "libfm", "csv", "parquet"])
+def test_categorical_only_files_as_shipped_train_resume_and_predict(tmp_path, capsys, kind):
+    data, fmt, cats, label = _four_formats(tmp_path, kind)
+    job = tmp_path / "job.toml"
+    job.write_text(f'[data]\npath = "{data}"\n{fmt}\n[schema]\nlabel = "{label}"\n{cats}')
+    run = tmp_path / "run"
+    args = ["train", "--config", str(job), *TRAIN, "--run-dir", str(run)]
+    assert main([*args, "--max-steps", "12"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0
+    metrics = _last_json(capsys)
+    assert metrics["epochs"] == 2 and metrics["test_auc"] is not None
+    assert main(["predict", "--checkpoint", str(run / "checkpoint.pt"), "--data", str(data),
+                 "--out", str(tmp_path / "scores.parquet")]) == 0
+    printed = _last_json(capsys)
+    assert printed["rows"] == 400 and printed["auc"] is not None
