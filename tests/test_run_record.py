@@ -160,3 +160,17 @@ def test_predict_at_two_ranks_with_an_empty_shard_writes_csv(tmp_path):
     lines = (tmp_path / "s.csv").read_text().splitlines()
     assert lines[0] == '"key","score","label"' and len(lines) == 201
     assert [line.split(",")[0].strip('"') for line in lines[1:]] == [r[0] for r in rows]
+
+
+def test_a_merged_sharded_checkpoint_scores_anywhere(tmp_path, capsys):
+    data = tmp_path / "data.csv"
+    _write(data, _rows())
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(_job(tmp_path, data)), *TRAIN, "--checkpoint-format", "sharded",
+                 "--run-dir", str(run)]) == 0
+    merged = tmp_path / "elsewhere" / "model.pt"
+    merged.parent.mkdir()
+    assert main(["checkpoint", "merge", str(run / "checkpoint.dcp"), str(merged)]) == 0
+    capsys.readouterr()
+    assert main(["predict", "--checkpoint", str(merged), "--data", str(data), "--out", str(tmp_path / "s.csv")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == 500

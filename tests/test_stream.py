@@ -301,11 +301,11 @@ def test_predict_on_ranks_equals_one_process(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir() if "part" in p.name) == []
 
 
-def test_a_libfm_file_streams_in_disjoint_covering_shards(tmp_path):
-    path = tmp_path / "clicks.libfm"
+def test_a_libffm_file_streams_in_disjoint_covering_shards(tmp_path):
+    path = tmp_path / "clicks.libffm"
     path.write_text("".join(f"{i % 2} 0:{i % 7}:1 1:{i}:1\n" for i in range(500)), encoding="utf-8")
     schema = Schema(Label("label"), (Categorical("0"), Categorical("1")))
-    reader = ReaderConfig(FileFormat.LIBFM)
+    reader = ReaderConfig(FileFormat.LIBFFM)
     enc = fit_stream(path, schema, reader)  # field 1's vocabulary in first appearance: line i is id i + 1
     seen = []
     for rank in range(3):

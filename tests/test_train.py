@@ -190,8 +190,15 @@ def test_an_empty_or_tiny_file_is_a_clear_error_before_the_model_is_built(tmp_pa
 
 
 def test_a_single_class_evaluation_writes_valid_json_with_null(tmp_path, capsys):
+    import numpy as np
+
     path = tmp_path / "negatives.tsv"
-    path.write_text(criteo_lines(60, label=0))
+    # two positives, both in the training split (the split's draw per row, seed 0): evaluation sees one class
+    train = [i for i, u in enumerate(np.random.default_rng(0).random(60)) if u < 0.8][:2]
+    lines = criteo_lines(60, label=0).splitlines()
+    for i in train:
+        lines[i] = "1" + lines[i][1:]
+    path.write_text("\n".join(lines) + "\n")
     assert main(["train", "--config", str(criteo_job(tmp_path)), "--data-path", str(path), "--run-dir",
                  str(tmp_path / "run"), "--no-progress", "--epochs", "1", "--batch-size", "16"]) == 0
 
