@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hetero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from hetero.cli import build_trainer, main, merge, parse_args
+from hetero.cli import build_trainer, main, merge
+from hetero.cli_parser import parse_args
 
 from conftest import movielens
 

@@ -82,7 +82,7 @@ def test_job_file_values_of_the_wrong_type_name_key_type_and_example(tmp_path, c
 def test_every_flag_of_every_command_says_its_default_in_help():
     import argparse
 
-    from hetero.cli import build_parser
+    from hetero.cli_parser import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices

@@ -128,7 +128,7 @@ def test_early_stopping_scores_test_with_the_best_epoch(tmp_path, capsys):
 
 
 def test_hetero_plan_reads_a_job_file_that_trains_with_a_plan(tmp_path):
-    from hetero.cli import parse_args
+    from hetero.cli_parser import parse_args
 
     job = tmp_path / "job.toml"
     job.write_text(JOB.format(path=tmp_path / "clicks.csv").replace("[train]\n", '[train]\nplan = "auto"\n'))

@@ -11,7 +11,8 @@ from pathlib import Path
 from hetero import parallel
 from hetero.data import BatchConfig
 from hetero.data.encode import Encoding
-from hetero.data.readers import ReaderConfig, single_file
+from hetero.data.files import single_file
+from hetero.data.readers import ReaderConfig
 from hetero.data.prepare import load_prepared, prepare, prepared_reader
 from hetero.data.split import read_dataset
 from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, fit_stream

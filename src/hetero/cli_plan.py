@@ -35,7 +35,7 @@ from hetero.optim import SparseOptimizerKind
 from hetero.planner.calibration import machine_key
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer
 from hetero.planner.plan import Plan
-from hetero.planner.space import OptimizerKind, StateHome, TablePlacement
+from hetero.planner.space import OptimizerKind, TablePlacement
 
 log = logging.getLogger("hetero")
 

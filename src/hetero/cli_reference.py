@@ -14,9 +14,10 @@ import json
 import re
 import typing
 
-from hetero.cli import build_parser
+from hetero.cli_parser import build_parser
 from hetero.data.readers import ReaderConfig
-from hetero.data.schema import Categorical, Cross, Dense, Label, _expected
+from hetero.data.schema import Categorical, Cross, Dense, Label
+from hetero.data.toml_values import expected_type
 from hetero.data.split import Split
 
 
@@ -64,7 +65,7 @@ def _table(cls: type, skip: tuple[str, ...] = (), keys: dict[str, str] | None = 
         if f.name in skip:
             continue
         text = docs.get(f.name, "").replace("|", "\\|")
-        rows.append(f"| `{(keys or {}).get(f.name, f.name)}` | {_expected(hints[f.name])} | {_default(f)} | {text} |")
+        rows.append(f"| `{(keys or {}).get(f.name, f.name)}` | {expected_type(hints[f.name])} | {_default(f)} | {text} |")
     return rows
 
 

@@ -51,7 +51,8 @@ from typing import Any
 
 from hetero.data.readers import Join, ReaderConfig
 from hetero.data.split import Split
-from hetero.data.schema import Schema, build_dataclass, check_keys, check_type, checked, schema_from_dict
+from hetero.data.schema import Schema, build_dataclass, check_keys, checked, schema_from_dict
+from hetero.data.toml_values import check_type
 
 SECTIONS = ("data", "schema", "train")
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hetero.checkpoint import CheckpointError
 from hetero.data.encode import Encoding, encoding_document, encoding_from_document
 from hetero.data.readers import ReaderConfig, reader_from_dict, reader_to_dict
 
@@ -128,3 +129,19 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str:  # noqa: ANN401 - 
             if x != y:
                 return _first_difference(x, y, f"{path}[{i}]")
     return f"{path or 'value'}: {json.dumps(a)[:80]} in the checkpoint, {json.dumps(b)[:80]} in this run"
+
+
+def check_record(state: Mapping[str, Any], ours: Mapping[str, Any], path: str | Path) -> None:
+    """Check that a checkpoint's ``state`` holds this run's record ``ours`` (:meth:`RunRecord.to_state`)
+    in what a resume must keep (:func:`record_differences`).
+
+    Raises:
+        CheckpointError: no record in the checkpoint, or one that differs (naming what).
+    """
+    if RECORD_KEY not in state:
+        raise CheckpointError(f"checkpoint {path} holds no run record (written by an older hetero, or by a run without "
+                              f"one): the data, encoding and model it was trained with cannot be checked; start a new run")
+    differ = record_differences(state[RECORD_KEY], ours)
+    if differ:
+        raise CheckpointError(f"checkpoint {path} was trained with another {'; another '.join(differ)}: resume with the "
+                              f"job it was saved with, or start a new run in another --run-dir")

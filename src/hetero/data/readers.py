@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import glob
 import io
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, compressed, data_end, \
-    open_data, typed_batch
+from hetero.data.column_rules import column_types, value_rules
+from hetero.data.files import source_files
+from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, data_end, open_data, \
+    typed_batch
 from hetero.data.schema import Schema
 from hetero.data.svmlight import sparse_format_batches
 
@@ -159,45 +160,6 @@ def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
     return names, len(header)
 
 
-def source_files(path: str | Path | Sequence[str | Path]) -> list[Path]:
-    """The files a data path names, in order: a file; a directory's files (sorted by name, hidden
-    ones and ``_SUCCESS``-style markers left out: Spark's and Hive's part files); a glob pattern's
-    matches (sorted); or a list of any of these, in its order. A compressed line file
-    (:data:`hetero.data.rows.COMPRESSED`) is read decompressed.
-
-    Raises:
-        FileNotFoundError: a directory without files, or a pattern that matches none.
-    """
-    if isinstance(path, (list, tuple)):
-        return [f for p in path for f in source_files(p)]
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith((".", "_")))
-        if not files:
-            raise FileNotFoundError(f"data directory {p} holds no data files")
-        return files
-    if any(ch in str(p) for ch in "*?[") and not p.exists():
-        files = sorted(Path(f) for f in glob.glob(str(p)) if Path(f).is_file())
-        if not files:
-            raise FileNotFoundError(f"no data file matches {p}")
-        return files
-    return [p]
-
-
-def single_file(path: str | Path | Sequence[str | Path], what: str) -> Path:
-    """The one uncompressed file ``what`` (a byte-sharded read) needs.
-
-    Raises:
-        ValueError: several files or a compressed one (naming them and the fix).
-    """
-    files = source_files(path)
-    if len(files) != 1 or compressed(files[0]):
-        named = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
-        raise ValueError(f"{what} cuts one uncompressed file into byte ranges; {named} cannot be cut: decompress and "
-                         f"concatenate it into one file, or read it in memory (or prepare a cache: hetero data prepare)")
-    return files[0]
-
-
 def file_columns(path: str | Path, config: ReaderConfig) -> list[str]:
     """The columns a file's rows have, in any format (a CSV file's header or ``column_names``, a
     Parquet file's schema, the svmlight formats' implied columns), then its joins' columns.
@@ -262,7 +224,7 @@ def record_batches(path: str | Path | Sequence[str | Path], schema: Schema, conf
         return
     path = files[0]
     bad = bad if bad is not None else BadRowCount()
-    types = _types(schema)
+    types = column_types(schema)
     wanted = schema.columns + [c for c in extra if c not in schema.columns]
     joined = {c: j for j in config.joins for c in _joined_columns(path, config, j)}
     _check_extra(schema, _own_columns(path, config) + list(joined), extra, path)
@@ -406,42 +368,9 @@ def empty_batch(schema: Schema) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist([], schema=_empty_schema(schema, ()))
 
 
-def value_rules(schema: Schema) -> tuple[ValueRule, ...]:
-    """What the schema's columns must hold beyond their type: a label value in its positive or
-    negative set (a threshold label: a finite number), a dense value finite unless the schema
-    fills it."""
-    label = schema.label
-    rules = []
-    if label.column and label.threshold is not None:
-        rules.append(ValueRule(label.column, finite=True, fix="give every row a label"))
-    elif label.column:
-        rules.append(ValueRule(label.column, allowed=label.positive + label.negative,
-                               fix=f"add it to the label's positive values ({list(label.positive)}) or negative "
-                                   f"values ({list(label.negative)}) in the schema"))
-    for d in schema.dense:
-        rules.append(ValueRule(d.column, finite=True, fill=d.fill,
-                               fix=f"fix the value, or say what it reads as: fill = 0.0 in the schema's dense "
-                                   f"{d.column!r}"))
-    return tuple(rules)
-
-
-def _types(schema: Schema) -> dict[str, pa.DataType]:
-    """Each column's type as read: numbers float64 (dense, bucketised, a threshold label), columns
-    that only hashed features read bytes (the hash reads bytes; no UTF-8 validation, faster),
-    other text UTF-8."""
-    import pyarrow as pa
-
-    numeric = schema.numeric_columns
-    types = {c: pa.float64() if c in numeric else pa.string() for c in schema.columns}
-    hashed = {c.column for c in schema.categorical if c.hash_buckets is not None and c.prefix is None}
-    text = {c.column for c in schema.categorical if c.hash_buckets is None or c.prefix is not None}
-    types.update({c: pa.binary() for c in hashed - text - set(numeric)})
-    return types
-
-
 def _empty_schema(schema: Schema, extra: tuple[str, ...]) -> pa.Schema:
     import pyarrow as pa
 
-    return pa.schema(list(_types(schema).items()) + [(c, pa.string()) for c in extra if c not in schema.columns])
+    return pa.schema(list(column_types(schema).items()) + [(c, pa.string()) for c in extra if c not in schema.columns])
 
 

@@ -35,13 +35,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import pathlib
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hetero.data.tabular import FeatureRole
+from hetero.data.toml_values import check_type
 
 
 class Transform(enum.Enum):
@@ -321,72 +320,6 @@ def build_dataclass(cls: type, table: Mapping[str, Any], where: str) -> Any:  # 
             value = parse_enum(type(default), value, f"{where}: {key} =")
         kwargs[key] = tuple(value) if isinstance(value, list) else value
     return checked(where, cls, **kwargs)
-
-
-def check_type(value: Any, hint: Any, key: str, where: str) -> None:  # noqa: ANN401 - a TOML value, a type
-    """Check a job file's ``key = value`` against the field's type ``hint`` (an int where a
-    float is wanted passes; a string never passes for a number, nor a number for a string).
-
-    Raises:
-        ValueError: naming ``where``, the key, the value, the expected type and an example.
-    """
-    if not _fits(value, hint):
-        raise ValueError(f"{where}: {key} = {value!r} is {_toml_kind(value)}; give {_expected(hint)}, e.g. {key} = "
-                         f"{_example(hint)}")
-
-
-def _fits(value: Any, hint: Any) -> bool:  # noqa: ANN401
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):  # (None: a saved schema's; TOML has none)
-        return (value is None and type(None) in args) or any(_fits(value, a) for a in args if a is not type(None))
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            return False
-        inner = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
-        return len(inner) == len(value) and all(_fits(v, a) for v, a in zip(value, inner))
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str or hint is pathlib.Path or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
-        return isinstance(value, (str, hint))
-    return True  # a nested dataclass (joins): checked where it is built
-
-
-def _toml_kind(value: Any) -> str:  # noqa: ANN401
-    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a table"}
-    return kinds.get(type(value), type(value).__name__)
-
-
-def _expected(hint: Any) -> str:  # noqa: ANN401
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_expected(a) for a in args if a is not type(None))
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return f"a list of {_expected(args[0]).removeprefix('a ').removeprefix('an ')}s"
-        return f"a list of {len(args)} {_expected(args[0]).removeprefix('a ').removeprefix('an ')}s"
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return f"one of {[k.value for k in hint]}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-            pathlib.Path: "a path (a string)"}.get(hint, str(hint))
-
-
-def _example(hint: Any) -> str:  # noqa: ANN401
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return _example(next(a for a in args if a is not type(None)))
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return f"[{_example(args[0])}, {_example(args[0])}]"
-        if args and args[0] is float and len(args) == 3:
-            return "[0.8, 0.1, 0.1]"
-        return "[" + ", ".join(_example(a) for a in args) + "]"
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return f'"{next(iter(hint)).value}"'
-    return {bool: "true", int: "1000", float: "0.5", str: '"text"', pathlib.Path: '"file.csv"'}.get(hint, "...")
 
 
 def checked(where: str, cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - an instance of cls

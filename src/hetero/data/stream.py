@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from hetero.data.encode import Encoding, Fitter
-from hetero.data.readers import FileFormat, ReaderConfig, column_names, empty_batch, file_columns, record_batches, single_file
+from hetero.data.files import single_file
+from hetero.data.readers import FileFormat, ReaderConfig, column_names, empty_batch, file_columns, record_batches
 from hetero.data.rows import BadRowCount
 from hetero.data.schema import Schema
 from hetero.data.tabular import Batch, BatchConfig, Jagged, TabularDataset
@@ -75,7 +76,7 @@ def file_shards(path: str | Path, reader: ReaderConfig, world_size: int) -> list
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: several files or a compressed one (:func:`~hetero.data.readers.single_file`).
+        ValueError: several files or a compressed one (:func:`~hetero.data.files.single_file`).
     """
     path = single_file(path, "a read sharded over ranks")
     if reader.format is not FileFormat.PARQUET:

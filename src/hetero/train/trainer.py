@@ -42,7 +42,7 @@ from hetero.parallel import (
     local_model_state,
     world_size,
 )
-from hetero.record import RECORD_KEY, record_differences
+from hetero.record import RECORD_KEY, check_record
 from hetero.parallel.pipeline import Pipeline
 from hetero.placement import copy_to
 from hetero.train.checkpointing import (
@@ -216,16 +216,8 @@ class Trainer:
                 opt.check_state_dict(state["sparse_optimizers"][k])
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {path}: {e}") from e
-        # the run record last: whatever the checks above do not name (a transform, the reader settings)
-        if self.record is not None:
-            if RECORD_KEY not in state:
-                raise CheckpointError(f"checkpoint {path} holds no run record (written by an older hetero, or by a run "
-                                      f"without one): the data, encoding and model it was trained with cannot be "
-                                      f"checked; start a new run")
-            differ = record_differences(state[RECORD_KEY], self.record)
-            if differ:
-                raise CheckpointError(f"checkpoint {path} was trained with another {'; another '.join(differ)}: resume "
-                                      f"with the job it was saved with, or start a new run in another --run-dir")
+        if self.record is not None:  # the run record last: whatever the checks above do not name (a transform,
+            check_record(state, self.record, path)  # the reader settings)
 
     def _hyper_parameters(self) -> dict[str, dict[str, Any]]:
         out = {f"dense_optimizer group {i}": {k: v for k, v in g.items() if k != "params"}

@@ -1,0 +1,46 @@
+"""What a schema asks of a file's columns as they are read: each column's type (numbers, text,
+bytes for hashing) and the rules on its values (a label in its positive or negative set, a dense
+value finite), which :func:`hetero.data.rows.typed_batch` applies row by row."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hetero.data.rows import ValueRule
+from hetero.data.schema import Schema
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+def value_rules(schema: Schema) -> tuple[ValueRule, ...]:
+    """What the schema's columns must hold beyond their type: a label value in its positive or
+    negative set (a threshold label: a finite number), a dense value finite unless the schema
+    fills it."""
+    label = schema.label
+    rules = []
+    if label.column and label.threshold is not None:
+        rules.append(ValueRule(label.column, finite=True, fix="give every row a label"))
+    elif label.column:
+        rules.append(ValueRule(label.column, allowed=label.positive + label.negative,
+                               fix=f"add it to the label's positive values ({list(label.positive)}) or negative "
+                                   f"values ({list(label.negative)}) in the schema"))
+    for d in schema.dense:
+        rules.append(ValueRule(d.column, finite=True, fill=d.fill,
+                               fix=f"fix the value, or say what it reads as: fill = 0.0 in the schema's dense "
+                                   f"{d.column!r}"))
+    return tuple(rules)
+
+
+def column_types(schema: Schema) -> dict[str, pa.DataType]:
+    """Each column's type as read: numbers float64 (dense, bucketised, a threshold label), columns
+    that only hashed features read bytes (the hash reads bytes; no UTF-8 validation, faster),
+    other text UTF-8."""
+    import pyarrow as pa
+
+    numeric = schema.numeric_columns
+    types = {c: pa.float64() if c in numeric else pa.string() for c in schema.columns}
+    hashed = {c.column for c in schema.categorical if c.hash_buckets is not None and c.prefix is None}
+    text = {c.column for c in schema.categorical if c.hash_buckets is None or c.prefix is not None}
+    types.update({c: pa.binary() for c in hashed - text - set(numeric)})
+    return types
