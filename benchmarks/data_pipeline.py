@@ -99,7 +99,7 @@ print(json.dumps({"code": code, "peak_rss_bytes": resource.getrusage(resource.RU
 def train(job: Path, run_dir: Path, steps: int, *flags: str) -> dict:
     """``hetero train`` in a process of its own: its metrics and peak resident memory."""
     argv = ["train", "--config", str(job), "--run-dir", str(run_dir), "--batch-size", "4096", "--max-steps",
-            str(steps), "--epochs", "1", "--no-progress", "--embedding-dim", "16", *flags]
+            str(steps), "--epochs", "1", "--no-progress", "--embedding-dim", "16", "--overwrite", *flags]
     out = subprocess.run([sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True, check=False)
     lines = out.stdout.strip().splitlines()
     if out.returncode or len(lines) < 2:

@@ -36,6 +36,7 @@ from hetero.cli_plan import apply_job_plan, build_model, dense_optimizer, job_pl
 from hetero.data.stream import StreamBatches
 from hetero.embedding import dense_parameters, host_tables, set_num_threads
 from hetero.cli_parser import build_parser, check_train_args, parse_args, train_flags
+from hetero.data.schema import plain_data
 from hetero.jobfile import JobFile, read_job_file
 from hetero.train.run_dir import check_run_dir, remove_run_files
 from hetero.models.wide_deep import FeatureSlot, mlp_sharding_plan, pipeline_split_points
@@ -226,14 +227,7 @@ def _write_run_files(run_dir: Path, plan, strategy) -> None:  # noqa: ANN001 - a
 
 def _plain_config(args: argparse.Namespace) -> dict:
     """The resolved command line (job file and flags) as JSON-able data, for the run record."""
-    def plain(v):  # noqa: ANN001, ANN202
-        if isinstance(v, Path):
-            return str(v)
-        if isinstance(v, (tuple, list)):
-            return [plain(x) for x in v]
-        return v
-
-    return {k: plain(v) for k, v in sorted(vars(args).items())}
+    return {k: plain_data(v) for k, v in sorted(vars(args).items())}
 
 
 def _predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

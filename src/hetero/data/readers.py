@@ -27,7 +27,7 @@ from hetero.data.column_rules import column_types, value_rules
 from hetero.data.files import source_files
 from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, data_end, open_data, \
     typed_batch
-from hetero.data.schema import Schema
+from hetero.data.schema import Schema, plain_data
 from hetero.data.svmlight import sparse_format_batches
 
 if TYPE_CHECKING:
@@ -104,18 +104,7 @@ class Join:
 
 def reader_to_dict(reader: ReaderConfig) -> dict[str, Any]:
     """``reader`` as JSON-able data (:func:`reader_from_dict` reads it back)."""
-    def plain(value: Any) -> Any:  # noqa: ANN401 - JSON-able data
-        if isinstance(value, enum.Enum):
-            return value.value
-        if isinstance(value, Path):
-            return str(value)
-        if isinstance(value, (tuple, list)):
-            return [plain(v) for v in value]
-        if dataclasses.is_dataclass(value):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return value
-
-    return plain(reader)
+    return plain_data(reader)
 
 
 def reader_from_dict(doc: Mapping[str, Any]) -> ReaderConfig:

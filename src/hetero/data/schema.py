@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import pathlib
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -278,18 +279,23 @@ def parse_enum(kind: type[enum.Enum], value: object, what: str) -> enum.Enum:
         raise ValueError(f"{what} {value!r} does not exist; valid values are {[k.value for k in kind]}") from None
 
 
-def schema_to_dict(schema: Schema) -> dict[str, Any]:
-    """``schema`` as plain data (enums as their values; :func:`schema_from_dict` reads it back)."""
-    def plain(value: Any) -> Any:  # noqa: ANN401 - JSON-able data
-        if isinstance(value, enum.Enum):
-            return value.value
-        if isinstance(value, (tuple, list)):
-            return [plain(v) for v in value]
-        if dataclasses.is_dataclass(value):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return value
+def plain_data(value: Any) -> Any:  # noqa: ANN401 - JSON-able data
+    """``value`` as JSON-able data: enums as their values, paths as text, tuples as lists,
+    dataclasses as dicts of their fields (recursively)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, pathlib.PurePath):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [plain_data(v) for v in value]
+    if dataclasses.is_dataclass(value):
+        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
 
-    return plain(schema)
+
+def schema_to_dict(schema: Schema) -> dict[str, Any]:
+    """``schema`` as plain data (:func:`plain_data`; :func:`schema_from_dict` reads it back)."""
+    return plain_data(schema)
 
 
 def schema_from_dict(table: Mapping[str, Any], where: str) -> Schema:
