@@ -89,8 +89,10 @@ def test_a_stage_keeps_its_adamw_state_on_the_host_and_trains_as_one_process(tmp
     assert all(c in planner.settings for c in states)
     plans = [planner.price(c) for c in states]
     assert all(not p.host_units() for p in plans)
-    # the stages' moments leave the device: the predicted peak falls by AdamW's 8 bytes an element of the largest stage
-    assert plans[1].predicted.device_bytes < plans[2].predicted.device_bytes < plans[0].predicted.device_bytes
+    # the stages' moments leave the device for the host (each plan's own split: a measured choice)
+    assert plans[1].predicted.device_bytes < plans[0].predicted.device_bytes
+    assert plans[2].predicted.device_bytes < plans[0].predicted.device_bytes
+    assert plans[1].predicted.host_bytes > plans[2].predicted.host_bytes > plans[0].predicted.host_bytes
     gathered = run_ranks(tmp_path, 2, _train, [str(p.save(tmp_path / f"plan{i}.json")) for i, p in enumerate(plans)])
     want = _reference()
     for k, (plan, name) in enumerate(zip(plans, ["AdamW", "HostAdamW", "PartialOffloadAdamW"], strict=True)):

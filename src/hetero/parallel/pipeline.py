@@ -128,6 +128,30 @@ def _timed_stage_class():  # built lazily (importing torch.distributed.pipelinin
         def backward_weight_one_chunk(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
             return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
 
+        def _forward_metadata_inference(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            # torch infers the stages' shapes at the first step by running each stage's forward
+            # (and backward) once more - on the first micro-batch (stage 0) or on uninitialised
+            # tensors of the received shapes (later stages). That pass must leave no trace:
+            # BatchNorm's running statistics took garbage (NaN) from it, and dropout drew from
+            # the RNG. The buffers are restored after the backward inference (which needs them
+            # as the forward left them), in place (optimizers hold them); the RNG at once.
+            self._inference_buffers = [(b, b.detach().clone()) for b in self.submod.buffers()]  # a copy each
+            rng = torch.get_rng_state()
+            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                torch.set_rng_state(rng)
+                if cuda is not None:
+                    torch.cuda.set_rng_state_all(cuda)
+
+        def _post_metadata_inference_cleanup(self) -> None:
+            super()._post_metadata_inference_cleanup()
+            with torch.no_grad():
+                for b, value in getattr(self, "_inference_buffers", ()):
+                    b.copy_(value)
+            self._inference_buffers = []
+
     return StageTimer
 
 
