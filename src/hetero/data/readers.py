@@ -286,7 +286,8 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
     if end <= start:  # an empty shard (more ranks than lines) or a file of a header only: no rows
         return
     if config.format in (FileFormat.LIBSVM, FileFormat.LIBFM, FileFormat.LIBFFM):
-        yield from sparse_format_batches(path, config, config.format is FileFormat.LIBFFM, start, end, block_bytes,
+        yield from sparse_format_batches(path, config.format.value, config.on_bad_rows, config.format is FileFormat.LIBFFM,
+                                         start, end, block_bytes,
                                          lines, types, wanted, bad, rules)
         return
     parse = _parse_options(config)

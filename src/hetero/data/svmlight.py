@@ -1,6 +1,7 @@
-"""The svmlight family of line formats (libsvm ``label idx:value ...``, libfm ``label
-field:idx:value ...``) as record batches of categorical columns (``hetero.data.readers``:
-``FileFormat.LIBSVM`` / ``LIBFM``). Reference: LIBSVM's and libFM's data format documentation."""
+"""The svmlight family of line formats - libsvm and libFM ``label idx:value ...``, libFFM
+``label field:idx:value ...`` - as record batches of categorical columns
+(``hetero.data.readers``: ``FileFormat.LIBSVM`` / ``LIBFM`` / ``LIBFFM``). Reference: LIBSVM's,
+libFM's (Rendle 2012) and LIBFFM's (Juan et al. 2016) data format documentation."""
 
 from __future__ import annotations
 
@@ -15,14 +16,12 @@ from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, Value
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from hetero.data.readers import ReaderConfig
 
-
-def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: int, end: int,
+def sparse_format_batches(path: Path, format_name: str, on_bad_rows: BadRows, field_aware: bool, start: int, end: int,
                           block_bytes: int, lines: LineCounter, types: dict, wanted: list[str],
                           bad: BadRowCount, rules: tuple[ValueRule, ...] = ()) -> Iterator[pa.RecordBatch]:
     """libsvm / libFM lines (``label index:value ...``) or libFFM lines (``label
-    field:index:value ...``, ``libfm=True``: the flag names the field-aware format) as record
+    field:index:value ...``, ``field_aware``) as record
     batches of the schema's columns: the label's text and, per field column, the row's ids joined
     by ``|`` (null when the row has none). Feature values must be 1 (categorical ids, as CTR data
     sets write them); another value or a malformed token is an error naming the line (or, under
@@ -48,7 +47,7 @@ def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: 
             label = pc.list_element(parts, 0)
             tokens, row = tokens.filter(pa.array(~head)), row[~head]
             pieces = pc.split_pattern(tokens, ":")
-            want = 3 if libfm else 2
+            want = 3 if field_aware else 2
             malformed = pc.list_value_length(pieces).to_numpy(zero_copy_only=False) != want
             if malformed.any():  # ("a:b" in a field-aware file): read as a blank token, flagged below
                 pieces = pc.if_else(pa.array(malformed), pa.scalar([""] * want, type=pieces.type), pieces)
@@ -58,14 +57,14 @@ def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: 
             if wrong.any():
                 at = int(np.flatnonzero(wrong)[0])
                 where = (f"{path}: line {lines.line(first + int(row[at]))}: {tokens[at].as_py()!r} is not "
-                         f"{'field:index:1' if libfm else 'index:1'}")
-                if config.on_bad_rows is BadRows.ERROR:
-                    raise ValueError(f"{where}; hetero reads {config.format.value} features as categorical ids of "
+                         f"{'field:index:1' if field_aware else 'index:1'}")
+                if on_bad_rows is BadRows.ERROR:
+                    raise ValueError(f"{where}; hetero reads {format_name} features as categorical ids of "
                                      f"value 1: write other values as a CSV with dense columns, or set on_bad_rows = "
                                      f"\"skip\"")
                 drop[row[wrong]] = True
                 bad.add(int(drop.sum()), where)
-            field = pc.list_element(pieces, 0) if libfm else None
+            field = pc.list_element(pieces, 0) if field_aware else None
             index = pc.list_element(pieces, want - 2) if len(tokens) else pa.array([], pa.string())
             columns = {}
             for name in wanted:
@@ -84,7 +83,7 @@ def sparse_format_batches(path: Path, config: ReaderConfig, libfm: bool, start: 
             if drop.any():  # the bad tokens' rows out first: the rules then name only rows that remain
                 batch = batch.filter(pa.array(~drop))
                 counter, at = _Renumbered(lines, first, np.flatnonzero(~drop)), 0
-            yield typed_batch(batch, types, wanted, path, at, config.on_bad_rows, bad, counter, rules)
+            yield typed_batch(batch, types, wanted, path, at, on_bad_rows, bad, counter, rules)
             first += n
 
 
