@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/host_adam.py
 	$(PY) benchmarks/ps.py
 	$(PY) benchmarks/data_pipeline.py
+	$(PY) benchmarks/pp_memory.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache
