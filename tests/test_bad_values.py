@@ -99,3 +99,18 @@ def test_libfm_files_as_shipped_and_libffm_files(tmp_path, capsys):
         read_table(ffm, schema, ReaderConfig(FileFormat.LIBFFM))
     table = read_table(ffm, schema, ReaderConfig(FileFormat.LIBFFM, on_bad_rows=BadRows.SKIP))
     assert table.column("0").to_pylist() == ["3", None] and table.column("label").to_pylist() == ["1", "1"]
+
+
+def test_a_streamed_training_file_of_one_class_is_refused_before_its_first_evaluation(tmp_path, capsys):
+    train = _csv(tmp_path / "train.csv", "y,c", [("no", f"c{i % 5}") for i in range(200)])
+    held = _csv(tmp_path / "held.csv", "y,c", [("yes" if i % 2 else "no", f"c{i % 5}") for i in range(50)])
+    job = tmp_path / "job.toml"
+    job.write_text(f'[data]\npath = "{train}"\nvalid_path = "{held}"\ntest_path = "{held}"\n[schema]\n'
+                   f'label = {{ column = "y", positive = ["yes"] }}\n[[schema.categorical]]\ncolumn = "c"\n'
+                   f'hash_buckets = 16\n')
+    assert main(["train", "--config", str(job), "--stream", "--run-dir", str(tmp_path / "run"), "--no-progress",
+                 "--batch-size", "32"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetero: error: {train} (the training file): all 200 rows are negative by the label column "
+                          f"'y': check the label's rule")
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()

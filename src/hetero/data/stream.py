@@ -168,27 +168,36 @@ class StreamBatches:
         iterates until the last rank's shard is done (a collective per batch).
 
         Raises:
-            ValueError: the file has no rows (an epoch from its start yields nothing), or as
+            ValueError: the file has no rows (an epoch from its start yields nothing), the first
+                epoch's rows are of one class (found at its end, before its evaluation), or as
                 :func:`~hetero.data.readers.record_batches`.
         """
         # the batches are cut and gathered on a thread of their own: training only takes them
         local = _Background(lambda: self._local(epoch, start), self.stream.read_ahead)
-        first = True
+        first, rows, positives = True, 0, 0
         try:  # (closed early too - a max_steps stop: the threads and the file go with it)
             while True:
                 batch = next(local, None)
-                n = torch.tensor([len(batch) if batch is not None else 0], dtype=torch.int64)
+                # the batch's rows and positives (the latter: a stream's one-class check, below)
+                n = torch.tensor([len(batch), int(batch.label.sum())] if batch is not None else [0, 0], dtype=torch.int64)
                 if self.config.world_size > 1:
                     dist.all_reduce(n, group=self.group)  # sync point: the global batch's size weighs the loss
-                if int(n) == 0:
+                if int(n[0]) == 0:
                     if start == 0 and first:  # a whole epoch of nothing: never a silent no-op
                         raise ValueError(f"{self.path} has no rows to train on (every rank's shard is empty): give a "
                                          f"file with data rows")
+                    if start == 0 and epoch == 0 and positives in (0, rows):  # (before the epoch's evaluation and checkpoint)
+                        label = self.encoding.schema.label
+                        raise ValueError(f"{self.path} (the training file): all {rows} rows are "
+                                         f"{'negative' if positives == 0 else 'positive'} by the label column "
+                                         f"{label.column!r}: check the label's rule in the schema (positive = [...], "
+                                         f"negative = [...], threshold)")
                     return
                 first = False
+                rows, positives = rows + int(n[0]), positives + int(n[1])
                 if batch is None:
                     batch = _copy(self.empty)
-                batch.global_size = int(n)
+                batch.global_size = int(n[0])
                 yield batch
         finally:
             local.close()
