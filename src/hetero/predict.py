@@ -27,7 +27,7 @@ from hetero.data.stream import file_shards
 from hetero.data.tabular import FeatureRole
 from hetero.models.dlrm import DLRM, DLRMConfig
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
-from hetero.record import RECORD_KEY, ModelRecord, RunRecord
+from hetero.record import RECORD_KEY, ModelRecord, RunRecord, reader_settings
 from hetero.train.report import binary_metrics
 
 
@@ -134,13 +134,7 @@ def _reader(saved: ReaderConfig, given: ReaderConfig | None, checkpoint: Path) -
     if given is None:
         return saved
 
-    def settings(r: ReaderConfig) -> dict[str, Any]:
-        doc = reader_to_dict(r)
-        for j in doc["joins"]:
-            j.pop("path")  # a side table may lie elsewhere now
-        return doc
-
-    a, b = settings(saved), settings(given)
+    a, b = reader_settings(reader_to_dict(saved)), reader_settings(reader_to_dict(given))
     for key in a:
         if a[key] != b[key]:
             raise ValueError(f"the job file's [data] {key} = {b[key]!r} reads files otherwise than the run did ({a[key]!r}, "

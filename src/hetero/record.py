@@ -107,11 +107,19 @@ class RunRecord:
                          doc["plan"])
 
 
+def reader_settings(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A reader's settings (:func:`~hetero.data.readers.reader_to_dict`) that decide how a file
+    reads, without its side tables' paths (they may lie elsewhere now: another ``--data-dir``)."""
+    return {**doc, "joins": [{k: v for k, v in j.items() if k != "path"} for j in doc["joins"]]}
+
+
 def record_differences(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
     """What of a run's record (``ours``, :meth:`RunRecord.to_state`) differs from a checkpoint's
     (``saved``) in what a resume must keep: the model, the encoding (schema, vocabularies,
-    statistics) and the reader settings; one phrase per difference, empty when they agree."""
+    statistics) and the reader settings (side tables' paths apart); one phrase per difference,
+    empty when they agree."""
     a, b = json.loads(saved["json"]), json.loads(ours["json"])
+    a["reader"], b["reader"] = reader_settings(a["reader"]), reader_settings(b["reader"])
     out = [f"{key} ({_first_difference(a.get(key), b.get(key))})" for key in _RESUME_KEYS if a.get(key) != b.get(key)]
     if not torch.equal(saved["vocabularies"], ours["vocabularies"]):
         out.append("vocabularies (another fit of the training split)")
