@@ -358,3 +358,25 @@ def test_more_ranks_than_lines_leave_some_shards_empty(tmp_path):
     assert sum(a == b for a, b in shards) >= 1  # empty ranges
     rows = [_rows(_stream(path, r, 4, batch=4, shuffle=False)._local(0, 0)) for r in range(4)]
     assert sorted(r for part in rows for r in part) == [0, 1]
+
+
+def test_part_files_stream_in_disjoint_covering_shards_and_resume_mid_epoch(tmp_path):
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for p in range(3):  # rows 0..449 over three part files of unequal length
+        rows = range(p * 100, p * 100 + (50 if p == 1 else 200 if p == 2 else 100))
+        (parts / f"part-{p}.csv").write_text("y,row\n" + "".join(f"{i % 2},r{i}\n" for i in rows))
+    schema = Schema(Label("y"), (Categorical("row"),))
+    reader = ReaderConfig()
+    enc = fit_stream(parts, schema, reader)  # the vocabulary in first appearance over the files in order
+    value = {k + 1: int(v[1:]) for k, v in enumerate(enc.vocabularies["row"])}
+    want = sorted(int(line.split(",")[1][1:]) for f in sorted(parts.iterdir()) for line in f.read_text().splitlines()[1:])
+    seen = []
+    for rank in range(2):
+        stream = StreamBatches(parts, enc, reader, BatchConfig(20, seed=0, rank=rank, world_size=2),
+                               StreamConfig(block_bytes=4096, shuffle_window=16))
+        batches = [b.features["row"].tolist() for b in stream._local(0, 0)]
+        seen += [value[i] for b in batches for i in b]
+        # from batch 8 (80 of the rank's rows: past its part of the first file): the same batches
+        assert [b.features["row"].tolist() for b in stream._local(0, 8)] == batches[8:]
+    assert sorted(seen) == want  # every row once over the ranks

@@ -159,9 +159,15 @@ def test_inputs_as_users_have_them_parts_globs_lists_and_compressed_files(tmp_pa
     assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run")]) == 1
     assert capsys.readouterr().err == (f"hetero: error: {tmp_path / 'empty.csv'} is empty (no header line): give a file "
                                        f"with a header and rows, or set header = false and column_names\n")
-    job.write_text(IDS_JOB.format(data=tmp_path / "ids.csv.gz", extra=f'valid_path = "{whole}"\ntest_path = "{whole}"'))
-    assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run"), "--stream"]) == 1
-    assert "--stream cuts one uncompressed file into byte ranges;" in capsys.readouterr().err
+    for data in (tmp_path / "ids.csv.gz", parts):  # streamed too (one process: a compressed file whole)
+        job.write_text(IDS_JOB.format(data=data, extra=f'valid_path = "{whole}"\ntest_path = "{whole}"'))
+        assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run"), "--stream", "--overwrite",
+                     "--no-progress", "--epochs", "1"]) == 0
+    # ranks cut each file into byte ranges: a compressed one cannot be cut
+    from hetero.data.stream import file_shards
+
+    with pytest.raises(ValueError, match="a read sharded over ranks cuts one uncompressed file into byte ranges"):
+        file_shards(tmp_path / "ids.csv.gz", ReaderConfig(), 2)
 
 
 def _four_formats(tmp_path, kind):

@@ -11,7 +11,6 @@ from pathlib import Path
 from hetero import parallel
 from hetero.data import BatchConfig
 from hetero.data.encode import Encoding
-from hetero.data.files import single_file
 from hetero.data.readers import ReaderConfig
 from hetero.data.prepare import load_prepared, prepare, prepared_reader
 from hetero.data.split import read_dataset
@@ -63,7 +62,6 @@ def job_data(args: argparse.Namespace, job: JobFile | None) -> JobData:
             raise ValueError(f"--stream reads the training file once per epoch and cannot split it: give valid_path "
                              f"and test_path in {args.config} [data], or prepare a cache with a random split "
                              f"(hetero data prepare) and train with --prepared")
-        path = single_file(path, "--stream")  # (a stream's ranks cut the file into byte ranges)
         encoding = fit_stream(path, job.schema, reader)
         stream = StreamConfig(shuffle_window=args.shuffle_window)
         batches = BatchConfig(batch_size=args.batch_size, shuffle=True, seed=args.seed, rank=parallel.rank(),

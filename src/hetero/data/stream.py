@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.data.encode import Encoding, Fitter
-from hetero.data.files import single_file
+from hetero.data.files import single_file, source_files
 from hetero.data.readers import FileFormat, ReaderConfig, column_names, empty_batch, file_columns, record_batches
 from hetero.data.rows import BadRowCount
 from hetero.data.schema import Schema
@@ -120,7 +120,9 @@ class StreamBatches:
     docstring); the :class:`~hetero.data.tabular.TrainingData` a :class:`hetero.train.Trainer` takes.
 
     Args:
-        path: a CSV/TSV, libsvm, libfm or Parquet file.
+        path: a CSV/TSV, libsvm, libFM, libFFM or Parquet file, or several
+            (:func:`~hetero.data.files.source_files`: a directory, a glob, a list; compressed
+            line files in one process); every rank reads its part of each file.
         encoding: the schema fitted on the training data (e.g. :func:`fit_stream`).
         reader: how the file is read.
         batches: the global batch size, seed, ``rank`` and ``world_size`` (``shuffle=False``
@@ -140,9 +142,14 @@ class StreamBatches:
         if batches.batch_size <= 0 or batches.batch_size % batches.world_size:
             raise ValueError(f"global batch size {batches.batch_size} must be a positive multiple of the world size "
                              f"{batches.world_size} (each rank gets batch_size / world_size)")
-        self.path, self.encoding, self.reader, self.config, self.stream = Path(path), encoding, reader, batches, config
+        self.path = tuple(Path(p) for p in path) if isinstance(path, (list, tuple)) else Path(path)
+        self.encoding, self.reader, self.config, self.stream = encoding, reader, batches, config
         self.group = group
-        self.range = file_shards(self.path, reader, batches.world_size)[batches.rank]
+        self.files = source_files(self.path)
+        # each rank's part: its byte range (or row groups) of every file; one process: the files whole
+        # (compressed ones too: only a byte-sharded read needs a file it can seek in)
+        self.ranges = [(f, file_shards(f, reader, batches.world_size)[batches.rank] if batches.world_size > 1 else None)
+                       for f in self.files]
         self.bad = BadRowCount()
         self.empty = encoding.encode(empty_batch(encoding.schema), str(self.path)).select(torch.arange(0))
 
@@ -158,8 +165,12 @@ class StreamBatches:
         """The file (path, size, CRC-32 of its first and last MiB), the encoding's fingerprint,
         the world size and the shuffle window: what names the samples behind a position."""
         c = self.config
+        crc = 0
+        for f in self.files:
+            crc = zlib.crc32(_ends_crc(f).to_bytes(4, "little"), crc)
         return {"batch_size": c.batch_size, "seed": c.seed, "shuffle": c.shuffle, "drop_last": c.drop_last,
-                "stream": str(self.path), "stream_bytes": self.path.stat().st_size, "stream_crc": _ends_crc(self.path),
+                "stream": [str(f) for f in self.files] if len(self.files) > 1 else str(self.files[0]),
+                "stream_bytes": sum(f.stat().st_size for f in self.files), "stream_crc": crc,
                 "encoding": self.encoding.fingerprint(), "world_size": self.config.world_size,
                 "shuffle_window": self.stream.shuffle_window}
 
@@ -237,7 +248,21 @@ class StreamBatches:
             rows.close()
 
     def _encoded(self, skip: int) -> Iterator[TabularDataset]:
-        return encoded_blocks(self.path, self.encoding, self.reader, self.range, self.stream, skip, self.bad)
+        if len(self.ranges) == 1:
+            f, shard = self.ranges[0]
+            return encoded_blocks(f, self.encoding, self.reader, shard, self.stream, skip, self.bad)
+        return self._chained(skip)
+
+    def _chained(self, skip: int) -> Iterator[TabularDataset]:
+        """This rank's part of every file in turn, from its row ``skip`` on (the rows before it are
+        encoded to be counted: on a resume only)."""
+        for f, shard in self.ranges:
+            for block in encoded_blocks(f, self.encoding, self.reader, shard, self.stream, 0, self.bad):
+                if skip >= len(block):
+                    skip -= len(block)
+                    continue
+                yield block.subset(torch.arange(skip, len(block))) if skip else block
+                skip = 0
 
 
 def encoded_blocks(path: str | Path, encoding: Encoding, reader: ReaderConfig, shard: tuple[int, int] | None = None,
@@ -278,9 +303,11 @@ class StreamEval:
 
     def __init__(self, path: str | Path, encoding: Encoding, reader: ReaderConfig,
                  config: StreamConfig = StreamConfig()) -> None:
-        self.path, self.encoding, self.reader, self.stream = Path(path), encoding, reader, config
-        if not self.path.is_file():
-            raise FileNotFoundError(f"data file {self.path} does not exist")
+        self.path = tuple(Path(p) for p in path) if isinstance(path, (list, tuple)) else Path(path)
+        self.encoding, self.reader, self.stream = encoding, reader, config
+        for f in source_files(self.path):
+            if not f.is_file():
+                raise FileNotFoundError(f"data file {f} does not exist")
 
     def batches(self, size: int) -> Iterator[Batch]:
         rows = _Background(self._encoded, self.stream.read_ahead)
