@@ -147,12 +147,14 @@ def test_inputs_as_users_have_them_parts_globs_lists_and_compressed_files(tmp_pa
     (tmp_path / "ids.csv.gz").write_bytes(gzip.compress(whole.read_bytes()))
     schema = Schema(Label("label"), (Categorical("user"), Categorical("item", hash_buckets=64)))
     want = read_dataset(whole, schema, seed=3)
-    for path in (parts, str(parts / "part-*.csv"), [parts / f"part-{i:05d}.csv" for i in range(3)],
-                 tmp_path / "ids.csv.gz"):
+    for k, path in enumerate((parts, str(parts / "part-*.csv"), tuple(parts / f"part-{i:05d}.csv" for i in range(3)),
+                              tmp_path / "ids.csv.gz")):
         got = read_dataset(path, schema, seed=3)
-        for a, b in zip(want[:3], got[:3]):
-            assert a.features["user"].tolist() == b.features["user"].tolist(), path
-            assert a.label.tolist() == b.label.tolist()
+        cached = [c.select(torch.arange(len(c))) for c in load_prepared(prepare(path, schema, tmp_path / f"cache{k}",
+                                                                                 seed=3))[:3]]  # prepared too
+        for a, b, c in zip(want[:3], got[:3], cached):
+            assert a.features["user"].tolist() == b.features["user"].tolist() == c.features["user"].tolist(), path
+            assert a.label.tolist() == b.label.tolist() == c.label.tolist()
     (tmp_path / "empty.csv").write_bytes(b"")
     job = tmp_path / "job.toml"
     job.write_text(IDS_JOB.format(data=tmp_path / "empty.csv", extra=""))

@@ -66,8 +66,8 @@ def prepare(path: str | Path, schema: Schema, out: str | Path, reader: ReaderCon
     if split.time_column is not None:
         raise ValueError("prepare streams the file and cannot sort it by a time column: sort it, cut it into "
                          "train/validation/test files and give valid_path and test_path")
-    sources = [(Path(path), None)] if split.valid_path is None else \
-        [(Path(path), "train"), (split.valid_path, "valid"), (split.test_path, "test")]
+    sources = [(path, None)] if split.valid_path is None else \
+        [(path, "train"), (split.valid_path, "valid"), (split.test_path, "test")]
 
     def parts(s: Split, fit_only: bool = False) -> Iterator[tuple[str, Any]]:
         """(split name, record batch) in file order; random splits by per-row draws."""
