@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,11 +37,17 @@ from hetero.parallel import world_size
 from hetero.parallel.checkpoint_state import model_state
 from hetero.parallel.tree_comm import gather_tree
 
-if TYPE_CHECKING:
-    from hetero.train.trainer import Trainer
+
+class Checkpointed(Protocol):
+    """What a sharded checkpoint reads of a trainer (:class:`hetero.train.trainer.Trainer`)."""
+
+    model: torch.nn.Module
+    sparse_optimizer_objects: Mapping[str, Any]
+
+    def state_dict(self, tables: bool = True) -> dict[str, Any]: ...
 
 
-def sharded_state(trainer: "Trainer", blob: bool = True) -> dict[str, Any]:
+def sharded_state(trainer: Checkpointed, blob: bool = True) -> dict[str, Any]:
     """The state :func:`hetero.checkpoint.sharded.save_sharded` writes; with ``blob=False``, the
     template :func:`~hetero.checkpoint.sharded.load_sharded` fills (tensors are live: in place)."""
     tables, layout = model_state(trainer.model, trainer.sparse_optimizer_objects)
