@@ -27,7 +27,7 @@ def _measure(rank: int, n: int, stage: int | str, args: argparse.Namespace, port
     torch.set_num_threads(1)
     from torch.nn.parallel import DistributedDataParallel
 
-    from hetero.optim.accounting import storage_bytes
+    from hetero.optim.host_state import storage_bytes
     from hetero.parallel import MeshConfig, build_mesh
     from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 

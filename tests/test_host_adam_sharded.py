@@ -10,7 +10,7 @@ from torch import nn
 from conftest import run_ranks
 
 from hetero.optim import HostOffloadConfig
-from hetero.optim.accounting import storage_bytes
+from hetero.optim.host_state import storage_bytes
 
 FP32 = HostOffloadConfig(device_dtype=torch.float32, bucket_bytes=256)  # several buckets: overlap is exercised
 STEPS, BATCH = 20, 32

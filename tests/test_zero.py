@@ -8,7 +8,7 @@ import torch
 
 from conftest import load_example, run_ranks
 
-from hetero.optim.accounting import storage_bytes
+from hetero.optim.host_state import storage_bytes
 from hetero.parallel.mesh import MeshConfig, build_mesh
 from hetero.parallel.zero import ZeroConfig, ZeroStage, apply_zero, zero_optimizer
 

@@ -41,7 +41,7 @@ from hetero.jobfile import JobFile, read_job_file
 from hetero.train.run_dir import check_run_dir, remove_run_files
 from hetero.models.wide_deep import FeatureSlot, mlp_sharding_plan, pipeline_split_points
 from hetero.optim import FTRLConfig, SparseOptimizerKind
-from hetero.optim.accounting import storage_bytes
+from hetero.optim.host_state import storage_bytes
 from hetero.parallel import DataParallelConfig
 from hetero.parallel.env import set_data_parallel_group
 from hetero.parallel.parallelize import ParallelPlan, parallelize

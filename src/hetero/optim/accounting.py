@@ -4,13 +4,14 @@ the live tensors (each storage once), not computed from formulas."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from hetero.optim.host_adam import HostAdamW
+from hetero.optim.host_state import storage_bytes
 from hetero.optim.partial_offload import PartialOffloadAdamW
 
 
@@ -46,16 +47,6 @@ def device_memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | Pa
              "optimizer_state": storage_bytes(state)}
     total = b["params"] + b["grads"] + b["optimizer_state"]
     return {**b, "total": total, "num_params": n, "bytes_per_param": total / max(n, 1)}
-
-
-def storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view or a shared buffer counts once).
-    A DTensor counts its local shard: what this rank holds."""
-    seen: dict[tuple[torch.device, int], int] = {}
-    for t in tensors:
-        st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        seen[(t.device, st.data_ptr())] = st.nbytes()
-    return sum(seen.values())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from hetero.optim.host_state import (
     HostOffloadConfig, _chunks, _host_buffer, _kernels, _np, host_all_reduce_group,
-    _buckets, _call_weakly, _remove_all, _Slot, _sum_over, f32,
+    _buckets, _call_weakly, _remove_all, _Slot, _sum_over, f32, storage_bytes,
 )
 from hetero.placement.threads import host_worker
 
@@ -474,8 +474,6 @@ class HostAdamW(torch.optim.Optimizer):
         (masters, moments, gradient and staging buffers) that is on the parameters' device - none
         on a machine with an accelerator (they are in host memory), all of them on a host-only
         machine, where the host is the device."""
-        from hetero.optim.accounting import storage_bytes  # (that module builds on this one)
-
         weights = storage_bytes(s.param for s in self._slots.values())
         buffers = [t for s in self._slots.values() for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.staging)
                    if t is not None and t.device == s.param.device]

@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import typing
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from hetero._numba import load, num_threads
 from hetero.optim.loss_scale import DynamicLossScaler
@@ -167,3 +169,13 @@ class AveragesReplicas(typing.Protocol):
     def replica_averaged_parameters(self) -> list[torch.Tensor]:
         """The parameters whose gradients the optimizer averages, in its order."""
         ...
+
+
+def storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view or a shared buffer counts once).
+    A DTensor counts its local shard: what this rank holds."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        seen[(t.device, st.data_ptr())] = st.nbytes()
+    return sum(seen.values())
