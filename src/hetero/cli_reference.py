@@ -13,6 +13,7 @@ import enum
 import json
 import re
 import typing
+from pathlib import Path
 
 from hetero.cli_parser import build_parser
 from hetero.data.readers import ReaderConfig
@@ -88,7 +89,7 @@ def _train_table() -> list[str]:
         default = a.default
         if isinstance(default, tuple):
             default = list(default)
-        shown = "none" if default is None else f"`{json.dumps(str(default) if hasattr(default, 'parts') else default)}`"
+        shown = "none" if default is None else f"`{json.dumps(str(default) if isinstance(default, Path) else default)}`"
         rows.append(f"| `{key}` | {kind} | {shown} | {(a.help or '').replace('|', '/')} |")
     return rows
 

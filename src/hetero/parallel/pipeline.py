@@ -108,6 +108,7 @@ def _timed_stage_class():  # built lazily (importing torch.distributed.pipelinin
         """
 
         timer: StepTime
+        _inference_buffers: list = []  # (buffer, its value before shape inference): restored after it
 
         def _timed(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             if self.device.type == "cuda":
@@ -148,7 +149,7 @@ def _timed_stage_class():  # built lazily (importing torch.distributed.pipelinin
         def _post_metadata_inference_cleanup(self) -> None:
             super()._post_metadata_inference_cleanup()
             with torch.no_grad():
-                for b, value in getattr(self, "_inference_buffers", ()):
+                for b, value in self._inference_buffers:
                     b.copy_(value)
             self._inference_buffers = []
 
