@@ -9,7 +9,7 @@ import torch
 
 from hetero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hetero.cli import build_trainer, main, merge
-from hetero.cli_parser import parse_args
+from hetero.config import load_job
 
 from conftest import movielens
 
@@ -29,9 +29,9 @@ def _worker(r, n, port, ml_dir, run_dir):
     torch.set_num_threads(1)
     assert parallel.init()
     try:
-        args, job = parse_args(["train", *movielens(ml_dir), *ARGS, "--max-steps", "5", "--table-sharding", "row",
-                                "--checkpoint-format", "sharded", "--run-dir", run_dir])
-        trainer, _ = build_trainer(args, job=job)
+        job = load_job([*movielens(ml_dir), *ARGS, "--max-steps", "5", "--table-sharding", "row",
+                        "--checkpoint-format", "sharded", "--run-dir", run_dir])
+        trainer, _ = build_trainer(job)
         trainer.fit()  # ends with the sharded checkpoint at step 5
         state = trainer.state_dict()  # the integrated state of the same step (gathers the shards)
         if r == 0:

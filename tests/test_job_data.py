@@ -2,6 +2,7 @@
 (a prefix, a number's bucket), crosses of multi-hot features (bags of every combination), header
 names replaced, public data fetched by name. Checked against plain Python over the raw files."""
 
+import dataclasses
 import bisect
 import json
 from pathlib import Path
@@ -11,13 +12,13 @@ import pytest
 import torch
 
 from hetero.cli import main
-from hetero.cli_parser import build_parser, train_flags
 from hetero.data.encode import CROSS_JOIN, fit
 from hetero.data.readers import Join, ReaderConfig, column_names, read_table, record_batches
 from hetero.data.schema import Categorical, Cross, Dense, Label, Schema
 from hetero.data.stream import StreamConfig, byte_shards, encoded_blocks
 from hetero.data.tabular import Jagged
-from hetero.jobfile import read_job_file
+from hetero.config import read_job_file
+from hetero.config.manager import locate
 
 from conftest import EXAMPLES, criteo_job, movielens
 
@@ -49,8 +50,8 @@ def _bags(col):
 
 def _movielens(ml_dir):
     """The demo's job file over ``ml_dir``: its schema, located source, and all rows encoded."""
-    job = read_job_file(EXAMPLES / "movielens.toml", train_flags(build_parser()))
-    source = job.source.located(ml_dir)
+    job = read_job_file(EXAMPLES / "movielens.toml")
+    source = locate(dataclasses.replace(job, data=dataclasses.replace(job.data, dir=ml_dir))).data
     table = read_table(source.path, job.schema, source.reader)
     enc = fit(job.schema, table, "all")
     return job, source, enc, enc.encode(table, "all")
@@ -236,8 +237,8 @@ def test_the_criteo_example_config_reads_criteo_lines(tmp_path):
 
     path = tmp_path / "day.tsv"
     path.write_text(criteo_lines(50, seed=1))
-    job = read_job_file(criteo_job(tmp_path, 1000), train_flags(build_parser()))
-    table = read_table(path, job.schema, job.source.reader)
+    job = read_job_file(criteo_job(tmp_path, 1000))
+    table = read_table(path, job.schema, job.data.reader)
     data = fit(job.schema, table, "t").encode(table, "t")
     rows = [line.split("\t") for line in path.read_text().splitlines()]
     assert data.label.tolist() == [float(r[0]) for r in rows]
@@ -248,7 +249,7 @@ def test_the_criteo_example_config_reads_criteo_lines(tmp_path):
 
 @pytest.mark.skipif(not CRITEO_SAMPLE.is_file(), reason="shared Criteo sample not present")
 def test_the_real_criteo_sample_reads_with_the_example_config():
-    job = read_job_file(EXAMPLES / "criteo.toml", train_flags(build_parser()))
-    table = read_table(CRITEO_SAMPLE, job.schema, job.source.reader)
+    job = read_job_file(EXAMPLES / "criteo.toml")
+    table = read_table(CRITEO_SAMPLE, job.schema, job.data.reader)
     data = fit(job.schema, table, "t").encode(table, "t")
     assert len(data) == 8000 and 0.1 < float(data.label.mean()) < 0.4 and data.num_dense == 13

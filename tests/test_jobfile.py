@@ -92,11 +92,12 @@ def test_a_bad_config_names_where_and_the_fix_and_writes_nothing(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()[-1]
     want = {
         "separater": "[schema] categorical[1]: no key 'separater'; did you mean 'separator'? valid keys are",
-        "[trian]": ": no key 'trian'; did you mean 'train'? valid keys are ['data', 'schema', 'train']",
+        "[trian]": ": no key 'trian'; did you mean 'train'? valid keys are ['data', 'schema', 'train', 'model', 'optimizer', "
+     "'training', 'checkpoint', 'parallelism', 'parameter_server', 'planner', 'logging']",
         "batch_sise": "[train]: no key 'batch_sise'; did you mean 'batch_size'? valid keys are",
         "zscore": "[schema] dense[0]: transform = 'zscore' does not exist; valid values are ['none', 'log1p', "
                   "'standardize']",
-        "no_progress = 1": "[train]: no_progress is a switch; give true or false, not 1",
+        "no_progress = 1": "[train]: no_progress = 1: give true or false",
         "height": "clicks.csv has no column 'height' that the schema names; its columns are ['clicked', 'city', "
                   "'tags', 'age', 'note']",
     }
@@ -128,10 +129,10 @@ def test_early_stopping_scores_test_with_the_best_epoch(tmp_path, capsys):
 
 
 def test_hetero_plan_reads_a_job_file_that_trains_with_a_plan(tmp_path):
-    from hetero.cli_parser import parse_args
+    from hetero.config import load_job
 
     job = tmp_path / "job.toml"
     job.write_text(JOB.format(path=tmp_path / "clicks.csv").replace("[train]\n", '[train]\nplan = "auto"\n'))
-    args, _ = parse_args(["plan", "--config", str(job), "--out", str(tmp_path / "p.json")])
-    assert args.epochs == 4 and args.batch_size == 32  # the rest of [train] is the job it plans
-    assert parse_args(["train", "--config", str(job)])[0].plan == "auto"
+    job = load_job(["--config", str(job), "--out", str(tmp_path / "p.json")], "hetero plan")
+    assert job.training.epochs == 4 and job.training.batch_size == 32  # the rest of [train] is the job it plans
+    assert job.planner.plan == "auto" and job.planner.out == tmp_path / "p.json"

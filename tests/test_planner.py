@@ -202,19 +202,19 @@ def test_per_op_placement_plans_each_leaf_module_fits_as_measured_and_trains_as_
 def test_the_main_job_refuses_a_plan_it_would_not_follow(cache):
     """hetero train --plan runs the dense part on the device, tables on the host, data parallel:
     a plan deciding otherwise is refused, naming what, rather than trained otherwise than planned."""
-    import argparse
-
-    from hetero.cli_plan import apply_job_plan
+    from hetero.cli.plan import plan_changes
+    from hetero.config import JobConfig
+    from hetero.config.job import TableSharding
 
     x, y = _batch()
     planner = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
-    args = argparse.Namespace(table_sharding="replicated", zero=0)
+    job = JobConfig()
     for units, what in (({"layers.0": UnitChoice(Target.HOST)}, "puts dense units on the host (layers.0)"),
                         ({"layers.1": STREAMED}, "streams units' weights from the host (layers.1)")):
         with pytest.raises(ValueError, match=re.escape(what)):
-            apply_job_plan(args, planner.price(Candidate(), units), MLP())
-    apply_job_plan(args, planner.price(Candidate(state=StateHome.HOST, offload_ratio=1.0)), MLP())  # one it runs
-    assert (args.table_sharding, args.zero) == ("replicated", 0)
+            plan_changes(planner.price(Candidate(), units), job, MLP())
+    job = plan_changes(planner.price(Candidate(state=StateHome.HOST, offload_ratio=1.0)), job, MLP())  # one it runs
+    assert (job.parallelism.table_sharding, job.parallelism.zero) == (TableSharding.REPLICATED, 0)
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_works(cache):

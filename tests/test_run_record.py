@@ -110,7 +110,7 @@ def test_predict_reads_files_with_the_runs_reader_settings_from_any_checkpoint_f
     shutil.copy(run / "checkpoint.pt", elsewhere)
     assert _scores(tmp_path, elsewhere, data, out="c.csv") == with_config
     record = RunRecord.from_state(torch.load(elsewhere)[RECORD_KEY], elsewhere)
-    assert record.reader.null_values == ("unknown",) and record.config["deep_lr"] == 0.01
+    assert record.reader.null_values == ("unknown",) and record.config["optimizer"]["deep_lr"] == 0.01
     assert record.model.kind == "wide_deep" and record.encoding.schema.drop == ("note",)
     # a job file that reads the file otherwise is refused, naming the setting
     other = tmp_path / "other.toml"

@@ -24,9 +24,7 @@ import torch
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint
 from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, record_batches
 from hetero.data.stream import file_shards
-from hetero.data.tabular import FeatureRole
-from hetero.models.dlrm import DLRM, DLRMConfig
-from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
+from hetero.models.build import ModelKind, build_model, model_config
 from hetero.record import RECORD_KEY, ModelRecord, RunRecord, reader_settings
 from hetero.train.report import binary_metrics
 
@@ -143,15 +141,13 @@ def _reader(saved: ReaderConfig, given: ReaderConfig | None, checkpoint: Path) -
     return given
 
 
-def _model(specs: tuple, record: ModelRecord) -> WideDeep | DLRM:
-    slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
-                         deep=f.role is not FeatureRole.WIDE) for f in specs]
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record.config.items()}
-    if record.kind == "dlrm":
-        return DLRM(slots, record.num_dense, DLRMConfig(**fields))
-    if record.kind == "wide_deep":
-        return WideDeep(slots, record.num_dense, WideDeepConfig(**fields))
-    raise ValueError(f"the run record's model {record.kind!r} cannot be scored here (known: 'wide_deep', 'dlrm')")
+def _model(specs: tuple, record: ModelRecord) -> torch.nn.Module:
+    try:
+        kind = ModelKind(record.kind)
+    except ValueError:
+        raise ValueError(f"the run record's model {record.kind!r} cannot be scored here (known: "
+                         f"{[k.value for k in ModelKind]})") from None
+    return build_model(kind, model_config(kind, record.config), specs, record.num_dense)
 
 
 def _write(table, path: Path, as_csv: bool) -> None:  # noqa: ANN001 - a pyarrow Table

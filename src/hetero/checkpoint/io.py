@@ -95,3 +95,17 @@ def verify_zip(path: Path) -> None:
     if bad is not None:
         raise CheckpointError(f"checkpoint {path} is corrupted: record {bad} fails its CRC-32 check; resume from "
                               f"another checkpoint")
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """``text`` to ``path`` atomically: a temporary file in the same directory, flushed to disk,
+    then renamed over ``path`` (a reader sees the old file or the new one, never a part)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path

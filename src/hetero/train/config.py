@@ -48,6 +48,8 @@ class TrainConfig:
             stops early.
         keep_best: also write the best epoch's checkpoint (``best.pt`` / ``best.dcp``) and score
             the test split with it; implied by ``patience``.
+        tensorboard: write TensorBoard scalars under ``RUN_DIR/tensorboard``
+            (:class:`hetero.train.scalars.ScalarLog`).
     """
 
     epochs: int = 5
@@ -61,3 +63,4 @@ class TrainConfig:
     data_parallel: DataParallelConfig = DataParallelConfig()
     patience: int = 0
     keep_best: bool = False
+    tensorboard: bool = False

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 RUN_FILES = ("checkpoint.pt", "checkpoint.dcp", "best.pt", "best.dcp", "metrics.json", "losses.csv", "curves.png",
-             "plan.json", "strategy.json")  # what a run writes into its directory
+             "plan.json", "strategy.json", "config.toml", "tensorboard")  # what a run writes into its directory
 
 
 def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
@@ -42,7 +42,7 @@ def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
 def remove_run_files(run_dir: Path) -> None:
     """Remove a previous run's files from ``run_dir`` (``--overwrite``; nothing else in it)."""
     for name in RUN_FILES:
-        for path in (run_dir / name, run_dir / f"{name}.old", run_dir / f"{name}.tmp"):
+        for path in (run_dir / name, run_dir / f"{name}.old", run_dir / f"{name}.tmp", run_dir / f".{name}.tmp"):
             if path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():

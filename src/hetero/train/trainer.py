@@ -21,6 +21,7 @@ from torch import nn
 
 from hetero import ps
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
+from hetero.checkpoint.io import write_text_atomic
 from hetero.checkpoint.sharded import load_sharded, read_bytes, resolve, save_sharded
 from hetero.data.tabular import Batch, EvalData, TrainingData
 from hetero.embedding import Prefetcher, dense_parameters
@@ -55,6 +56,7 @@ from hetero.train.checkpointing import (
 )
 from hetero.train.config import CheckpointFormat, TrainConfig
 from hetero.train.report import binary_metrics, plot_curves
+from hetero.train.scalars import ScalarLog
 
 log = logging.getLogger("hetero")
 FORMAT_VERSION = 1
@@ -82,6 +84,8 @@ class Trainer:
         record: the run's record (:meth:`hetero.record.RunRecord.to_state`), written into every
             checkpoint; a resume from a checkpoint whose record differs in the model, encoding
             or reader settings is refused before anything is loaded.
+        run_files: text files (name -> text, e.g. ``config.toml``) rank 0 writes atomically into
+            ``run_dir`` with every checkpoint.
 
     Raises:
         ValueError: a pipeline with the sharded checkpoint format, several stages per rank, or
@@ -101,6 +105,7 @@ class Trainer:
         on_step: Callable[["Trainer"], None] | None = None,
         pipeline: Pipeline | None = None,
         record: Mapping[str, Any] | None = None,
+        run_files: Mapping[str, str] | None = None,
     ) -> None:
         if pipeline is not None and (config.checkpoint_format is CheckpointFormat.SHARDED or len(pipeline.modules) > 1):
             raise ValueError("a pipelined trainer runs one stage per rank and writes integrated checkpoints: use a "
@@ -138,7 +143,8 @@ class Trainer:
         self.best_path = self.run_dir / config.checkpoint_format.best_name
         self.best: dict[str, Any] = {"score": None, "epoch": 0, "stopped": False}  # early stopping's record
         self.on_step = on_step
-        self.record = record
+        self.record, self.run_files = record, dict(run_files or {})
+        self.scalars = ScalarLog(self.run_dir / "tensorboard") if config.tensorboard and global_rank() == 0 else None
         self._identity = train.identity()  # read once (a dataset's checksum is a pass over it)
 
     # ----------------------------------------------------------------------------- state
@@ -279,6 +285,9 @@ class Trainer:
         """Write the checkpoint in ``config.checkpoint_format`` to ``path`` (default: the run's
         checkpoint); every rank calls it."""
         path = path or self.checkpoint_path
+        if global_rank() == 0:
+            for name, text in self.run_files.items():  # the run's readable files, with every checkpoint
+                write_text_atomic(self.run_dir / name, text)
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
             if self.remote:
                 ps.request_checkpoint(save=True, path=path)  # the servers write their shards
@@ -401,6 +410,9 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
                 if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
                     self.save()
+                if self.scalars is not None:
+                    self.scalars.step(self.global_step, loss, {"dense": self.dense_optimizer, **self.sparse_optimizer_objects},
+                                      self.train_samples / self.train_seconds if self.train_seconds else None)
                 if self.on_step is not None:
                     self.on_step(self)
                 if cfg.max_steps is not None and self.global_step >= cfg.max_steps:
@@ -417,6 +429,8 @@ class Trainer:
                 log.info("hetero: epoch %d valid auc %s logloss %s (%s)", self.epoch + 1,
                          _fmt(metrics["auc"]), _fmt(metrics["logloss"]), rate)
                 improved = self._track_best(metrics)
+                if self.scalars is not None:
+                    self.scalars.metrics("valid", self.global_step, metrics)
                 self.epoch, self.batch = self.epoch + 1, 0
             self.save()
             if improved and (cfg.keep_best or cfg.patience):
@@ -458,6 +472,9 @@ class Trainer:
             self.resume(self.best_path)
             self.epoch, self.batch, self.global_step, self.losses, self.history, self.best = record
         test = self.evaluate(self.test)
+        if self.scalars is not None:
+            self.scalars.metrics("test", self.global_step, test)
+            self.scalars.close()
         if global_rank() != 0:
             return {"test_auc": test["auc"], "test_logloss": test["logloss"]}
         self.run_dir.mkdir(parents=True, exist_ok=True)

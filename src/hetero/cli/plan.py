@@ -1,6 +1,5 @@
 """The command line's planning side: ``hetero plan`` and ``hetero train --plan auto|FILE`` for the
-main job's model (Wide & Deep or DLRM on a job file's data). Only the CLI calls this; nothing
-below it sees ``argparse``.
+main job's model (Wide & Deep or DLRM on a job's data).
 
 The plan is made on rank 0 from the first training batch (and a few more for the tables' id
 statistics) and broadcast, so every rank applies the same one; what the main job applies of it:
@@ -12,9 +11,8 @@ be cut by rows) and its units stay on the device (its forward is not traceable b
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,14 +22,15 @@ import torch.distributed as dist
 from torch import nn
 
 from hetero import parallel
-from hetero.cli_data import job_data
+from hetero.cli.data import job_data
 from hetero.data.stream import StreamBatches
-from hetero.data.tabular import BatchConfig, Batches, FeatureRole, Rows
-from hetero.jobfile import JobFile
-from hetero.models.dlrm import DLRM, DLRMConfig
-from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
+from hetero.data.tabular import BatchConfig, Batches, Feature, Rows
+from hetero.config.job import JobConfig, Parallelism, TableSharding
+from hetero.config.manager import locate
+from hetero.models.build import ModelKind, build_model
+from hetero.models.dlrm import DLRMConfig
+from hetero.models.wide_deep import WideDeepConfig
 from hetero.placement import Target, resolve_device
-from hetero.optim import SparseOptimizerKind
 from hetero.planner.calibration import machine_key
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer
 from hetero.planner.plan import Plan
@@ -39,64 +38,41 @@ from hetero.planner.space import OptimizerKind, TablePlacement
 
 log = logging.getLogger("hetero")
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"500MB"``, ``"1.5g"``, ``"1000000"`` as bytes.
+def job_model(job: JobConfig, features: tuple[Feature, ...], num_dense: int,
+              device: torch.device) -> tuple[torch.nn.Module, WideDeepConfig | DLRMConfig]:
+    """The job's model (``model.name``) on ``device`` and its config.
 
     Raises:
-        argparse.ArgumentTypeError: not a size (naming the units).
+        ValueError: DLRM with parallel dimensions that split Wide & Deep's MLP.
     """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give a number of bytes with a unit of "
-                                         f"{sorted(u for u in _UNITS if u)} (e.g. 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def add_plan_arguments(g: argparse._ArgumentGroup) -> None:
-    """The budget flags of ``hetero train --plan`` and ``hetero plan``."""
-    g.add_argument("--device-memory", type=parse_bytes, help="device budget per rank for --plan auto (e.g. 2GiB; "
-                   "default: unlimited)")
-    g.add_argument("--host-memory", type=parse_bytes, help="host budget per rank for --plan auto (default: unlimited)")
-
-
-def build_model(args: argparse.Namespace, slots: list[FeatureSlot], num_dense: int,
-                device: torch.device) -> tuple[torch.nn.Module, WideDeepConfig | DLRMConfig]:
-    """The main job's model (``--model``) and its config.
-
-    Raises:
-        ValueError: DLRM with flags that split Wide & Deep's MLP.
-    """
-    if args.model == "dlrm":
-        for flag, used in (("--pp", args.pp > 1), ("--tp", args.tp > 1), ("--zero", args.zero)):
+    m, p = job.model, job.parallelism
+    if m.name is ModelKind.DLRM:
+        for key, used in (("parallelism.pp (--pp)", p.pp > 1), ("parallelism.tp (--tp)", p.tp > 1),
+                          ("parallelism.zero (--zero)", p.zero)):
             if used:
-                raise ValueError(f"{flag} splits Wide & Deep's MLP; --model dlrm trains data-parallel: drop {flag}")
-        config = DLRMConfig(embedding_dim=args.embedding_dim, bottom=args.bottom, top=args.hidden)
-        return DLRM(slots, num_dense, config).to(device), config
-    config = WideDeepConfig(embedding_dim=args.embedding_dim, hidden=args.hidden, dropout=args.dropout)
-    return WideDeep(slots, num_dense, config).to(device), config
+                raise ValueError(f"{key} splits Wide & Deep's MLP; model.name = dlrm trains data-parallel: drop it")
+        config = DLRMConfig(embedding_dim=m.embedding_dim, bottom=m.bottom, top=m.hidden)
+    else:
+        config = WideDeepConfig(embedding_dim=m.embedding_dim, hidden=m.hidden, dropout=m.dropout)
+    return build_model(m.name, config, features, num_dense).to(device), config
 
 
-def planning_batches(args: argparse.Namespace, rows: Rows) -> Batches:
+def planning_batches(job: JobConfig, rows: Rows) -> Batches:
     """Global batches of the training rows in file order: what the planner captures."""
-    return Batches(rows, BatchConfig(batch_size=args.batch_size, shuffle=False))
+    return Batches(rows, BatchConfig(batch_size=job.training.batch_size, shuffle=False))
 
 
-def plan_job(args: argparse.Namespace, job: JobFile | None) -> Path:
-    """``hetero plan``: the job's plan for ``--world-size`` ranks, printed and written to ``--out``."""
-    torch.manual_seed(args.seed)
-    data = job_data(args, job)
+def plan_job(job: JobConfig) -> Path:
+    """``hetero plan``: the job's plan for ``planner.world_size`` ranks, printed and written to
+    ``planner.out``."""
+    torch.manual_seed(job.training.seed)
+    data = job_data(locate(job))
     if isinstance(data.train, StreamBatches):
         raise ValueError("hetero plan captures in-memory or prepared data: drop --stream (or prepare a cache)")
-    slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
-                         deep=f.role is not FeatureRole.WIDE) for f in data.specs]
-    model, _ = build_model(args, slots, data.num_dense, resolve_device(Target.DEVICE))
-    plan = _make_plan(args, model, planning_batches(args, data.train), args.world_size)
+    model, _ = job_model(job, data.specs, data.num_dense, resolve_device(Target.DEVICE))
+    plan = _make_plan(job, model, planning_batches(job, data.train), job.planner.world_size)
     print(plan, file=sys.stderr)
-    return plan.save(args.out)
+    return plan.save(job.planner.out)
 
 
 def example_batches(batches: Batches, count: int = 4) -> list[tuple[Any, ...]]:
@@ -109,7 +85,7 @@ def example_batches(batches: Batches, count: int = 4) -> list[tuple[Any, ...]]:
     return out
 
 
-def job_plan(args: argparse.Namespace, model: nn.Module, batches: Batches) -> Plan:
+def job_plan(job: JobConfig, model: nn.Module, batches: Batches) -> Plan:
     """``--plan auto``: planned on rank 0 for this job's world size, broadcast to every rank;
     ``--plan FILE``: read (every rank). Logged (the CLI writes it to ``RUN_DIR/plan.json`` once a
     resume's checks pass).
@@ -118,11 +94,12 @@ def job_plan(args: argparse.Namespace, model: nn.Module, batches: Batches) -> Pl
         ValueError: a plan file for another model or world size; as :func:`hetero.plan`.
     """
     world = parallel.world_size()
-    if args.plan != "auto":
-        plan = Plan.load(args.plan)
-        check_plan_fits(plan, model, args.batch_size, world, args.plan)
+    given = job.planner.plan
+    if given != "auto":
+        plan = Plan.load(given)
+        check_plan_fits(plan, model, job.training.batch_size, world, given)
     else:
-        plan = _broadcast(_make_plan(args, model, batches, world) if parallel.global_rank() == 0 else None)
+        plan = _broadcast(_make_plan(job, model, batches, world) if parallel.global_rank() == 0 else None)
     if parallel.global_rank() == 0:
         log.info("%s", plan)
     return plan
@@ -154,16 +131,16 @@ def check_plan_fits(plan: Plan, model: nn.Module, batch_size: int, world: int, w
                              f"this job again (--plan auto, or hetero plan --world-size {world})")
 
 
-def _make_plan(args: argparse.Namespace, model: nn.Module, batches: Batches, world: int) -> Plan:
+def _make_plan(job: JobConfig, model: nn.Module, batches: Batches, world: int) -> Plan:
     from hetero.planner.planner import Planner, PlannerConfig
 
     samples = example_batches(batches)
     (inputs, label), more = samples[0], tuple(s[0] for s in samples[1:])
-    sparse = {"wide": SparseOptimizerKind(args.wide_optimizer), "deep": SparseOptimizerKind(args.deep_optimizer)}
+    sparse = {"wide": job.optimizer.wide, "deep": job.optimizer.deep}
     planner = Planner(model, inputs, world_size=world, optimizer=OptimizerKind.ADAM, sparse_optimizers=sparse,
                       loss_fn=lambda logits: torch.nn.functional.binary_cross_entropy_with_logits(logits, label),
                       sample_batches=more, config=PlannerConfig(micro_batches=(1,), device_tables=False))
-    return planner.plan(args.device_memory, args.host_memory)
+    return planner.plan(job.planner.device_memory, job.planner.host_memory)
 
 
 def _broadcast(plan: Plan | None) -> Plan:
@@ -176,10 +153,15 @@ def _broadcast(plan: Plan | None) -> Plan:
     return Plan.from_dict(box[0])
 
 
-def apply_job_plan(args: argparse.Namespace, plan: Plan, model: nn.Module) -> None:
-    """The flags the plan decides (table placement, ZeRO stage), set from it; refused when the
-    command line set them otherwise, or the plan decides what the main job does not run (tables
-    or weights moved, dense units on the host, tp or pp: it would train otherwise than planned)."""
+def plan_changes(plan: Plan, job: JobConfig, model: nn.Module) -> JobConfig:
+    """The job as the plan decides it: its table placement and ZeRO stage set from the plan.
+    Refused when the job set them otherwise, or when the plan decides what the main job does
+    not run (tables or weights moved, dense units on the host, tp or pp: it would train
+    otherwise than planned).
+
+    Raises:
+        ValueError: naming what the plan decides and the key that contradicts it.
+    """
     c = plan.candidate
     moved = {"moves tables to the device": list(plan.device_tables),
              "puts dense units on the host": list(plan.placement_spec(model).modules),
@@ -189,12 +171,14 @@ def apply_job_plan(args: argparse.Namespace, plan: Plan, model: nn.Module) -> No
         if names:
             raise ValueError(f"the plan {what} ({', '.join(names)}), which the main job does not run: plan it with "
                              f"hetero plan (or --plan auto), or apply it with hetero.apply")
-    sharding = "row" if c.tables is TablePlacement.ROW_SHARDED else "replicated"
-    for flag, given, planned in (("--table-sharding", args.table_sharding, sharding), ("--zero", args.zero, c.zero)):
-        default = {"--table-sharding": "replicated", "--zero": 0}[flag]
-        if given != default and given != planned:
-            raise ValueError(f"{flag} {given} contradicts the plan ({planned}): drop {flag}, or drop --plan")
-    args.table_sharding, args.zero = sharding, c.zero
+    p, default = job.parallelism, Parallelism()
+    sharding = TableSharding.ROW if c.tables is TablePlacement.ROW_SHARDED else TableSharding.REPLICATED
+    for key, given, planned in (("table_sharding", p.table_sharding, sharding), ("zero", p.zero, c.zero)):
+        if given != getattr(default, key) and given != planned:
+            shown = getattr(given, "value", given)
+            raise ValueError(f"parallelism.{key} = {shown} contradicts the plan ({getattr(planned, 'value', planned)}): "
+                             f"drop it, or drop --plan")
+    return dataclasses.replace(job, parallelism=dataclasses.replace(p, table_sharding=sharding, zero=c.zero))
 
 
 def dense_optimizer(plan: Plan, named: list[tuple[str, nn.Parameter]], lr: float) -> torch.optim.Optimizer:

@@ -1,0 +1,121 @@
+"""The config manager: one :class:`~hetero.config.job.JobConfig` from the defaults < a job file
+(``--config``) < the command line, validated once.
+
+The command line is parsed by ``tyro`` from the dataclasses themselves (as torchtitan's
+``ConfigManager`` does): every key is ``--section.key value`` (``--training.batch_size 512``;
+``-`` and ``_`` alike) and its old flag is an alias (``--batch-size 512``). The job file's values
+are the defaults the command line overrides. The only rewriting of the command line is the old
+bare ``--resume`` (``--resume yes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import tyro
+
+from hetero.config.job import SECTIONS, JobConfig, keys
+from hetero.config.toml import read_job_file
+from hetero.data.fetch import fetch_public
+
+
+def load_job(argv: Sequence[str], prog: str = "hetero train") -> JobConfig:
+    """The job of the command line ``argv`` (the command's arguments, without ``hetero train``).
+
+    Raises:
+        FileNotFoundError, ValueError: the job file is missing or bad, or a value is out of its
+            range (naming the key, its flag and the range).
+        SystemExit: a flag that does not exist or does not parse (tyro prints which, and the
+            closest flag), or ``--help``.
+    """
+    argv = _bare_resume(list(argv))
+    path = _config_path(argv)
+    base = read_job_file(path) if path is not None else JobConfig()
+    job = tyro.cli(JobConfig, args=argv, default=base, prog=prog, use_underscores=True,
+                   config=(tyro.conf.EnumChoicesFromValues,))
+    validate(job)
+    return job
+
+
+def _bare_resume(argv: list[str]) -> list[str]:
+    """``--resume`` without a value (the old flag's form) as ``--resume yes``."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg == "--resume" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("yes")
+    return out
+
+
+def _config_path(argv: list[str]) -> Path | None:
+    """The ``--config`` value, read before the rest: the job file is the command line's defaults."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--config="):
+            return Path(arg.split("=", 1)[1])
+    return None
+
+
+def validate(job: JobConfig) -> None:
+    """Check every key against its bounds (:class:`~hetero.config.job.Key`) and the keys that
+    only make sense together.
+
+    Raises:
+        ValueError: naming the key, its old flag, the value and the valid range.
+    """
+    for section_name, cls in (("data", type(job.data)), *SECTIONS.items()):
+        section = getattr(job, section_name)
+        for name, info in keys(cls).items():
+            value, k = getattr(section, name), info.bounds
+            if k is None:
+                continue
+            where = f"{section_name}.{name}" + (f" ({info.flag})" if info.flag else "")
+            for v in value if isinstance(value, tuple) else (value,):
+                if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+                    continue
+                if k.low is not None and (v < k.low or (v == k.low and not k.inclusive)) or v != v:
+                    bound = f">= {k.low}" if k.inclusive else f"> {k.low}"
+                    raise ValueError(f"{where} = {_shown(value)}: give {'values' if isinstance(value, tuple) else 'a value'}"
+                                     f" {bound}" + (f" and < {k.below}" if k.below is not None else ""))
+                if k.below is not None and v >= k.below:
+                    raise ValueError(f"{where} = {_shown(value)}: give a value in [{k.low}, {k.below})")
+    p = job.parallelism
+    if p.micro_batches is not None and p.pp == 1:
+        raise ValueError("parallelism.micro_batches (--micro-batches) cuts a pipeline's batch: set parallelism.pp > 1, "
+                         "or drop it")
+    if job.training.patience and not job.checkpoint.keep_best:
+        job.checkpoint = dataclasses.replace(job.checkpoint, keep_best=True)  # patience implies keeping the best
+
+
+def _shown(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def locate(job: JobConfig) -> JobConfig:
+    """``job`` with its data's relative paths made absolute: under ``data.dir`` if given, else
+    under the fetched data set's directory (downloaded into ``data.cache_dir`` if needed), else
+    under the current directory - so the ``config.toml`` a run writes reads the same files from
+    anywhere.
+
+    Raises:
+        ValueError: ``data.fetch`` names no public data set (naming the valid ones).
+        RuntimeError: the download failed or did not match its pinned SHA-256.
+    """
+    d = job.data
+    base = d.dir if d.dir is not None else fetch_public(d.fetch, d.cache_dir) if d.fetch else Path.cwd()
+    base = base.absolute()
+
+    def under(p):  # noqa: ANN001, ANN202 - a Path, a tuple of them, or None
+        if isinstance(p, tuple):
+            return tuple(under(x) for x in p)
+        return p if p is None or p.is_absolute() else base / p
+
+    joins = tuple(dataclasses.replace(j, path=under(j.path)) for j in d.reader.joins)
+    split = dataclasses.replace(d.split, valid_path=under(d.split.valid_path), test_path=under(d.split.test_path))
+    prepared = d.prepared if d.prepared is None or d.prepared.is_absolute() else Path.cwd() / d.prepared
+    data = dataclasses.replace(d, path=under(d.path), reader=dataclasses.replace(d.reader, joins=joins), split=split,
+                               prepared=prepared, dir=None)
+    return dataclasses.replace(job, data=data)

@@ -1,0 +1,191 @@
+"""Job files: a :class:`~hetero.config.job.JobConfig` read from TOML (:func:`read_job_file`) and
+written back as TOML (:func:`job_to_toml`, what a run writes as ``RUN_DIR/config.toml``).
+
+A job file's tables::
+
+    [data]                      # where the data is and how it is read (hetero.data.readers)
+    path = "clicks.csv"         # also "parts/" (a directory), "day_*.csv.gz", ["a.csv", "b.csv"]
+    format = "csv"              # "csv", "parquet", "libsvm", "libfm", "libffm"; delimiter, header,
+                                # column_names, quote_char, null_values, on_bad_rows
+    split = [0.8, 0.1, 0.1]     # random (seeded), or time_column = "ts", or valid_path + test_path
+    fetch = "movielens-100k"    # a public data set hetero downloads (checked); relative paths are in it
+    [[data.join]]               # a side table's columns joined to every row by a key
+    path = "users.csv"
+    on = "user_id"
+    [schema]                    # what the columns mean (hetero.data.schema)
+    label = { column = "clicked", positive = ["yes"] }
+    [[schema.categorical]]
+    column = "city"
+    [training]                  # any section of JobConfig: [model], [optimizer], [training],
+    batch_size = 512            # [checkpoint], [parallelism], [parameter_server], [planner], [logging]
+    [train]                     # or the old flags by name (batch_size, dense_lr, ps_servers, ...)
+    epochs = 3
+
+Relative paths resolve against ``data.dir`` (``--data-dir``), else the fetched data set's
+directory, else the current directory. A key that does not exist, a value of the wrong type and
+a key set twice are errors naming the file, the table and the key (with the closest valid key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from hetero.config.job import SECTIONS, Data, JobConfig, keys, parse_bytes
+from hetero.data.readers import Join, ReaderConfig
+from hetero.data.schema import build_dataclass, check_keys, checked, parse_enum, plain_data, schema_from_dict
+from hetero.data.split import Split
+from hetero.data.toml_values import check_type
+
+# keys a run's config.toml leaves out: how this process was started, not what the job is
+NOT_RECORDED = {("checkpoint", "resume"), ("checkpoint", "overwrite"), ("data", "dir")}
+_SPLIT_KEYS = {"split": "fractions", "time_column": "time_column", "valid_path": "valid_path", "test_path": "test_path"}
+_READER_KEYS = [f.name for f in dataclasses.fields(ReaderConfig) if f.name != "joins"]
+_DATA_KEYS = [f.name for f in dataclasses.fields(Data) if f.name not in ("reader", "split")]
+
+
+def legacy_keys() -> dict[str, tuple[str, str]]:
+    """A job file's ``[train]`` keys (the old flags' names) -> (section, key)."""
+    out = {}
+    for section, cls in (("data", Data), *SECTIONS.items()):
+        for name, k in keys(cls).items():
+            if k.flag:
+                out[k.flag[2:].replace("-", "_")] = (section, name)
+    out["no_progress"] = ("logging", "progress")  # inverted: see _value
+    out.pop("progress", None)
+    return out
+
+
+def read_job_file(path: Path) -> JobConfig:
+    """The job file ``path`` over the defaults.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: TOML that does not parse, or a table, key or value that does not exist or
+            has the wrong type (naming the file, the table, the key and the closest valid key).
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the same parser, before it joined the standard library
+        import tomli as tomllib
+
+    if not path.is_file():
+        raise FileNotFoundError(f"job config file {path} does not exist")
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    check_keys(doc, ("data", "schema", "train", *SECTIONS), f"{path}")
+    sections: dict[str, dict[str, Any]] = {name: dict(doc.get(name, {})) for name in SECTIONS}
+    data = dict(doc.get("data", {}))
+    legacy = legacy_keys()
+    check_keys(doc.get("train", {}), legacy, f"{path} [train]")
+    for old, value in doc.get("train", {}).items():
+        section, name = legacy[old]
+        table = data if section == "data" else sections[section]
+        if name in table:
+            raise ValueError(f"{path}: {name} is set in [{section}] and as {old} in [train]: keep one")
+        table[name] = (not value if isinstance(value, bool) else value) if old == "no_progress" else value
+        if old == "no_progress" and not isinstance(value, bool):
+            raise ValueError(f"{path} [train]: no_progress = {value!r}: give true or false")
+    job = JobConfig(config=path, data=_data(data, f"{path} [data]"),
+                    schema=schema_from_dict(doc["schema"], f"{path} [schema]") if "schema" in doc else None)
+    for name, cls in SECTIONS.items():
+        setattr(job, name, _section(cls, sections[name], f"{path} [{name}]"))
+    return job
+
+
+def _section(cls: type, table: Mapping[str, Any], where: str) -> Any:  # noqa: ANN401 - an instance of cls
+    fields = keys(cls)
+    check_keys(table, fields, where)
+    return cls(**{name: _value(value, fields[name].type, name, where) for name, value in table.items()})
+
+
+def _value(value: Any, hint: Any, name: str, where: str) -> Any:  # noqa: ANN401 - a TOML value, a type
+    """A TOML value as the field's type (enums from their values, sizes from "2GiB", lists as tuples)."""
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if isinstance(value, str) and name.endswith("_memory"):
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"{where}: {name} = {e}") from None
+    for kind in kinds:
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            return parse_enum(kind, value, f"{where}: {name} =")
+    check_type(value, hint, name, where)
+    if Path in kinds:
+        return Path(value)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _data(table: Mapping[str, Any], where: str) -> Data:
+    """``[data]``: its own keys, the reader's, the split's and the joins."""
+    check_keys(table, ("join", *_DATA_KEYS, *_SPLIT_KEYS, *_READER_KEYS), where)
+    reader = {k: v for k, v in table.items() if k in _READER_KEYS}
+    joins = []
+    for i, side in enumerate(table.get("join", ())):
+        at = f"{where} join[{i}]"
+        check_keys(side, ("path", "on", *_READER_KEYS), at)
+        if "path" not in side or "on" not in side:
+            raise ValueError(f"{at}: a join needs path (the side table) and on (the key column)")
+        own = {k: v for k, v in reader.items() if k != "column_names"} | {k: v for k, v in side.items()
+                                                                           if k in _READER_KEYS}
+        check_type(side["path"], Path, "path", at)
+        check_type(side["on"], str, "on", at)
+        joins.append(checked(at, Join, Path(side["path"]), side["on"], build_dataclass(ReaderConfig, own, at)))
+    fields = keys(Data)
+    own = {}
+    for name, value in table.items():
+        if name == "path":
+            check_type(value, str | tuple[str, ...], "path", where)
+            own["path"] = tuple(Path(p) for p in value) if isinstance(value, list) else Path(value)
+        elif name in fields:
+            own[name] = _value(value, fields[name].type, name, where)
+    split = {_SPLIT_KEYS[k]: v for k, v in table.items() if k in _SPLIT_KEYS}
+    hints = typing.get_type_hints(Split)
+    for name, value in split.items():
+        check_type(value, hints[name], "split" if name == "fractions" else name, where)
+    split = {k: Path(v) if k.endswith("_path") else tuple(v) if isinstance(v, list) else v for k, v in split.items()}
+    return Data(**own, reader=build_dataclass(ReaderConfig, {**reader, "joins": tuple(joins)}, where),
+                split=checked(where, Split, **split))
+
+
+def job_to_dict(job: JobConfig) -> dict[str, Any]:
+    """``job`` as a job file's tables (what :func:`read_job_file` reads back): every key with
+    its value, ``None`` values left out (TOML has no null: they are the defaults)."""
+    data = {name: getattr(job.data, name) for name in _DATA_KEYS if ("data", name) not in NOT_RECORDED}
+    data |= {k: v for k, v in plain_data(job.data.reader).items() if k != "joins"}
+    data |= {key: getattr(job.data.split, name) for key, name in _SPLIT_KEYS.items()}
+    if job.data.reader.joins:
+        data["join"] = [{"path": j.path, "on": j.on, **{k: v for k, v in plain_data(j.reader).items() if k != "joins"}}
+                        for j in job.data.reader.joins]
+    doc: dict[str, Any] = {"data": data}
+    if job.schema is not None:
+        doc["schema"] = plain_data(job.schema)
+    for name in SECTIONS:
+        section = getattr(job, name)
+        doc[name] = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                     if (name, f.name) not in NOT_RECORDED}
+    return _plain(doc)
+
+
+def job_to_toml(job: JobConfig) -> str:
+    """``job`` as TOML text (:func:`job_to_dict`)."""
+    return tomli_w.dumps(job_to_dict(job))
+
+
+def _plain(value: Any) -> Any:  # noqa: ANN401 - TOML-able data
+    """``value`` as TOML data: :func:`plain_data`, with ``None`` values left out of tables."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    value = plain_data(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return _plain(value) if isinstance(value, Mapping) else value
