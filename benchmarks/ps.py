@@ -71,13 +71,13 @@ def local_rate(steps: int, warmup: int) -> float:
 def _rank(rank: int, world: int, port: int, steps: int, warmup: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    role = ps.init(ps.PSConfig(num_servers=world - 1, timeout_s=300))
+    job = ps.PSJob.init(ps.PSConfig(num_servers=world - 1, timeout_s=300))
     torch.manual_seed(0)
     table = HostEmbedding(TableConfig("t", ROWS, D))
-    ps.shard_tables(table)
+    job.shard_tables(table)
     opt = LazyAdam([table])
-    ps.start(table, {"t": opt})
-    if role is ps.Role.WORKER:
+    job.start(table, {"t": opt})
+    if job.role is ps.Role.WORKER:
         client = table.group.exchange
         grad = torch.randn(B * F, D)
 
@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, port: int, steps: int, warmup: int, out: str) -
 
         rate = median_rate(step, batches(steps + warmup), warmup)
         Path(out).write_text(json.dumps(rate))
-    ps.shutdown()
+    job.shutdown()
     shutdown()
 
 

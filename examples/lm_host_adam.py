@@ -47,6 +47,7 @@ from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConf
 from hetero import parallel
 from hetero.parallel import MeshConfig, MeshDim, build_mesh
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
+from hetero.parallel.dims import ParallelDims
 from hetero.parallel.parallelize import ParallelPlan, parallelize
 from hetero.parallel.pipeline import pipeline
 from hetero.parallel.pipeline_plan import PipelineConfig, Schedule, predicted_bubble
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     if mesh is None:
         apply_recompute(model, recompute)
     else:  # after operator sharding: recompute regions of sharded ops, then FSDP2 over dp (2-D with tp)
-        parallelize(model, ParallelPlan(recompute=recompute, zero=zero), mesh)
+        parallelize(model, ParallelDims.of_mesh(mesh, int(zero.stage)), ParallelPlan(recompute=recompute, zero=zero,
+                                                                                    dense=None))
         if dp > 1 and args.zero < 2:
             net = DistributedDataParallel(model, process_group=mesh[MeshDim.DP.value].get_group())
     if args.optimizer == "host":

@@ -406,9 +406,9 @@ def test_tp_without_its_ranks_or_with_sharded_tables_is_refused_naming_the_fix(t
     base = ["train", *movielens(ml_dir), "--epochs", "1", "--no-progress", "--run-dir", str(tmp_path)]
     assert main([*base, "--tp", "2"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "hetero: error: --tp 2 runs every rank operator-parallel: start torchrun --nproc-per-node 2 (this job has 1 "
-        "ranks); data x operator parallel (a 2-D mesh) is hetero.parallel's (apply_sharding with batch slices), not "
-        "yet hetero train's")
+        "hetero: error: parallelism.tp = 2 (--tp) runs every rank of hetero train in it: start torchrun --nproc-per-node "
+        "2 (this job has 1 ranks); tp x dp is hetero.apply's (a plan over a pp x dp x tp mesh), not yet hetero train's")
     assert main([*base, "--tp", "2", "--table-sharding", "row"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "hetero: error: --tp works with replicated host tables: drop --ps-servers, --table-sharding row and --prefetch")
+        "hetero: error: parallelism.tp (--tp) with parallelism.table_sharding (--table-sharding row): operator "
+        "parallelism runs with replicated host tables and no other dimension; drop one")

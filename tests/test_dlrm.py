@@ -83,4 +83,4 @@ def test_dlrm_trains_from_a_job_file_and_predict_scores_it(tmp_path, capsys):
     assert roc_auc_score(scores.column("label").to_numpy(), scores.column("score").to_numpy()) == \
         pytest.approx(metrics["test_auc"], abs=1e-9)
     assert main(["train", "--config", str(job), "--model", "dlrm", "--zero", "1", "--run-dir", str(tmp_path / "z")]) == 1
-    assert "--zero splits Wide & Deep's MLP; --model dlrm trains data-parallel: drop --zero" in capsys.readouterr().err
+    assert "parallelism.zero (--zero) splits Wide & Deep's MLP; model.name = dlrm (--model dlrm) trains data-parallel: drop it" in capsys.readouterr().err

@@ -420,7 +420,7 @@ def _gpt_tensor_parallel(tp, recompute=False, zero=0):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from hetero.parallel import ParallelPlan, RecomputeConfig, RecomputeOp, ZeroConfig, parallelize
+    from hetero.parallel import ParallelDims, ParallelPlan, RecomputeConfig, RecomputeOp, ZeroConfig, parallelize
 
     lm = _lm_example()
     mesh = build_mesh(MeshConfig(tp=tp))  # dp = ranks / tp
@@ -428,8 +428,9 @@ def _gpt_tensor_parallel(tp, recompute=False, zero=0):
     blocks = ("blocks.0", "blocks.1")
     # after operator sharding, as the composition order has it: recompute regions hold DTensor ops,
     # and ZeRO 3 (FSDP2 over dp) shards the tp shards again: a 2-D mesh
-    parallelize(model, ParallelPlan(recompute=RecomputeConfig(blocks if recompute else (), frozenset({RecomputeOp.MATMUL})),
-                                    zero=ZeroConfig(zero, blocks)), mesh)
+    parallelize(model, ParallelDims.of_mesh(mesh, zero),
+                ParallelPlan(recompute=RecomputeConfig(blocks if recompute else (), frozenset({RecomputeOp.MATMUL})),
+                             zero=ZeroConfig(zero, blocks), dense=None))
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     sharded = sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < p.numel())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)

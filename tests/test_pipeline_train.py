@@ -84,12 +84,12 @@ def test_bad_pipeline_flags_are_refused_naming_the_fix(tmp_path, criteo, capsys,
     base = [*ARGS, *_data(criteo), "--run-dir", str(tmp_path / "r")]
     assert main([*base, "--pp", "2"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "hetero: error: --pp 2 runs one stage per rank: start torchrun --nproc-per-node 2 (this job has 1 ranks); "
-        "pipeline x data parallel is hetero.parallel's (pipeline over a pp x dp mesh), not yet hetero train's")
+        "hetero: error: parallelism.pp = 2 (--pp) runs every rank of hetero train in it: start torchrun --nproc-per-node "
+        "2 (this job has 1 ranks); pp x dp is hetero.apply's (a plan over a pp x dp x tp mesh), not yet hetero train's")
     assert main([*base, "--pp", "2", "--zero", "1", "--prefetch"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "hetero: error: --pp runs the pipeline alone in hetero train (replicated tables, integrated checkpoints): "
-        "drop --zero, --prefetch")
+        "hetero: error: parallelism.pp (--pp) with training.prefetch (--prefetch), parallelism.zero (--zero): the "
+        "pipeline runs alone (replicated tables, integrated checkpoints); drop one")
     # MovieLens' genres are bags: rows cannot cut them into micro-batches (yet)
     run = _on_ranks(movielens(ml_dir), tmp_path / "ml", args=["train", "--epochs", "1", "--no-progress"], ok=False)
     assert ("hetero: error: a pipeline cuts each batch into micro-batches by rows, which cannot cut the multi-hot "

@@ -135,19 +135,19 @@ def _table():
 
 def _start(rank, world, port, config):
     """Join, split into servers and workers, build one table and its LazyAdam; a server serves
-    inside ps.start until the workers stop."""
+    inside job.start until the workers stop."""
     _join(rank, world, port)
-    role = ps.init(config)
+    job = ps.PSJob.init(config)
     table = _table()
-    ps.shard_tables(table)
+    job.shard_tables(table)
     opt = LazyAdam([table])
-    ps.start(table, {"items": opt})
-    return role, table, opt
+    job.start(table, {"items": opt})
+    return job, table, opt
 
 
 def _staleness_job(rank, world, port, out):
-    role, table, opt = _start(rank, world, port, ps.PSConfig(num_servers=2, mode=ps.PSMode.BOUNDED, staleness=2))
-    if role is ps.Role.WORKER:
+    job, table, opt = _start(rank, world, port, ps.PSConfig(num_servers=2, mode=ps.PSMode.BOUNDED, staleness=2))
+    if job.role is ps.Role.WORKER:
         client = table.group.exchange
         ids = torch.tensor([1, 2, 3, 7, 8, 20, 33])  # the same rows every step: their cache entries age
         seen = []
@@ -160,7 +160,7 @@ def _staleness_job(rank, world, port, out):
         changed = [not torch.equal(seen[t], seen[t - 1]) for t in range(1, 8)]
         Path(out, f"{rank}.json").write_text(json.dumps({"hits": c.hits, "misses": c.misses, "max_age": c.max_age,
                                                          "changed": changed}))
-    ps.shutdown()
+    job.shutdown()
     env.shutdown()
 
 
@@ -175,24 +175,24 @@ def test_bounded_staleness_reuses_a_row_for_at_most_k_steps(tmp_path, cpu_ranks)
 
 
 def _bad_input_job(rank, world, port, out):
-    role, table, _ = _start(rank, world, port, ps.PSConfig(num_servers=1, timeout_s=2))
-    if role is ps.Role.WORKER:
+    job, table, _ = _start(rank, world, port, ps.PSConfig(num_servers=1, timeout_s=2))
+    if job.role is ps.Role.WORKER:
         client = table.group.exchange
         try:
             client.pull(torch.tensor([3, 45]))  # past the worker's own check: the server must catch it
         except IndexError as e:
             Path(out, "index.txt").write_text(str(e))
         Path(out, "after.txt").write_text(str(client.pull(torch.tensor([3])).shape))  # the server went on serving
-    ps.shutdown()
+    job.shutdown()
     env.shutdown()
 
 
 def _silent_server_job(rank, world, port, out):
     _join(rank, world, port)
-    role = ps.init(ps.PSConfig(num_servers=1, timeout_s=2))
+    job = ps.PSJob.init(ps.PSConfig(num_servers=1, timeout_s=2))
     table = _table()
-    ps.shard_tables(table)
-    if role is ps.Role.WORKER:
+    job.shard_tables(table)
+    if job.role is ps.Role.WORKER:
         t0 = time.perf_counter()
         try:
             table.group.exchange.pull(torch.tensor([3]))

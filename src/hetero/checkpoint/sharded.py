@@ -28,6 +28,13 @@ import torch
 import torch.distributed as dist
 
 from hetero.checkpoint.io import CheckpointError
+from hetero.checkpoint.integrity import (
+    sha256_file,
+    write_checksums,
+    verify_checksums,
+    read_metadata,
+    SafeFileSystemReader,
+)
 
 
 def _distributed() -> bool:
@@ -72,7 +79,6 @@ def save_sharded(state: Mapping[str, Any], path: str | Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
     _barrier()
-    from hetero.checkpoint.integrity import sha256_file, write_checksums
 
     with _single_process_quiet():
         dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=not _distributed())
@@ -102,7 +108,6 @@ def _check_files(path: Path, metadata, holds: Callable[[str], bool], part: tuple
     """Every file present and long enough (a stat each); the checksums of ``.metadata`` and of
     the files holding the values whose key ``holds`` accepts (of those, every ``part[1]``-th
     from the ``part[0]``-th: the ranks of a job share the reading)."""
-    from hetero.checkpoint.integrity import verify_checksums
 
     needed: dict[str, int] = {}
     holders: set[str] = set()
@@ -145,7 +150,6 @@ def validate(path: str | Path, part: tuple[int, int] = (0, 1)):  # noqa: ANN201 
         CheckpointError: naming the missing, truncated or corrupted file and what to do; nothing
             is read into any model before this check passes.
     """
-    from hetero.checkpoint.integrity import read_metadata
 
     path = resolve(path)
     metadata = read_metadata(path)
@@ -182,7 +186,6 @@ def load_sharded(template: dict[str, Any], path: str | Path) -> Path:
             error = CheckpointError(first)
     if error is not None:
         raise error
-    from hetero.checkpoint.integrity import SafeFileSystemReader
 
     try:
         with _single_process_quiet():
@@ -202,7 +205,6 @@ def read_bytes(path: str | Path, key: str) -> io.BytesIO:
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from hetero.checkpoint.integrity import SafeFileSystemReader, read_metadata
 
     import torch.distributed.checkpoint as dcp
 
@@ -247,7 +249,6 @@ def read_full(path: str | Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from hetero.checkpoint.integrity import SafeFileSystemReader
 
     path = resolve(path)
     validate(path)

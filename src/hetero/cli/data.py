@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hetero import parallel
 from hetero.data import BatchConfig
 from hetero.data.encode import Encoding
 from hetero.data.readers import ReaderConfig
@@ -18,7 +17,7 @@ from hetero.data.tabular import EvalData, Feature, Rows
 from hetero.config.job import JobConfig
 from hetero.config.manager import locate
 from hetero.config.toml import read_job_file
-from hetero.parallel.env import host_group
+from hetero.parallel.env import DataParallelGroup
 
 
 @dataclasses.dataclass
@@ -46,10 +45,10 @@ def job_path(job: JobConfig) -> Path | tuple[Path, ...]:
     return job.data.path
 
 
-def job_data(job: JobConfig) -> JobData:
+def job_data(job: JobConfig, dp: DataParallelGroup = DataParallelGroup()) -> JobData:
     """A prepared cache (``data.prepared``), else the job's schema over its data, streamed
-    (``data.stream``) or read, fitted on the training split. ``job``'s paths are located
-    (:func:`hetero.config.manager.locate`)."""
+    (``data.stream``: each rank of ``dp`` its share of every file) or read, fitted on the
+    training split. ``job``'s paths are located (:func:`hetero.config.manager.locate`)."""
     d = job.data
     if d.prepared is not None:
         train, valid, test, encoding = load_prepared(d.prepared)
@@ -67,9 +66,9 @@ def job_data(job: JobConfig) -> JobData:
                              f"(hetero data prepare) and train with --prepared")
         encoding = fit_stream(path, job.schema, reader)
         stream = StreamConfig(shuffle_window=d.shuffle_window)
-        batches = BatchConfig(batch_size=job.training.batch_size, shuffle=True, seed=job.training.seed, rank=parallel.rank(),
-                              world_size=parallel.world_size())
-        return JobData(StreamBatches(path, encoding, reader, batches, stream, host_group()),
+        batches = BatchConfig(batch_size=job.training.batch_size, shuffle=True, seed=job.training.seed, rank=dp.rank,
+                              world_size=dp.size)
+        return JobData(StreamBatches(path, encoding, reader, batches, stream, dp.host_group()),
                        StreamEval(split.valid_path, encoding, reader, stream),
                        StreamEval(split.test_path, encoding, reader, stream),
                        encoding.specs(), len(job.schema.dense), encoding, reader)

@@ -29,6 +29,9 @@ from hetero.cli.plan import plan_job
 from hetero.cli.predict import PredictCommand, run_predict
 from hetero.cli.train import run_train
 from hetero.config.manager import load_job
+from hetero.checkpoint import save_checkpoint
+from hetero.checkpoint.sharded import read_full
+from hetero.train.checkpointing import to_integrated
 
 USAGE = """usage: hetero {train,plan,predict,data prepare,checkpoint merge} [--help] ...
 
@@ -59,9 +62,6 @@ def merge(source: Path, output: Path) -> Path:
     Raises:
         CheckpointError: ``source`` is missing, incomplete (a shard missing or truncated) or unreadable.
     """
-    from hetero.checkpoint import save_checkpoint
-    from hetero.checkpoint.sharded import read_full
-    from hetero.train.checkpointing import to_integrated
 
     return save_checkpoint(to_integrated(read_full(source)), output)
 

@@ -35,6 +35,7 @@ from hetero.planner.calibration import machine_key
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer
 from hetero.planner.plan import Plan
 from hetero.planner.space import OptimizerKind, TablePlacement
+from hetero.planner.planner import Planner, PlannerConfig
 
 log = logging.getLogger("hetero")
 
@@ -42,15 +43,9 @@ def job_model(job: JobConfig, features: tuple[Feature, ...], num_dense: int,
               device: torch.device) -> tuple[torch.nn.Module, WideDeepConfig | DLRMConfig]:
     """The job's model (``model.name``) on ``device`` and its config.
 
-    Raises:
-        ValueError: DLRM with parallel dimensions that split Wide & Deep's MLP.
     """
-    m, p = job.model, job.parallelism
-    if m.name is ModelKind.DLRM:
-        for key, used in (("parallelism.pp (--pp)", p.pp > 1), ("parallelism.tp (--tp)", p.tp > 1),
-                          ("parallelism.zero (--zero)", p.zero)):
-            if used:
-                raise ValueError(f"{key} splits Wide & Deep's MLP; model.name = dlrm trains data-parallel: drop it")
+    m = job.model
+    if m.name is ModelKind.DLRM:  # (the parallel keys that split Wide & Deep's MLP are refused by validate)
         config = DLRMConfig(embedding_dim=m.embedding_dim, bottom=m.bottom, top=m.hidden)
     else:
         config = WideDeepConfig(embedding_dim=m.embedding_dim, hidden=m.hidden, dropout=m.dropout)
@@ -132,7 +127,6 @@ def check_plan_fits(plan: Plan, model: nn.Module, batch_size: int, world: int, w
 
 
 def _make_plan(job: JobConfig, model: nn.Module, batches: Batches, world: int) -> Plan:
-    from hetero.planner.planner import Planner, PlannerConfig
 
     samples = example_batches(batches)
     (inputs, label), more = samples[0], tuple(s[0] for s in samples[1:])

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import tyro
 
-from hetero.config.job import SECTIONS, JobConfig, keys
+from hetero.config.job import SECTIONS, JobConfig, TableSharding, keys
 from hetero.config.toml import read_job_file
 from hetero.data.fetch import fetch_public
+from hetero.models.build import ModelKind
+from hetero.train.config import CheckpointFormat
 
 
 def load_job(argv: Sequence[str], prog: str = "hetero train") -> JobConfig:
@@ -82,12 +84,62 @@ def validate(job: JobConfig) -> None:
                                      f" {bound}" + (f" and < {k.below}" if k.below is not None else ""))
                 if k.below is not None and v >= k.below:
                     raise ValueError(f"{where} = {_shown(value)}: give a value in [{k.low}, {k.below})")
+    _check_together(job)
+    if job.training.patience and not job.checkpoint.keep_best:
+        job.checkpoint = dataclasses.replace(job.checkpoint, keep_best=True)  # patience implies keeping the best
+
+
+# (key, its flag, whether the job sets it) of what the main job runs beside each of these keys
+def _set(job: JobConfig) -> dict[str, tuple[str, bool]]:
+    p, t = job.parallelism, job.training
+    return {"parallelism.tp": ("--tp", p.tp > 1), "parallelism.pp": ("--pp", p.pp > 1),
+            "parallelism.zero": ("--zero", p.zero > 0),
+            "parallelism.table_sharding": ("--table-sharding row", p.table_sharding is TableSharding.ROW),
+            "parameter_server.servers": ("--ps-servers", job.parameter_server.servers > 0),
+            "training.prefetch": ("--prefetch", t.prefetch), "data.stream": ("--stream", job.data.stream),
+            "checkpoint.format": ("--checkpoint-format sharded", job.checkpoint.format is CheckpointFormat.SHARDED)}
+
+
+# a key -> the keys the main job does not run beside it, and why
+_APART = {
+    "parallelism.tp": (("parameter_server.servers", "parallelism.table_sharding", "training.prefetch",
+                        "parallelism.pp"),
+                       "operator parallelism runs with replicated host tables and no other dimension"),
+    "parallelism.pp": (("parameter_server.servers", "parallelism.table_sharding", "training.prefetch",
+                        "parallelism.zero", "checkpoint.format"),
+                       "the pipeline runs alone (replicated tables, integrated checkpoints)"),
+    "parameter_server.servers": (("parallelism.zero", "parallelism.table_sharding", "training.prefetch"),
+                                 "a parameter server's workers train data-parallel with replicated dense parts"),
+    "parallelism.table_sharding": (("training.prefetch",), "the prefetcher reads replicated tables only"),
+}
+
+
+def _check_together(job: JobConfig) -> None:
+    """The keys the main job runs only apart, its model's limits and a plan's."""
+    on = _set(job)
+    for key, (others, why) in _APART.items():
+        both = [f"{o} ({on[o][0]})" for o in others if on[key][1] and on[o][1]]
+        if both:
+            raise ValueError(f"{key} ({on[key][0]}) with {', '.join(both)}: {why}; drop one")
     p = job.parallelism
     if p.micro_batches is not None and p.pp == 1:
         raise ValueError("parallelism.micro_batches (--micro-batches) cuts a pipeline's batch: set parallelism.pp > 1, "
                          "or drop it")
-    if job.training.patience and not job.checkpoint.keep_best:
-        job.checkpoint = dataclasses.replace(job.checkpoint, keep_best=True)  # patience implies keeping the best
+    micro = p.micro_batches or p.pp
+    if job.training.batch_size % micro:
+        raise ValueError(f"parallelism.micro_batches = {micro} does not divide training.batch_size = "
+                         f"{job.training.batch_size} (--batch-size): choose a batch size that is a multiple of it")
+    if job.model.name is ModelKind.DLRM:
+        split = [f"{k} ({on[k][0]})" for k in ("parallelism.pp", "parallelism.tp", "parallelism.zero") if on[k][1]]
+        if split:
+            raise ValueError(f"{split[0]} splits Wide & Deep's MLP; model.name = dlrm (--model dlrm) trains "
+                             f"data-parallel: drop it")
+    if job.planner.plan is not None:
+        given = [f"{k} ({on[k][0]})" for k in ("data.stream", "parallelism.pp", "parallelism.tp",
+                                                "parameter_server.servers") if on[k][1]]
+        if given:
+            raise ValueError(f"planner.plan (--plan) plans a data-parallel job on in-memory or prepared data: drop "
+                             f"{', '.join(given)} (to stream, prepare a cache: hetero data prepare)")
 
 
 def _shown(value: object) -> object:

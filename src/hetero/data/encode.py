@@ -29,6 +29,7 @@ import torch
 from hetero.data.rows import normalized_text
 from hetero.data.schema import Categorical, Cross, Schema, Transform, schema_from_dict, schema_to_dict
 from hetero.data.tabular import Feature, FeatureRole, Jagged, TabularDataset
+from hetero._numba import load
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -271,7 +272,6 @@ def hash_rows(col: pa.Array | pa.ChunkedArray, buckets: int) -> torch.Tensor:
     Reads Arrow's buffers in place (no copy of the strings)."""
     import pyarrow as pa
 
-    from hetero._numba import load
 
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)

@@ -9,23 +9,29 @@ backward, on autograd's thread; the optimizer step takes the result from ``group
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from hetero.embedding.exchange import RowSpace
-from hetero.embedding.grad import SparseGrad
+from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import kernels
 from hetero.placement.tagging import TARGET
+from hetero.embedding.plan import LookupPlan
 from hetero.placement.target import Target
 
-if TYPE_CHECKING:
-    from hetero.embedding.group import TableGroup
+
+class CaptureGroup(Protocol):
+    """What gradient capture reads of a table group (a :class:`~hetero.embedding.group.TableGroup`)."""
+
+    pending: PendingGrads  # this step's sparse gradients, until the optimizer steps
+
+    def pool_and_dedup(self, plan: LookupPlan, out: Tensor) -> None: ...
 
 
-def capture_device_grad(group: "TableGroup", unique: Tensor, grad: Tensor) -> None:
+def capture_device_grad(group: CaptureGroup, unique: Tensor, grad: Tensor) -> None:
     """The hook on a device lookup's unique rows: their coalesced gradient ``grad`` (``(U, D)``,
     any device) becomes the group's pending :class:`SparseGrad` (group rows ``unique``)."""
     # Runs inside backward; ``grad`` is coalesced per unique row already.

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from hetero.embedding.group import TableGroup
-    from hetero.embedding.plan import LookupPlan, Request
+from hetero.embedding.plan import LookupPlan, Request
+
+
+class LocalLookup(Protocol):
+    """What an exchange reads of its table group (a :class:`~hetero.embedding.group.TableGroup`):
+    the lookup of rows held in this process."""
+
+    def lookup_local(self, requests: list[Request], plan: LookupPlan | None = None) -> list[Tensor]: ...
 
 
 class RowPlacement(enum.Enum):
@@ -70,7 +75,7 @@ class RowExchange(abc.ABC):
         """Rows of the whole group, over every process that holds a part."""
 
     @abc.abstractmethod
-    def lookup(self, group: "TableGroup", requests: list["Request"], plan: "LookupPlan | None") -> list[Tensor]:
+    def lookup(self, group: LocalLookup, requests: list[Request], plan: LookupPlan | None) -> list[Tensor]:
         """The outputs of ``requests`` (autograd-aware); ``plan``: one a prefetcher built, if any."""
 
     def clear(self) -> None:  # noqa: B027 - most exchanges keep nothing between steps
@@ -89,5 +94,5 @@ class LocalRows(RowExchange):
     def global_rows(self) -> int:
         return self._rows
 
-    def lookup(self, group: "TableGroup", requests: list["Request"], plan: "LookupPlan | None") -> list[Tensor]:
+    def lookup(self, group: LocalLookup, requests: list[Request], plan: LookupPlan | None) -> list[Tensor]:
         return group.lookup_local(requests, plan)

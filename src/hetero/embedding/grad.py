@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from hetero.embedding.exchange import RowSpace
+from hetero.embedding.kernels import kernels
 
 
 class SparseGrad:
@@ -38,7 +39,6 @@ class SparseGrad:
     @property
     def rows(self) -> Tensor:
         if self._rows is None:
-            from hetero.embedding.kernels import kernels
 
             K = kernels()
             src, inverse, offsets, scale = (t.numpy() for t in self.per_id)

@@ -17,7 +17,7 @@ tie the table's memory layout to its optimizer (and put optimizer state into eve
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -26,15 +26,22 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from hetero.embedding.capture import HostPool, capture_device_grad
-from hetero.embedding.config import Pooling
+from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.exchange import LocalRows, RowExchange
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import kernels
 from hetero.embedding.plan import LookupPlan, Request, build_plan
 from hetero.placement import copy_to, host_empty
 
-if TYPE_CHECKING:
-    from hetero.embedding.table import HostEmbedding
+
+class GroupedTable(Protocol):
+    """What a group holds of each of its tables (a :class:`~hetero.embedding.table.HostEmbedding`):
+    its config and weight, and the group's place for it, which the group sets."""
+
+    config: TableConfig
+    weight: torch.nn.Parameter
+    group_row: int
+    group: Any  # the TableGroup itself (set here)
 
 
 class TableGroup:
@@ -44,7 +51,7 @@ class TableGroup:
     :class:`HostEmbeddingCollection` merges its tables into groups.
     """
 
-    def __init__(self, tables: list["HostEmbedding"]) -> None:
+    def __init__(self, tables: list[GroupedTable]) -> None:
         dims = {(t.config.embedding_dim, t.weight.dtype) for t in tables}
         assert len(dims) == 1, f"a group holds one width and dtype, got {dims}"
         self.dim, self.dtype = dims.pop()

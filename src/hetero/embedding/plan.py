@@ -8,25 +8,38 @@ embedding" lookup). :func:`build_plan` makes one; a prefetcher builds them a bat
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from hetero.embedding.config import Pooling
+from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.kernels import kernels
 
-if TYPE_CHECKING:
-    from hetero.embedding.group import TableGroup
-    from hetero.embedding.table import HostEmbedding
+
+class PlannedTable(Protocol):
+    """What a lookup plan reads of a table (a :class:`~hetero.embedding.table.HostEmbedding`)."""
+
+    config: TableConfig
+    group_row: int  # the table's first row in its group's row space
+
+    def raise_out_of_range(self, bad: int) -> None: ...
+
+
+class DedupGroup(Protocol):
+    """What :func:`build_plan` needs of a table group (a :class:`~hetero.embedding.group.TableGroup`)."""
+
+    marker: np.ndarray | None  # the group's dedup scratch over its row space (None: no dedup here)
+
+    def dedup(self, plan: "LookupPlan") -> None: ...
 
 
 @dataclasses.dataclass
 class Request:
     """One table's part of a lookup: its ids, optional bag offsets, and the output shape."""
 
-    table: "HostEmbedding"
+    table: PlannedTable
     ids: Tensor
     offsets: Tensor | None = None
 
@@ -70,7 +83,7 @@ class LookupPlan:
 
 
 
-def build_plan(group: "TableGroup", requests: list[Request], dedup: bool = True) -> LookupPlan:
+def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True) -> LookupPlan:
     """Check, globalize and dedup the ids of ``requests``; build bags. Reads no table rows.
 
     ``dedup=False`` leaves the dedup to the lookup, which then runs it beside the pooling

@@ -29,11 +29,13 @@ from hetero.parallel.operator_plan import (
     save_strategy,
 )
 from hetero.parallel.checkpoint_state import load_distributed_checkpoint, save_distributed_checkpoint
-from hetero.parallel.parallelize import ParallelPlan, parallelize
+from hetero.parallel.dims import ParallelDims
+from hetero.parallel.parallelize import ParallelPlan, Parallelized, parallelize
 from hetero.parallel.recompute import RecomputeConfig, RecomputeOp, apply_recompute, recompute
 from hetero.parallel.row_sharded import gather_rows, shard_rows, sharded_tables
 from hetero.parallel.zero import ZeroConfig, ZeroStage, apply_zero, zero_optimizer
 from hetero.parallel.env import (
+    DataParallelGroup,
     DistConfig,
     active,
     barrier,
@@ -51,13 +53,16 @@ __all__ = [
     "CommFusion",
     "DataParallelConfig",
     "DatasetStrategy",
+    "DataParallelGroup",
     "DistConfig",
     "DistributedSparse",
     "FusionMode",
     "HostReplicaOptimizer",
     "MeshConfig",
     "MeshDim",
+    "ParallelDims",
     "ParallelPlan",
+    "Parallelized",
     "RecomputeConfig",
     "RecomputeOp",
     "ShardingPlan",

@@ -36,6 +36,8 @@ from hetero.embedding.group import TableGroup
 from hetero.optim import SparseOptimizer
 from hetero.parallel.env import active, host_group
 from hetero.parallel.operator_plan import first_difference, infer_predict_layout
+from hetero.checkpoint.sharded import save_sharded, load_sharded, read_bytes
+from hetero.checkpoint.io import CheckpointError
 
 
 def _mesh():  # noqa: ANN202 - a DeviceMesh over the host group
@@ -99,7 +101,6 @@ def save_distributed_checkpoint(model: nn.Module, path: str | Path,
     """Write ``model``'s state - DTensor shards, host tables - ``sparse_optimizers``' state and
     a dense ``optimizer``'s as one sharded DCP checkpoint (every rank writes its shards; atomic,
     with checksums: :func:`hetero.checkpoint.sharded.save_sharded`). Collective."""
-    from hetero.checkpoint.sharded import save_sharded
 
     sparse = dict(sparse_optimizers or {})
     state, layout = model_state(model, sparse)
@@ -126,8 +127,6 @@ def load_distributed_checkpoint(model: nn.Module, path: str | Path, layout: dict
         hetero.checkpoint.CheckpointError: a missing, corrupted or other-model checkpoint, or a
             sparse optimizer it does not hold; nothing is loaded then.
     """
-    from hetero.checkpoint.io import CheckpointError
-    from hetero.checkpoint.sharded import load_sharded, read_bytes
 
     diff = None if layout is None else first_difference(layout, infer_predict_layout(model))
     if diff is not None:

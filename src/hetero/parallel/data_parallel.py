@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from hetero.embedding import RowPlacement, RowSpace, SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
 from hetero.parallel.comm_fusion import CommFusion, IndexFusedAllReduce, by_size
-from hetero.parallel.env import active, data_parallel_group, host_group, world_size
+from hetero.parallel.env import DataParallelGroup, host_group
 from hetero.parallel.operator import to_dtensor
 from hetero.embedding.group import TableGroup
 from hetero.parallel.tree_comm import broadcast_tree
@@ -60,8 +60,9 @@ class DataParallelConfig:
 
 
 def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelConfig(),
-                  host: Set[torch.Tensor] = frozenset()) -> nn.Module:
-    """Wrap ``model`` for data parallelism (the model itself at world size 1).
+                  host: Set[torch.Tensor] = frozenset(), group: DataParallelGroup = DataParallelGroup()) -> nn.Module:
+    """Wrap ``model`` for data parallelism over ``group`` (default: the whole job); the model
+    itself on a group of one rank.
 
     Host tables are left out of DDP: they are not broadcast (ranks build them identically from
     the same seed; :func:`check_replicas` verifies it) and their gradients go through
@@ -69,7 +70,7 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
     model's host units: DDP takes one device type; their gradients go through
     :class:`HostReplicaOptimizer`).
     """
-    if not active() or config.dense_sharded:
+    if not group.active or config.dense_sharded:
         return model
     # Host tables stay out of DDP, and so do their zero-size device anchors: a model whose only
     # buffers they are then needs no buffer broadcast before every forward (measured 11 ms per
@@ -82,18 +83,18 @@ def data_parallel(model: nn.Module, config: DataParallelConfig = DataParallelCon
     ignored = set(ignore)
     dense = [p for name, p in model.named_parameters() if name not in ignored and p.requires_grad]
     device_ids = [torch.cuda.current_device()] if dense and dense[0].is_cuda else None
-    group = data_parallel_group()
+    pg = group.group
     setting = config.fusion.allreduce
     if isinstance(setting, tuple):  # an index list: one parameter per DDP bucket, fused by the comm hook
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb_list=[1e-9],
-                                                  process_group=group)
-        ddp.register_comm_hook(IndexFusedAllReduce(dense, setting, group, config.gradients_mean),
+                                                  process_group=pg)
+        ddp.register_comm_hook(IndexFusedAllReduce(dense, setting, pg, config.gradients_mean),
                                IndexFusedAllReduce.hook)
         return ddp
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=group,
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=pg,
                                               bucket_cap_mb=config.fusion.bucket_mb("allreduce"))
     if not config.gradients_mean:
-        ddp.register_comm_hook(group, _sum_hook)
+        ddp.register_comm_hook(pg, _sum_hook)
     return ddp
 
 
@@ -139,11 +140,13 @@ class HostReplicaOptimizer:
             self.optimizer.zero_grad(set_to_none)
 
     def step(self) -> None:
+        # several ranks in the group (none without a process group: a single process)
+        replicas = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
         if self.optimizer is not None:
-            if active():
+            if replicas:
                 self._reduce()
             self.optimizer.step()
-        if active() and self.buffers:
+        if replicas and self.buffers:
             self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
@@ -177,18 +180,18 @@ class HostReplicaOptimizer:
             self.optimizer.load_state_dict(state)
 
 
-def check_replicas(model: nn.Module) -> None:
-    """Raise ``ValueError`` if a replicated host table differs between ranks (a CRC-32 of its
-    bytes, read in place block by block: no copy of a table, which may be most of host memory).
-    Tables whose rows are not all here (row-sharded, on parameter servers) are left out: their
-    parts differ by design. Collective."""
-    if not active():
+def check_replicas(model: nn.Module, group: DataParallelGroup = DataParallelGroup()) -> None:
+    """Raise ``ValueError`` if a replicated host table differs between the ranks of ``group``
+    (a CRC-32 of its bytes, read in place block by block: no copy of a table, which may be most
+    of host memory). Tables whose rows are not all here (row-sharded, on parameter servers) are
+    left out: their parts differ by design. Collective over ``group``."""
+    if not group.active:
         return
     tables = host_tables(model)
     names = [name for name, t in tables.items() if t.group.exchange.placement is RowPlacement.LOCAL]
     local = torch.tensor([_table_crc(tables[name].weight.detach()) for name in names], dtype=torch.int64)
     both = torch.cat([local, -local])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=host_group())  # max == min on every rank iff all equal
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group.host_group())  # max == min on every rank iff all equal
     for name, hi, neg_lo in zip(names, both[: len(names)].tolist(), both[len(names) :].tolist()):
         if hi != -neg_lo:
             raise ValueError(f"host table {name!r} differs between ranks; build the model with the same seed on every rank")
@@ -213,16 +216,21 @@ class DistributedSparse:
     gradient row to its owner (see :mod:`hetero.parallel.row_sharded`). ``state_dict()`` holds
     full tables' state (a collective: every rank calls it); ``load_state_dict()`` takes a full
     state and keeps this rank's rows, so it loads at any world size.
+
+    Args:
+        group: the data-parallel ranks (default: the whole job); row-sharded tables span the
+            whole job (:func:`~hetero.parallel.row_sharded.shard_rows`).
     """
 
-    def __init__(self, optimizer: SparseOptimizer, config: DataParallelConfig = DataParallelConfig()) -> None:
-        self.optimizer, self.config = optimizer, config
+    def __init__(self, optimizer: SparseOptimizer, config: DataParallelConfig = DataParallelConfig(),
+                 group: DataParallelGroup = DataParallelGroup()) -> None:
+        self.optimizer, self.config, self.group = optimizer, config, group
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
     def step(self) -> None:
-        if active():
+        if self.group.active:
             groups = self.optimizer.groups
             sharded = [g for g in groups if isinstance(g.exchange, RowSharding)]
             replicated = [g for g in groups if not isinstance(g.exchange, RowSharding)]
@@ -244,8 +252,8 @@ class DistributedSparse:
         all-gather of every group's row count, then one all-gather per ``fusion.allgather``
         bucket of groups (ids and rows padded to the longest rank's count, the int64 ids carried
         bit for bit as float32 pairs), summed in rank order - the same sum on every rank."""
-        n = world_size()
-        group = host_group()  # host tensors: gloo even when NCCL is the default
+        n = self.group.size
+        group = self.group.host_group()  # host tensors: gloo even when NCCL is the default
         counts = torch.empty(n * len(grads), dtype=torch.int64)
         dist.all_gather_single(counts, torch.tensor([g.ids.numel() for g in grads]), group=group)
         counts = counts.view(n, len(grads))

@@ -15,6 +15,8 @@ import logging
 import os
 import socket
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -65,22 +67,6 @@ def init(config: DistConfig = DistConfig()) -> bool:
     return True
 
 
-# The data-parallel group when it is not the whole job: in a parameter-server job
-# (hetero.ps) the workers train data-parallel among themselves while the servers serve.
-_DP: list = []
-
-
-def set_data_parallel_group(group, host=None) -> None:  # noqa: ANN001 - ProcessGroups
-    """Make ``group`` (a subgroup of the job, e.g. the parameter-server workers) the one that
-    :func:`rank`, :func:`world_size`, DDP and the host collectives use; ``host`` is a gloo group over
-    the same ranks when ``group`` is NCCL. Called on the group's members only."""
-    _DP[:] = [group, host if host is not None else group]
-
-
-def data_parallel_group():  # noqa: ANN201 - a ProcessGroup or None (the default group)
-    return _DP[0] if _DP else None
-
-
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
@@ -100,14 +86,14 @@ def _bind_loopback() -> None:
 
 
 def active() -> bool:
-    """Whether a data-parallel group with more than one rank exists."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(data_parallel_group()) > 1
+    """Whether a process group with more than one rank exists (the whole job)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
-    """This process's rank in the data-parallel group (the job's rank unless it is a
-    parameter-server job)."""
-    return dist.get_rank(data_parallel_group()) if active() else 0
+    """This process's rank in the whole job (0 without a process group); a data-parallel
+    group's own rank is :attr:`DataParallelGroup.rank`."""
+    return dist.get_rank() if active() else 0
 
 
 def global_rank() -> int:
@@ -118,7 +104,8 @@ def global_rank() -> int:
 
 
 def world_size() -> int:
-    return dist.get_world_size(data_parallel_group()) if active() else 1
+    """The whole job's ranks (1 without a process group)."""
+    return dist.get_world_size() if active() else 1
 
 
 def local_rank() -> int:
@@ -132,8 +119,6 @@ def host_group():  # noqa: ANN201 - a ProcessGroup or None
     """The process group for collectives on host tensors (sparse gradients, table rows): the
     default group when it is gloo, else (NCCL on CUDA) a gloo group over the same ranks, created
     on first use. Collective on first call: every rank must call it."""
-    if _DP:
-        return _DP[1]
     if not active() or dist.get_backend() == "gloo":
         return None
     if not _HOST_GROUP:
@@ -142,14 +127,11 @@ def host_group():  # noqa: ANN201 - a ProcessGroup or None
 
 
 def global_mean(value: torch.Tensor) -> float:
-    """The mean of a scalar over the ranks (e.g. the global batch's loss from equal-size shards),
-    as a Python float on every rank; the value itself at world size 1. Collective; a sync point
-    (the host reads the result)."""
-    if active():
-        value = value.detach().clone()
-        dist.all_reduce(value, group=data_parallel_group())  # on the value's device: NCCL for device tensors
-        value /= world_size()
-    return value.item()
+    """The mean of a scalar over the whole job's ranks (e.g. the global batch's loss from
+    equal-size shards), as a Python float on every rank; the value itself at world size 1.
+    Collective; a sync point (the host reads the result). A data-parallel group's own:
+    :meth:`DataParallelGroup.mean`."""
+    return DataParallelGroup().mean(value)
 
 
 def global_batch_mean(local_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
@@ -163,19 +145,18 @@ def global_batch_mean(local_sum: torch.Tensor, global_batch_size: int) -> torch.
     Returns ``local_sum * world_size / global_batch_size``: DDP's (and the sparse exchange's)
     average over the ranks of these values is ``sum of all losses / global_batch_size``, the
     mean one process computes on the whole batch, however unequal the shares; an empty share
-    contributes 0, not NaN. At world size 1 it is the plain mean.
+    contributes 0, not NaN. At world size 1 it is the plain mean. Over the whole job; a
+    data-parallel group's own: :meth:`DataParallelGroup.batch_mean`.
 
     Raises:
         ValueError: ``global_batch_size`` is not positive.
     """
-    if global_batch_size <= 0:
-        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-    return local_sum * (world_size() / global_batch_size)
+    return DataParallelGroup().batch_mean(local_sum, global_batch_size)
 
 
 def barrier() -> None:
     if active():
-        dist.barrier(group=data_parallel_group())
+        dist.barrier()
 
 
 def shutdown(clean: bool = True) -> None:
@@ -192,5 +173,66 @@ def shutdown(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         _HOST_GROUP.clear()
-        _DP.clear()
         dist.destroy_process_group()
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelGroup:
+    """The ranks that train data-parallel: DDP's process group, the host tables' sparse-gradient
+    exchange's and the loss average's - the whole job by default; a subgroup in a
+    parameter-server job (its workers) or a mesh's ``dp`` dimension (one rank under ``--tp`` or
+    ``--pp``). A value handed to what needs it (:class:`~hetero.parallel.dims.ParallelDims`
+    builds it), never process-global state.
+
+    Attributes:
+        group: the process group (``None``: the default group, the whole job).
+        host: a gloo group over the same ranks for host tensors where ``group`` is NCCL
+            (``None``: ``group`` itself, or for the whole job :func:`host_group`).
+    """
+
+    group: Any = None  # a ProcessGroup
+    host: Any = None  # a ProcessGroup
+
+    @property
+    def active(self) -> bool:
+        """Whether the group has more than one rank (collectives run)."""
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if self.active else 0
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group) if self.active else 1
+
+    def host_group(self):  # noqa: ANN201 - a ProcessGroup or None
+        """The group for collectives on host tensors (gloo). Collective on first call for the
+        whole job (see :func:`host_group`)."""
+        if self.group is None:
+            return host_group()
+        return self.host if self.host is not None else self.group
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(group=self.group)
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean of a scalar over this group's ranks, as a Python float on every rank (see
+        :func:`global_mean`). Collective; a sync point."""
+        if self.active:
+            value = value.detach().clone()
+            dist.all_reduce(value, group=self.group)  # on the value's device: NCCL for device tensors
+            value /= self.size
+        return value.item()
+
+    def batch_mean(self, local_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
+        """This rank's share of the global batch's mean loss over this group (see
+        :func:`global_batch_mean`, which says why the shares average to one process's mean).
+
+        Raises:
+            ValueError: ``global_batch_size`` is not positive.
+        """
+        if global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        return local_sum * (self.size / global_batch_size)

@@ -1,33 +1,50 @@
-"""One function applies the parallel dimensions to a model, in one documented order.
+"""The composition root: one function applies a job's parallel dimensions to its model, in one
+documented order, and builds the optimizers over what it made.
 
-``parallelize(model, plan, mesh)`` runs, each step reading only its part of :class:`ParallelPlan`:
+``parallelize(model, dims, plan)`` (:class:`~hetero.parallel.dims.ParallelDims` built; a
+:class:`ParallelPlan`) runs, each step reading only its part of the plan:
 
-1. **operator sharding** (:func:`~hetero.parallel.operator_plan.apply_sharding`): the annotated
-   modules' weights become DTensor shards over ``dp x tp``;
-2. **recompute** (:func:`~hetero.parallel.recompute.apply_recompute`): checkpoint regions wrap the
+1. **pipeline split** (``dims.pp > 1``, :func:`~hetero.parallel.pipeline.pipeline`): this rank
+   keeps its stage; the steps below apply to the stage;
+2. **operator sharding** (``dims.tp > 1``, :func:`~hetero.parallel.operator_plan.apply_sharding`):
+   the planned modules' weights become DTensor shards over ``tp``;
+3. **recompute** (:func:`~hetero.parallel.recompute.apply_recompute`): checkpoint regions wrap the
    already-sharded modules, so the recomputation replays the sharded operators;
-3. **ZeRO** (:func:`~hetero.parallel.zero.apply_zero`): FSDP2 over ``dp`` for stages 2 and 3,
-   last, because it shards the parameters as the steps above left them (2-D with ``tp``).
+4. **ZeRO** (:func:`~hetero.parallel.zero.apply_zero`): FSDP2 over ``dp`` for stages 2 and 3,
+   after the steps above because it shards the parameters as they left them (2-D with ``tp``);
+5. **host tables** over the ranks: row-sharded over ``dp`` (:func:`~hetero.parallel.row_sharded.shard_rows`)
+   or on parameter servers (:meth:`hetero.ps.PSJob.shard_tables`), else whole on every rank -
+   before the optimizers, whose state is allocated per row held;
+6. **optimizers**: each table's sparse optimizer (by name prefix), and the dense one over the
+   device parameters (ZeRO 1 shards its state over ``dp``: :func:`~hetero.parallel.zero.zero_optimizer`).
 
-Data-parallel wrapping (DDP for stages 0 and 1, the host tables' sparse exchange) and the
-optimizer (:func:`~hetero.parallel.zero.zero_optimizer`) come after, from the caller. Host/device
-placement (``hetero.partition``) comes before, on the unsharded model. Reference: torchtitan's
-``parallelize`` (the same order: TP, activation checkpointing, FSDP); the reference design's
-multi-dimensional hybrid parallelism.
+Data-parallel wrapping comes last, in the trainer (DDP over ``dims.dp_group`` for ZeRO 0 and 1;
+the host tables' sparse-gradient exchange), and host/device placement (``hetero.partition``)
+before, on the unsharded model. Reference: torchtitan's ``parallelize`` (the same order: pipeline
+split, TP, activation checkpointing, FSDP); the reference design's multi-dimensional hybrid
+parallelism. ``hetero.apply`` (a planner's :class:`~hetero.planner.plan.Plan`) builds on the
+same steps for models with host units.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
+from hetero.embedding import dense_parameters, host_tables
 from hetero.parallel.comm_fusion import CommFusion
+from hetero.parallel.dims import ParallelDims
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
+from hetero.parallel.pipeline import Pipeline, pipeline
+from hetero.parallel.pipeline_plan import PipelineConfig
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
-from hetero.parallel.zero import ZeroConfig, apply_zero
+from hetero.parallel.row_sharded import shard_rows
+from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,26 +56,94 @@ class ParallelPlan:
         recompute: the modules that recompute their activations, and what they keep.
         zero: the ZeRO stage over the mesh's ``dp`` dimension and its units.
         fusion: bucket sizes of the collectives (here: ZeRO's units when none are named; the
-            caller's DDP and HostAdamW take the same config).
+            trainer's DDP and HostAdamW take the same config).
+        pipeline: the split into stages and the schedule (with ``dims.pp > 1``).
+        loss_fn: the last stage's loss of ``(output, target)`` (with ``dims.pp > 1``).
+        sparse: host tables' sparse optimizers: a table-name prefix (``"deep."``) -> a factory
+            of the optimizer over the tables it names (none: the tables get none).
+        dense: the dense optimizer: a torch optimizer class (default Adam; ZeRO 1 shards its
+            state over ``dp``), a factory over ``[(name, parameter)]`` (a plan's HostAdamW), or
+            ``None``: none (the caller builds its own).
+        dense_kwargs: the dense optimizer's hyper-parameters (``lr``, ...).
     """
 
     sharding: ShardingPlan | None = None
     recompute: RecomputeConfig = RecomputeConfig()
     zero: ZeroConfig = ZeroConfig()
     fusion: CommFusion = CommFusion()
+    pipeline: PipelineConfig | None = None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    sparse: Mapping[str, Callable[[dict[str, nn.Module]], Any]] = dataclasses.field(default_factory=dict)
+    dense: type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer] | None = torch.optim.Adam
+    dense_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh) -> dict[str, list[Placement]]:
-    """Apply ``plan`` to ``model`` in place, in the module docstring's order; returns the
-    operator layout (qualified parameter name -> placements; empty without sharding).
+@dataclasses.dataclass
+class Parallelized:
+    """What :func:`parallelize` made.
 
-    Collective: every rank calls it with the same model and plan.
+    Attributes:
+        model: the module this rank runs (a pipeline's: its stage).
+        dense_optimizer: over this rank's device parameters (``None`` without any).
+        sparse_optimizers: each prefix's sparse optimizer over this rank's host tables.
+        pipeline: the pipeline (``None`` without ``pp``).
+        layout: the operator layout (qualified parameter name -> placements; empty without tp).
+    """
+
+    model: nn.Module
+    dense_optimizer: torch.optim.Optimizer | None
+    sparse_optimizers: dict[str, Any]
+    pipeline: Pipeline | None = None
+    layout: dict[str, list[Placement]] = dataclasses.field(default_factory=dict)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = ParallelPlan(),
+                ps_job: Any = None) -> Parallelized:  # noqa: ANN401 - a hetero.ps.PSJob
+    """Apply ``plan`` over the built ``dims`` (:meth:`ParallelDims.build`) to ``model`` (changed
+    in place), in the module docstring's order; ``ps_job`` (a :class:`hetero.ps.PSJob`) puts
+    the tables on its servers (a server's optimizers hold its shard's state).
+
+    Collective: every rank calls it with the same model, dims and plan.
 
     Raises:
-        ValueError: as each step does (a name the model does not have, a bad strategy), before
-            the later steps run.
+        ValueError: dims not built where a mesh is needed; a pipeline without its config or
+            loss; a row-sharded or parameter-server job with a model of no host tables; as
+            each step does (a name the model does not have, a bad strategy), before the later
+            steps run.
     """
-    layout = apply_sharding(model, plan.sharding, mesh) if plan.sharding is not None else {}
+    if dims.meshed and dims.mesh is None:
+        raise ValueError("parallelize needs the dims' mesh: pass dims.build()")
+    pipe = None
+    if dims.pp > 1:
+        if plan.pipeline is None or plan.loss_fn is None:
+            raise ValueError(f"pp {dims.pp}: give the plan's pipeline (split points, schedule) and loss_fn")
+        pipe = pipeline(model, plan.pipeline, dims.mesh, plan.loss_fn)
+        model = pipe.modules[0]  # this rank's stage (one per rank)
+    layout = apply_sharding(model, plan.sharding, dims.mesh) if dims.tp > 1 and plan.sharding is not None else {}
     apply_recompute(model, plan.recompute)
-    apply_zero(model, plan.zero, mesh, plan.fusion)
-    return layout
+    if dims.mesh is not None and pipe is None:
+        apply_zero(model, plan.zero, dims.mesh, plan.fusion)
+    if (dims.row_sharded or ps_job is not None) and not host_tables(model):
+        raise ValueError("the job shards host tables (row sharding or parameter servers), which this model has none "
+                         "of: drop it")
+    if ps_job is not None:
+        ps_job.shard_tables(model)  # before the optimizers: their state is allocated per shard, on the servers
+    elif dims.row_sharded:
+        shard_rows(model)
+    tables = host_tables(model)
+    sparse = {prefix: make(own) for prefix, make in plan.sparse.items()
+              if (own := {k: t for k, t in tables.items() if k.startswith(prefix)})}
+    params = list(dense_parameters(model))
+    dense = None
+    if params and plan.dense is not None:
+        kwargs = dict(plan.dense_kwargs)
+        if layout:
+            kwargs["foreach"] = False  # foreach takes one kind of tensor: tp mixes DTensor shards and plain ones
+        if dims.mesh is not None and pipe is None and isinstance(plan.dense, type):
+            dense = zero_optimizer(params, plan.dense, plan.zero, dims.mesh, **kwargs)
+        elif isinstance(plan.dense, type):
+            dense = plan.dense(params, **kwargs)
+        else:  # a factory over named parameters (a plan's HostAdamW, PartialOffloadAdamW)
+            mine = set(params)
+            dense = plan.dense([(n, p) for n, p in model.named_parameters() if p in mine], **kwargs)
+    return Parallelized(model, dense, sparse, pipe, layout)

@@ -5,29 +5,25 @@ Targets are typed (:class:`Target`, :class:`StorageTier`); strings are parsed on
 """
 
 from hetero.placement.annotate import OpRule, PlacementSpec, device_ops, host_ops, on, place
+from hetero.placement.explainer import explain
+from hetero.placement.partitioner import HeteroModule, partition
 from hetero.placement.memory import host_empty
 from hetero.placement.target import StorageTier, Target, copy_to, resolve_device
 
 __all__ = [
+    "HeteroModule",
     "OpRule",
     "PlacementSpec",
     "StorageTier",
     "Target",
     "copy_to",
     "device_ops",
+    "explain",
     "host_empty",
     "host_ops",
     "on",
+    "partition",
     "place",
     "resolve_device",
 ]
 
-
-def __getattr__(name: str):
-    # The partitioner imports torch.fx machinery: load it on first use, not with hetero.
-    if name in ("partition", "HeteroModule", "explain"):
-        from hetero.placement import explainer, partitioner
-
-        return {"partition": partitioner.partition, "HeteroModule": partitioner.HeteroModule,
-                "explain": explainer.explain}[name]
-    raise AttributeError(name)

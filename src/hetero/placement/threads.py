@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hetero.placement.target import Target, resolve_device
+from hetero._numba import start_pool
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -99,7 +100,6 @@ def host_thread(target: Callable[[], None], name: str) -> threading.Thread:
 
 
 def _start_numba() -> tuple[int, int]:
-    from hetero._numba import start_pool
 
     threads = torch.get_num_threads()
     start_pool(threads)  # numba's kernels are OpenMP too: their layer started here, not on the worker

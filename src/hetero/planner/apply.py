@@ -39,6 +39,20 @@ from hetero.planner.applied import Applied
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer, host_optimizer, optimizer_args
 from hetero.planner.plan import Plan
 from hetero.planner.space import StateHome, TablePlacement, sparse_optimizer_of
+from hetero.planner.graph import plan_units
+from hetero.placement.partitioner import partition
+from hetero.embedding import device_tables
+from hetero.parallel.data_parallel import (
+    DataParallelConfig,
+    data_parallel,
+    DistributedSparse,
+    check_replicas,
+    HostReplicaOptimizer,
+)
+from hetero.parallel.row_sharded import shard_rows
+from hetero.parallel.pipeline import pipeline
+from hetero.parallel.pipeline_plan import PipelineConfig
+from hetero.optim.host_state import host_all_reduce_group
 
 def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfig(),
           sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}, mesh: DeviceMesh | None = None,
@@ -63,7 +77,6 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
             tables beside ``tp``, or ZeRO 1 beside ``tp``; a replicated host table that differs
             between the ranks (build the model from the same seed on every rank).
     """
-    from hetero.planner.graph import plan_units
 
     units = plan_units(model, plan.granularity)
     missing = [n for n in plan.units if n not in units]
@@ -89,7 +102,6 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     moved = move_tables_to_device(model, list(plan.device_tables), device)
     apply_recompute(model, plan.recompute_config())
     if host_dense or streamed:
-        from hetero.placement.partitioner import partition
 
         runnable: nn.Module = partition(model, spec)  # moves every parameter to its target
     else:
@@ -137,8 +149,6 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     parameters (stages 0, 1; none with all of the state on the host, HostAdamW averaging the
     replicas' gradients itself; with part of it, DDP over the rest), torch's optimizer (stage 1:
     its state sharded), HostAdamW or PartialOffloadAdamW, every rank its share of the batch."""
-    from hetero.embedding import device_tables
-    from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
 
     c = plan.candidate
     # (the dense host units: a unit of host tables places itself)
@@ -174,7 +184,6 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
             replicate(units[name], mesh=dp, ignored_params=set(on_host) or None)
     runnable: nn.Module = model
     if apart:
-        from hetero.placement.partitioner import partition
 
         runnable = partition(model, plan.placement_spec(model))  # moves the host units' (and weights') parameters
         zero_root(runnable, zero, mesh, on_host)  # (its forward calls the units; the model's never runs)
@@ -206,8 +215,6 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     if tables:  # the plan's table placement over the replicas (world = dp here): DistributedSparse
         # exchanges the sparse gradients - all-gathered for replicated tables, each row to its
         # owner for row-sharded ones (their rows cut before the optimizers allocate state)
-        from hetero.parallel.data_parallel import DistributedSparse, check_replicas
-        from hetero.parallel.row_sharded import shard_rows
 
         if c.tables is TablePlacement.ROW_SHARDED:
             shard_rows(model)
@@ -272,8 +279,6 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     replicate), torch's optimizer beside its parameters or HostAdamW / PartialOffloadAdamW
     keeping their state on the host (HostAdamW averaging the replicas' gradients of its part
     itself), the host units' optimizer averaging theirs, each replica its share of the batch."""
-    from hetero.parallel.pipeline import pipeline
-    from hetero.parallel.pipeline_plan import PipelineConfig
 
     c = plan.candidate
     if loss_fn is None:
@@ -305,7 +310,6 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         if (own or weights) and group is not None and zero.units:  # FSDP2's units, before the partition
             apply_zero(stage, zero, mesh, ignored=kept, root=False)  # (which keeps them whole)
         if own or weights:  # the stage as host and device subgraphs (its host parameters move there)
-            from hetero.placement.partitioner import partition
 
             stage = _SendFromDevice(partition(stage, plan.placement_spec(stage, partial=True)), device)
         if group is None or c.state is StateHome.HOST:  # (HostAdamW averages the replicas' gradients)
@@ -345,7 +349,6 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     if c.dp > 1:  # the host units' gradients averaged on a gloo group of the stage's replicas; the
         # stage's buffers, host units' and device's alike, kept its first replica's (DDP's rule;
         # torch's replicate and FSDP2 keep none equal), in module order
-        from hetero.optim.host_state import host_all_reduce_group
 
         synced = list(dict.fromkeys(b for stage in pipe.modules for b in stage.buffers()))
         replicas = host_all_reduce_group(mesh[MeshDim.DP.value].get_group())[0]
@@ -360,7 +363,6 @@ def _replicas_host_optimizer(on_host: Mapping[nn.Parameter, None], buffers: list
     """The host units' optimizer over the replicas (:class:`~hetero.parallel.data_parallel.HostReplicaOptimizer`:
     their gradients averaged, ``buffers`` kept the first replica's) on ``group`` (gloo; ``None``: the
     host group); none without host parameters or buffers."""
-    from hetero.parallel.data_parallel import HostReplicaOptimizer
 
     if not on_host and not buffers:
         return []

@@ -53,6 +53,9 @@ from hetero.planner.timing import (
     time_replays,
     worker,
 )
+from hetero.data.fetch import default_cache_dir
+from hetero.planner.timing import collective_curves
+from hetero.placement import Target, resolve_device
 
 VERSION = 14  # bump when what is measured changes: older cache files are measured again
 
@@ -155,7 +158,6 @@ def machine_key() -> tuple[str, str]:
 
 def cache_path(cache_dir: Path | None = None) -> Path:
     """Where this machine's calibration is cached."""
-    from hetero.data.fetch import default_cache_dir
 
     return Path(cache_dir or default_cache_dir()) / "calibration" / f"{machine_key()[0]}.json"
 
@@ -190,7 +192,6 @@ def collectives(calibration: Calibration, world: int, cache_dir: Path | None = N
     on spawned processes of this host (seconds), then cached with the rest."""
     from filelock import FileLock
 
-    from hetero.planner.timing import collective_curves
 
     key = f"{backend}:{world}"
     if world < 2 or key in calibration.collectives:
@@ -219,7 +220,6 @@ def _write(path: Path, result: Calibration) -> None:
 
 def measure() -> Calibration:
     """Measure every rate (see the module docstring); about 10 s on a 2-core host."""
-    from hetero.placement import Target, resolve_device
 
     start = time.perf_counter()
     key, text = machine_key()

@@ -33,6 +33,7 @@ from hetero.embedding import HostEmbedding, HostEmbeddingCollection
 from hetero.placement.tagging import tag_between
 from hetero.planner.graph import Granularity, ModelGraph, OpCost, OpFamily, TableInfo, TableTraffic, Unit, op_family, \
     op_flops, plan_units, replay
+from hetero.placement.capture import capture_failure
 
 
 _TAG = "hetero.planner.unit"  # autograd node metadata: the unit whose forward created the node
@@ -175,7 +176,6 @@ def streamable_units(model: nn.Module, names: list[str]) -> frozenset[str]:
     ``get_attr`` nodes), which a forward branching on its input (``BatchNorm``'s input check)
     does not allow - such a unit would run through the hook fallback, whose copies no plan prices.
     Each module type is traced once, alone."""
-    from hetero.placement.capture import capture_failure
 
     traces: dict[type, bool] = {}
     out = set()

@@ -47,6 +47,8 @@ from hetero.placement import Target
 from hetero.planner.cost import CostModel
 from hetero.planner.search import Assignment, Label, frontiers
 from hetero.planner.space import Candidate, UnitChoice
+from hetero.parallel.pipeline import stage_module
+from hetero.parallel.pipeline_plan import pipeline_units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +243,6 @@ def pipeline_failure(model: nn.Module, example_inputs: tuple[Any, ...]) -> str |
     units, or takes more than the previous stage's output, fails here rather than in a run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hetero.parallel.pipeline import stage_module
-    from hetero.parallel.pipeline_plan import pipeline_units
 
     units = pipeline_units(model)
     if len(units) < 2:

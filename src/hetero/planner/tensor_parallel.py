@@ -36,6 +36,8 @@ from hetero.placement.capture import module_path
 from hetero.parallel.propagation import Place, _bytes, _ops, edge_collectives, input_place, output_place, propagate
 from hetero.planner.calibration_types import Curve
 from hetero.planner.graph import ModelGraph
+from hetero.parallel.sharding_graph import capture_for_sharding
+from hetero.parallel.comm import collective_bytes
 
 _CURVE = {Collective.ALL_GATHER: "all_gather", Collective.ALL_REDUCE: "all_reduce",
           Collective.REDUCE_SCATTER: "reduce_scatter", Collective.ALL_TO_ALL: "all_gather"}
@@ -82,7 +84,6 @@ class TensorSharding:
 
     def bytes_per_step(self, scale: float = 1.0, passes: int = 1) -> float:
         """Bytes one rank receives per step (``scale``: a pass's share of the captured batch)."""
-        from hetero.parallel.comm import collective_bytes
 
         act = sum(collective_bytes(k, b * scale, self.tp) for _, k, b in self.activation_calls)
         return passes * (act + sum(collective_bytes(k, b, self.tp) for _, k, b in self.weight_calls))
@@ -238,7 +239,6 @@ def tensor_options(model: nn.Module, example_inputs: tuple, sharding: ShardingPl
             annotations that cut operators but fit no degree of ``world_size`` ranks, or cut one
             of a host unit.
     """
-    from hetero.parallel.sharding_graph import capture_for_sharding
 
     if not traceable:
         if sharding is not None and sharding.modules:

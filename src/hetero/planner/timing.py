@@ -19,6 +19,17 @@ import torch
 
 from hetero.planner.calibration_types import Curve, LinearRate, TableRate
 from hetero.planner.graph import ModelGraph, OpFamily
+from hetero.placement import Target, resolve_device
+from hetero.planner.graph import TensorSpec, op_flops
+from hetero.placement.threads import host_worker
+from hetero.optim import (
+    HostAdamW,
+    HostOffloadConfig,
+    DEVICE_SPARSE_OPTIMIZERS,
+    SparseOptimizerKind,
+    device_sparse_optimizer,
+)
+from hetero.embedding import HostEmbeddingCollection, TableConfig, move_tables_to_device
 
 
 def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05, max_repeats: int = 50) -> float:
@@ -42,7 +53,6 @@ def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05
 
 
 def time_replays(calibration: Any, graph: ModelGraph, todo: list[tuple[str, str]]) -> None:  # noqa: ANN401
-    from hetero.placement import Target, resolve_device
 
     for target, sig in todo:
         device = resolve_device(Target.HOST if target == "host" else Target.DEVICE)
@@ -63,7 +73,6 @@ def _materialise(tree: Any, device: torch.device) -> Any:  # noqa: ANN401 - a py
     """Replay arguments with random tensors of their specs on ``device``."""
     from torch.utils import _pytree as pytree
 
-    from hetero.planner.graph import TensorSpec
 
     def make(x: Any) -> Any:  # noqa: ANN401
         if not isinstance(x, TensorSpec):
@@ -105,7 +114,6 @@ def _flops(fn: Callable[[], object]) -> int:
     """FLOPs of the aten ops ``fn`` runs, counted as the capture counts them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hetero.planner.graph import op_flops
 
     total = [0]
 
@@ -125,7 +133,6 @@ def worker() -> Iterator[Callable[..., Callable[[], object]]]:
     """``wrap(fn, k=1)``: a function running ``fn`` ``k`` times in a row on one worker thread the
     caller waits on (how the partitioner runs host subgraphs: a host worker, its thread team
     sized as theirs); the thread ends with the block."""
-    from hetero.placement.threads import host_worker
 
     with host_worker("hetero-calibration") as pool:
         def wrap(fn: Callable[[], object], k: int = 1) -> Callable[[], object]:
@@ -233,7 +240,6 @@ def optimizer_rate(device: torch.device, kind: str) -> LinearRate:
 def host_adamw_rate() -> LinearRate:
     """HostAdamW's whole cost per step: its gradients streamed to the host as backward makes them
     (hooks and copies) and its update, beyond the same backward without it."""
-    from hetero.optim import HostAdamW, HostOffloadConfig
 
     cpu = torch.device("cpu")
     rows, seconds = [], []
@@ -267,8 +273,6 @@ def table_rates(device: torch.device | None = None) -> dict[str, TableRate]:
     """A table group's lookup and update rates per sparse optimizer: host tables and hetero's
     optimizers (``device=None``), or tables moved to ``device`` and torch's sparse optimizers
     (the kinds torch has)."""
-    from hetero.embedding import HostEmbeddingCollection, TableConfig, move_tables_to_device
-    from hetero.optim import DEVICE_SPARSE_OPTIMIZERS, SparseOptimizerKind, device_sparse_optimizer
 
     rng = np.random.default_rng(0)
     rows = 1 << 16

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from hetero.parallel import world_size
+from hetero.parallel.env import DataParallelGroup
 from hetero.parallel.checkpoint_state import model_state
 from hetero.parallel.tree_comm import gather_tree
 
@@ -43,6 +43,7 @@ class Checkpointed(Protocol):
 
     model: torch.nn.Module
     sparse_optimizer_objects: Mapping[str, Any]
+    dp: DataParallelGroup  # the data-parallel ranks it trains on
 
     def state_dict(self, tables: bool = True) -> dict[str, Any]: ...
 
@@ -55,7 +56,7 @@ def sharded_state(trainer: Checkpointed, blob: bool = True) -> dict[str, Any]:
     if blob:
         extra = {k: v for k, v in trainer.state_dict(tables=False).items()}
         extra["layout"] = layout
-        extra["saved_world_size"] = world_size()
+        extra["saved_world_size"] = trainer.dp.size
         torch.save(extra, state["extra"])
     return state
 

@@ -28,20 +28,16 @@ from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel import (
+    DataParallelGroup,
     DistributedSparse,
-    active,
-    barrier,
     check_replicas,
     data_parallel,
     full_model_state,
     full_optimizer_state,
-    global_batch_mean,
-    global_mean,
     global_rank,
     global_shapes,
     load_full_optimizer_state,
     local_model_state,
-    world_size,
 )
 from hetero.record import RECORD_KEY, check_record
 from hetero.parallel.pipeline import Pipeline
@@ -86,6 +82,10 @@ class Trainer:
             or reader settings is refused before anything is loaded.
         run_files: text files (name -> text, e.g. ``config.toml``) rank 0 writes atomically into
             ``run_dir`` with every checkpoint.
+        dp: the data-parallel ranks (:class:`~hetero.parallel.env.DataParallelGroup`; default
+            the whole job): DDP's, the sparse-gradient exchange's, the loss average's.
+        ps_job: the parameter-server job (:class:`~hetero.ps.PSJob`) when the tables live on
+            servers (this process is one of its workers; ``dp`` is then its workers' group).
 
     Raises:
         ValueError: a pipeline with the sharded checkpoint format, several stages per rank, or
@@ -106,6 +106,8 @@ class Trainer:
         pipeline: Pipeline | None = None,
         record: Mapping[str, Any] | None = None,
         run_files: Mapping[str, str] | None = None,
+        dp: DataParallelGroup = DataParallelGroup(),
+        ps_job: ps.PSJob | None = None,
     ) -> None:
         if pipeline is not None and (config.checkpoint_format is CheckpointFormat.SHARDED or len(pipeline.modules) > 1):
             raise ValueError("a pipelined trainer runs one stage per rank and writes integrated checkpoints: use a "
@@ -118,17 +120,21 @@ class Trainer:
         # Data parallel over the ranks of the process group (nothing at world size 1): DDP for the
         # dense part; host tables replicated (exchanged sparse gradients) or row-sharded
         # (hetero.parallel.shard_rows, called before the optimizers were built).
-        check_replicas(model)  # ranks must start from identical replicated tables (same seed)
+        self.dp, self.ps_job = (ps_job.dp, ps_job) if ps_job is not None else (dp, None)
+        check_replicas(model, self.dp)  # ranks must start from identical replicated tables (same seed)
         # (an optimizer that averages its parameters' gradients itself - HostAdamW - keeps them out of DDP)
         own = set(dense_optimizer.replica_averaged_parameters()) if isinstance(dense_optimizer, AveragesReplicas) \
             else set()
-        self.net = model if pipeline is not None else data_parallel(model, config.data_parallel, host=own)
+        self.net = model if pipeline is not None else data_parallel(model, config.data_parallel, host=own, group=self.dp)
         # Tables on parameter servers (hetero.ps): the optimizers' steps become pushes.
         self.remote = ps.remote_tables(model)
+        if self.remote and self.ps_job is None:
+            raise ValueError("the model's tables are on parameter servers: pass the job (ps_job=PSJob)")
         if self.remote and config.checkpoint_format is not CheckpointFormat.SHARDED:
             raise ValueError("tables on parameter servers are checkpointed by the servers, each its shard: use "
                              "checkpoint_format=CheckpointFormat.SHARDED (--checkpoint-format sharded)")
-        self.sparse_optimizers = {k: ps.PSSparse(o) if self.remote else DistributedSparse(o) if active() else o
+        self.sparse_optimizers = {k: ps.PSSparse(o) if self.remote else
+                                  DistributedSparse(o, group=self.dp) if self.dp.active else o
                                   for k, o in sparse_optimizers.items()}
         # The optimizers themselves (unwrapped): their state, checks and hyper-parameters.
         self.sparse_optimizer_objects: dict[str, SparseOptimizer] = dict(sparse_optimizers)
@@ -290,14 +296,14 @@ class Trainer:
                 write_text_atomic(self.run_dir / name, text)
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
             if self.remote:
-                ps.request_checkpoint(save=True, path=path)  # the servers write their shards
+                self.ps_job.request_checkpoint(save=True, path=path)  # the servers write their shards
             return save_sharded(sharded_state(self), path)
         # Every rank builds the state (it gathers row-sharded tables: a collective; a pipeline's
         # stages gather on rank 0 alone); rank 0 writes and the others wait until the file is complete.
         state = self.state_dict()
         if global_rank() == 0:
             save_checkpoint(state, path)
-        barrier()
+        self.dp.barrier()
         return path
 
     def has_checkpoint(self) -> bool:
@@ -325,7 +331,7 @@ class Trainer:
             self.check_resumable(read_extra({"extra": read_bytes(path, "extra")}), path)
             template = sharded_state(self, blob=False)
             if self.remote:
-                ps.request_checkpoint(save=False, path=path)  # the servers load their shards
+                self.ps_job.request_checkpoint(save=False, path=path)  # the servers load their shards
             load_sharded(template, path)
             self.load_state_dict(read_extra(template), path)
         else:
@@ -346,9 +352,9 @@ class Trainer:
             # or empty, and N ranks must still equal one process (an empty share adds 0, not NaN).
             loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device),
                                                                       reduction="sum")
-            loss = global_batch_mean(loss_sum, batch.global_size)
+            loss = self.dp.batch_mean(loss_sum, batch.global_size)
             loss.backward()
-            value = global_mean(loss)  # sync point: the host needs the global loss to decide whether to step
+            value = self.dp.mean(loss)  # sync point: the host needs the global loss to decide whether to step
         if not math.isfinite(value):
             where = (f"the last checkpoint {self.checkpoint_path} is intact: lower the learning rates or check the "
                      f"input, then --resume" if self.has_checkpoint() else
@@ -490,7 +496,7 @@ class Trainer:
             "steps": self.global_step,
             "epochs": self.epoch,
             "device": str(self.device),
-            "world_size": world_size(),  # data-parallel ranks
+            "world_size": self.dp.size,  # data-parallel ranks
             "pipeline_stages": 1 if self.pipeline is None else self.pipeline.num_stages,
             "checkpoint": str(self.checkpoint_path),
             "plot": str(plot),
