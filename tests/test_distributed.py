@@ -210,7 +210,7 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_finishes_sample_exact(tm
     args = [*movielens(ml_dir), "--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8",
             "--hidden", "16,8", "--dropout", "0", "--checkpoint-every", "4", "--resume", "auto"]
     # pytorch/pytorch#135712: with the rendezvous store shared, restarted workers can read the
-    # previous attempt's addresses; a separate store per attempt avoids it (documented in README).
+    # previous attempt's addresses; a separate store per attempt avoids it (documented in docs/checkpoints.md).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AT_STEP": "10", "KILL_MARKER": str(tmp_path / "killed"),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     helper = Path(__file__).parent / "helpers" / "kill_once.py"
@@ -280,7 +280,7 @@ OFF_NETWORK = "unshare --net --map-root-user -- sh -c 'ip link set lo up && exec
 
 def test_the_documented_single_host_launch_listens_on_no_network_interface(cpu_ranks):
     # torchrun's agent binds its stores to every interface whatever the host it is given
-    # (pytorch/pytorch#173909); the README's single-host launch runs the job in a network
+    # (pytorch/pytorch#173909); the documented single-host launch (docs/parameter-server.md) runs the job in a network
     # namespace of its own, where only loopback exists. Seen from this host: no listener at all.
     import shlex
     import shutil
@@ -290,7 +290,7 @@ def test_the_documented_single_host_launch_listens_on_no_network_interface(cpu_r
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    assert OFF_NETWORK in (root / "README.md").read_text()
+    assert OFF_NETWORK in (root / "docs" / "parameter-server.md").read_text()
     if shutil.which("unshare") is None or subprocess.run(shlex.split(OFF_NETWORK) + ["true"]).returncode != 0:
         pytest.skip("no network namespaces here (unshare --net is not permitted)")
     torchrun = str(Path(sys.executable).with_name("torchrun"))

@@ -279,7 +279,7 @@ def test_a_pin_on_a_parameter_of_nn_linear_is_honoured():
     report = hetero.explain(hm, (x,))
     assert report.param_bytes[Target.HOST] == 4 * 8 * 4  # fc2.weight alone
     assert report.h2d_bytes >= 4 * 8 * 4  # it travels to the op that consumes it
-    # The README's example: an op rule by the op type of nn.Linear
+    # The placement page's example: an op rule by the op type of nn.Linear
     hm = partition(Linears(), PlacementSpec().op("fc1", "linear", "host"))
     assert [(s.target, [k for k, _ in s.ops]) for s in hm.subgraphs][0] == (Target.HOST, ["linear"])
 
@@ -320,14 +320,14 @@ def test_host_subgraphs_on_the_worker_thread_run_under_the_callers_autocast():
     assert_parity(got, want)  # the host branch's matmul in bf16 too (in fp32 its values differ)
 
 
-def test_the_readme_placement_example_runs_as_written(capsys):
+def test_the_documented_placement_example_runs_as_written(capsys):
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "placement.md").read_text()
     start = readme.index("```python\nimport torch\nimport hetero\nfrom hetero.placement import PlacementSpec")
     code = readme[start + len("```python\n") : readme.index("```", start + 10)]
     scope = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the project's own README
+    exec(compile(code, "docs/placement.md", "exec"), scope)  # noqa: S102 - the project's own docs
     report = capsys.readouterr().out
     assert "linear@fc1" in report and "parameters: " in report
     hm = scope["model"]

@@ -75,7 +75,7 @@ def test_sync_mode_equals_one_process_with_tables_no_single_server_could_hold(tm
 def test_a_killed_server_restarts_the_job_from_the_last_checkpoint(tmp_path, ml_dir):
     data = [*movielens(ml_dir), *ARGS]
     assert main(["train", *data, "--run-dir", str(tmp_path / "one")]) == 0
-    # pytorch/pytorch#135712: a separate rendezvous store per attempt (see the README)
+    # pytorch/pytorch#135712: a separate rendezvous store per attempt (see docs/checkpoints.md)
     env_ = {"KILL_AT_STEP": "10", "KILL_MARKER": str(tmp_path / "killed"), "VICTIM_RANK": "3",
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     helper = Path(__file__).parent / "helpers" / "kill_server_once.py"

@@ -105,7 +105,7 @@ def build_trainer(job: JobConfig, dims: ParallelDims | None = None, ps_job: ps.P
         dense, kwargs = functools.partial(dense_optimizer, planned, lr=o.dense_lr), {}
     plan = ParallelPlan(sharding=mlp_sharding_plan(model, p.tp) if p.tp > 1 else None, recompute=recompute,
                         zero=ZeroConfig(p.zero, units=("mlp",)), pipeline=pp_config, loss_fn=weighted_bce,
-                        sparse={f"{part}.": _sparse_optimizer(kind, lr, job) for part, kind, lr in
+                        sparse={part: _sparse_optimizer(kind, lr, job) for part, kind, lr in
                                 (("wide", o.wide, o.wide_lr), ("deep", o.deep, o.deep_lr))},
                         dense=dense, dense_kwargs=kwargs)
     made = parallelize(model, dims, plan, ps_job)  # (DLRM: no wide tables; a later pipeline stage: none)

@@ -2,7 +2,7 @@
 parallelism, row-sharded host tables, operator-level sharding on DTensor, recompute, ZeRO,
 communication fusion, and ``parallelize`` (one order for the dimensions: operator sharding, recompute, ZeRO).
 
-``hetero.distributed`` is the same module under the name the docs use.
+
 """
 
 from hetero.parallel.data_parallel import (

@@ -15,7 +15,7 @@ documented order, and builds the optimizers over what it made.
 5. **host tables** over the ranks: row-sharded over ``dp`` (:func:`~hetero.parallel.row_sharded.shard_rows`)
    or on parameter servers (:meth:`hetero.ps.PSJob.shard_tables`), else whole on every rank -
    before the optimizers, whose state is allocated per row held;
-6. **optimizers**: each table's sparse optimizer (by name prefix), and the dense one over the
+6. **optimizers**: each part's sparse optimizer over its tables (by name), and the dense one over the
    device parameters (ZeRO 1 shards its state over ``dp``: :func:`~hetero.parallel.zero.zero_optimizer`).
 
 Data-parallel wrapping comes last, in the trainer (DDP over ``dims.dp_group`` for ZeRO 0 and 1;
@@ -59,8 +59,9 @@ class ParallelPlan:
             trainer's DDP and HostAdamW take the same config).
         pipeline: the split into stages and the schedule (with ``dims.pp > 1``).
         loss_fn: the last stage's loss of ``(output, target)`` (with ``dims.pp > 1``).
-        sparse: host tables' sparse optimizers: a table-name prefix (``"deep."``) -> a factory
-            of the optimizer over the tables it names (none: the tables get none).
+        sparse: host tables' sparse optimizers: a part's name (``"deep"``: the tables whose
+            qualified names start with ``deep.``) -> a factory of the optimizer over those tables
+            (a part with no tables on this rank gets none).
         dense: the dense optimizer: a torch optimizer class (default Adam; ZeRO 1 shards its
             state over ``dp``), a factory over ``[(name, parameter)]`` (a plan's HostAdamW), or
             ``None``: none (the caller builds its own).
@@ -85,7 +86,7 @@ class Parallelized:
     Attributes:
         model: the module this rank runs (a pipeline's: its stage).
         dense_optimizer: over this rank's device parameters (``None`` without any).
-        sparse_optimizers: each prefix's sparse optimizer over this rank's host tables.
+        sparse_optimizers: each part's sparse optimizer over this rank's host tables.
         pipeline: the pipeline (``None`` without ``pp``).
         layout: the operator layout (qualified parameter name -> placements; empty without tp).
     """
@@ -131,8 +132,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = Paral
     elif dims.row_sharded:
         shard_rows(model)
     tables = host_tables(model)
-    sparse = {prefix: make(own) for prefix, make in plan.sparse.items()
-              if (own := {k: t for k, t in tables.items() if k.startswith(prefix)})}
+    sparse = {part: make(own) for part, make in plan.sparse.items()
+              if (own := {k: t for k, t in tables.items() if k.startswith(f"{part}.")})}
     params = list(dense_parameters(model))
     dense = None
     if params and plan.dense is not None:
