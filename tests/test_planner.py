@@ -419,7 +419,7 @@ def test_an_offloaded_update_overlaps_backward_only_beside_a_separate_device(cac
                       config=PlannerConfig(cache_dir=cache))
     cost = planner.cost
     host, device = Candidate(state=StateHome.HOST, offload_ratio=1.0, micro_batches=2), Candidate(micro_batches=2)
-    rate = cost.cal.optimizers["host_adamw"]
+    rate = cost.cal.host_adamw
     units = [(i, u) for i, u in enumerate(cost.units) if u.params]
 
     def seconds(c):
@@ -430,7 +430,8 @@ def test_an_offloaded_update_overlaps_backward_only_beside_a_separate_device(cac
 
     beside_cpu = seconds(host)
     for (_, u), got, plain in zip(units, beside_cpu, seconds(device)):  # the whole update added
-        device_update = cost.cal.optimizers["adamw"].seconds(u.params, u.param_tensors) - cost.cal.optimizers["adamw"].fixed
+        adamw = cost.cal.optimizer_rate(OptimizerKind.ADAMW)
+        device_update = adamw.seconds(u.params, u.param_tensors) - adamw.fixed
         assert got == pytest.approx(plain - device_update + update(u, lambda u: 0.0), rel=1e-9)
     copy = cost.cal.ops["device"]["memory"]  # (a stand-in for PCIe: any curve)
     cost.cal = dataclasses.replace(cost.cal, host_is_device=False, h2d=copy, d2h=copy)
@@ -469,3 +470,34 @@ def test_an_interrupted_collective_measurement_leaves_no_launcher_running(monkey
     assert run.poll() is not None  # the launcher was stopped and reaped
     with pytest.raises(ProcessLookupError):
         os.killpg(run.pid, 0)  # and its whole session (the ranks) is gone
+
+
+def test_the_enumeration_and_the_search_are_stages_a_caller_swaps(cache):
+    """TorchRec's planner shape: an enumerator offers the settings, a search fills each one's
+    units; a swapped stage is used as given, and the planner prices what it returns."""
+    from hetero.planner.search import brute_force
+    from hetero.planner.space import CostPart, grid
+
+    x, y = _batch()
+    offered, searched = [], []
+
+    def only_host_state(facts):
+        got = [c for c in grid(facts) if c.state is StateHome.HOST and c.micro_batches == 1]
+        offered.extend(got)
+        return got
+
+    def counting(cost, candidate, device, host):
+        searched.append(candidate)
+        return brute_force(cost, candidate, device, host)
+
+    planner = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache),
+                      enumerator=only_host_state, search=counting)
+    plan = planner.plan()
+    assert offered and planner.settings == offered  # (nothing pinned: every offered setting kept)
+    assert plan.candidate.state is StateHome.HOST and searched and set(searched) <= set(offered)
+    default = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
+    assert len(default.settings) > len(offered)  # the default grid offers the other state homes too
+    # the prediction's parts are typed, add up to the step, and survive the plan file
+    assert all(isinstance(k, CostPart) for k in plan.predicted.parts)
+    assert sum(plan.predicted.parts.values()) == pytest.approx(plan.predicted.seconds, rel=1e-6)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).predicted == plan.predicted

@@ -56,10 +56,24 @@ from hetero.planner.timing import (
 from hetero.data.fetch import default_cache_dir
 from hetero.planner.timing import collective_curves
 from hetero.placement import Target, resolve_device
+from hetero.parallel.comm import Collective
+from hetero.planner.space import OptimizerKind
 
 VERSION = 14  # bump when what is measured changes: older cache files are measured again
 
 log = logging.getLogger("hetero")
+
+
+# The cache file's keys (its JSON), made here alone: everything else asks by type
+# (Calibration.optimizer_rate, .host_adamw, .collective_curves).
+_ON_HOST = "_host"  # torch's optimizer stepping on the host's cores
+_HOST_ADAMW = "host_adamw"
+_MEASURED = {Collective.ALL_REDUCE: "all_reduce", Collective.ALL_GATHER: "all_gather",
+             Collective.REDUCE_SCATTER: "reduce_scatter"}  # what hetero.planner._collectives measures
+
+
+def _collective_key(world: int, backend: str = "gloo") -> str:
+    return f"{backend}:{world}"
 
 
 @dataclasses.dataclass
@@ -101,6 +115,21 @@ class Calibration:
     collectives: dict[str, dict[str, Curve]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     device_tables: dict[str, TableRate] = dataclasses.field(default_factory=dict)
+
+    def optimizer_rate(self, kind: OptimizerKind, on: Target = Target.DEVICE) -> LinearRate:
+        """torch's dense optimizer ``kind`` stepping on ``on``'s cores (the device's or the host's)."""
+        return self.optimizers[kind.calibrated if on is Target.DEVICE else f"{kind.calibrated}{_ON_HOST}"]
+
+    @property
+    def host_adamw(self) -> LinearRate:
+        """HostAdamW's update on the host (``hetero.optim.HostAdamW``)."""
+        return self.optimizers[_HOST_ADAMW]
+
+    def collective_curves(self, world: int) -> dict[Collective, Curve] | None:
+        """The gloo collectives over ``world`` ranks of this host, by kind (``None``: not
+        measured; see :func:`collectives`)."""
+        stored = self.collectives.get(_collective_key(world))
+        return None if stored is None else {kind: stored[name] for kind, name in _MEASURED.items()}
 
     def op_seconds(self, target: str, op: OpCost, scale: float = 1.0) -> float:
         """One op's predicted seconds on ``target`` with its work scaled by ``scale`` (1: as
@@ -193,7 +222,7 @@ def collectives(calibration: Calibration, world: int, cache_dir: Path | None = N
     from filelock import FileLock
 
 
-    key = f"{backend}:{world}"
+    key = _collective_key(world, backend)
     if world < 2 or key in calibration.collectives:
         return
     log.info("hetero: measuring %s collectives on %d ranks of this host (once; cached)", backend, world)
@@ -242,9 +271,9 @@ def measure() -> Calibration:
     say()
     kinds = ("adamw", "sgd", "sgd_momentum")
     optimizers = {k: optimizer_rate(device, k) for k in kinds}
-    optimizers.update({f"{k}_host": optimizers[k] if host_is_device else optimizer_rate(torch.device("cpu"), k)
+    optimizers.update({f"{k}{_ON_HOST}": optimizers[k] if host_is_device else optimizer_rate(torch.device("cpu"), k)
                        for k in kinds})
-    optimizers["host_adamw"] = host_adamw_rate()
+    optimizers[_HOST_ADAMW] = host_adamw_rate()
     say()
     tables = table_rates()
     device_tables = table_rates(device)

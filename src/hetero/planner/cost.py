@@ -33,7 +33,9 @@ from hetero.optim import DEVICE_SPARSE_OPTIMIZERS, SparseOptimizerKind
 from hetero.placement import Target
 from hetero.planner.calibration import Calibration
 from hetero.planner.graph import ModelGraph, OpCost, OpFamily, TableInfo, Unit
+from hetero.parallel.comm import Collective
 from hetero.planner.space import (
+    CostPart,
     STREAMED,
     UNIT_CHOICES,
     Candidate,
@@ -85,7 +87,7 @@ class FixedCost:
     bytes the ops of no unit hold in their backward on top of everything kept (the loss's
     backward comes first, when every activation is alive)."""
 
-    parts: Mapping[str, float]
+    parts: Mapping[CostPart, float]
     device_bytes: int = 0
     host_bytes: int = 0
     device_during: int = 0
@@ -188,7 +190,7 @@ class MeasuredCost:
         """Seconds of the tp collectives of unit ``name``'s ops (``""``: the ops of no unit) per step."""
         if c.tp == 1:
             return 0.0
-        return self.sharding(c).seconds(self.cal.collectives[f"gloo:{c.tp}"], self._scale(c), c.micro_batches, name)
+        return self.sharding(c).seconds(self.cal.collective_curves(c.tp), self._scale(c), c.micro_batches, name)
 
     def names(self) -> list[str]:
         return [u.name for u in self.units]
@@ -301,11 +303,11 @@ class MeasuredCost:
         all-reduce, not by the collectives :meth:`fixed` prices over every unit's parameters
         (DDP's, ZeRO 1's gather, FSDP2's per-pass reduce-scatter and gathers): its share of the
         difference, at the aggregate's rates."""
-        curves = self.cal.collectives.get(f"gloo:{c.dp}") if c.dp > 1 and c.pp == 1 else None
+        curves = self.cal.collective_curves(c.dp) if c.dp > 1 and c.pp == 1 else None
         total = self._dense_bytes(c)
         if not curves or not total:
             return 0.0
-        return u.param_bytes / total * (curves["all_reduce"].seconds(total) - self.gradient_seconds(c, total))
+        return u.param_bytes / total * (curves[Collective.ALL_REDUCE].seconds(total) - self.gradient_seconds(c, total))
 
     def _dense_bytes(self, c: Candidate) -> float:
         """Bytes of one rank's dense parameters (what tp leaves it of each unit's)."""
@@ -314,7 +316,7 @@ class MeasuredCost:
     def _host_update(self, u: Unit) -> tuple[float, int]:
         """Seconds of torch's optimizer updating unit ``u``'s parameters on the host, and the
         bytes of its state there."""
-        rate = self.cal.optimizers[f"{self.optimizer.calibrated}_host"]
+        rate = self.cal.optimizer_rate(self.optimizer, Target.HOST)
         return rate.seconds(u.params, u.param_tensors) - rate.fixed, _STATE_BYTES[self.optimizer] * u.params
 
     def _dense_state(self, u: Unit, c: Candidate) -> tuple[int, int, float, float]:
@@ -333,7 +335,7 @@ class MeasuredCost:
         state = state / c.dp if zero >= 1 else state
         grads = grads / c.dp if zero >= 2 else grads
         params = params / c.dp if zero >= 3 else params
-        rate, host_rate = self.cal.optimizers[self.optimizer.calibrated], self.cal.optimizers["host_adamw"]
+        rate, host_rate = self.cal.optimizer_rate(self.optimizer), self.cal.host_adamw
         update_elems = device_part / c.dp if zero >= 1 else device_part
         seconds = rate.seconds(update_elems, u.param_tensors) - rate.fixed if device_part else 0.0
         offloaded, streamed = ratio * u.params, 0.0
@@ -387,20 +389,20 @@ class MeasuredCost:
         s = self._scale(c)
         root = self._passes("", False, Target.DEVICE, c) + self._passes("", True, Target.DEVICE, c)
         compute_share, param_share = self._shares("", c)
-        rate = self.cal.optimizers[self.optimizer.calibrated]
-        parts = {"compute (ops of no unit)": root * compute_share, "optimizer fixed": rate.fixed}
+        rate = self.cal.optimizer_rate(self.optimizer)
+        parts = {CostPart.COMPUTE_NO_UNIT: root * compute_share, CostPart.OPTIMIZER_FIXED: rate.fixed}
         device = int((self.graph.input_bytes + self.root.saved_bytes) * s) + \
             int((2 * self.root.param_bytes + _STATE_BYTES[self.optimizer] * self.root.params) * param_share)
         if c.state is not StateHome.DEVICE:
-            parts["optimizer fixed"] += self.cal.optimizers["host_adamw"].fixed
+            parts[CostPart.OPTIMIZER_FIXED] += self.cal.host_adamw.fixed
         dense_bytes = self._dense_bytes(c)  # (each host unit's share moved to its own: _host_replicas)
         if c.tp > 1:  # (each unit's own are its cost's)
-            parts["tensor-parallel collectives (ops of no unit)"] = self._tp_seconds("", c)
+            parts[CostPart.TP_COLLECTIVES] = self._tp_seconds("", c)
         if c.dp > 1 and c.pp == 1:  # (a pipeline's stages reduce their own units': the stage split prices them)
-            parts["gradient collectives"] = self.gradient_seconds(c, dense_bytes)
+            parts[CostPart.GRADIENT_COLLECTIVES] = self.gradient_seconds(c, dense_bytes)
         if c.dp > 1:  # the step's loss averaged over the replicas (hetero.apply's, a sync point): one latency
-            curves = self.cal.collectives.get(f"gloo:{c.dp}")
-            parts["loss average"] = curves["all_reduce"].seconds(8) if curves else 0.0
+            curves = self.cal.collective_curves(c.dp)
+            parts[CostPart.LOSS_AVERAGE] = curves[Collective.ALL_REDUCE].seconds(8) if curves else 0.0
         return FixedCost(parts, device, 0, int(2 * self.root.grad_bytes * s))
 
     def gradient_seconds(self, c: Candidate, nbytes: float) -> float:
@@ -408,16 +410,16 @@ class MeasuredCost:
         ranks per step (0 without ``dp`` or a calibration of that group size): once (DDP reduces
         the micro-batches' sum; a pipeline's schedule syncs once), or per micro-batch at ZeRO 2, 3
         outside a pipeline (FSDP2 reduce-scatters each pass's gradients, gathers for each pass)."""
-        curves = self.cal.collectives.get(f"gloo:{c.dp}", {}) if c.dp > 1 else {}
+        curves = (self.cal.collective_curves(c.dp) or {}) if c.dp > 1 else {}
         if not curves:
             return 0.0
         passes = c.micro_batches if c.zero >= 2 and c.pp == 1 else 1
         # (the curves' sizes: an all-reduce's and a reduce-scatter's input, an all-gather's part per rank)
         if c.zero == 0:  # DDP: one all-reduce of the gradients
-            return curves["all_reduce"].seconds(nbytes)
-        gather = curves["all_gather"].seconds(nbytes / c.dp)  # each rank's updated part of the parameters to all
+            return curves[Collective.ALL_REDUCE].seconds(nbytes)
+        gather = curves[Collective.ALL_GATHER].seconds(nbytes / c.dp)  # each rank's updated part of the parameters to all
         if c.zero == 1:  # DDP's all-reduce, then torch's ZeroRedundancyOptimizer sends each rank's updated part
-            return curves["all_reduce"].seconds(nbytes) + gather
+            return curves[Collective.ALL_REDUCE].seconds(nbytes) + gather
         # FSDP2: gradients reduce-scattered; parameters gathered once (ZeRO 2), or before the
         # forward and again before the backward (ZeRO 3: resharded after the forward)
-        return passes * (curves["reduce_scatter"].seconds(nbytes) + (2 if c.zero == 3 else 1) * gather)
+        return passes * (curves[Collective.REDUCE_SCATTER].seconds(nbytes) + (2 if c.zero == 3 else 1) * gather)

@@ -24,7 +24,7 @@ from hetero.placement import PlacementSpec, Target
 from hetero.parallel.operator_plan import OpStrategy, ShardingPlan
 from hetero.parallel.recompute import RecomputeConfig
 from hetero.planner.graph import Granularity
-from hetero.planner.space import Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice
+from hetero.planner.space import Candidate, CostPart, OptimizerKind, StateHome, TablePlacement, UnitChoice
 
 FORMAT_VERSION = 1
 
@@ -41,7 +41,7 @@ class Prediction:
     seconds: float
     device_bytes: int
     host_bytes: int
-    parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    parts: dict[CostPart, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +193,8 @@ class Plan:
             "units": {k: {"target": v.target.value, "recompute": v.recompute, "device_tables": v.device_tables,
                           "weights": v.weights.value} for k, v in self.units.items()},
             "annotations": {k: v.value for k, v in self.annotations.items()},
-            "predicted": dataclasses.asdict(self.predicted),
+            "predicted": {**dataclasses.asdict(self.predicted),
+                          "parts": {k.value: v for k, v in self.predicted.parts.items()}},
             "decisions": [dataclasses.asdict(d) for d in self.decisions],
             "search": dataclasses.asdict(self.search), "machine": self.machine, "host_is_device": self.host_is_device,
             "sharding": {k: {"in": [list(x) for x in v.in_strategy], "out": None if v.out_strategy is None else
@@ -215,7 +216,7 @@ class Plan:
                         {k: UnitChoice(Target(v["target"]), v["recompute"], v.get("device_tables", 0),
                                        Target(v.get("weights", "device")))
                          for k, v in doc["units"].items()},
-                        {k: Target(v) for k, v in doc["annotations"].items()}, Prediction(**doc["predicted"]),
+                        {k: Target(v) for k, v in doc["annotations"].items()}, _prediction(doc["predicted"]),
                         [Decision(**d) for d in doc["decisions"]], SearchReport(**doc["search"]), doc["machine"],
                         doc["host_is_device"],
                         {k: OpStrategy(tuple(tuple(x) for x in v["in"]), None if v["out"] is None else tuple(v["out"]),
@@ -266,7 +267,7 @@ class Plan:
                  f"machine: {self.machine}" + ("; no accelerator: the device part runs on the host's cores, "
                                                "calibrated as such" if self.host_is_device else ""),
                  f"predicted step {p.seconds * 1e3:.2f} ms; device peak {mb(p.device_bytes)}, host {mb(p.host_bytes)}",
-                 "  " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in p.parts.items() if v),
+                 "  " + ", ".join(f"{k.value} {v * 1e3:.2f} ms" for k, v in p.parts.items() if v),
                  f"search: {self.search.method}, {self.search.searched} of {self.search.candidates} settings searched "
                  f"(the others' bound lost), {self.search.feasible} of them fit; "
                  f"capture {self.search.capture_seconds:.2f} s, calibration {self.search.calibration_seconds:.2f} s "
@@ -301,3 +302,8 @@ def format_bytes(nbytes: float) -> str:
         if abs(nbytes) >= 1 << shift:
             return f"{nbytes / (1 << shift):.1f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def _prediction(doc: dict[str, Any]) -> Prediction:
+    """A plan file's prediction (its parts by their names)."""
+    return Prediction(**{**doc, "parts": {CostPart(k): v for k, v in doc.get("parts", {}).items()}})

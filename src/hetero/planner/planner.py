@@ -40,9 +40,29 @@ from hetero.planner.graph import Granularity
 from hetero.parallel.pipeline_plan import pipeline_units
 from hetero.planner.pipeline import (Stages, cut_positions, pipeline_failure, priced_stages, search_stages, split_points,
                                      stage_decisions)
-from hetero.planner.plan import Decision, Plan, Prediction, SearchReport, format_bytes
-from hetero.planner.search import Assignment, Biased, SecondsOnly, brute_force, dynamic_programming, evaluate, ilp
-from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice, candidates
+from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
+from hetero.planner.decisions import global_decisions, no_plan_message, prediction, unit_decisions
+from hetero.planner.search import (
+    Assignment,
+    Biased,
+    Search,
+    SecondsOnly,
+    brute_force,
+    dynamic_programming,
+    evaluate,
+    ilp,
+)
+from hetero.parallel.comm import Collective
+from hetero.planner.space import (
+    Candidate,
+    CostPart,
+    Enumerator,
+    OptimizerKind,
+    SpaceFacts,
+    StateHome,
+    UnitChoice,
+    grid,
+)
 from hetero.planner.tensor_parallel import cuts_operators, tensor_options
 
 
@@ -100,7 +120,12 @@ class Planner:
     """A model captured and priced on this machine: :meth:`plan` searches under budgets,
     :meth:`price` predicts a given plan (a hand-written one) with the same cost model.
 
-    Args: as :func:`plan` (the budgets apart).
+    Args: as :func:`plan` (the budgets apart), and the two stages a caller may swap (TorchRec's
+        planner is the model): ``enumerator`` (:class:`~hetero.planner.space.Enumerator`, the
+        model-wide settings to search; default :func:`~hetero.planner.space.grid`) and
+        ``search`` (:class:`~hetero.planner.search.Search`, each setting's per-unit search;
+        default the one ``config.method`` names). The cost model is the third
+        (:class:`~hetero.planner.cost.CostModel`).
 
     Raises:
         ValueError: as :func:`plan`.
@@ -110,7 +135,8 @@ class Planner:
                  loss_fn: Callable[[Any], Any] | None = None, optimizer: OptimizerKind = OptimizerKind.ADAMW,
                  sparse_optimizers: Mapping[str, SparseOptimizerKind] = {}, placement: PlacementSpec | None = None,
                  sharding: ShardingPlan | None = None, sample_batches: tuple[tuple[Any, ...], ...] = (),
-                 config: PlannerConfig = PlannerConfig()) -> None:
+                 config: PlannerConfig = PlannerConfig(), enumerator: Enumerator = grid,
+                 search: Search | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: give the number of ranks the job runs on (>= 1)")
         self.model_name, self.world_size, self.optimizer, self.config = type(model).__name__, world_size, optimizer, config
@@ -142,10 +168,11 @@ class Planner:
         # stage's sends take plain tensors)
         self.staged_tensor = tensor_options(model, example_inputs, sharding, world_size, self.graph, True,
                                             boundaries=self.pipeline_units) if self.cuts and self.tensor else {}
-        settings = candidates(world_size, optimizer, self.graph.batch, has_tables,
-                              config.micro_batches if splittable else (1,), config.offload_ratios,
-                              max_pp=min(world_size, len(self.cuts) + 1) if self.cuts else 1,
-                              max_tp=max(self.tensor, default=1))
+        self.search = search
+        settings = enumerator(SpaceFacts(world_size, optimizer, self.graph.batch, has_tables,
+                                         config.micro_batches if splittable else (1,), config.offload_ratios,
+                                         max_pp=min(world_size, len(self.cuts) + 1) if self.cuts else 1,
+                                         max_tp=max(self.tensor, default=1)))
         # annotations that cut operators are kept: only the degrees they fit
         # (a dense unit pinned to the host: only the settings that take pinned host units)
         self.settings = [c for c in settings if ((c.tp == 1 and not required) or c.tp in self.tensor)
@@ -186,7 +213,7 @@ class Planner:
         method = self.config.method
         if method is SearchMethod.AUTO:
             method = SearchMethod.ILP if len(self.cost.names()) <= ILP_UNITS else SearchMethod.DYNAMIC_PROGRAMMING
-        search = _SEARCH[method]
+        search = self.search or _SEARCH[method]
         searched: dict[Candidate, Assignment | None] = {}
         pipelined: dict[Candidate, Stages] = {}
 
@@ -220,7 +247,7 @@ class Planner:
                 stages = self._stages(c, device, host)
                 return stages.assignment() if stages else None
 
-            raise NoPlanError(_no_plan(self.cost, flat or self.settings, searched_at, device_budget, host_budget,
+            raise NoPlanError(no_plan_message(self.cost, flat or self.settings, searched_at, device_budget, host_budget,
                                        self.config.memory_margin))
         fastest = min(a.seconds for _, a in feasible)
         ties = [(c, a) for c, a in feasible if a.seconds <= fastest * tolerance]
@@ -236,8 +263,8 @@ class Planner:
         if best_c.pp > 1:
             units = [Decision(*row) for row in stage_decisions(self.cost.names(), best_c, pipelined[best_c])]
         else:
-            units = _unit_decisions(self.cost, best_c, best, device_budget, host_budget)
-        decisions = _global_decisions(best_c, best, results) + units
+            units = unit_decisions(self.cost, best_c, best, device_budget, host_budget)
+        decisions = global_decisions(best_c, best, results) + units
         report = SearchReport(method.value, len(self.settings), sum(a is not None for _, a in results), self.graph.seconds,
                               self.calibration_seconds, time.perf_counter() - start, len(results))
         return self._plan(best_c, best, device_memory, host_memory, decisions, report, pipelined.get(best_c))
@@ -259,7 +286,7 @@ class Planner:
     def _transfer(self, c: Candidate) -> Callable[[int], float]:
         """Seconds to send boundary ``i``'s activations of one micro-batch to the next stage and
         their gradients back (two ranks' all-gather of the bytes, each way)."""
-        curve = self.calibration.collectives["gloo:2"]["all_gather"]
+        curve = self.calibration.collective_curves(2)[Collective.ALL_GATHER]
         return lambda i: 2 * curve.seconds(self.cost.units[i - 1].output_bytes / (c.dp * c.micro_batches))
 
     def _reduce(self, c: Candidate) -> Callable[[int, int], float]:
@@ -306,9 +333,9 @@ class Planner:
     def _plan(self, c: Candidate, a: Assignment, device_memory: int | None, host_memory: int | None,
               decisions: list[Decision], report: SearchReport, stages: Stages | None = None) -> Plan:
         t = self.cost.sharding(c) if c.tp > 1 else None
-        predicted = _prediction(self.cost, c, a) if stages is None else Prediction(
+        predicted = prediction(self.cost, c, a) if stages is None else Prediction(
             a.seconds, a.device_bytes, a.host_bytes,
-            {"the slowest stage (its work with the pipeline fill and drain, its replicas' all-reduce)": a.seconds})
+            {CostPart.SLOWEST_STAGE: a.seconds})
         moved = tuple(table.name for i, ch in enumerate(a.choices) for table in self.cost.table_order(i)[:ch.device_tables])
         return Plan(self.model_name, self.graph.batch, self.world_size, device_memory, host_memory, self.optimizer, c,
                     dict(zip(self.cost.names(), a.choices)), dict(self.pinned), predicted, decisions,
@@ -383,114 +410,3 @@ def _pins(placement: PlacementSpec | None, units: list[str]) -> dict[str, Target
         if name not in units:
             raise ValueError(f"annotation names {name!r}, which is not a unit of the model; its units are {units}")
     return dict(placement.modules)
-
-
-def _prediction(cost: MeasuredCost, c: Candidate, a: Assignment) -> Prediction:
-    fixed = cost.fixed(c)
-    parts = dict(fixed.parts)
-    crossings, previous = 0.0, None
-    for i, choice in enumerate(a.choices):
-        u = cost.units[i]
-        key = "host tables" if u.tables else "units with host weights" if choice.weights is Target.HOST else \
-            f"units on the {choice.target.value}"
-        parts[key] = parts.get(key, 0.0) + cost.unit(i, choice, c).seconds
-        crossings += cost.boundary(i, previous, choice, c).seconds
-        previous = choice
-    crossings += cost.boundary(len(a.choices), previous, None, c).seconds
-    parts["host<->device copies and hand-offs"] = crossings
-    return Prediction(a.seconds, a.device_bytes, a.host_bytes, parts)
-
-
-def _global_decisions(best_c: Candidate, best: Assignment,
-                      results: list[tuple[Candidate, Assignment | None]]) -> list[Decision]:
-    out = []
-    chosen = best_c.describe()
-    for what, value in chosen.items():
-        others = [(c, a) for c, a in results if c.describe()[what] != value]
-        if not others:
-            out.append(Decision(what, value, best.seconds, best.device_bytes))
-            continue
-        fitting = [(c, a) for c, a in others if a is not None]
-        if fitting:
-            c, a = min(fitting, key=lambda ca: ca[1].seconds)
-            out.append(Decision(what, value, best.seconds, best.device_bytes, c.describe()[what], a.seconds,
-                                a.device_bytes, _why(a.seconds, best.seconds)))
-        else:
-            out.append(Decision(what, value, best.seconds, best.device_bytes, others[0][0].describe()[what],
-                                why="no assignment of it fits the budgets"))
-    return out
-
-
-def _unit_decisions(cost: MeasuredCost, c: Candidate, best: Assignment, device: float, host: float) -> list[Decision]:
-    """Each unit's decision and its runner-up: the plan with that unit's best other option,
-    every other decision as planned (over a budget: said so)."""
-    out = []
-    for i, (name, choice) in enumerate(zip(cost.names(), best.choices)):
-        u = cost.unit(i, choice, c)
-        others = [o for o in cost.options(i, c) if o != choice]
-        if not others:
-            why = "host tables: none may move to the device (one data-parallel rank; float32, LazyAdam, Adagrad " \
-                "or SGD)" if cost.units[i].tables else "pinned by an annotation" if name in cost.pinned else \
-                "its one option: " + ", ".join(r for r, on in (
-                    ("nothing of its own to recompute", not cost.units[i].saved_bytes),
-                    ("the partitioner cannot trace the model, so no unit goes to the host", not cost.host_units)) if on)
-            out.append(Decision(f"unit {name}", f"{choice} ({why})", u.seconds, u.device_static + u.device_kept))
-            continue
-        alts = [evaluate(cost, c, best.choices[:i] + (o,) + best.choices[i + 1:]) for o in others]
-        fitting = [a for a in alts if a.device_bytes <= device and a.host_bytes <= host]
-        if fitting:
-            alt = min(fitting, key=lambda a: a.seconds)
-            out.append(Decision(f"unit {name}", str(choice), u.seconds, u.device_static + u.device_kept,
-                                str(alt.choices[i]), alt.seconds, alt.device_bytes, _why(alt.seconds, best.seconds)))
-        else:
-            alt = min(alts, key=lambda a: a.device_bytes)
-            over = "device" if alt.device_bytes > device else "host"
-            out.append(Decision(f"unit {name}", str(choice), u.seconds, u.device_static + u.device_kept,
-                                str(alt.choices[i]), alt.seconds, alt.device_bytes, f"over the {over} budget"))
-    return out
-
-
-def _why(runner_up: float, chosen: float) -> str:
-    return "slower" if runner_up >= chosen else "within the tolerance of it: the plan that changes less wins"
-
-
-def _no_plan(cost: MeasuredCost, settings: list[Candidate], search: Callable, device: float, host: float,
-             margin: float) -> str:
-    """The error text: the smallest device (or host) budget that works and what dominates it
-    (``device``: the budget planned to, ``margin`` under the user's; both said as the user's)."""
-    def fits(budget_device: float, budget_host: float) -> tuple[Candidate, Assignment] | None:
-        found = [(c, search(cost, c, budget_device, budget_host)) for c in settings]
-        found = [(c, a) for c, a in found if a is not None]
-        return min(found, key=lambda ca: ca[1].device_bytes) if found else None
-
-    if fits(float("inf"), host) is None:
-        least = fits(float("inf"), float("inf"))
-        need = min(a.host_bytes for _, a in [least]) if least else 0
-        return (f"no plan fits the host budget of {format_bytes(host)}: the smallest that works is "
-                f"{format_bytes(need)} (host tables, their optimizer state and offloaded optimizer state dominate)")
-    low, high = 0.0, fits(float("inf"), host)[1].device_bytes
-    while high - low > max(1.0, high * 1e-3):  # the smallest device budget that some plan meets
-        mid = (low + high) / 2
-        if fits(mid, host) is None:
-            low = mid
-        else:
-            high = mid
-    c, a = fits(high, host)
-    return (f"no plan fits the device budget of {format_bytes(device / (1 - margin))}; the smallest that works is "
-            f"{format_bytes(high / (1 - margin))} ({_dominant(cost, c, a)})")
-
-
-def _dominant(cost: MeasuredCost, c: Candidate, a: Assignment) -> str:
-    fixed = cost.fixed(c)
-    costs = [cost.unit(i, ch, c) for i, ch in enumerate(a.choices)]
-    static = sum(u.device_static for u in costs)
-    parts = {"parameters, gradients and optimizer state of the device units": static,
-             "the batch and the ops of no unit": fixed.device_bytes,
-             "activations held in backward": a.device_bytes - static - fixed.device_bytes}
-    what, nbytes = max(parts.items(), key=lambda kv: kv[1])
-    detail = ""
-    if what.startswith("parameters"):
-        i = max(range(len(costs)), key=lambda i: costs[i].device_static)
-        detail = f"; the largest: unit {cost.names()[i]!r}, {format_bytes(costs[i].device_static)}"
-    return f"dominated by {what}: {format_bytes(nbytes)}{detail}, with the optimizer state on the " \
-           f"{c.describe()['optimizer state']} and {c.micro_batches} micro-batch(es)"

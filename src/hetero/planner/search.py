@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from hetero.placement import Target
 from hetero.planner.cost import BoundaryCost, CostModel, FixedCost, MeasuredCost, UnitCost
@@ -51,6 +52,16 @@ class Assignment:
     device_bytes: int
     host_bytes: int
     cuts: tuple[int, ...] = ()
+
+
+class Search(Protocol):
+    """The planner's per-candidate stage: each unit's option under one setting within the
+    budgets (bytes), or ``None`` where nothing fits (TorchRec's ``Proposer`` and
+    ``Partitioner`` in one). :func:`ilp`, :func:`dynamic_programming` and :func:`brute_force`
+    are the built-in ones; the planner prices what a search returns with the unbiased cost."""
+
+    def __call__(self, cost: CostModel, candidate: Candidate, device_budget: float,
+                 host_budget: float) -> "Assignment | None": ...
 
 
 def evaluate(cost: CostModel, candidate: Candidate, choices: Sequence[UnitChoice]) -> Assignment:

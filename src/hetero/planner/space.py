@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
+from typing import Protocol
 
 from hetero.optim import SparseOptimizerKind
 from hetero.placement import Target
@@ -33,6 +34,30 @@ class OptimizerKind(enum.Enum):
 
 
 ADAM_FAMILY = (OptimizerKind.ADAMW, OptimizerKind.ADAM)  # what HostAdamW runs off the device
+
+
+class CostPart(enum.Enum):
+    """What a step's predicted seconds are made of (a plan's ``predicted.parts``; they add up)."""
+
+    COMPUTE_NO_UNIT = "compute (ops of no unit)"
+    OPTIMIZER_FIXED = "optimizer fixed"
+    TP_COLLECTIVES = "tensor-parallel collectives (ops of no unit)"
+    GRADIENT_COLLECTIVES = "gradient collectives"
+    LOSS_AVERAGE = "loss average"
+    HOST_TABLES = "host tables"
+    UNITS_WITH_HOST_WEIGHTS = "units with host weights"
+    DEVICE_UNITS = "units on the device"
+    HOST_UNITS = "units on the host"
+    CROSSINGS = "host<->device copies and hand-offs"
+    SLOWEST_STAGE = "the slowest stage (its work with the pipeline fill and drain, its replicas' all-reduce)"
+
+
+class MemoryPart(enum.Enum):
+    """What a plan's device peak is made of (what a no-plan error names as dominating)."""
+
+    UNIT_STATE = "parameters, gradients and optimizer state of the device units"
+    BATCH_AND_ROOT = "the batch and the ops of no unit"
+    ACTIVATIONS = "activations held in backward"
 
 
 class StateHome(enum.Enum):
@@ -175,3 +200,38 @@ def candidates(world_size: int, optimizer: OptimizerKind, batch: int, has_tables
                         for placement in tables:
                             out.append(Candidate(pp, dp, tp, state, ratio, m, zero, placement))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SpaceFacts:
+    """What the enumeration of a model's settings depends on (the planner fills it in).
+
+    Attributes:
+        world_size: the ranks; ``optimizer``: the dense optimizer; ``batch``: the global batch.
+        has_tables: the model holds host tables (their placement is a decision).
+        micro_batches, offload_ratios: the counts and ratios to try.
+        max_pp, max_tp: the largest pipeline and tensor-parallel degrees the model allows.
+    """
+
+    world_size: int
+    optimizer: OptimizerKind
+    batch: int
+    has_tables: bool
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    offload_ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
+    max_pp: int = 1
+    max_tp: int = 1
+
+
+class Enumerator(Protocol):
+    """The planner's first stage: the model-wide settings (:class:`Candidate`) to search, from
+    the facts (TorchRec's ``Enumerator``). :func:`grid` is the default; the planner then keeps
+    those its constraints allow (annotations, pinned host units, operator strategies)."""
+
+    def __call__(self, facts: SpaceFacts) -> list[Candidate]: ...
+
+
+def grid(facts: SpaceFacts) -> list[Candidate]:
+    """Every setting :func:`candidates` enumerates (the default :class:`Enumerator`)."""
+    return candidates(facts.world_size, facts.optimizer, facts.batch, facts.has_tables, facts.micro_batches,
+                      facts.offload_ratios, facts.max_pp, facts.max_tp)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from hetero.optim import SparseOptimizerKind
 from hetero.planner.calibration import Calibration
 from hetero.planner.graph import ModelGraph, TableInfo, Unit
+from hetero.parallel.comm import Collective
 from hetero.planner.space import Candidate, TablePlacement, sparse_optimizer_of
 
 _TABLE_STATE = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.FTRL: 2, SparseOptimizerKind.ADAGRAD: 1,
@@ -108,17 +109,17 @@ class TablePricing:
         all-gather; row-sharded - each pass's lookups (counts, ids, rows back: three
         all-to-alls per group) and, once per step, a flag all-reduce and one all-to-all of every
         pass's gradient rows to their owners (:mod:`hetero.parallel.row_sharded`)."""
-        curves = self.cal.collectives.get(f"gloo:{c.dp}") if c.dp > 1 and tables else None
+        curves = self.cal.collective_curves(c.dp) if c.dp > 1 and tables else None
         if not curves:
             return 0.0
-        n, gather = c.dp, curves["all_gather"]
+        n, gather = c.dp, curves[Collective.ALL_GATHER]
         groups: dict[str, list[TableInfo]] = {}
         for t in tables:
             groups.setdefault(t.group or t.name, []).append(t)
         if c.tables is not TablePlacement.ROW_SHARDED:
             rows = sum(self.rows(t, c)[1] * (8 + 4 * t.dim) for t in tables)
             return gather.seconds(8 * len(groups)) + gather.seconds(rows)
-        seconds, sent = curves["all_reduce"].seconds(8 * len(groups)), 0.0
+        seconds, sent = curves[Collective.ALL_REDUCE].seconds(8 * len(groups)), 0.0
         for group in groups.values():
             unique = sum(self._counts(t, c)[2] for t in group)  # a pass's distinct ids (each owner asked once)
             dim = group[0].dim

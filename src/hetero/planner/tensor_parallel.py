@@ -39,8 +39,9 @@ from hetero.planner.graph import ModelGraph
 from hetero.parallel.sharding_graph import capture_for_sharding
 from hetero.parallel.comm import collective_bytes
 
-_CURVE = {Collective.ALL_GATHER: "all_gather", Collective.ALL_REDUCE: "all_reduce",
-          Collective.REDUCE_SCATTER: "reduce_scatter", Collective.ALL_TO_ALL: "all_gather"}
+# the measured curve a collective is priced by (an all-to-all moves what an all-gather does)
+_CURVE = {Collective.ALL_GATHER: Collective.ALL_GATHER, Collective.ALL_REDUCE: Collective.ALL_REDUCE,
+          Collective.REDUCE_SCATTER: Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL: Collective.ALL_GATHER}
 
 
 def _local_bytes(kind: Collective, received: float, n: int) -> float:

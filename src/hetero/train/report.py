@@ -1,8 +1,10 @@
-"""Evaluation metrics (scikit-learn) and the run's plot (matplotlib, headless)."""
+"""Evaluation metrics (scikit-learn), the run's plot (matplotlib, headless) and its report files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,3 +46,17 @@ def plot_curves(losses: list[float], epochs: list[int], valid_auc: list[float | 
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def write_report(run_dir: Path, losses: list[float], metrics: dict[str, Any]) -> dict[str, Any]:
+    """A finished run's readable files (rank 0 writes them): ``losses.csv`` (the loss per
+    step), ``curves.png`` (:func:`plot_curves` of the loss and the validation AUC) and
+    ``metrics.json`` (``metrics`` with the plot's path); returns the metrics written."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "losses.csv", "w") as f:
+        f.write("step,loss\n" + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(losses)))
+    history = metrics["history"]
+    plot = plot_curves(losses, history["epoch"], history["valid_auc"], run_dir / "curves.png")
+    metrics = {**metrics, "plot": str(plot)}
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
+    return metrics

@@ -8,7 +8,6 @@ included), optimizer states, the data position ``(epoch, batch)``, the RNG state
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -28,30 +27,17 @@ from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel import (
-    DataParallelGroup,
-    DistributedSparse,
-    check_replicas,
-    data_parallel,
-    full_model_state,
-    full_optimizer_state,
-    global_rank,
-    global_shapes,
-    load_full_optimizer_state,
-    local_model_state,
+    DataParallelGroup, DistributedSparse, check_replicas, data_parallel, full_model_state, full_optimizer_state,
+    global_rank, global_shapes, load_full_optimizer_state, local_model_state,
 )
 from hetero.record import RECORD_KEY, check_record
 from hetero.parallel.pipeline import Pipeline
 from hetero.placement import copy_to
 from hetero.train.checkpointing import (
-    read_extra,
-    sharded_state,
-    stage_optimizer_state,
-    whole_model_shapes,
-    whole_model_state,
-    whole_optimizer_state,
+    read_extra, sharded_state, stage_optimizer_state, whole_model_shapes, whole_model_state, whole_optimizer_state,
 )
 from hetero.train.config import CheckpointFormat, TrainConfig
-from hetero.train.report import binary_metrics, plot_curves
+from hetero.train.report import binary_metrics, write_report
 from hetero.train.scalars import ScalarLog
 
 log = logging.getLogger("hetero")
@@ -483,10 +469,6 @@ class Trainer:
             self.scalars.close()
         if global_rank() != 0:
             return {"test_auc": test["auc"], "test_logloss": test["logloss"]}
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "losses.csv", "w") as f:
-            f.write("step,loss\n" + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(self.losses)))
-        plot = plot_curves(self.losses, self.history["epoch"], self.history["valid_auc"], self.run_dir / "curves.png")
         metrics = {
             "test_auc": test["auc"],
             "test_logloss": test["logloss"],
@@ -499,13 +481,11 @@ class Trainer:
             "world_size": self.dp.size,  # data-parallel ranks
             "pipeline_stages": 1 if self.pipeline is None else self.pipeline.num_stages,
             "checkpoint": str(self.checkpoint_path),
-            "plot": str(plot),
             "history": self.history,
             "best_epoch": self.best["epoch"] or None,  # of the validation score; the test split's model with keep_best
             "stopped_early": self.best["stopped"],
         }
-        (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
-        return metrics
+        return write_report(self.run_dir, self.losses, metrics)
 
 
 def weighted_bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
