@@ -100,3 +100,31 @@ def test_no_tensorboard_when_turned_off(tmp_path, capsys):
     assert main(["train", "--config", str(_job(tmp_path)), "--epochs", "1", "--logging.no_tensorboard",
                  "--run-dir", str(run)]) == 0
     assert not (run / "tensorboard").exists()
+
+
+def test_traffic_scalars_count_the_collectives_of_a_data_parallel_step(tmp_path, cpu_ranks):
+    """At 2 ranks the sampled steps' collective bytes hold DDP's all-reduce of the dense
+    gradients (2 (n-1)/n of their bytes) and the host tables' sparse exchange on top; nothing
+    is copied host <-> device where the device is the host."""
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import hetero_on_ranks
+    from hetero.embedding import dense_parameters
+    from hetero.models.build import ModelKind, build_model, model_config
+    from hetero.record import RECORD_KEY, RunRecord
+
+    run = tmp_path / "run"
+    got = hetero_on_ranks(tmp_path, 2, ["train", "--config", str(_job(tmp_path)), "--epochs", "2", "--run-dir", str(run)])
+    assert got.returncode == 0, got.stderr
+    record = RunRecord.from_state(torch.load(run / "checkpoint.pt")[RECORD_KEY], run)
+    kind = ModelKind(record.model.kind)
+    model = build_model(kind, model_config(kind, record.model.config), record.encoding.specs(), record.model.num_dense)
+    ddp = sum(p.numel() * p.element_size() for p in dense_parameters(model)) * 2 * (2 - 1) / 2
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    dense = events.Scalars("traffic/dense_allreduce_bytes")
+    sent = events.Scalars("traffic/collective_bytes")
+    assert len(sent) >= 2 and [e.value for e in dense] == [ddp] * len(sent)  # sampled: after warm-up, epoch 2
+    assert all(e.value > ddp for e in sent), (ddp, [e.value for e in sent])  # the sparse exchange on top
+    assert all(e.value == 0 for e in events.Scalars("traffic/h2d_bytes"))

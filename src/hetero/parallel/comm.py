@@ -137,3 +137,29 @@ class CollectiveCounter(TorchDispatchMode):
         """Per collective kind: ``{"calls": ..., "bytes": ...}``."""
         return summarize(self.calls)
 
+
+class TrafficCounter(CollectiveCounter):
+    """:class:`CollectiveCounter` that also sums the bytes copied host -> device and device ->
+    host (``aten._to_copy`` / ``copy_`` between a CPU tensor and an accelerator's) inside
+    ``with TrafficCounter() as t:``. Same thread contract: copies made by other threads (an
+    accelerator's autograd threads in backward, a prefetch worker) are not seen; C++ callers
+    that bypass the dispatcher (DDP's reducer) neither."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        name = func.__name__.split(".")[0]
+        if func.namespace == "aten" and name in ("_to_copy", "copy_") and isinstance(out, torch.Tensor):
+            src = args[1] if name == "copy_" else args[0]
+            dst = args[0] if name == "copy_" else out
+            if isinstance(src, torch.Tensor) and src.device.type != dst.device.type:
+                nbytes = dst.numel() * dst.element_size()
+                if src.device.type == "cpu":
+                    self.h2d_bytes += nbytes
+                elif dst.device.type == "cpu":
+                    self.d2h_bytes += nbytes
+        return out

@@ -5,15 +5,27 @@ Written by rank 0 alone with ``torch.utils.tensorboard.SummaryWriter`` (the ``te
 package's event-file format): per step ``train/loss``, each optimizer's ``lr/<name>`` and, once
 past warm-up, ``train/samples_per_s``; per epoch ``valid/auc`` and ``valid/logloss``; at the end
 ``test/auc`` and ``test/logloss``. Steps are global steps, so a resumed run continues its curves.
+
+Traffic is measured on sampled steps (the first after warm-up, and each epoch's first: counting
+every op through a dispatch mode would slow every step): ``traffic/h2d_bytes`` and
+``traffic/d2h_bytes`` (the copies the step's training thread makes; none where the device is the
+host), ``traffic/dense_allreduce_bytes`` (what rank 0 receives in DDP's all-reduce of the dense
+gradients, counted from their bytes: its reducer runs in C++, out of a dispatch mode's sight) and
+``traffic/collective_bytes`` (that plus what rank 0 receives in the collectives the step issues
+from Python: the host tables' sparse exchange, ZeRO's). See
+:class:`hetero.parallel.comm.TrafficCounter` for what a dispatch mode cannot see.
 Thread contract: the training thread only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from hetero.parallel.comm import Collective, TrafficCounter, collective_bytes
 
 
 class ScalarLog:
@@ -45,6 +57,30 @@ class ScalarLog:
                 w.add_scalar(f"lr/{name}", lr, step)
         if samples_per_s is not None:
             w.add_scalar("train/samples_per_s", samples_per_s, step)
+
+    @staticmethod
+    def sampled(steps_this_run: int, batch: int, warmup_steps: int) -> bool:
+        """Whether this step's traffic is measured: the first after warm-up, each epoch's first."""
+        return steps_this_run == warmup_steps + 1 or (batch == 0 and steps_this_run > 1)
+
+    def traffic(self, step: int, run: Callable[[], float], net: nn.Module, replicas: int) -> float:
+        """Run one training step (``run``) under a :class:`TrafficCounter`; log its bytes
+        (``net``: the model as trained, DDP's wrapper included; ``replicas``: its ranks). Returns
+        the step's loss."""
+        with TrafficCounter() as counter:
+            loss = run()
+        dense = 0.0
+        if isinstance(net, nn.parallel.DistributedDataParallel):  # the reducer's all-reduce (C++: unseen)
+            skip = set(getattr(net, "parameters_to_ignore", ()))
+            dense = collective_bytes(Collective.ALL_REDUCE, sum(
+                p.numel() * p.element_size() for n, p in net.module.named_parameters()
+                if p.requires_grad and n not in skip), replicas)
+        w = self._w()
+        w.add_scalar("traffic/h2d_bytes", counter.h2d_bytes, step)
+        w.add_scalar("traffic/d2h_bytes", counter.d2h_bytes, step)
+        w.add_scalar("traffic/dense_allreduce_bytes", dense, step)
+        w.add_scalar("traffic/collective_bytes", counter.total_bytes + dense, step)
+        return loss
 
     def metrics(self, prefix: str, step: int, metrics: Mapping[str, float | None]) -> None:
         """``prefix/auc`` and ``prefix/logloss`` at ``step`` (an undefined AUC is left out); flushed."""

@@ -103,9 +103,8 @@ class Trainer:
             raise ValueError(f"a pipeline cuts each batch into micro-batches by rows, which cannot cut the multi-hot "
                              f"features {bags} (bags) yet: train them without a pipeline")
         self.model, self.dense_optimizer, self.pipeline = model, dense_optimizer, pipeline
-        # Data parallel over the ranks of the process group (nothing at world size 1): DDP for the
-        # dense part; host tables replicated (exchanged sparse gradients) or row-sharded
-        # (hetero.parallel.shard_rows, called before the optimizers were built).
+        # Data parallel over dp (nothing on one rank): DDP for the dense part; host tables replicated
+        # (exchanged sparse gradients) or row-sharded (hetero.parallel.shard_rows, before the optimizers).
         self.dp, self.ps_job = (ps_job.dp, ps_job) if ps_job is not None else (dp, None)
         check_replicas(model, self.dp)  # ranks must start from identical replicated tables (same seed)
         # (an optimizer that averages its parameters' gradients itself - HostAdamW - keeps them out of DDP)
@@ -139,7 +138,6 @@ class Trainer:
         self.scalars = ScalarLog(self.run_dir / "tensorboard") if config.tensorboard and global_rank() == 0 else None
         self._identity = train.identity()  # read once (a dataset's checksum is a pass over it)
 
-    # ----------------------------------------------------------------------------- state
     def state_dict(self, tables: bool = True) -> dict[str, Any]:
         """Everything needed to continue bit for bit, tensors whole (the integrated layout).
 
@@ -325,7 +323,6 @@ class Trainer:
         log.info("hetero: resumed from %s at epoch %d, batch %d (step %d)",
                  path, self.epoch, self.batch, self.global_step)
 
-    # ----------------------------------------------------------------------------- loop
     def _step(self, batch: Batch) -> float:
         for opt in self.sparse_optimizers.values():
             opt.zero_grad()
@@ -390,9 +387,11 @@ class Trainer:
                 batches = Prefetcher(self.model, batches)
             for batch in batches:
                 t0 = time.perf_counter()
-                loss = self._step(batch)
                 steps_this_run += 1
-                if steps_this_run > cfg.warmup_steps:  # steady state only: not the first-call compilation
+                measured = self.scalars is not None and self.scalars.sampled(steps_this_run, self.batch, cfg.warmup_steps)
+                loss = self.scalars.traffic(self.global_step + 1, lambda: self._step(batch), self.net, self.dp.size) \
+                    if measured else self._step(batch)
+                if steps_this_run > cfg.warmup_steps and not measured:  # steady state: no compilation, no counting
                     self.train_seconds += time.perf_counter() - t0
                     self.train_samples += len(batch)
                 self.losses.append(loss)
