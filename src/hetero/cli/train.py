@@ -177,11 +177,11 @@ def run_train(job: JobConfig, on_step=None) -> int:  # noqa: ANN001 - a callable
         # A parameter-server job's default group is gloo: its servers use no accelerator (the
         # workers' group may be NCCL).
         parallel.init(parallel.DistConfig(backend="gloo") if servers else parallel.DistConfig())
-        dims = job_dims(job)  # the ranks checked before anything else runs
         if servers:
             s = job.parameter_server
             ps_job = ps.PSJob.init(PSConfig(num_servers=servers, mode=s.mode, staleness=s.staleness,
                                             server_memory_bytes=int(s.server_memory_mb * 2**20), timeout_s=s.timeout))
+        dims = job_dims(job)  # the ranks checked before the run directory is
         c = job.checkpoint
         check_run_dir(c.run_dir, None if c.resume is None else c.resume.value, c.overwrite)
         rank = parallel.global_rank()

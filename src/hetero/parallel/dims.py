@@ -93,12 +93,12 @@ class ParallelDims:
         """Whether the job needs a device mesh (operator sharding, a pipeline or ZeRO)."""
         return self.pp > 1 or self.tp > 1 or self.zero > 0
 
-    def build(self, dp_group: DataParallelGroup | None = None) -> "ParallelDims":
-        """These dimensions with their mesh (``pp x dp x tp`` over the process group; none where
-        no dimension needs one) and data-parallel group: the mesh's ``dp`` dimension, else
-        ``dp_group`` (a parameter-server job's workers), else the whole job. Collective: every
-        rank calls it (a server of a parameter-server job builds nothing)."""
-        mesh = build_mesh(MeshConfig(pp=self.pp, tp=self.tp)) if self.meshed else None
+    def build(self, dp_group: DataParallelGroup | None = None, mesh: bool | None = None) -> "ParallelDims":
+        """These dimensions with their mesh (``pp x dp x tp`` over the process group; where no
+        dimension needs one, none unless ``mesh``) and data-parallel group: the mesh's ``dp``
+        dimension, else ``dp_group`` (a parameter-server job's workers), else the whole job.
+        Collective: every rank calls it (a server of a parameter-server job builds nothing)."""
+        mesh = build_mesh(MeshConfig(pp=self.pp, tp=self.tp)) if (self.meshed if mesh is None else mesh) else None
         if mesh is not None:
             dp_group = DataParallelGroup(mesh[MeshDim.DP.value].get_group())
         return dataclasses.replace(self, mesh=mesh, dp_group=dp_group if dp_group is not None else DataParallelGroup())

@@ -29,7 +29,9 @@ from torch.utils import _pytree as pytree
 from hetero.embedding import dense_parameters, host_tables, move_tables_to_device
 from hetero.optim import SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, host_part
-from hetero.parallel.mesh import MeshConfig, MeshDim, build_mesh, mesh_size
+from hetero.parallel.dims import ParallelDims
+from hetero.parallel.env import world_size
+from hetero.parallel.mesh import MeshDim
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer, zero_root
@@ -241,15 +243,17 @@ def _zero_around(plan: Plan, present: Mapping[str, nn.Module], apart: list[str])
 
 
 def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
-    """``mesh`` (default: ``build_mesh`` for the plan's ``pp`` and ``tp`` over the process group),
-    checked to have the plan's ``pp x dp x tp`` ranks."""
+    """The plan's mesh: ``mesh``, or the :class:`~hetero.parallel.dims.ParallelDims` of its
+    ``pp`` and ``tp`` over the process group built - checked to have the plan's ``pp x dp x tp``."""
     c = plan.candidate
-    mesh = mesh if mesh is not None else build_mesh(MeshConfig(pp=c.pp, tp=c.tp))
-    if mesh.size() != c.pp * c.dp * c.tp or mesh_size(mesh, MeshDim.TP) != c.tp:
-        shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    dims = ParallelDims.of_mesh(mesh, c.zero) if mesh is not None else \
+        ParallelDims.of_job(pp=c.pp, tp=c.tp, zero=c.zero) if world_size() % (c.pp * c.tp) == 0 else None
+    if dims is None or (dims.pp, dims.dp, dims.tp) != (c.pp, c.dp, c.tp):
+        shape = dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else \
+            {"ranks": world_size()}
         raise ValueError(f"the plan is for pp {c.pp} x dp {c.dp} x tp {c.tp} ranks, the mesh has {shape}: run it under "
                          f"torchrun --nproc-per-node {c.pp * c.dp * c.tp}")
-    return mesh
+    return dims.mesh if dims.mesh is not None else dims.build(mesh=True).mesh
 
 
 def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, apart: Sequence[str] = ()) -> None:
