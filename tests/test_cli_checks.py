@@ -99,6 +99,6 @@ def test_the_job_file_reference_is_generated_from_the_code_and_current():
     from hetero.cli.reference import reference
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "job-file.md"
-    assert doc.read_text() == reference(), "docs/job-file.md is stale: python -m hetero.cli.reference > docs/job-file.md"
+    assert doc.read_text() == reference(), "docs/job-file.md is stale: python tools/docs.py"
     for key in ("`null_values`", "`negative`", "`fill`", "`hash_buckets`", "`dense_lr`", "`overwrite`", "`split`"):
         assert key in doc.read_text()

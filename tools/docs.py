@@ -60,7 +60,8 @@ def architecture() -> str:
     deps = _package_imports()
     order = list(graphlib.TopologicalSorter(deps).static_order())  # (a cycle raises: the import test names it)
     tree = []
-    for pkg in sorted(p for p in PACKAGE.iterdir() if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"):
+    packages = (p for p in PACKAGE.iterdir() if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py")
+    for pkg in sorted(packages):
         if pkg.name.startswith("__") or pkg.name.startswith("_"):
             continue
         if pkg.is_dir():

@@ -170,8 +170,8 @@ def plan_changes(plan: Plan, job: JobConfig, model: nn.Module) -> JobConfig:
     for key, given, planned in (("table_sharding", p.table_sharding, sharding), ("zero", p.zero, c.zero)):
         if given != getattr(default, key) and given != planned:
             shown = getattr(given, "value", given)
-            raise ValueError(f"parallelism.{key} = {shown} contradicts the plan ({getattr(planned, 'value', planned)}): "
-                             f"drop it, or drop --plan")
+            wanted = getattr(planned, "value", planned)
+            raise ValueError(f"parallelism.{key} = {shown} contradicts the plan ({wanted}): drop it, or drop --plan")
     return dataclasses.replace(job, parallelism=dataclasses.replace(p, table_sharding=sharding, zero=c.zero))
 
 

@@ -5,10 +5,11 @@ dataclasses, as torchtitan's ``JobConfig`` does.
 
 :mod:`hetero.config.manager` builds it from the defaults here < a job file (TOML) < the command
 line (``--section.key value``, parsed by ``tyro`` from these dataclasses; each key's old flag,
-``--batch-size``, is an alias) and validates it once (:func:`hetero.config.validate.validate`).
+``--batch-size``, is an alias) and validates it once (:func:`hetero.config.manager.validate`).
 Every key's meaning is its attribute docstring (what ``--help`` shows and the generated
 reference, ``docs/job-file.md``, lists), its old flag an :func:`alias` and its range a
-:class:`Bounds` marker, which the validation reads: one declaration, read by all three. Nothing below the CLI sees the command line: components receive their section.
+:class:`Bounds` marker, which the validation reads: one declaration, read by all three. Nothing
+below the CLI sees the command line: components receive their section.
 """
 
 import ast
@@ -105,7 +106,8 @@ def _ints(args: list[str]) -> tuple[int, ...]:
 
 # widths as "256,128" (the old flag's form) or "256 128"
 INTS = PrimitiveConstructorSpec(nargs="+", metavar="INT[,INT...]", instance_from_str=_ints,
-                                is_instance=lambda x: isinstance(x, tuple), str_from_instance=lambda t: [str(v) for v in t])
+                                is_instance=lambda x: isinstance(x, tuple),
+                                str_from_instance=lambda t: [str(v) for v in t])
 
 
 def _paths(args: list[str]) -> Path | tuple[Path, ...]:
@@ -237,7 +239,8 @@ class Checkpoint:
     run_dir: Annotated[Path, alias("--run-dir")] = Path("runs/wide_deep")
     """Where the run's checkpoints, config, metrics and plots go (one run per directory)."""
     format: Annotated[CheckpointFormat | None, alias("--checkpoint-format")] = None
-    """Integrated (default): one file written by rank 0; sharded (the default with a parameter server): each rank its part (torch.distributed.checkpoint)."""
+    """Integrated (default): one file written by rank 0; sharded (the default with a parameter
+    server): each rank its part (torch.distributed.checkpoint)."""
     every: Annotated[int, alias("--checkpoint-every"), Bounds(low=0)] = 0
     """Steps between checkpoints (0: each epoch)."""
     keep_best: Annotated[bool, alias("--keep-best")] = False
@@ -273,7 +276,8 @@ class ParameterServer:
     servers: Annotated[int, alias("--ps-servers"), Bounds(low=0)] = 0
     """Server processes (0: no parameter server)."""
     mode: Annotated[PSMode, alias("--ps-mode")] = PSMode.SYNC
-    """Sync: one process on the global batch; async: pushes applied on arrival; bounded: async with a row cache of at most staleness steps."""
+    """Sync: one process on the global batch; async: pushes applied on arrival; bounded: async
+    with a row cache of at most staleness steps."""
     staleness: Annotated[int, alias("--ps-staleness"), Bounds(low=0)] = 0
     """Bounded mode: steps a pulled row may be reused."""
     server_memory_mb: Annotated[float, alias("--ps-server-memory-mb"), Bounds(low=0.0)] = 0.0

@@ -62,7 +62,7 @@ def _config_path(argv: list[str]) -> Path | None:
 
 
 def validate(job: JobConfig) -> None:
-    """Check every key against its bounds (:class:`~hetero.config.job.Key`) and the keys that
+    """Check every key against its bounds (:class:`~hetero.config.job.Bounds`) and the keys that
     only make sense together.
 
     Raises:
@@ -80,8 +80,9 @@ def validate(job: JobConfig) -> None:
                     continue
                 if k.low is not None and (v < k.low or (v == k.low and not k.inclusive)) or v != v:
                     bound = f">= {k.low}" if k.inclusive else f"> {k.low}"
-                    raise ValueError(f"{where} = {_shown(value)}: give {'values' if isinstance(value, tuple) else 'a value'}"
-                                     f" {bound}" + (f" and < {k.below}" if k.below is not None else ""))
+                    what = "values" if isinstance(value, tuple) else "a value"
+                    raise ValueError(f"{where} = {_shown(value)}: give {what} {bound}"
+                                     + (f" and < {k.below}" if k.below is not None else ""))
                 if k.below is not None and v >= k.below:
                     raise ValueError(f"{where} = {_shown(value)}: give a value in [{k.low}, {k.below})")
     _check_together(job)
