@@ -71,6 +71,9 @@ def test_per_rank_shards_merge_into_the_integrated_checkpoint_bitwise(two_rank_r
     assert shards == [".checksums.json", ".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its part
     merge(run / "checkpoint.dcp", tmp_path / "merged.pt")
     _assert_same(load_checkpoint(tmp_path / "merged.pt"), load_checkpoint(run / "integrated.pt"))
+    # the command line's `hetero checkpoint merge SOURCE OUTPUT` writes the same file
+    assert main(["checkpoint", "merge", str(run / "checkpoint.dcp"), str(tmp_path / "cli.pt")]) == 0
+    _assert_same(load_checkpoint(tmp_path / "cli.pt"), load_checkpoint(run / "integrated.pt"))
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])

@@ -94,8 +94,8 @@ def _check_two_classes(train: Rows, where: str, encoding: Encoding) -> None:
 
 @dataclasses.dataclass(kw_only=True)
 class PrepareCommand:
-    """``hetero data prepare``: a job file's data encoded once into a columnar cache
-    (:func:`hetero.data.prepare.prepare`)."""
+    """hetero data prepare: a job file's data encoded once into a columnar cache of memory-mapped
+    arrays (hetero.data.prepare), which hetero train --prepared DIR reads."""
 
     config: Path
     """the job file: its [data] and [schema]"""

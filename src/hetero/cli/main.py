@@ -19,7 +19,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import tyro
 
@@ -48,11 +48,11 @@ Host/device heterogeneous training for PyTorch.
 
 @dataclasses.dataclass(kw_only=True)
 class MergeCommand:
-    """``hetero checkpoint merge``: a sharded checkpoint into one integrated file (for inference)."""
+    """hetero checkpoint merge: a sharded checkpoint into one integrated file (for inference)."""
 
-    source: tyro.conf.Positional[Path]
+    source: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="SOURCE")]
     """The checkpoint.dcp directory."""
-    output: tyro.conf.Positional[Path]
+    output: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUTPUT")]
     """The integrated checkpoint file to write (atomically)."""
 
 

@@ -16,7 +16,7 @@ from hetero.predict import predict
 
 @dataclasses.dataclass(kw_only=True)
 class PredictCommand:
-    """``hetero predict``'s arguments."""
+    """hetero predict: a run's checkpoint scoring a file (each rank its share under torchrun)."""
 
     checkpoint: Path
     """An integrated checkpoint of a `hetero train --config` run (best.pt, checkpoint.pt, a merged file): it holds

@@ -314,8 +314,9 @@ class Logging:
 
 @dataclasses.dataclass(kw_only=True)
 class JobConfig:
-    """A whole job. Sections in the order a reader meets them; see :mod:`hetero.config.manager`
-    for how it is built and ``docs/job-file.md`` for every key."""
+    """hetero train (and hetero plan): a whole job, from its defaults < a job file (--config) < the command line.
+    Every key is --section.key VALUE; the flags before sections (--batch-size, --tp, ...) are
+    aliases. docs/job-file.md lists every key."""
 
     config: Path | None = None
     """A job file (TOML) under the command line: its sections, or [train] with the old flag names."""
