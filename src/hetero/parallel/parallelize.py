@@ -5,7 +5,8 @@ documented order, and builds the optimizers over what it made.
 :class:`ParallelPlan`) runs, each step reading only its part of the plan:
 
 1. **pipeline split** (``dims.pp > 1``, :func:`~hetero.parallel.pipeline.pipeline`): this rank
-   keeps its stage; the steps below apply to the stage;
+   keeps its stage; steps 2-4 apply to the stage (or the plan's per-stage hook does, inside the
+   split: ``hetero.apply``'s, around a stage's host units);
 2. **operator sharding** (``dims.tp > 1``, :func:`~hetero.parallel.operator_plan.apply_sharding`):
    the planned modules' weights become DTensor shards over ``tp``;
 3. **recompute** (:func:`~hetero.parallel.recompute.apply_recompute`): checkpoint regions wrap the
@@ -22,8 +23,8 @@ Data-parallel wrapping comes last, in the trainer (DDP over ``dims.dp_group`` fo
 the host tables' sparse-gradient exchange), and host/device placement (``hetero.partition``)
 before, on the unsharded model. Reference: torchtitan's ``parallelize`` (the same order: pipeline
 split, TP, activation checkpointing, FSDP); the reference design's multi-dimensional hybrid
-parallelism. ``hetero.apply`` (a planner's :class:`~hetero.planner.plan.Plan`) builds on the
-same steps for models with host units.
+parallelism. ``hetero.apply`` (a planner's :class:`~hetero.planner.plan.Plan`) goes through it
+too, then partitions host units out and wraps the replicas around them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.distributed.tensor import Placement
 from hetero.embedding import dense_parameters, host_tables
 from hetero.parallel.comm_fusion import CommFusion
 from hetero.parallel.dims import ParallelDims
+from hetero.parallel.mesh import MeshDim
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.pipeline import Pipeline, pipeline
 from hetero.parallel.pipeline_plan import PipelineConfig
@@ -53,12 +55,22 @@ class ParallelPlan:
 
     Attributes:
         sharding: operator strategies by module name (``None``: no operator sharding).
+        sharding_dim: the mesh dimension the strategies' slices run over (``MeshDim.TP``: a
+            planner's strategies, written for one replica's ``tp`` ranks); ``None``: the whole
+            mesh (``hetero train``'s, over its ``(1, 1, tp)`` mesh).
         recompute: the modules that recompute their activations, and what they keep.
         zero: the ZeRO stage over the mesh's ``dp`` dimension and its units.
+        zero_ignored: parameters ZeRO leaves alone (host units' and host weights', which the
+            partitioner moves to the host); ``zero_root``: whether FSDP2 wraps the model itself
+            (no: the partitioned model becomes the root after, ``hetero.parallel.zero.zero_root``).
         fusion: bucket sizes of the collectives (here: ZeRO's units when none are named; the
             trainer's DDP and HostAdamW take the same config).
         pipeline: the split into stages and the schedule (with ``dims.pp > 1``).
         loss_fn: the last stage's loss of ``(output, target)`` (with ``dims.pp > 1``).
+        stage: with ``dims.pp > 1``, what applies each of this rank's stages' own dimensions
+            instead of steps 2-4 (``hetero.apply``'s: operator sharding, recompute and replicas
+            around the stage's host units, which it partitions out); returns the module the
+            stage runs (see :func:`~hetero.parallel.pipeline.pipeline`).
         sparse: host tables' sparse optimizers: a part's name (``"deep"``: the tables whose
             qualified names start with ``deep.``) -> a factory of the optimizer over those tables
             (a part with no tables on this rank gets none).
@@ -69,11 +81,15 @@ class ParallelPlan:
     """
 
     sharding: ShardingPlan | None = None
+    sharding_dim: MeshDim | None = None
     recompute: RecomputeConfig = RecomputeConfig()
     zero: ZeroConfig = ZeroConfig()
+    zero_ignored: frozenset = frozenset()  # of nn.Parameter (tensors hash by identity)
+    zero_root: bool = True
     fusion: CommFusion = CommFusion()
     pipeline: PipelineConfig | None = None
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    stage: Callable[[nn.Module], nn.Module] | None = None
     sparse: Mapping[str, Callable[[dict[str, nn.Module]], Any]] = dataclasses.field(default_factory=dict)
     dense: type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer] | None = torch.optim.Adam
     dense_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -118,12 +134,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = Paral
     if dims.pp > 1:
         if plan.pipeline is None or plan.loss_fn is None:
             raise ValueError(f"pp {dims.pp}: give the plan's pipeline (split points, schedule) and loss_fn")
-        pipe = pipeline(model, plan.pipeline, dims.mesh, plan.loss_fn)
-        model = pipe.modules[0]  # this rank's stage (one per rank)
-    layout = apply_sharding(model, plan.sharding, dims.mesh) if dims.tp > 1 and plan.sharding is not None else {}
-    apply_recompute(model, plan.recompute)
+        pipe = pipeline(model, plan.pipeline, dims.mesh, plan.loss_fn, plan.stage)
+        model = pipe.modules[0]  # this rank's (first) stage
+    layout = {}
+    if plan.stage is None or pipe is None:  # (a stage hook applied each stage's own dimensions inside the split)
+        if dims.tp > 1 and plan.sharding is not None:
+            mesh = dims.mesh if plan.sharding_dim is None else dims.mesh[plan.sharding_dim.value]
+            layout = apply_sharding(model, plan.sharding, mesh)
+        apply_recompute(model, plan.recompute)
     if dims.mesh is not None and pipe is None:
-        apply_zero(model, plan.zero, dims.mesh, plan.fusion)
+        apply_zero(model, plan.zero, dims.mesh, plan.fusion, ignored=plan.zero_ignored, root=plan.zero_root)
     if (dims.row_sharded or ps_job is not None) and not host_tables(model):
         raise ValueError("the job shards host tables (row sharding or parameter servers), which this model has none "
                          "of: drop it")

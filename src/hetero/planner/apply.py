@@ -1,14 +1,18 @@
 """``hetero.apply(model, plan)``: a plan made real on one rank (or the ``pp x dp x tp`` ranks of
 its mesh: a pipeline's stages, each data-parallel replica's share of the batch - ZeRO, DDP or
-torch's ``replicate`` - and the tp ranks of each replica cutting its operators on ``mesh["tp"]``),
-in the order of ``hetero.parallel.parallelize`` - the pipeline split first (a pp plan's stages,
-``hetero.parallel.pipeline``, each stage's own dimensions, its host units partitioned as below
-and its output sent from the device), operator sharding (a tp plan's
-strategies, ``apply_sharding``), recompute regions (module names unchanged), the plan's device
-tables moved, then the host/device partition (``hetero.partition``: host units' ops run on the
-host, their parameters live there; streamed units' parameters live there too, their ops on the
-device; the copies inserted), then the optimizers where the plan puts
-their state: torch's beside device parameters, ``HostAdamW`` (all offloaded) or
+torch's ``replicate`` - and the tp ranks of each replica cutting its operators on ``mesh["tp"]``).
+
+The parallel dimensions go through the composition root,
+:func:`hetero.parallel.parallelize.parallelize`, over the plan's validated
+:class:`~hetero.parallel.dims.ParallelDims`: the pipeline split first (a pp plan's stages, each
+stage's own dimensions applied by a per-stage hook around its host units, its output sent from
+the device), then operator sharding (a tp plan's strategies over each replica's ``tp`` ranks,
+host units whole), recompute regions (module names unchanged) and ZeRO (around host units: the
+device units, the partitioned model as the root after). Around it, this module moves the plan's
+device tables (before), then partitions host units out (``hetero.partition``: host units' ops
+run on the host, their parameters live there; streamed units' parameters live there too, their
+ops on the device; the copies inserted) and builds the optimizers where the plan puts their
+state: torch's beside device parameters, ``HostAdamW`` (all offloaded) or
 ``PartialOffloadAdamW`` (a ratio), torch's on the host for host units (beside ``dp`` averaging
 their gradients over the replicas itself, as DDP does the device's); host tables get their
 sparse optimizers, device tables torch's of the same rule. The result,
@@ -30,6 +34,7 @@ from hetero.embedding import dense_parameters, host_tables, move_tables_to_devic
 from hetero.optim import SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, host_part
 from hetero.parallel.dims import ParallelDims
+from hetero.parallel.parallelize import ParallelPlan, parallelize
 from hetero.parallel.env import world_size
 from hetero.parallel.mesh import MeshDim
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
@@ -52,7 +57,6 @@ from hetero.parallel.data_parallel import (
     HostReplicaOptimizer,
 )
 from hetero.parallel.row_sharded import shard_rows
-from hetero.parallel.pipeline import pipeline
 from hetero.parallel.pipeline_plan import PipelineConfig
 from hetero.optim.host_state import host_all_reduce_group
 
@@ -93,16 +97,17 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     spec = plan.placement_spec(model)
     host_dense, streamed = list(spec.modules), plan.streamed_units()
     device = resolve_device(Target.DEVICE)
-    if c.tp > 1:
-        if streamed:
-            raise ValueError(f"a tp {c.tp} plan with host weights {streamed}: plan the model again (hetero.plan "
-                             f"never makes one)")
-        # before recompute (its regions replay the sharded operators) and the partition (which
-        # keeps a sharded module whole: its layouts are hooks); host units run whole, unsharded
-        _shard(model.to(device), plan, _mesh(mesh, plan), apart=host_dense)
+    if c.tp > 1 and streamed:
+        raise ValueError(f"a tp {c.tp} plan with host weights {streamed}: plan the model again (hetero.plan never "
+                         f"makes one)")
     # the plan's device tables: one host->device copy of each, before the partition (a device leaf there)
-    moved = move_tables_to_device(model, list(plan.device_tables), device)
-    apply_recompute(model, plan.recompute_config())
+    moved = move_tables_to_device(model.to(device) if c.tp > 1 else model, list(plan.device_tables), device)
+    # the composition root's operator sharding (before recompute, whose regions replay the sharded
+    # operators, and before the partition, which keeps a sharded module whole: its layouts are
+    # hooks; host units run whole, unsharded) and recompute regions
+    dims = ParallelDims.of_mesh(_mesh(mesh, plan)) if c.tp > 1 else ParallelDims()
+    parallelize(model, dims, ParallelPlan(sharding=_sharding(model, plan, apart=host_dense) if c.tp > 1 else None,
+                                          sharding_dim=MeshDim.TP, recompute=plan.recompute_config(), dense=None))
     if host_dense or streamed:
 
         runnable: nn.Module = partition(model, spec)  # moves every parameter to its target
@@ -165,17 +170,20 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     mesh = _mesh(mesh, plan)
     dp = mesh[MeshDim.DP.value]
     model.to(resolve_device(Target.DEVICE))
-    if c.tp > 1:  # each replica's tp ranks cut its operators, before recompute and ZeRO (torchtitan's order)
-        _shard(model, plan, mesh, apart=hosted)  # (host units run whole on each rank)
-    apply_recompute(model, plan.recompute_config())
     units = dict(model.named_modules())
     # in the model's order: every replica's flat all-reduce must lay them out alike (a streamed
     # unit's weights are host parameters as a host unit's are: averaged and updated there)
     on_host = dict.fromkeys(p for n in hosted + streamed for p in units[n].parameters())
     zero = _zero_around(plan, units, hosted + streamed)
     apart = bool(hosted or streamed)
-    if not apart or zero.units:  # (stages 2, 3: parameters become dp shards - of the tp shards with tp)
-        apply_zero(model, zero, mesh, ignored=on_host, root=not apart)
+    # the composition root, in torchtitan's order: each replica's tp ranks cut its operators (host
+    # units run whole on each rank), recompute regions, then ZeRO 2, 3 (parameters become dp shards
+    # - of the tp shards with tp; around host units, only the device units, the root after the partition)
+    parallelize(model, ParallelDims.of_mesh(mesh, c.zero), ParallelPlan(
+        sharding=_sharding(model, plan, apart=hosted) if c.tp > 1 else None, sharding_dim=MeshDim.TP,
+        recompute=plan.recompute_config(), zero=zero if not apart or zero.units else ZeroConfig(),
+        zero_ignored=frozenset(on_host), zero_root=not apart, dense=None))
+    units = dict(model.named_modules())  # (recompute may wrap them)
     # torch's replicate (data parallel on FSDP2's machinery) takes the tp shards, DDP does not:
     # like FSDP2, around host units its units are the device units, its root the partitioned model
     replicated = c.tp > 1 and c.zero < 2
@@ -258,8 +266,14 @@ def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
 
 def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, apart: Sequence[str] = ()) -> None:
     """The plan's operator strategies of the modules ``model`` holds (a pipeline stage: its own)
-    applied over ``mesh``'s ``tp`` ranks (one replica's); none may cut a module of the units
-    ``apart`` on the host (a hand-written plan's: ``ValueError``)."""
+    applied over ``mesh``'s ``tp`` ranks (one replica's); see :func:`_sharding`."""
+    apply_sharding(model, _sharding(model, plan, apart), mesh[MeshDim.TP.value])
+
+
+def _sharding(model: nn.Module, plan: Plan, apart: Sequence[str] = ()) -> ShardingPlan:
+    """The plan's operator strategies of the modules ``model`` holds (a pipeline stage: its own),
+    for one replica's ``tp`` ranks; none may cut a module of the units ``apart`` on the host (a
+    hand-written plan's: ``ValueError``)."""
     sharding = plan.sharding_plan()
     if sharding is None:
         raise ValueError(f"a tp {plan.candidate.tp} plan without operator strategies: plan the model again "
@@ -272,7 +286,7 @@ def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, apart: Sequence[str] 
     for name, s in sharding.modules.items():
         if name in present:
             own.module(name, s.in_strategy, s.out_strategy, s.use_local_output)
-    apply_sharding(model, own, mesh[MeshDim.TP.value])
+    return own
 
 
 def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,
@@ -335,8 +349,10 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
 
         return replicate(stage, mesh=mesh[MeshDim.DP.value], ignored_params=kept or None)
 
-    pipe = pipeline(model.to(device), PipelineConfig(micro_batches=c.micro_batches, split_points=plan.split_points),
-                    mesh, loss_fn, recompute_stage)
+    # the composition root splits the stages; each stage's own dimensions (around its host units) are recompute_stage's
+    pipe = parallelize(model.to(device), ParallelDims.of_mesh(mesh, c.zero), ParallelPlan(
+        pipeline=PipelineConfig(micro_batches=c.micro_batches, split_points=plan.split_points), loss_fn=loss_fn,
+        stage=recompute_stage, dense=None)).pipeline
     stages = {n: m for stage in pipe.modules for n, m in stage.named_modules()}
     # (in the model's order)
     on_host = dict.fromkeys(p for n in hosted + streamed if n in stages for p in stages[n].parameters())
