@@ -88,6 +88,12 @@ class ParallelDims:
         return cls(pp, dp, tp, zero, world=mesh.size(), mesh=mesh,
                    dp_group=DataParallelGroup(mesh[MeshDim.DP.value].get_group()))
 
+    @classmethod
+    def of_group(cls, group: DataParallelGroup) -> "ParallelDims":
+        """The built dimensions of one data-parallel group alone (``dp`` its ranks): what a
+        trainer handed a model and its group composes."""
+        return cls(dp=group.size, world=group.size, dp_group=group)
+
     @property
     def meshed(self) -> bool:
         """Whether the job needs a device mesh (operator sharding, a pipeline or ZeRO)."""

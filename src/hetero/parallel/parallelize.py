@@ -17,13 +17,15 @@ documented order, and builds the optimizers over what it made.
    or on parameter servers (:meth:`hetero.ps.PSJob.shard_tables`), else whole on every rank -
    before the optimizers, whose state is allocated per row held;
 6. **optimizers**: each part's sparse optimizer over its tables (by name), and the dense one over the
-   device parameters (ZeRO 1 shards its state over ``dp``: :func:`~hetero.parallel.zero.zero_optimizer`).
+   device parameters (ZeRO 1 shards its state over ``dp``: :func:`~hetero.parallel.zero.zero_optimizer`);
+7. **data-parallel wrapping** (``plan.data_parallel``, :func:`~hetero.parallel.data_parallel.data_parallel`):
+   DDP over ``dims.dp_group`` for ZeRO 0 and 1, host tables and the parameters an optimizer
+   averages itself left out (the trainer asks for this step alone, last: the host tables'
+   sparse-gradient exchange is its optimizers' wrapper).
 
-Data-parallel wrapping comes last, in the trainer (DDP over ``dims.dp_group`` for ZeRO 0 and 1;
-the host tables' sparse-gradient exchange), and host/device placement (``hetero.partition``)
-before, on the unsharded model. Reference: torchtitan's ``parallelize`` (the same order: pipeline
-split, TP, activation checkpointing, FSDP); the reference design's multi-dimensional hybrid
-parallelism. ``hetero.apply`` (a planner's :class:`~hetero.planner.plan.Plan`) goes through it
+Host/device placement (``hetero.partition``) comes before, on the unsharded model. Reference:
+torchtitan's ``parallelize`` (the same order: pipeline split, TP, activation checkpointing, FSDP
+or DDP); the reference design's multi-dimensional hybrid parallelism. ``hetero.apply`` (a planner's :class:`~hetero.planner.plan.Plan`) goes through it
 too, then partitions host units out and wraps the replicas around them.
 """
 
@@ -38,7 +40,9 @@ from torch import nn
 from torch.distributed.tensor import Placement
 
 from hetero.embedding import dense_parameters, host_tables
+from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel.comm_fusion import CommFusion
+from hetero.parallel.data_parallel import DataParallelConfig, data_parallel
 from hetero.parallel.dims import ParallelDims
 from hetero.parallel.mesh import MeshDim
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
@@ -78,6 +82,10 @@ class ParallelPlan:
             state over ``dp``), a factory over ``[(name, parameter)]`` (a plan's HostAdamW), or
             ``None``: none (the caller builds its own).
         dense_kwargs: the dense optimizer's hyper-parameters (``lr``, ...).
+        data_parallel: with it, step 7 (``None``: the model is not wrapped).
+        replica_host: parameters whose gradients something else averages over the replicas
+            (HostAdamW's, ``AveragesReplicas``): DDP leaves them out, as it does those of a
+            dense optimizer built here that averages its own.
     """
 
     sharding: ShardingPlan | None = None
@@ -93,6 +101,8 @@ class ParallelPlan:
     sparse: Mapping[str, Callable[[dict[str, nn.Module]], Any]] = dataclasses.field(default_factory=dict)
     dense: type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer] | None = torch.optim.Adam
     dense_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    data_parallel: DataParallelConfig | None = None
+    replica_host: frozenset = frozenset()  # of nn.Parameter
 
 
 @dataclasses.dataclass
@@ -105,6 +115,7 @@ class Parallelized:
         sparse_optimizers: each part's sparse optimizer over this rank's host tables.
         pipeline: the pipeline (``None`` without ``pp``).
         layout: the operator layout (qualified parameter name -> placements; empty without tp).
+        net: what runs the step: ``model`` wrapped for data parallel (step 7), else ``model``.
     """
 
     model: nn.Module
@@ -112,6 +123,11 @@ class Parallelized:
     sparse_optimizers: dict[str, Any]
     pipeline: Pipeline | None = None
     layout: dict[str, list[Placement]] = dataclasses.field(default_factory=dict)
+    net: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        if self.net is None:
+            self.net = self.model
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = ParallelPlan(),
@@ -167,4 +183,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = Paral
         else:  # a factory over named parameters (a plan's HostAdamW, PartialOffloadAdamW)
             mine = set(params)
             dense = plan.dense([(n, p) for n, p in model.named_parameters() if p in mine], **kwargs)
-    return Parallelized(model, dense, sparse, pipe, layout)
+    net = model
+    if plan.data_parallel is not None and pipe is None:  # (a pipeline's schedule syncs its stages' gradients)
+        own = set(dense.replica_averaged_parameters()) if isinstance(dense, AveragesReplicas) else set()
+        net = data_parallel(model, plan.data_parallel, host=own | set(plan.replica_host), group=dims.dp_group)
+    return Parallelized(model, dense, sparse, pipe, layout, net)

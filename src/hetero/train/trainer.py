@@ -27,8 +27,8 @@ from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel import (
-    DataParallelGroup, DistributedSparse, check_replicas, data_parallel, full_model_state, full_optimizer_state,
-    global_rank, global_shapes, load_full_optimizer_state, local_model_state,
+    DataParallelGroup, DistributedSparse, ParallelDims, ParallelPlan, check_replicas, full_model_state,
+    full_optimizer_state, global_rank, global_shapes, load_full_optimizer_state, local_model_state, parallelize,
 )
 from hetero.record import RECORD_KEY, check_record
 from hetero.parallel.pipeline import Pipeline
@@ -108,9 +108,9 @@ class Trainer:
         self.dp, self.ps_job = (ps_job.dp, ps_job) if ps_job is not None else (dp, None)
         check_replicas(model, self.dp)  # ranks must start from identical replicated tables (same seed)
         # (an optimizer that averages its parameters' gradients itself - HostAdamW - keeps them out of DDP)
-        own = set(dense_optimizer.replica_averaged_parameters()) if isinstance(dense_optimizer, AveragesReplicas) \
-            else set()
-        self.net = model if pipeline is not None else data_parallel(model, config.data_parallel, host=own, group=self.dp)
+        own = dense_optimizer.replica_averaged_parameters() if isinstance(dense_optimizer, AveragesReplicas) else ()
+        self.net = model if pipeline is not None else parallelize(model, ParallelDims.of_group(self.dp), ParallelPlan(
+            dense=None, data_parallel=config.data_parallel, replica_host=frozenset(own))).net  # its step 7: DDP
         # Tables on parameter servers (hetero.ps): the optimizers' steps become pushes.
         self.remote = ps.remote_tables(model)
         if self.remote and self.ps_job is None:
@@ -388,7 +388,8 @@ class Trainer:
             for batch in batches:
                 t0 = time.perf_counter()
                 steps_this_run += 1
-                measured = self.scalars is not None and self.scalars.sampled(steps_this_run, self.batch, cfg.warmup_steps)
+                measured = self.scalars is not None and self.scalars.sampled(steps_this_run, self.batch,
+                                                                             cfg.warmup_steps)
                 loss = self.scalars.traffic(self.global_step + 1, lambda: self._step(batch), self.net, self.dp.size) \
                     if measured else self._step(batch)
                 if steps_this_run > cfg.warmup_steps and not measured:  # steady state: no compilation, no counting
