@@ -97,8 +97,9 @@ def architecture() -> str:
         "",
         *order_text,
         "",
-        "Data-parallel wrapping comes last, in the trainer (DDP over the dims' data-parallel group; the host tables' "
-        "sparse-gradient exchange).",
+        "`hetero train` calls it for steps 1-6 and its trainer for step 7; `hetero.apply` for steps 1-4 (a per-stage "
+        "hook around a pipeline stage's host units), then partitions host units out and builds the optimizers "
+        "around them.",
         "",
         "## Packages, lowest first",
         "",
