@@ -83,9 +83,9 @@ class ParallelPlan:
             ``None``: none (the caller builds its own).
         dense_kwargs: the dense optimizer's hyper-parameters (``lr``, ...).
         data_parallel: with it, step 7 (``None``: the model is not wrapped).
-        replica_host: parameters whose gradients something else averages over the replicas
-            (HostAdamW's, ``AveragesReplicas``): DDP leaves them out, as it does those of a
-            dense optimizer built here that averages its own.
+        replica_host: parameters (and buffers) something else keeps equal over the replicas
+            (HostAdamW's, ``AveragesReplicas``; a partitioned model's host units): DDP leaves
+            them out, as it does those of a dense optimizer built here that averages its own.
     """
 
     sharding: ShardingPlan | None = None

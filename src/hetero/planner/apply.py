@@ -51,7 +51,6 @@ from hetero.placement.partitioner import partition
 from hetero.embedding import device_tables
 from hetero.parallel.data_parallel import (
     DataParallelConfig,
-    data_parallel,
     DistributedSparse,
     check_replicas,
     HostReplicaOptimizer,
@@ -215,8 +214,9 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
             defaults["foreach"] = False  # foreach takes one kind of tensor; tp mixes DTensor shards and plain ones
         optimizer = zero_optimizer([p for _, p in named], kind, zero, mesh, **defaults) if named else None
     if c.tp == 1 and c.state is not StateHome.HOST:  # DDP over what no host optimizer averages (none: all offloaded)
-        runnable = data_parallel(runnable, DataParallelConfig(dense_sharded=c.zero >= 2),
-                                 host=set(on_host) | set(host_buffers) | offloaded)
+        runnable = parallelize(runnable, ParallelDims.of_mesh(mesh, c.zero), ParallelPlan(  # (its step 7 alone)
+            dense=None, data_parallel=DataParallelConfig(dense_sharded=c.zero >= 2),
+            replica_host=frozenset(set(on_host) | set(host_buffers) | offloaded))).net
     # the replicas' buffers stay rank 0's (DDP's rule): the host units' always, the device's too
     # where no DDP runs (state on the host; replicate and FSDP2 keep none equal)
     ddp = c.tp == 1 and c.state is not StateHome.HOST and c.zero < 2
