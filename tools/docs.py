@@ -131,6 +131,8 @@ _HEADLINES = {
     "pp_memory": ["peak_rss_gib_largest_rank", "tables_gb", "wall_s"],
     "demo": ["test_auc", "samples_per_s"],
     "worker_threads": ["slowdown_plain_worker", "slowdown_host_worker"],
+    "disk_rate": ["direct_qd1_reads_per_s", "direct_qd32_reads_per_s", "buffered_qd32_reads_per_s",
+                  "sequential_write_bytes_per_s"],
 }
 
 
