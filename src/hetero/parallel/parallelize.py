@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -92,7 +92,7 @@ class ParallelPlan:
     sharding_dim: MeshDim | None = None
     recompute: RecomputeConfig = RecomputeConfig()
     zero: ZeroConfig = ZeroConfig()
-    zero_ignored: frozenset = frozenset()  # of nn.Parameter (tensors hash by identity)
+    zero_ignored: frozenset[torch.Tensor] = frozenset()  # (tensors hash by identity)
     zero_root: bool = True
     fusion: CommFusion = CommFusion()
     pipeline: PipelineConfig | None = None
@@ -102,7 +102,14 @@ class ParallelPlan:
     dense: type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer] | None = torch.optim.Adam
     dense_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     data_parallel: DataParallelConfig | None = None
-    replica_host: frozenset = frozenset()  # of nn.Parameter
+    replica_host: frozenset[torch.Tensor] = frozenset()
+
+
+class TableServers(Protocol):
+    """What step 5 needs of a parameter-server job (:class:`hetero.ps.PSJob`): to put a model's
+    table groups on its servers, before the optimizers are built."""
+
+    def shard_tables(self, model: nn.Module) -> int: ...
 
 
 @dataclasses.dataclass
@@ -131,7 +138,7 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = ParallelPlan(),
-                ps_job: Any = None) -> Parallelized:  # noqa: ANN401 - a hetero.ps.PSJob
+                ps_job: TableServers | None = None) -> Parallelized:
     """Apply ``plan`` over the built ``dims`` (:meth:`ParallelDims.build`) to ``model`` (changed
     in place), in the module docstring's order; ``ps_job`` (a :class:`hetero.ps.PSJob`) puts
     the tables on its servers (a server's optimizers hold its shard's state).
