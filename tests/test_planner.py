@@ -215,6 +215,11 @@ def test_the_main_job_refuses_a_plan_it_would_not_follow(cache):
             plan_changes(planner.price(Candidate(), units), job, MLP())
     job = plan_changes(planner.price(Candidate(state=StateHome.HOST, offload_ratio=1.0)), job, MLP())  # one it runs
     assert (job.parallelism.table_sharding, job.parallelism.zero) == (TableSharding.REPLICATED, 0)
+    # a key the job sets otherwise than the plan decides is refused, naming both values
+    from hetero.config.job import Parallelism
+
+    with pytest.raises(ValueError, match=re.escape("parallelism.zero = 2 contradicts the plan (0)")):
+        plan_changes(planner.price(Candidate()), JobConfig(parallelism=Parallelism(zero=2)), MLP())
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_works(cache):
@@ -470,34 +475,3 @@ def test_an_interrupted_collective_measurement_leaves_no_launcher_running(monkey
     assert run.poll() is not None  # the launcher was stopped and reaped
     with pytest.raises(ProcessLookupError):
         os.killpg(run.pid, 0)  # and its whole session (the ranks) is gone
-
-
-def test_the_enumeration_and_the_search_are_stages_a_caller_swaps(cache):
-    """TorchRec's planner shape: an enumerator offers the settings, a search fills each one's
-    units; a swapped stage is used as given, and the planner prices what it returns."""
-    from hetero.planner.search import brute_force
-    from hetero.planner.space import CostPart, grid
-
-    x, y = _batch()
-    offered, searched = [], []
-
-    def only_host_state(facts):
-        got = [c for c in grid(facts) if c.state is StateHome.HOST and c.micro_batches == 1]
-        offered.extend(got)
-        return got
-
-    def counting(cost, candidate, device, host):
-        searched.append(candidate)
-        return brute_force(cost, candidate, device, host)
-
-    planner = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache),
-                      enumerator=only_host_state, search=counting)
-    plan = planner.plan()
-    assert offered and planner.settings == offered  # (nothing pinned: every offered setting kept)
-    assert plan.candidate.state is StateHome.HOST and searched and set(searched) <= set(offered)
-    default = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
-    assert len(default.settings) > len(offered)  # the default grid offers the other state homes too
-    # the prediction's parts are typed, add up to the step, and survive the plan file
-    assert all(isinstance(k, CostPart) for k in plan.predicted.parts)
-    assert sum(plan.predicted.parts.values()) == pytest.approx(plan.predicted.seconds, rel=1e-6)
-    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).predicted == plan.predicted

@@ -167,11 +167,11 @@ def plan_changes(plan: Plan, job: JobConfig, model: nn.Module) -> JobConfig:
                              f"hetero plan (or --plan auto), or apply it with hetero.apply")
     p, default = job.parallelism, Parallelism()
     sharding = TableSharding.ROW if c.tables is TablePlacement.ROW_SHARDED else TableSharding.REPLICATED
-    for key, given, planned in (("table_sharding", p.table_sharding, sharding), ("zero", p.zero, c.zero)):
-        if given != getattr(default, key) and given != planned:
-            shown = getattr(given, "value", given)
-            wanted = getattr(planned, "value", planned)
-            raise ValueError(f"parallelism.{key} = {shown} contradicts the plan ({wanted}): drop it, or drop --plan")
+    # (key, the job's value, its default, the plan's), values as the job file writes them
+    for key, given, unset, planned in (("table_sharding", p.table_sharding.value, default.table_sharding.value,
+                                        sharding.value), ("zero", p.zero, default.zero, c.zero)):
+        if given != unset and given != planned:
+            raise ValueError(f"parallelism.{key} = {given} contradicts the plan ({planned}): drop it, or drop --plan")
     return dataclasses.replace(job, parallelism=dataclasses.replace(p, table_sharding=sharding, zero=c.zero))
 
 
