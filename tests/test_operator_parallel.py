@@ -466,3 +466,20 @@ def test_the_gpt_example_tensor_parallel_trains_as_one_process(tmp_path, cpu_ran
         torch.testing.assert_close(grads[k], want_grads[k], rtol=1e-5, atol=1e-5, msg=k)
     for k in want_state:
         torch.testing.assert_close(state[k], want_state[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_the_composition_root_refuses_a_table_no_sparse_optimizer_covers():
+    """A host table outside every part of the plan's sparse optimizers would never be updated."""
+    from torch import nn
+
+    from hetero import HostEmbedding, TableConfig
+    from hetero.optim import LazyAdam
+    from hetero.parallel import ParallelDims, ParallelPlan, parallelize
+
+    model = nn.ModuleDict({"deep": nn.ModuleDict({"a": HostEmbedding(TableConfig("a", 10, 4))}),
+                           "extra": nn.ModuleDict({"b": HostEmbedding(TableConfig("b", 10, 4))})})
+    plan = ParallelPlan(sparse={"deep": lambda tables: LazyAdam(list(tables.values()))}, dense=None)
+    with pytest.raises(ValueError, match=r"host tables \['extra.b'\] belong to no part"):
+        parallelize(model, ParallelDims(), plan)
+    made = parallelize(nn.ModuleDict({"deep": model["deep"]}), ParallelDims(), plan)
+    assert list(made.sparse_optimizers) == ["deep"]

@@ -147,7 +147,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = Paral
 
     Raises:
         ValueError: dims not built where a mesh is needed; a pipeline without its config or
-            loss; a row-sharded or parameter-server job with a model of no host tables; as
+            loss; a row-sharded or parameter-server job with a model of no host tables; a host
+            table no part of ``plan.sparse`` names (it would never be updated); as
             each step does (a name the model does not have, a bad strategy), before the later
             steps run.
     """
@@ -177,6 +178,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = Paral
     tables = host_tables(model)
     sparse = {part: make(own) for part, make in plan.sparse.items()
               if (own := {k: t for k, t in tables.items() if k.startswith(f"{part}.")})}
+    orphans = [k for k in tables if plan.sparse and not any(k.startswith(f"{part}.") for part in plan.sparse)]
+    if orphans:  # (they would train with no optimizer: never updated, silently)
+        raise ValueError(f"host tables {orphans[:3]} belong to no part of the plan's sparse optimizers "
+                         f"{sorted(plan.sparse)}: name their part, or leave plan.sparse empty and build them yourself")
     params = list(dense_parameters(model))
     dense = None
     if params and plan.dense is not None:
