@@ -9,6 +9,11 @@ import torch
 
 from hetero.data import Feature, FeatureRole, Jagged, TabularDataset
 
+# The CUDA runtime reads CUDA_VISIBLE_DEVICES once, when a process first asks for its devices. Ask
+# now: a test that hides the GPUs from the processes it spawns (cpu_ranks) must not hide them from
+# this one, whose later tests would then see CUDA "available" with no device to name.
+torch.cuda.device_count()
+
 GENRES = ["Action", "Comedy", "Drama", "Sci-Fi", "Children's"]
 
 
@@ -208,7 +213,7 @@ def run_ranks(tmp_path, n, fn, *args):
     """Run ``fn(*args)`` on ``n`` gloo ranks (spawned processes; ``fn`` importable at module
     level) and return rank 0's result: the N-ranks side of an "N ranks equal 1 process" test."""
     out = tmp_path / f"rank0_{fn.__name__}_{n}.pt"
-    spawn(_rank_main, args=(n, free_port(), fn, args, str(out)), nprocs=n)
+    spawn(_rank_main, args=(n, free_port(), fn, args, str(out)), nprocs=n, env=CPU_RANKS)
     return torch.load(out, map_location="cpu", weights_only=False)
 
 

@@ -6,6 +6,9 @@ thread starts it is what the case is about."""
 import subprocess
 import sys
 
+import pytest
+import torch
+
 CASE = """
 import threading, numpy as np, torch
 torch.set_num_threads(2)
@@ -35,9 +38,12 @@ POOL = "on_worker = host_worker('hetero-test').submit(work).result()"
 THREAD = "box = []; host_thread(lambda: box.append(work()), 'hetero-test').join(); on_worker = box[0]"
 
 
-def _run(before: str = "", run: str = POOL) -> str:
+def _run(before: str = "", run: str = POOL, cpu: bool = True) -> str:
+    """The case's line, in a fresh process whose device is the CPU (GPUs hidden; ``cpu``)."""
+    import os
+
     done = subprocess.run([sys.executable, "-c", CASE.format(before=before, run=run)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})})
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]
 
@@ -54,3 +60,12 @@ def test_a_host_worker_after_numba_started_on_the_caller():
 
 def test_a_host_thread_runs_one_thread_beside_a_cpu_device():
     assert _run(run=THREAD) == "1 [1, 1, 1] 2 [2] 2"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_host_worker_beside_a_gpu_takes_the_callers_count():
+    # beside an accelerator the calling thread's team does not hold the cores: the worker's takes torch's count
+    # (seen on an H100 machine, 2026-11-25)
+    assert _run(cpu=False) == "2 [2, 2, 2] 2 [2] 2"
+    assert _run(run=THREAD, cpu=False) == "2 [2, 2, 2] 2 [2] 2"

@@ -315,9 +315,15 @@ def test_host_subgraphs_on_the_worker_thread_run_under_the_callers_autocast():
     hm = partition(TwoBranch(), PlacementSpec().module("a", "host"), concurrent=True)
     hm.model.load_state_dict(ref.state_dict())
     assert any(s.target is Target.HOST for s in hm.subgraphs)
+    seen = []
+    host = next(s.name for s in hm.subgraphs if s.target is Target.HOST)  # branch a: x @ W + b, on the CPU
+    hm.split.get_submodule(host).register_forward_hook(lambda m, i, out: seen.append(out))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = hm(x)
-    assert_parity(got, want)  # the host branch's matmul in bf16 too (in fp32 its values differ)
+        want_a = ref.a(x)
+    assert torch.equal(seen[0], want_a)  # the host branch's matmul in bf16 on the worker, as on the caller
+    if not torch.cuda.is_available():  # (on a GPU the device branch runs outside any CUDA autocast)
+        assert_parity(got, want)  # in fp32 the host branch's values differ
 
 
 def test_the_documented_placement_example_runs_as_written(capsys):

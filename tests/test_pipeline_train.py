@@ -40,8 +40,8 @@ def _single(data, run_dir, *extra):
 
 
 def _assert_same_run(got, want, name):
-    a = torch.load(got / "checkpoint.pt", weights_only=False)
-    b = torch.load(want / "checkpoint.pt", weights_only=False)
+    a = torch.load(got / "checkpoint.pt", weights_only=False, map_location="cpu")  # (the one-process run: maybe a GPU's)
+    b = torch.load(want / "checkpoint.pt", weights_only=False, map_location="cpu")
     assert a["position"] == b["position"]
     assert a["model"].keys() == b["model"].keys()
     for k, v in b["model"].items():  # host tables and the MLP

@@ -83,12 +83,12 @@ class ShardedHostAdamW(HostAdamW):
                 sl.shard.copy_(sl.grad)
             return
         if len(slots) == 1:
-            dist.reduce_scatter_single(slots[0].shard, slots[0].grad, group=self._group)
+            dist.reduce_scatter_tensor(slots[0].shard, slots[0].grad, group=self._group)
             return
         packed = self._packed(bucket)
         for sl, part in zip(slots, self._columns(bucket, packed)):
             part.copy_(sl.grad.view(self._ranks, -1))  # rank r's chunk of every slot, together
-        dist.reduce_scatter_single(self._shards[bucket], packed.view(-1), group=self._group)
+        dist.reduce_scatter_tensor(self._shards[bucket], packed.view(-1), group=self._group)
 
     def _packed(self, bucket: int) -> Tensor:
         return self._fused[bucket].view(self._ranks, -1)
@@ -110,10 +110,10 @@ class ShardedHostAdamW(HostAdamW):
             for slot in slots:
                 slot.grad.copy_(slot.shard)
         elif len(self._buckets[bucket]) == 1:
-            dist.all_gather_single(slots[0].grad, slots[0].shard, group=self._group)
+            dist.all_gather_into_tensor(slots[0].grad, slots[0].shard, group=self._group)
         else:
             packed = self._packed(bucket)
-            dist.all_gather_single(packed.view(-1), self._shards[bucket], group=self._group)
+            dist.all_gather_into_tensor(packed.view(-1), self._shards[bucket], group=self._group)
             for sl, part in zip(self._buckets[bucket], self._columns(bucket, packed)):
                 if sl.arrived:
                     sl.grad.view(self._ranks, -1).copy_(part)
@@ -134,7 +134,7 @@ class ShardedHostAdamW(HostAdamW):
         if self._world == 1:
             return padded[:n].clone()
         out = torch.empty(c * self._ranks, dtype=shard.dtype)
-        dist.all_gather_single(out, padded, group=self._group)
+        dist.all_gather_into_tensor(out, padded, group=self._group)
         return out[:n]
 
     def master(self, param: Tensor) -> Tensor:

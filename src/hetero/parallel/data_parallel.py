@@ -255,7 +255,7 @@ class DistributedSparse:
         n = self.group.size
         group = self.group.host_group()  # host tensors: gloo even when NCCL is the default
         counts = torch.empty(n * len(grads), dtype=torch.int64)
-        dist.all_gather_single(counts, torch.tensor([g.ids.numel() for g in grads]), group=group)
+        dist.all_gather_into_tensor(counts, torch.tensor([g.ids.numel() for g in grads]), group=group)
         counts = counts.view(n, len(grads))
         longest = counts.max(0).values.tolist()
         width = [2 * c + c * g.rows.shape[1] for c, g in zip(longest, grads)]  # float32 words per group and rank
@@ -270,7 +270,7 @@ class DistributedSparse:
                 send[offset + 2 * c : offset + 2 * c + g.rows.numel()] = g.rows.reshape(-1)
                 offset += width[i]
             got = torch.empty(n * send.numel())
-            dist.all_gather_single(got, send, group=group)
+            dist.all_gather_into_tensor(got, send, group=group)
             got = got.view(n, -1)
             offset = 0
             for i in bucket:

@@ -221,7 +221,10 @@ class Pipeline:
             raise ValueError(f"{self.micro_batches} micro-batches do not divide the batch of {target.shape[0]}: choose a "
                              f"batch size that is a multiple of the micro-batches")
         losses: list[Tensor] = []
-        args = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.has_first else ()
+        # contiguous: a stage checks each micro-batch's strides against the first one's (torch 2.11
+        # refuses a slice such as tokens[:, :-1] whose chunks keep the parent's row stride)
+        args = tuple(a.contiguous() if isinstance(a, Tensor) else a
+                     for a in (inputs if isinstance(inputs, tuple) else (inputs,))) if self.has_first else ()
         kwargs = {**(kwargs if self.has_first else {}), **(dict(target=target, losses=losses) if self.has_last else {})}
         self.time.busy = 0.0
         t0 = time.perf_counter()
@@ -232,7 +235,7 @@ class Pipeline:
         # on the stages' device: NCCL gathers device tensors (host -> device, and back: a sync point)
         mine = torch.tensor([loss, self.time.busy, self.time.wall], dtype=torch.float64, device=self.device)
         every = torch.empty(dist.get_world_size(self.group) * 3, dtype=torch.float64, device=self.device)
-        dist.all_gather_single(every, mine, group=self.group)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
         every = every.view(-1, 3).cpu()  # rank-major
         wall = float(every[:, 2].max())
         self.bubble = 1.0 - float(every[:, 1].mean()) / wall if wall else 0.0

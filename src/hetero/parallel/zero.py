@@ -148,11 +148,19 @@ def apply_zero(model: nn.Module, config: ZeroConfig, mesh: DeviceMesh, fusion: C
     for unit in zero_units(model, config, fusion):
         modules = [model.get_submodule(name) for name in unit]
         if any(p not in left for m in modules for p in m.parameters()):  # (a unit of left-out parameters: none)
-            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh[MeshDim.DP.value],
+            fully_shard(_forwarding(modules), mesh=mesh[MeshDim.DP.value],
                         reshard_after_forward=config.stage is ZeroStage.PARAMETERS, ignored_params=left or None)
     if root:
         zero_root(model, config, mesh, ignored)
     return model
+
+
+def _forwarding(modules: list[nn.Module]) -> nn.Module | list[nn.Module]:
+    """What FSDP2 shards as one unit for ``modules``: a ``ModuleList`` or ``ModuleDict`` (even one
+    with a forward of its own) as its children, one group all the same; torch 2.11 refuses such
+    containers, whose forward a parent may never call."""
+    flat = [c for m in modules for c in (m.children() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) else (m,))]
+    return flat if len(flat) > 1 else flat[0]
 
 
 def zero_root(module: nn.Module, config: ZeroConfig, mesh: DeviceMesh, ignored: Iterable[nn.Parameter] = ()) -> None:

@@ -12,6 +12,7 @@ import enum
 import logging
 
 import torch
+from torch._subclasses import FakeTensor
 
 log = logging.getLogger("hetero")
 
@@ -95,6 +96,7 @@ def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """
     if tensor.device == device:
         return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned() and \
+            not isinstance(tensor, FakeTensor):  # (the planner's capture traces with fake tensors: no memory)
         tensor = tensor.pin_memory()  # copy 1: pageable -> pinned (cannot be avoided for pageable input)
     return tensor.to(device, non_blocking=True)  # copy 2: host -> device, async on CUDA

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from hetero.placement import copy_to
 from hetero.planner.plan import Plan
 
 if TYPE_CHECKING:
@@ -75,13 +76,15 @@ class Applied:
         if self.pipeline is not None:  # the schedule runs the micro-batches (its loss: apply's loss_fn)
             total = self.pipeline.step(inputs, target)  # sync point: the loss, over the pp group
         else:
+            device = _one_device(self.model)  # a model wholly on the device takes its batch there
             for i, (part_inputs, part_target) in enumerate(zip(split_batch(inputs, m), split_batch(target, m))):
                 # DDP reduces the gradients summed over the micro-batches once, in the last backward
                 # (torch's gradient-accumulation idiom; FSDP2 reduce-scatters each: ZeRO keeps shards)
                 quiet = self.model.no_sync() if isinstance(self.model, nn.parallel.DistributedDataParallel) and \
                     i < m - 1 else contextlib.nullcontext()
                 with quiet:
-                    loss = loss_fn(self.model(*part_inputs), part_target) / m
+                    out = self.model(*_moved(part_inputs, device))
+                    loss = loss_fn(out, _moved(part_target, out.device if isinstance(out, torch.Tensor) else device)) / m
                     loss.backward()
                 total += float(loss.detach())  # sync point: the reported loss
         for opt in optimizers:
@@ -121,3 +124,17 @@ def split_batch(tree: Any, parts: int) -> list[Any]:  # noqa: ANN401 - a pytree 
         else:
             pieces.append([t] * parts)
     return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
+
+
+def _one_device(model: nn.Module) -> torch.device | None:
+    """The device every parameter and buffer of ``model`` is on; ``None`` where they are on
+    several (a partitioned model moves each subgraph's inputs itself)."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _moved(tree: Any, device: torch.device | None) -> Any:  # noqa: ANN401 - a batch's tensors, any nesting
+    """``tree``'s tensors copied to ``device`` (host -> device, async on CUDA; none where they are there)."""
+    if device is None:
+        return tree
+    return pytree.tree_map_only(torch.Tensor, lambda t: copy_to(t, device), tree)

@@ -78,7 +78,7 @@ class PSJob:
         # The workers' data-parallel group is NCCL when they have accelerators (dense gradients on the
         # device), with a gloo twin for host tensors; servers need no accelerator (launch the job's
         # default group on gloo: parallel.init(DistConfig(backend="gloo")), as `hetero train` does).
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.device_count() > 0  # (not is_available(): it can say yes with the GPUs hidden from this process)
         dp = dist.new_group(workers, backend="nccl" if cuda else "gloo")
         dp_host = dist.new_group(workers, backend="gloo") if cuda else None
         # A server waits for requests as long as the job lives: the group's own timeout is long, the
