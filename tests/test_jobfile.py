@@ -92,7 +92,7 @@ def test_a_bad_config_names_where_and_the_fix_and_writes_nothing(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()[-1]
     want = {
         "separater": "[schema] categorical[1]: no key 'separater'; did you mean 'separator'? valid keys are",
-        "[trian]": ": no key 'trian'; did you mean 'train'? valid keys are ['data', 'schema', 'train', 'model', 'optimizer', "
+        "[trian]": ": no key 'trian'; did you mean 'train'? valid keys are ['data', 'schema', 'train', 'model', 'tables', 'optimizer', "
      "'training', 'checkpoint', 'parallelism', 'parameter_server', 'planner', 'logging']",
         "batch_sise": "[train]: no key 'batch_sise'; did you mean 'batch_size'? valid keys are",
         "zscore": "[schema] dense[0]: transform = 'zscore' does not exist; valid values are ['none', 'log1p', "

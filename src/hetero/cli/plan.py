@@ -25,7 +25,7 @@ from hetero import parallel
 from hetero.cli.data import job_data
 from hetero.data.stream import StreamBatches
 from hetero.data.tabular import BatchConfig, Batches, Feature, Rows
-from hetero.config.job import JobConfig, Parallelism, TableSharding
+from hetero.config.job import JobConfig, Parallelism, TableSharding, TableStorage
 from hetero.config.manager import locate
 from hetero.models.build import ModelKind, build_model
 from hetero.models.dlrm import DLRMConfig
@@ -36,6 +36,7 @@ from hetero.planner.optimizers import OptimizerConfig, device_optimizer
 from hetero.planner.plan import Plan
 from hetero.planner.space import OptimizerKind, TablePlacement
 from hetero.planner.planner import Planner, PlannerConfig
+from hetero.storage.config import SsdConfig
 
 log = logging.getLogger("hetero")
 
@@ -49,7 +50,12 @@ def job_model(job: JobConfig, features: tuple[Feature, ...], num_dense: int,
         config = DLRMConfig(embedding_dim=m.embedding_dim, bottom=m.bottom, top=m.hidden)
     else:
         config = WideDeepConfig(embedding_dim=m.embedding_dim, hidden=m.hidden, dropout=m.dropout)
-    return build_model(m.name, config, features, num_dense).to(device), config
+    t = job.tables
+    ssd = None
+    if t.storage is TableStorage.SSD:  # each rank's replica of the tables in a directory of its own
+        where = (t.ssd_path or job.checkpoint.run_dir / "ssd") / (f"rank{parallel.rank()}" if parallel.active() else "")
+        ssd = SsdConfig(where, cache_bytes=t.cache_mb << 20, policy=t.cache_policy)
+    return build_model(m.name, config, features, num_dense, ssd).to(device), config
 
 
 def planning_batches(job: JobConfig, rows: Rows) -> Batches:

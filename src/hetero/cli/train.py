@@ -20,7 +20,7 @@ from hetero import parallel, ps
 from hetero.cli.data import job_data
 from hetero.cli.errors import report_error
 from hetero.cli.plan import dense_optimizer, job_model, job_plan, plan_changes, planning_batches
-from hetero.config.job import JobConfig, Resume, TableSharding
+from hetero.config.job import JobConfig, Resume, TableSharding, TableStorage
 from hetero.config.manager import locate
 from hetero.config.toml import job_to_dict, job_to_toml
 from hetero.data import BatchConfig, Batches
@@ -153,6 +153,9 @@ def _log_tables(job: JobConfig, model: torch.nn.Module, data, device: torch.devi
     n_rows = sum(t.config.num_embeddings for t in tables.values())
     servers = job.parameter_server.servers
     where = f"on {servers} parameter servers" if servers else f"on this host ({job.parallelism.table_sharding.value})"
+    if job.tables.storage is TableStorage.SSD:
+        where = f"on the SSD tier in {job.tables.ssd_path or job.checkpoint.run_dir / 'ssd'} ({job.tables.cache_mb} MiB " \
+                f"row cache per table group)"
     log.info("hetero: %s training samples; %d host tables, %d rows, %.1f MB %s; MLP on %s",
              "streamed" if isinstance(data.train, StreamBatches) else len(data.train), len(tables), n_rows,
              sum(t.weight.numel() * t.weight.element_size() for t in tables.values()) / 1e6, where, device)

@@ -32,6 +32,7 @@ from hetero.models.build import ModelKind
 from hetero.optim import SparseOptimizerKind
 from hetero.parallel.pipeline_plan import Schedule
 from hetero.ps.config import PSMode
+from hetero.storage.cache import CachePolicy
 from hetero.train.config import CheckpointFormat
 
 
@@ -312,6 +313,28 @@ class Logging:
     """TensorBoard scalars under RUN_DIR/tensorboard."""
 
 
+class TableStorage(enum.Enum):
+    """Where the host tables' rows and optimizer state live (``hetero.placement.StorageTier``)."""
+
+    MEMORY = "memory"  # host DRAM
+    SSD = "ssd"  # a local disk under a DRAM row cache (hetero.storage)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Tables:
+    """``[tables]``: where the host tables live."""
+
+    storage: Annotated[TableStorage, alias("--table-storage")] = TableStorage.MEMORY
+    """Host memory, or the SSD tier: each row with its optimizer state in a file on a local disk, under a DRAM
+    row cache (one process, no prefetch yet)."""
+    ssd_path: Annotated[Path | None, alias("--ssd-path")] = None
+    """Directory of the SSD tier's row files (scratch of one run; default: RUN_DIR/ssd)."""
+    cache_mb: Annotated[int, alias("--cache-mb"), Bounds(low=1)] = 256
+    """DRAM budget of each table group's row cache, MiB (rows with their optimizer state)."""
+    cache_policy: Annotated[CachePolicy, alias("--cache-policy")] = CachePolicy.LFU
+    """The row cache's replacement: lfu (GCLOCK hit counts) or lru (CLOCK)."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class JobConfig:
     """hetero train (and hetero plan): a whole job, from its defaults < a job file (--config) < the command line.
@@ -323,6 +346,7 @@ class JobConfig:
     data: Data = dataclasses.field(default_factory=Data)
     schema: tyro.conf.Suppress[Schema | None] = None
     model: Model = dataclasses.field(default_factory=Model)
+    tables: Tables = dataclasses.field(default_factory=Tables)
     optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
     training: Training = dataclasses.field(default_factory=Training)
     checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)

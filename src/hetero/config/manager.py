@@ -16,7 +16,7 @@ from pathlib import Path
 
 import tyro
 
-from hetero.config.job import SECTIONS, JobConfig, TableSharding, keys
+from hetero.config.job import SECTIONS, JobConfig, TableSharding, TableStorage, keys
 from hetero.config.toml import read_job_file
 from hetero.data.fetch import fetch_public
 from hetero.models.build import ModelKind
@@ -98,7 +98,8 @@ def _set(job: JobConfig) -> dict[str, tuple[str, bool]]:
             "parallelism.table_sharding": ("--table-sharding row", p.table_sharding is TableSharding.ROW),
             "parameter_server.servers": ("--ps-servers", job.parameter_server.servers > 0),
             "training.prefetch": ("--prefetch", t.prefetch), "data.stream": ("--stream", job.data.stream),
-            "checkpoint.format": ("--checkpoint-format sharded", job.checkpoint.format is CheckpointFormat.SHARDED)}
+            "checkpoint.format": ("--checkpoint-format sharded", job.checkpoint.format is CheckpointFormat.SHARDED),
+            "tables.storage": ("--table-storage ssd", job.tables.storage is TableStorage.SSD)}
 
 
 # a key -> the keys the main job does not run beside it, and why
@@ -112,6 +113,9 @@ _APART = {
     "parameter_server.servers": (("parallelism.zero", "parallelism.table_sharding", "training.prefetch"),
                                  "a parameter server's workers train data-parallel with replicated dense parts"),
     "parallelism.table_sharding": (("training.prefetch",), "the prefetcher reads replicated tables only"),
+    "tables.storage": (("training.prefetch", "parallelism.pp", "parallelism.tp", "parallelism.table_sharding",
+                        "parameter_server.servers", "checkpoint.format"),
+                       "the SSD tier trains in one process, without prefetch, with integrated checkpoints (for now)"),
 }
 
 

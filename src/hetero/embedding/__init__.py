@@ -9,16 +9,14 @@ from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement, RowS
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import set_num_threads
 from hetero.embedding.prefetch import PrefetchConfig, Prefetcher
-from hetero.embedding.config import Pooling, TableConfig
+from hetero.embedding.config import INIT_CHUNK, Pooling, TableConfig, init_rows
 from hetero.embedding.table import (
-    INIT_CHUNK,
     DeviceEmbedding,
     HostEmbedding,
     defer_tables,
     dense_parameters,
     device_tables,
     host_tables,
-    init_rows,
     table_groups,
 )
 

@@ -48,7 +48,7 @@ class HostEmbeddingCollection(nn.Module):
         by_kind: dict[tuple, list[HostEmbedding]] = {}
         for t in self.tables.values():
             if isinstance(t, HostEmbedding):
-                by_kind.setdefault((t.config.embedding_dim, t.config.dtype), []).append(t)
+                by_kind.setdefault((t.config.embedding_dim, t.config.dtype, t.config.storage, t.config.ssd), []).append(t)
         self.groups = [TableGroup(ts) for ts in by_kind.values()]
         self._prepared.clear()  # plans of the old groups
 

@@ -6,6 +6,12 @@ import dataclasses
 import enum
 
 import torch
+from torch import Tensor
+
+from hetero.placement.target import StorageTier
+from hetero.storage.config import SsdConfig
+
+INIT_CHUNK = 4096  # rows per independently seeded block of the initialisation
 
 
 class Pooling(enum.Enum):
@@ -31,6 +37,11 @@ class TableConfig:
         init_std: rows are initialised from ``N(0, init_std**2)``; 0 gives a zero table.
         dtype: storage dtype of the table: ``torch.float32`` (default), ``torch.bfloat16`` or
             ``torch.float16``. Optimizer state is fp32 and updates are computed in fp32.
+        storage: where the rows and their optimizer state live: ``StorageTier.HOST_DRAM``
+            (default) or ``StorageTier.SSD`` (a file on a local disk under a DRAM row cache, each
+            row beside its sparse-optimizer state: :mod:`hetero.storage`).
+        ssd: the SSD tier's directory, cache budget and policy (with ``StorageTier.SSD`` only;
+            tables of one group share the group's file and cache: give them one ``SsdConfig``).
     """
 
     name: str
@@ -41,6 +52,8 @@ class TableConfig:
     hashed: bool = False
     init_std: float = 0.01
     dtype: torch.dtype = torch.float32
+    storage: StorageTier = StorageTier.HOST_DRAM
+    ssd: SsdConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_embeddings <= 0 or self.embedding_dim <= 0:
@@ -50,9 +63,36 @@ class TableConfig:
             )
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"table {self.name!r}: dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.storage not in (StorageTier.HOST_DRAM, StorageTier.SSD):
+            raise ValueError(f"table {self.name!r}: storage must be StorageTier.HOST_DRAM or StorageTier.SSD, got "
+                             f"{self.storage}")
+        if (self.storage is StorageTier.SSD) != (self.ssd is not None):
+            raise ValueError(f"table {self.name!r}: a table on StorageTier.SSD takes an SsdConfig (ssd=), and only such "
+                             f"a table does; got storage {self.storage.value} and ssd={self.ssd}")
         if self.num_embeddings >= 1 << 32:
             raise ValueError(f"table {self.name!r}: at most 2**32 - 1 rows per table, got {self.num_embeddings}")
 
     @property
     def feature_name(self) -> str:
         return self.feature or self.name
+
+
+def init_rows(config: TableConfig, seed: int, lo: int, hi: int) -> Tensor:
+    """Initial values of rows ``[lo, hi)`` of a table, ``(hi - lo, D)`` in ``config.dtype``.
+
+    ``N(0, init_std**2)`` (zeros if ``init_std == 0``), drawn in fp32 per block of
+    :data:`INIT_CHUNK` rows from a generator seeded by ``(seed, block)``, so a row's value does
+    not depend on which process builds it or how the rows are split.
+    """
+    out = torch.empty(hi - lo, config.embedding_dim)
+    if config.init_std <= 0:
+        return out.zero_().to(config.dtype)
+    g = torch.Generator()
+    for block in range(lo // INIT_CHUNK, -(-hi // INIT_CHUNK)):
+        a = block * INIT_CHUNK
+        b = min(a + INIT_CHUNK, config.num_embeddings)
+        g.manual_seed((seed + block * 0x9E3779B97F4A7C15) % (1 << 63))
+        rows = torch.empty(b - a, config.embedding_dim).normal_(0.0, config.init_std, generator=g)
+        s, e = max(a, lo), min(b, hi)
+        out[s - lo : e - lo] = rows[s - a : e - a]
+    return out.to(config.dtype)

@@ -31,7 +31,9 @@ from hetero.embedding.exchange import LocalRows, RowExchange
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import kernels
 from hetero.embedding.plan import LookupPlan, Request, build_plan
-from hetero.placement import copy_to, host_empty
+from hetero.embedding.config import init_rows
+from hetero.placement import StorageTier, copy_to, host_empty
+from hetero.storage.tier import SsdRows
 
 
 class GroupedTable(Protocol):
@@ -40,6 +42,7 @@ class GroupedTable(Protocol):
 
     config: TableConfig
     weight: torch.nn.Parameter
+    init_seed: int  # seeds its initial rows (init_rows)
     group_row: int
     group: Any  # the TableGroup itself (set here)
 
@@ -74,6 +77,10 @@ class TableGroup:
             t.group = self
             start += v
         self.storage = storage
+        # the SSD tier: the rows' settings, and the rows once laid out (ssd_rows)
+        self.ssd_config = tables[0].config.ssd if tables[0].config.storage is StorageTier.SSD else None
+        assert all(t.config.ssd == self.ssd_config for t in tables), "a group's tables share one SSD tier"
+        self.ssd: SsdRows | None = None
         # dedup scratch: 8 bytes per row; None for a row-sharded group (``torch.unique`` instead:
         # a marker over the global row space on every rank would not shrink with more ranks)
         self.marker: np.ndarray | None = None if deferred else np.zeros(total, np.int64)
@@ -89,6 +96,36 @@ class TableGroup:
     @property
     def num_rows(self) -> int:
         return self.storage.shape[0]
+
+    # ------------------------------------------------------------------------------ SSD tier
+    def ssd_rows(self, state: dict[str, tuple[bool, float]] | None = None) -> SsdRows:
+        """The group's rows on the SSD tier, laid out with ``state`` (name -> (one value per row,
+        initial value): the sparse optimizer's) or, when ``None``, as they are (the row alone if
+        not yet laid out). The first call writes the initial rows (each table's seeded values)."""
+        assert self.ssd_config is not None, "not a group on the SSD tier"
+        if self.ssd is None:
+            name = "-".join(t.config.name for t in self.tables)
+            self.ssd = SsdRows(name, self.num_rows, self.dim, self.dtype, self.ssd_config, self._initial_rows, state or {})
+        elif state is not None:
+            self.ssd = SsdRows.for_state(self.ssd, state)
+        return self.ssd
+
+    def _initial_rows(self, lo: int, hi: int) -> Tensor:
+        """Group rows ``[lo, hi)`` as the tables' seeds make them (:func:`init_rows`)."""
+        out = torch.empty(hi - lo, self.dim, dtype=self.dtype)
+        for t in self.tables:
+            a, b = max(lo, t.group_row), min(hi, t.group_row + t.config.num_embeddings)
+            if a < b:
+                out[a - lo : b - lo] = init_rows(t.config, t.init_seed, a - t.group_row, b - t.group_row)
+        return out
+
+    def ssd_read(self, lo: int, n: int) -> dict[str, Tensor]:
+        """Every field (``weight``, then the optimizer's state) of group rows ``[lo, lo + n)``, copies."""
+        return self.ssd_rows().read(lo, lo + n)
+
+    def ssd_assign(self, name: str, lo: int, values: Tensor) -> None:
+        """Set field ``name`` of group rows ``[lo, lo + len(values))`` (a loaded checkpoint)."""
+        self.ssd_rows().assign(name, lo, values)
 
     def plan(self, requests: list[Request], dedup: bool = True) -> LookupPlan:
         """:func:`~hetero.embedding.plan.build_plan` for this group (reads no table rows)."""
@@ -139,7 +176,12 @@ class TableGroup:
         # Record the version before reading: an update racing with this gather is then seen as
         # newer than the gather and its rows are refreshed before use (conservative).
         plan.version = self.version
-        torch.index_select(self.storage, 0, plan.unique, out=out)
+        if self.ssd_config is not None:  # the rows into the cache (misses read from disk), then out of it
+            cache = self.ssd_rows().cache
+            slots = torch.from_numpy(cache.acquire(plan.unique.numpy()))
+            torch.index_select(cache.fields["weight"], 0, slots, out=out)
+        else:
+            torch.index_select(self.storage, 0, plan.unique, out=out)
         plan.rows = out
         return out
 
@@ -183,7 +225,7 @@ class TableGroup:
             # The backward of _HostPool hands the gradient (per id; the optimizer coalesces it as
             # it updates) to this group itself; the zero-size sink only puts the op on the tape.
             sink = torch.empty(0, requires_grad=torch.is_grad_enabled())
-            if self.dtype == torch.float32 and plan.rows is None:
+            if self.dtype == torch.float32 and plan.rows is None and self.ssd_config is None:
                 # The device is the host: pool straight from the table rows (read at this moment,
                 # so always fresh); there is nothing to transfer, hence no staging copy.
                 rows, index = self.storage, plan.index

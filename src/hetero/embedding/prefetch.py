@@ -66,6 +66,9 @@ class Prefetcher:
                 if g.exchange.placement is not RowPlacement.LOCAL:
                     raise ValueError(f"tables {[t.name for t in g.tables]} are {g.exchange.placement.value}: their lookup "
                                      f"talks to other ranks and cannot be prefetched; prefetch replicated tables only")
+                if g.ssd_config is not None:  # (the row cache serves one thread; the overlapped read is #37's next step)
+                    raise ValueError(f"tables {[t.name for t in g.tables]} are on the SSD tier, which is not prefetched "
+                                     f"yet: train them without prefetch")
                 g.track_row_versions()
         self.batches = batches
         self.refreshed_rows = 0  # rows re-gathered because an update overtook their prefetch

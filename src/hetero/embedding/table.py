@@ -24,14 +24,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from hetero.embedding.config import Pooling, TableConfig
+from hetero.embedding.config import INIT_CHUNK, Pooling, TableConfig, init_rows
 from hetero.embedding.grad import SparseGrad
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import Request
-from hetero.placement import Target, host_empty
+from hetero.placement import StorageTier, Target, host_empty
 
 
-INIT_CHUNK = 4096  # rows per independently seeded block of the initialisation
 _DEFERRED = [False]
 
 
@@ -41,27 +40,6 @@ def defer_tables(deferred: bool = True) -> None:
     build the rows they own). Draws from the global RNG are unchanged, so the rest of the model
     initialises as in a plain process."""
     _DEFERRED[0] = deferred
-
-
-def init_rows(config: TableConfig, seed: int, lo: int, hi: int) -> Tensor:
-    """Initial values of rows ``[lo, hi)`` of a table, ``(hi - lo, D)`` in ``config.dtype``.
-
-    ``N(0, init_std**2)`` (zeros if ``init_std == 0``), drawn in fp32 per block of
-    :data:`INIT_CHUNK` rows from a generator seeded by ``(seed, block)``, so a row's value does
-    not depend on which process builds it or how the rows are split.
-    """
-    out = torch.empty(hi - lo, config.embedding_dim)
-    if config.init_std <= 0:
-        return out.zero_().to(config.dtype)
-    g = torch.Generator()
-    for block in range(lo // INIT_CHUNK, -(-hi // INIT_CHUNK)):
-        a = block * INIT_CHUNK
-        b = min(a + INIT_CHUNK, config.num_embeddings)
-        g.manual_seed((seed + block * 0x9E3779B97F4A7C15) % (1 << 63))
-        rows = torch.empty(b - a, config.embedding_dim).normal_(0.0, config.init_std, generator=g)
-        s, e = max(a, lo), min(b, hi)
-        out[s - lo : e - lo] = rows[s - a : e - a]
-    return out.to(config.dtype)
 
 
 class HostEmbedding(nn.Module):
@@ -103,8 +81,9 @@ class HostEmbedding(nn.Module):
         # the global random stream advances the same whether or not the rows are built here.
         self.init_seed = int(torch.randint(0, 1 << 62, (1,)))
         shape = (config.num_embeddings, config.embedding_dim)
-        if _DEFERRED[0]:
-            weight = torch.empty(shape, dtype=config.dtype, device="meta")  # no memory: the rows live elsewhere
+        if _DEFERRED[0] or config.storage is StorageTier.SSD:
+            # no memory: the rows live on parameter servers, or on the SSD tier (the group lays them out)
+            weight = torch.empty(shape, dtype=config.dtype, device="meta")
         else:
             weight = host_empty(shape, config.dtype)
             for lo in range(0, config.num_embeddings, INIT_CHUNK):
@@ -119,6 +98,26 @@ class HostEmbedding(nn.Module):
     @property
     def name(self) -> str:
         return self.config.name
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.config.storage is StorageTier.SSD:  # the rows, not the meta placeholder (read whole: tables that fit)
+            destination[prefix + "weight"] = self.group.ssd_read(self.group_row, self.config.num_embeddings)["weight"]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):  # noqa: ANN001 - nn.Module's signature
+        key = prefix + "weight"
+        if self.config.storage is not StorageTier.SSD or key not in state_dict:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        rows = state_dict[key]
+        shape = (self.config.num_embeddings, self.config.embedding_dim)
+        if tuple(rows.shape) != shape:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(rows.shape)}, the table "
+                              f"{self.name!r} has {shape}")
+            return None
+        self.group.ssd_assign("weight", self.group_row, rows)
+        return None
 
     @property
     def output_device(self) -> torch.device:
@@ -194,6 +193,26 @@ class DeviceEmbedding(nn.Module):
     @property
     def name(self) -> str:
         return self.config.name
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.config.storage is StorageTier.SSD:  # the rows, not the meta placeholder (read whole: tables that fit)
+            destination[prefix + "weight"] = self.group.ssd_read(self.group_row, self.config.num_embeddings)["weight"]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):  # noqa: ANN001 - nn.Module's signature
+        key = prefix + "weight"
+        if self.config.storage is not StorageTier.SSD or key not in state_dict:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        rows = state_dict[key]
+        shape = (self.config.num_embeddings, self.config.embedding_dim)
+        if tuple(rows.shape) != shape:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(rows.shape)}, the table "
+                              f"{self.name!r} has {shape}")
+            return None
+        self.group.ssd_assign("weight", self.group_row, rows)
+        return None
 
     def extra_repr(self) -> str:
         c = self.config

@@ -12,6 +12,7 @@ from torch import nn
 from hetero.data.tabular import Feature, FeatureRole
 from hetero.models.dlrm import DLRM, DLRMConfig
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
+from hetero.storage.config import SsdConfig
 
 
 class ModelKind(enum.Enum):
@@ -32,11 +33,11 @@ def feature_slots(features: Sequence[Feature]) -> list[FeatureSlot]:
 
 
 def build_model(kind: ModelKind, config: WideDeepConfig | DLRMConfig, features: Sequence[Feature],
-                num_dense: int) -> nn.Module:
-    """The model ``kind`` over ``features`` (host tables on the host, the MLP on the CPU: the
-    caller moves it)."""
+                num_dense: int, ssd: SsdConfig | None = None) -> nn.Module:
+    """The model ``kind`` over ``features`` (host tables on the host, or on the SSD tier ``ssd``;
+    the MLP on the CPU: the caller moves it)."""
     cls = DLRM if kind is ModelKind.DLRM else WideDeep
-    return cls(feature_slots(features), num_dense, config)
+    return cls(feature_slots(features), num_dense, config, ssd)
 
 
 def model_config(kind: ModelKind, fields: Mapping[str, Any]) -> WideDeepConfig | DLRMConfig:

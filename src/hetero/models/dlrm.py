@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from hetero.embedding import HostEmbeddingCollection, Pooling, TableConfig
-from hetero.models.wide_deep import FeatureSlot, Layers
+from hetero.models.wide_deep import FeatureSlot, Layers, table_tier
+from hetero.storage.config import SsdConfig
 from hetero.placement import copy_to
 
 
@@ -59,6 +60,7 @@ class DLRM(nn.Module):
         features: the sparse features (every one gets a table; Wide & Deep's roles do not apply).
         num_dense: dense features ``K`` (0: no bottom MLP; the interaction is over the embeddings).
         config: the :class:`DLRMConfig`.
+        ssd: put every table on the SSD tier with these settings (``None``: host memory).
 
     Forward: ``features`` maps name -> int64 ``(B,)`` ids or ``(ids, offsets)`` bags (host);
     ``dense`` float32 ``(B, K)`` (host or device). Returns float32 logits ``(B,)`` on the MLPs'
@@ -68,14 +70,15 @@ class DLRM(nn.Module):
         ValueError: no features and no dense inputs.
     """
 
-    def __init__(self, features: Sequence[FeatureSlot], num_dense: int, config: DLRMConfig = DLRMConfig()) -> None:
+    def __init__(self, features: Sequence[FeatureSlot], num_dense: int, config: DLRMConfig = DLRMConfig(),
+                 ssd: SsdConfig | None = None) -> None:
         super().__init__()
         if not features and not num_dense:
             raise ValueError("DLRM needs sparse or dense features")
         self.config, d = config, config.embedding_dim
         self.deep = HostEmbeddingCollection([
             TableConfig(f"deep_{f.name}", f.vocab_size, d, feature=f.name,
-                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std)
+                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std, **table_tier(ssd))
             for f in features])
         self.bottom = _mlp([num_dense, *config.bottom, d], last_relu=True) if num_dense else None
         n = len(features) + (1 if num_dense else 0)

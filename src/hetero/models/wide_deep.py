@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from hetero.embedding import HostEmbeddingCollection, Pooling, TableConfig
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.parallel.pipeline_plan import balanced_cuts
-from hetero.placement import copy_to
+from hetero.placement import StorageTier, copy_to
+from hetero.storage.config import SsdConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,11 @@ class Layers(nn.ModuleDict):
         return x
 
 
+def table_tier(ssd: SsdConfig | None) -> dict:
+    """The :class:`TableConfig` keywords of a table on the SSD tier ``ssd`` (``None``: in memory)."""
+    return {} if ssd is None else {"storage": StorageTier.SSD, "ssd": ssd}
+
+
 class WideDeep(nn.Module):
     """Wide & Deep over host tables.
 
@@ -65,6 +71,7 @@ class WideDeep(nn.Module):
         features: the sparse features; each gets a wide table ``wide_<name>`` (dim 1) if ``wide``
             and a deep table ``deep_<name>`` (dim ``embedding_dim``) if ``deep``.
         num_dense: number of dense features ``K``.
+        ssd: put every table on the SSD tier with these settings (``None``: host memory).
 
     Forward: ``features`` maps name -> int64 ``(B,)`` ids or ``(ids, offsets)`` bags (host);
     ``dense`` is float32 ``(B, K)`` (host or device). Returns float32 logits ``(B,)`` on the device
@@ -76,17 +83,18 @@ class WideDeep(nn.Module):
         ValueError: (forward) a pipeline stage holding one table collection without the other.
     """
 
-    def __init__(self, features: Sequence[FeatureSlot], num_dense: int, config: WideDeepConfig = WideDeepConfig()) -> None:
+    def __init__(self, features: Sequence[FeatureSlot], num_dense: int, config: WideDeepConfig = WideDeepConfig(),
+                 ssd: SsdConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.wide = HostEmbeddingCollection([
             TableConfig(f"wide_{f.name}", f.vocab_size, 1, feature=f.name,
-                        pooling=Pooling.SUM if f.multi_hot else Pooling.NONE, init_std=0.0)
+                        pooling=Pooling.SUM if f.multi_hot else Pooling.NONE, init_std=0.0, **table_tier(ssd))
             for f in features if f.wide
         ])
         deep = [
             TableConfig(f"deep_{f.name}", f.vocab_size, config.embedding_dim, feature=f.name,
-                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std)
+                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std, **table_tier(ssd))
             for f in features if f.deep
         ]
         self.deep = HostEmbeddingCollection(deep)

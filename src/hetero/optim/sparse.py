@@ -145,7 +145,10 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         self.group_state: dict[TableGroup, dict[str, Tensor]] = {
             g: {s: self._initial_state(s, g) for s in self.state_names} for g in self.groups
         }
-        for name, views in self.table_state.items():
+        for g in self.groups:
+            if g.ssd_config is not None:  # each row's record: the row, then this optimizer's state
+                g.ssd_rows({s: (self.rowwise_state, self._state_initial(s)) for s in self.state_names})
+        for name, views in self._state_views().items():
             self.state[self.tables[name].weight] = views
 
     @property
@@ -158,24 +161,37 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             raise ValueError(f"{type(self).__name__}: learning rate must be a finite number >= 0, got {lr!r}")
 
+    def _state_initial(self, name: str) -> float:
+        """The value every row of state ``name`` starts from."""
+        return 0.0
+
     def _initial_state(self, name: str, group: TableGroup) -> Tensor:
         shape = (group.num_rows,) if self.rowwise_state else (group.num_rows, group.dim)
-        if group.storage.is_meta:  # the rows live on parameter servers, and so does their state
+        if group.storage.is_meta:  # the rows live on parameter servers or the SSD tier, and so does their state
             return torch.empty(shape, device="meta")
-        return host_empty(shape, torch.float32).zero_()
+        return host_empty(shape, torch.float32).fill_(self._state_initial(name))
 
     @property
     def steps(self) -> dict[str, int]:
         """Steps applied per table (tables of one group share the count; LazyAdam's ``t``)."""
         return {name: self._group_steps[t.group] for name, t in self.tables.items()}
 
-    @property
-    def table_state(self) -> dict[str, dict[str, Tensor]]:
-        """Per-table views of the state: ``{table name: {state name: (V, D) or (V,) tensor}}``."""
+    def _state_views(self) -> dict[str, dict[str, Tensor]]:
         out = {}
         for name, t in self.tables.items():
             a = t.group_row
             out[name] = {s: x[a : a + t.weight.shape[0]] for s, x in self.group_state[t.group].items()}
+        return out
+
+    @property
+    def table_state(self) -> dict[str, dict[str, Tensor]]:
+        """Per-table views of the state: ``{table name: {state name: (V, D) or (V,) tensor}}``;
+        for a table on the SSD tier, copies read from it (every row: tables that fit in memory)."""
+        out = self._state_views()
+        for name, t in self.tables.items():
+            if t.group.ssd_config is not None:
+                read = t.group.ssd_read(t.group_row, t.config.num_embeddings)
+                out[name] = {s: read[s] for s in self.state_names}
         return out
 
     def count_step(self, group: TableGroup) -> None:
@@ -206,12 +222,15 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
             ids = grad.ids.numpy()
             K = kernels()
             src, _, offsets, scale = grad.per_id if grad.per_id is not None else (None,) * 4
-            if grad.is_coalesced or offsets.numel():
-                # pooled bags: coalesce first (the chains run over ids, the gradient is per bag)
+            if grad.is_coalesced or offsets.numel() or not grad.chain[0].numel():
+                # pooled bags, or no occurrence chains (torch.unique deduped: row-sharded, SSD tier): coalesce first
                 g = (grad.rows.contiguous().numpy(), _NO_ROWS, _NO_IDX, _NO_IDX, _NO_SCALE, K.num_threads())
             else:  # per-id gradient: the kernel sums each row's occurrences as it updates the row
                 first, nxt = (t.numpy() for t in grad.chain)
                 g = (_NO_ROWS, src.numpy(), first, nxt, scale.numpy(), K.num_threads())
+            if group.ssd_config is not None:
+                self._step_cached(group, grad.ids, g, step)
+                continue
             state = [x.numpy() for x in self.group_state[group].values()]
             if group.dtype == torch.float32:
                 self._update(group.storage.numpy(), ids, state, ids, g, step)
@@ -220,6 +239,23 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
                 self._update(rows.numpy(), np.arange(len(ids)), state, ids, g, step)
                 group.storage.index_copy_(0, grad.ids, rows.to(group.dtype))
             group.note_update(grad.ids)
+
+    def _step_cached(self, group: TableGroup, ids: Tensor, grad: tuple, step: int) -> None:
+        """The update of rows ``ids`` of a group on the SSD tier, in its row cache: the same
+        kernel on the rows' cache slots (resident again if a later lookup gave them up: the
+        file holds their written-back records), which become dirty."""
+        cache = group.ssd_rows().cache
+        slots = cache.acquire(ids.numpy(), used=False)
+        w, state = cache.fields["weight"], [cache.fields[s].numpy() for s in self.state_names]
+        if group.dtype == torch.float32:
+            self._update(w.numpy(), slots, state, slots, grad, step)
+        else:  # low-precision rows: updated in fp32, written back rounded (as in memory)
+            at = torch.from_numpy(slots)
+            rows = w.index_select(0, at).float()
+            self._update(rows.numpy(), np.arange(len(slots)), state, slots, grad, step)
+            w.index_copy_(0, at, rows.to(group.dtype))
+        cache.mark_dirty(slots)
+        group.note_update(ids)
 
     @abc.abstractmethod
     def _update(self, w: np.ndarray, widx: np.ndarray, state: list[np.ndarray], ids: np.ndarray, grad: tuple, step: int) -> None:
@@ -274,7 +310,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         saved, ours = set(state_dict["state"]), set(self.tables)
         if saved != ours:
             raise ValueError(f"{kind} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
-        views = self.table_state
+        views = self._state_views()
         for name, tensors in state_dict["state"].items():
             for s, t in tensors.items():
                 mine = views[name][s]
@@ -283,7 +319,13 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
                         f"{kind} state {s!r} of table {name!r} has shape {tuple(t.shape)} in the checkpoint "
                         f"and {tuple(mine.shape)} here"
                     )
-                mine.copy_(t)
+        for name, tensors in state_dict["state"].items():
+            table = self.tables[name]
+            for s, t in tensors.items():
+                if table.group.ssd_config is not None:
+                    table.group.ssd_assign(s, table.group_row, t)
+                else:
+                    views[name][s].copy_(t)
         self._load_counts(state_dict)
 
     def _load_counts(self, state_dict: Mapping[str, Any]) -> None:
@@ -309,9 +351,8 @@ class FTRL(SparseOptimizer):
     Config = FTRLConfig
     state_names = ("accumulator", "linear")  # n and z in McMahan et al.
 
-    def _initial_state(self, name, group):
-        x = super()._initial_state(name, group)
-        return x.fill_(self.config.initial_accumulator) if name == "accumulator" else x
+    def _state_initial(self, name):
+        return self.config.initial_accumulator if name == "accumulator" else 0.0
 
     def _update(self, w, widx, state, ids, grad, step):
         c = self.hyper
@@ -322,8 +363,8 @@ class Adagrad(SparseOptimizer):
     Config = AdagradConfig
     state_names = ("sum",)
 
-    def _initial_state(self, name, group):
-        return super()._initial_state(name, group).fill_(self.config.initial_accumulator)
+    def _state_initial(self, name):
+        return self.config.initial_accumulator
 
     def _update(self, w, widx, state, ids, grad, step):
         kernels().adagrad(w, widx, *state, ids, *grad, f32(self.hyper["lr"]), f32(self.hyper["eps"]))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hetero.embedding import RowPlacement, RowSpace, SparseGrad, host_tables
+from hetero.embedding import HostEmbedding, RowPlacement, RowSpace, SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
 from hetero.parallel.comm_fusion import CommFusion, IndexFusedAllReduce, by_size
 from hetero.parallel.env import DataParallelGroup, host_group
@@ -189,7 +189,7 @@ def check_replicas(model: nn.Module, group: DataParallelGroup = DataParallelGrou
         return
     tables = host_tables(model)
     names = [name for name, t in tables.items() if t.group.exchange.placement is RowPlacement.LOCAL]
-    local = torch.tensor([_table_crc(tables[name].weight.detach()) for name in names], dtype=torch.int64)
+    local = torch.tensor([_table_crc(tables[name]) for name in names], dtype=torch.int64)
     both = torch.cat([local, -local])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group.host_group())  # max == min on every rank iff all equal
     for name, hi, neg_lo in zip(names, both[: len(names)].tolist(), both[len(names) :].tolist()):
@@ -197,11 +197,14 @@ def check_replicas(model: nn.Module, group: DataParallelGroup = DataParallelGrou
             raise ValueError(f"host table {name!r} differs between ranks; build the model with the same seed on every rank")
 
 
-def _table_crc(weight: torch.Tensor, rows_per_block: int = 1 << 16) -> int:
-    """CRC-32 of a host table's bytes, fed block by block from views of the table (no copy)."""
-    crc = 0
-    for lo in range(0, weight.shape[0], rows_per_block):
-        block = weight[lo : lo + rows_per_block]
+def _table_crc(table: HostEmbedding, rows_per_block: int = 1 << 16) -> int:
+    """CRC-32 of a host table's rows, fed block by block from views of the table (no copy), or
+    read block by block from the SSD tier."""
+    crc, rows = 0, table.config.num_embeddings
+    for lo in range(0, rows, rows_per_block):
+        n = min(rows_per_block, rows - lo)
+        block = table.group.ssd_read(table.group_row + lo, n)["weight"] if table.group.ssd_config is not None \
+            else table.weight.detach()[lo : lo + n]
         if block.dtype in (torch.bfloat16, torch.float16):
             block = block.view(torch.int16)  # numpy has no bf16: the same bytes as int16
         crc = zlib.crc32(memoryview(block.numpy()).cast("B"), crc)

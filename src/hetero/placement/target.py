@@ -48,6 +48,7 @@ class StorageTier(enum.Enum):
     HOST_DRAM = "host_dram"  # pageable host memory: where embedding tables and their states live
     HOST_PINNED = "host_pinned"  # page-locked host memory: staging buffers for async copies
     DEVICE_MEMORY = "device_memory"  # accelerator memory (HBM)
+    SSD = "ssd"  # a local disk under a DRAM row cache (hetero.storage): tables larger than host memory
 
 
 _announced: set[str] = set()

@@ -1,0 +1,160 @@
+"""The SSD tier against host memory (issue #37): the embedding step of a Criteo-shaped job - 26
+tables of ``--rows`` rows x ``--dim`` fp32 trained by row-wise Adagrad, batches of 4096 samples -
+with the tables in memory, and on the SSD tier under a row cache of ``--cache`` of the rows, on
+Zipf(1.05) ids and on uniform ids; the cache's two policies on the skewed ids; and the disk's own
+4 KiB random-read rate at queue depth 1 and 32 (``disk_rate.py``'s plain read loop), beside the
+tier's miss reads per second.
+
+Each case runs in a fresh process (its peak resident memory, ``ru_maxrss``, is its own); the tier
+is timed once its cache is full (it has given up rows), after the warm-up steps. The step
+is forward + backward (a fixed upstream gradient) + the optimizer step: the part of a training
+step the tier changes. What the page cache holds is reported beside the rates: a row file smaller
+than free memory is served from it after its first pass (the tier then measures its own cost, not
+the disk's); the disk-bound case is a file larger than memory (``--rows`` large enough).
+
+    python benchmarks/ssd_tier.py --rows 1000000 --dir /path/on/the/disk
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit  # noqa: E402
+
+B, F = 4096, 26
+
+
+def batches(dist: str, rows: int, count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    perm = rng.permutation(rows)
+    for _ in range(count):
+        ids = rng.integers(0, rows, (B, F)) if dist == "uniform" else perm[(rng.zipf(1.05, (B, F)) - 1) % rows]
+        out.append({f"C{i}": torch.from_numpy(np.ascontiguousarray(ids[:, i])) for i in range(F)})
+    return out
+
+
+def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int,
+        directory: str) -> dict:
+    """One case in this process: samples/s and the tier's counts."""
+    from hetero.embedding import HostEmbeddingCollection, TableConfig
+    from hetero.optim import SparseOptimizerKind
+    from hetero.placement import StorageTier
+    from hetero.storage.cache import CachePolicy
+    from hetero.storage.config import SsdConfig
+
+    torch.manual_seed(0)
+    record = dim * 4 + 4  # the row and row-wise Adagrad's one value
+    kw = {}
+    if storage == "ssd":
+        kw = dict(storage=StorageTier.SSD, ssd=SsdConfig(directory, cache_bytes=int(cache * rows * F * record),
+                                                           policy=CachePolicy(policy)))
+    t0 = time.perf_counter()
+    coll = HostEmbeddingCollection([TableConfig(f"C{i}", rows, dim, **kw) for i in range(F)])
+    opt = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(coll.tables.values())
+    built = time.perf_counter() - t0
+    work = batches(dist, rows, warmup + steps)
+    upstream = torch.randn(B, dim)
+
+    def step(feats):
+        opt.zero_grad()
+        out = coll(feats)
+        torch.autograd.backward(list(out.values()), [upstream] * F)
+        opt.step()
+
+    for b in work[:warmup]:
+        step(b)
+    cache_obj = coll.groups[0].ssd.cache if storage == "ssd" else None
+    filled = 0
+    while cache_obj is not None and cache_obj.stats.evictions == 0 and filled < 500:  # to the steady state: a full cache
+        for b in batches(dist, rows, 10, seed=1 + filled):
+            step(b)
+        filled += 10
+    before = dataclass_counts(cache_obj)
+    t0 = time.perf_counter()
+    for b in work[warmup:]:
+        step(b)
+    seconds = time.perf_counter() - t0
+    after = dataclass_counts(cache_obj)
+    out = {"samples_per_s": B * steps / seconds, "build_s": built, "fill_steps": filled,
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if cache_obj is not None:
+        hits, misses = after[0] - before[0], after[1] - before[1]
+        out.update(hit_rate=hits / max(1, hits + misses), miss_reads_per_s=misses / seconds,
+                   write_backs_per_s=(after[3] - before[3]) / seconds, cache_rows=cache_obj.capacity,
+                   cache_bytes=cache_obj.nbytes, file_bytes=cache_obj.file.nbytes, segments_cleaned=cache_obj.file.cleaned,
+                   logical_bytes=rows * F * record)
+    return out
+
+
+def dataclass_counts(cache) -> tuple[int, int, int, int]:
+    s = cache.stats if cache is not None else None
+    return (s.hits, s.misses, s.evictions, s.write_backs) if s else (0, 0, 0, 0)
+
+
+def case(args, storage: str, dist: str, policy: str = "lfu") -> dict:
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        cmd = [sys.executable, __file__, "--one", storage, dist, policy, "--rows", str(args.rows), "--dim", str(args.dim),
+               "--cache", str(args.cache), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", d]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(storage, dist, policy, result, file=sys.stderr)
+    return result
+
+
+def disk(args) -> dict:
+    from disk_rate import drop_cache, random_reads, write_file
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        path = Path(d) / "probe"
+        write_file(path, 1 << 30)
+        out = {}
+        for depth in (1, 32):
+            drop_cache(path)
+            out[f"buffered_qd{depth}_reads_per_s"] = random_reads(path, depth, args.seconds, direct=False)
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--cache", type=float, default=0.1, help="the row cache's share of the rows")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seconds", type=float, default=3.0, help="per disk-rate measurement")
+    p.add_argument("--dir", default=None, help="a directory on the disk to measure (default: the temp dir)")
+    p.add_argument("--name", default="ssd_tier", help="the result's name (results/NAME_cpu.json)")
+    p.add_argument("--one", nargs=3, metavar=("STORAGE", "DIST", "POLICY"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one(*args.one, args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir)))
+        return
+    result = {"rows_per_table": args.rows, "tables": F, "dim": args.dim, "batch_size": B, "cache_share": args.cache,
+              "optimizer": "rowwise_adagrad", "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    for dist in ("zipf", "uniform"):
+        mem, ssd = case(args, "memory", dist), case(args, "ssd", dist)
+        result[dist] = {"memory": mem, "ssd": ssd, "ssd_over_memory": ssd["samples_per_s"] / mem["samples_per_s"]}
+    result["zipf_lru"] = case(args, "ssd", "zipf", "lru")
+    result["disk"] = disk(args)
+    result["ssd_over_memory_zipf"] = result["zipf"]["ssd_over_memory"]
+    result["ssd_over_memory_uniform"] = result["uniform"]["ssd_over_memory"]
+    result["hit_rate_zipf_lfu"] = result["zipf"]["ssd"]["hit_rate"]
+    result["hit_rate_zipf_lru"] = result["zipf_lru"]["hit_rate"]
+    emit(args.name, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""A DRAM cache of row records over a :class:`~hetero.storage.records.RowFile`: the SSD tier's
+working set.
+
+The cache holds ``capacity`` rows in one array per record field (the row, then each optimizer
+state), each ``(capacity, D)`` or ``(capacity,)`` and laid out as an in-memory table of
+``capacity`` rows: the embedding engine's gather, pooling and optimizer kernels run on them
+unchanged, with cache slots for row indices. :meth:`RowCache.acquire` gives the slots of a batch's
+unique rows and keeps them resident until the next call; misses are copied in from the file in
+one batch (:meth:`RowFile.load`), the slots they take are chosen by the
+replacement policy among the rows this batch does not use, and a victim holding an update the
+file lacks is written back first (:meth:`RowFile.store`; write-back: no update is lost, none is
+written twice). Rows move between file and cache as whole
+records (row and state together), byte for byte, so training through the cache equals training
+the table in memory exactly.
+
+Replacement (:class:`CachePolicy`): CLOCK (second chance; an approximation of LRU) or GCLOCK
+(hit counts, decremented as the hand passes; an approximation of LFU, which keeps the frequent
+rows of a skewed id distribution; a new row starts on probation, count 0: the first to go unless
+hit again). ``benchmarks/ssd_tier.py`` measures both.
+
+Thread contract: one thread at a time (the training thread, or a prefetch worker under the table
+group's lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+import torch
+
+from hetero.placement import host_empty
+from hetero.storage.records import RowFile, io_kernels
+
+LFU_MAX_COUNT = 15  # GCLOCK's ceiling: a row hit 15 times survives 15 passes of the hand
+
+
+class CachePolicy(enum.Enum):
+    """How the row cache chooses the rows it gives up (see the module docstring)."""
+
+    LRU = "lru"  # CLOCK
+    LFU = "lfu"  # GCLOCK
+
+    @property
+    def max_count(self) -> int:
+        return 1 if self is CachePolicy.LRU else LFU_MAX_COUNT
+
+    @property
+    def admission_count(self) -> int:
+        """A new row's count: CLOCK's reference bit; for GCLOCK 0, on probation: a row seen once
+        is the first to go, a row hit again has earned a place (the tail of a skewed
+        distribution does not push out its head)."""
+        return 1 if self is CachePolicy.LRU else 0
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """Counts since the cache was built: rows found, rows read from disk, rows given up, and
+    those of them written back (dirty)."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    write_backs: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.hits + self.misses)
+
+
+class RowCache:
+    """``capacity`` rows of ``file``'s records in DRAM (see the module docstring).
+
+    Attributes:
+        fields: field name -> ``(capacity, width)`` or ``(capacity,)`` CPU tensor of the field's
+            dtype; row ``s`` holds the record of the row in slot ``s``.
+
+    Raises:
+        ValueError: a capacity below 1.
+    """
+
+    def __init__(self, file: RowFile, capacity: int, policy: CachePolicy = CachePolicy.LFU) -> None:
+        if capacity < 1:
+            raise ValueError(f"a row cache holds at least one row, got capacity {capacity}")
+        self.file, self.capacity, self.policy = file, capacity, policy
+        layout = file.layout
+        self.fields: dict[str, torch.Tensor] = {f.name: host_empty(f.shape(capacity), f.dtype) for f in layout.fields}
+        self._bytes = [(layout.offset(f.name), _bytes_view(self.fields[f.name], capacity)) for f in layout.fields]
+        self._field_bytes = tuple(b for _, b in self._bytes)
+        self._offsets = np.array([o for o, _ in self._bytes], np.int64)
+        size = 1 << max(4, (2 * capacity - 1).bit_length())  # the map at most half full
+        self._keys, self._vals = np.full(size, -1, np.int64), np.zeros(size, np.int64)
+        self.slot_row = np.full(capacity, -1, np.int64)  # the row each slot holds (-1: free)
+        self._count = np.zeros(capacity, np.uint8)
+        self._pin = np.zeros(capacity, np.int64)  # the acquire that last used the slot
+        self.dirty = np.zeros(capacity, np.bool_)
+        self._stamp, self._hand = 0, 0
+        self.stats = CacheStats()
+
+    @property
+    def nbytes(self) -> int:
+        """DRAM the cached rows take (their fields), bytes."""
+        return sum(t.numel() * t.element_size() for t in self.fields.values())
+
+    def acquire(self, rows: np.ndarray, used: bool = True) -> np.ndarray:
+        """Slots (int64, one per row) of the unique rows ``rows`` (int64), each resident until the
+        next call; misses are read from the file, dirty victims written back first. ``used``:
+        count the rows in :attr:`stats` (a lookup; an update of rows just looked up is not).
+
+        Raises:
+            ValueError: more rows than the cache holds (the message names the size to give).
+            OSError: a failed read or write (:class:`RowFile`).
+        """
+        n = rows.shape[0]
+        if n > self.capacity:
+            raise ValueError(f"a batch touches {n} rows of {self.file.path.name} but its cache holds {self.capacity}: "
+                             f"give the cache at least {n} rows ({n * self.file.layout.nbytes} bytes)")
+        self._stamp += 1
+        slots, misses = np.empty(n, np.int64), np.empty(n, np.int64)
+        victims, old_rows, was_dirty = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
+        n_miss, n_victim, self._hand = io_kernels().acquire(
+            rows, self._keys, self._vals, self.slot_row, self._count, self._pin, self.dirty, self._stamp,
+            self.policy.max_count, self.policy.admission_count, self._hand, slots, misses, victims, old_rows, was_dirty)
+        back = victims[:n_victim][was_dirty[:n_victim]]
+        if back.shape[0]:  # their records are still in their slots: out to the file before the reads land
+            self._write(old_rows[:n_victim][was_dirty[:n_victim]], back)
+        if n_miss:
+            miss = misses[:n_miss]
+            self.file.load(rows[miss], slots[miss], self._field_bytes, self._offsets)
+        if used:
+            self.stats.hits += n - n_miss
+            self.stats.misses += n_miss
+        self.stats.evictions += n_victim
+        self.stats.write_backs += back.shape[0]
+        return slots
+
+    def _write(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        self.file.store(rows, slots, self._field_bytes, self._offsets)
+
+    def mark_dirty(self, slots: np.ndarray) -> None:
+        """Note that the rows in ``slots`` were updated (written back when given up or flushed)."""
+        self.dirty[slots] = True
+
+    def flush(self) -> None:
+        """Write every updated row back to the file (they stay cached, now clean); not yet durable
+        (``file.sync()``)."""
+        slots = np.flatnonzero(self.dirty).astype(np.int64)
+        if slots.shape[0]:
+            self._write(self.slot_row[slots], slots)
+            self.dirty[slots] = False
+
+    def clear(self) -> None:
+        """Forget every cached row (after :meth:`flush`: an update not yet written back is lost)."""
+        assert not self.dirty.any(), "clear() after flush()"
+        self._keys.fill(-1)
+        self.slot_row.fill(-1)
+        self._count.fill(0)
+
+    def read(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """The current values of ``rows`` (any int64 rows; the cache is left as it is): field name
+        -> ``(len(rows), width)`` or ``(len(rows),)`` tensor, from the cache where a row is
+        cached, else from the file."""
+        slots = np.empty(rows.shape[0], np.int64)
+        io_kernels().lookup(rows, self._keys, self._vals, slots)
+        cached = slots >= 0
+        out = {f.name: torch.empty(f.shape(rows.shape[0]), dtype=f.dtype) for f in self.file.layout.fields}
+        away = np.flatnonzero(~cached)
+        if away.shape[0]:
+            records = np.empty((away.shape[0], self.file.layout.nbytes), np.uint8)
+            self.file.read(rows[away], records)
+            for offset, field in ((self.file.layout.offset(f.name), f) for f in self.file.layout.fields):
+                bytes_ = records[:, offset : offset + field.nbytes].copy()
+                out[field.name][torch.from_numpy(away)] = torch.from_numpy(bytes_).view(field.dtype).reshape(
+                    field.shape(away.shape[0]))
+        here = np.flatnonzero(cached)
+        if here.shape[0]:
+            for name, t in self.fields.items():
+                out[name][torch.from_numpy(here)] = t[torch.from_numpy(slots[here])]
+        return out
+
+
+def _bytes_view(t: torch.Tensor, rows: int) -> np.ndarray:
+    """``t`` as ``(rows, bytes per row)`` uint8, sharing its memory (bf16 through int16: numpy
+    has no bf16)."""
+    arr = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    return arr.view(np.uint8).reshape(rows, -1)

@@ -1,0 +1,261 @@
+"""Row records on a local disk: a table's rows with their sparse-optimizer state, one fixed-size
+record per row, so that one read brings a row together with its state (the layout of FBGEMM's SSD
+tables and OneFlow's OneEmbedding: ``[weight | state...]`` per row).
+
+A :class:`RowFile` is a log-structured file of those records (see its docstring): written-back
+records are appended, and a cleaner reclaims the space of the records they replace. Reads of a
+batch of records are split over a small pool of threads, each running one compiled loop of
+``pread`` with the GIL released (:mod:`hetero.storage._kernels`): as many reads in flight as
+threads, no Python per record; they fail with the system's reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from hetero._numba import load
+
+IO_CHUNK = 256  # records per task handed to an I/O thread (small batches still spread over the pool)
+
+
+def io_kernels() -> ModuleType:
+    """The compiled I/O and cache kernels (:mod:`hetero.storage._kernels`)."""
+    return load("hetero.storage._kernels")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One part of a record: ``width`` values of ``dtype`` per row; ``scalar``: one value per
+    row, held as a ``(rows,)`` array (row-wise Adagrad's sum)."""
+
+    name: str
+    dtype: torch.dtype
+    width: int = 1
+    scalar: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size() * self.width
+
+    def shape(self, rows: int) -> tuple[int, ...]:
+        return (rows,) if self.scalar else (rows, self.width)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordLayout:
+    """The fields of a record, in order: the row first, then the optimizer's state."""
+
+    fields: tuple[Field, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.fields)
+
+    def offset(self, name: str) -> int:
+        """Byte offset of field ``name`` in a record."""
+        at = 0
+        for f in self.fields:
+            if f.name == name:
+                return at
+            at += f.nbytes
+        raise KeyError(f"no field {name!r} in records of {[f.name for f in self.fields]}")
+
+
+class RowFile:
+    """``rows`` records of ``layout`` in a log-structured file ``path`` (created; a file there is
+    replaced: it is scratch space of one run).
+
+    The file is a sequence of segments of ``segment`` slots; a slot holds a record and, before it,
+    its row (int64). ``positions[r]`` is the slot of row ``r``'s current record. Writes append
+    (:meth:`write`, :meth:`store`): sequential writes into the current segment, whatever rows
+    they hold; the record a row had before becomes garbage. When a new segment is needed and the
+    file already holds ``GC_RATIO`` times as many slots as rows, the segment with the fewest live
+    records is cleaned first - read in one piece, its live records appended, the segment reused
+    (greedy cleaning of a log-structured file system, Rosenblum & Ousterhout 1992). The file stays
+    under ``GC_RATIO`` times its live slots (plus one segment), and the cleaner copies few records:
+    a segment of cold rows never written back stays full and is never cleaned. Writing records
+    in place instead dirties a 4 KiB page per 132-byte record: measured on the benchmark machine
+    with 26 tables of 1M rows, the kernel's write-back of those pages throttled training to 7k
+    samples/s (``docs/ssd-tier.md``).
+
+    Thread contract: one thread at a time (the cache's owner); the calls wait for their I/O threads.
+
+    Raises:
+        OSError: a failed read or write, naming the file, the record and the system's reason
+            (``ENOSPC``, ``EIO``, ``EFBIG``) and the fix.
+    """
+
+    HEADER = 8  # the row of a slot, int64
+    GC_RATIO = 1.4
+
+    def __init__(self, path: str | os.PathLike, layout: RecordLayout, rows: int, threads: int = 8,
+                 init: Callable[[int, int], np.ndarray] | None = None) -> None:
+        self.path, self.layout, self.rows = Path(path), layout, rows
+        self.slot_bytes = self.HEADER + layout.nbytes
+        self.segment = max(64, min(1 << 16, rows // 32))  # slots per segment
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hetero-ssd-io")
+        self.threads = threads
+        self.positions = np.full(rows, -1, np.int64)  # row -> its slot (8 bytes a row of host memory)
+        self.live = np.zeros(0, np.int64)  # live slots per segment
+        self._free: list[int] = []
+        self._tail, self._cleaning = -1, False
+        self._tail_used = self.segment  # (no segment yet: the first append opens one)
+        self.cleaned = 0  # segments cleaned
+        self._slots = np.empty((0, self.slot_bytes), np.uint8)  # staging of one batch
+        for lo in range(0, rows, 1 << 14):  # the initial records, in row order
+            hi = min(lo + (1 << 14), rows)
+            data = init(lo, hi) if init is not None else np.zeros((hi - lo, layout.nbytes), np.uint8)
+            self._append(np.arange(lo, hi, dtype=np.int64), np.ascontiguousarray(data))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the file holds (live records, their rows, garbage and free segments)."""
+        return self.live.shape[0] * self.segment * self.slot_bytes
+
+    def _append(self, rows: np.ndarray, records: np.ndarray) -> None:
+        """``records`` (``(n, record_bytes)``) as the records of the unique ``rows``, written in
+        order into the current segment and the next ones."""
+        n, done = rows.shape[0], 0
+        if self._cleaning:  # (called by the cleaner inside another append, whose records are in the staging)
+            slots = np.empty((n, self.slot_bytes), np.uint8)
+        else:
+            if self._slots.shape[0] < n:
+                self._slots = np.empty((max(n, 2 * self._slots.shape[0]), self.slot_bytes), np.uint8)
+            slots = self._slots[:n]
+        slots[:, : self.HEADER] = rows.view(np.uint8).reshape(n, self.HEADER)
+        slots[:, self.HEADER :] = records
+        while done < n:
+            if self._tail_used == self.segment:
+                self._tail, self._tail_used = self._next_segment(), 0
+            k = min(n - done, self.segment - self._tail_used)
+            first = self._tail * self.segment + self._tail_used
+            self._write_at(slots[done : done + k], first, rows[done : done + k])
+            part = rows[done : done + k]
+            old = self.positions[part]
+            old = old[old >= 0]
+            if old.shape[0]:  # their previous records become garbage
+                self.live -= np.bincount(old // self.segment, minlength=self.live.shape[0])
+            self.positions[part] = np.arange(first, first + k)
+            self.live[self._tail] += k
+            self._tail_used += k
+            done += k
+
+    def _next_segment(self) -> int:
+        """A segment to append to: a free one, else (once the file is ``GC_RATIO`` times its live
+        slots) the one the cleaner empties, else a new one at the end of the file."""
+        if not self._free and not self._cleaning and \
+                (self.live.shape[0] + 1) * self.segment > self.GC_RATIO * max(self.rows, self.segment):
+            # each cleaning frees a segment and fills part of one with what it moves: clean until two
+            # are free, so that the moved records land in freed segments rather than new ones
+            while len(self._free) < 2 and self._clean():
+                pass
+        if self._free:
+            return self._free.pop()
+        self.live = np.append(self.live, 0)
+        return self.live.shape[0] - 1
+
+    def _clean(self) -> bool:
+        """Empty the segment with the fewest live records: read it, append its live records.
+        ``False`` when every segment is full (the file grows instead)."""
+        candidates = self.live.copy()
+        candidates[self._tail] = self.segment + 1  # (the current segment is being filled)
+        candidates[self._free] = self.segment + 1
+        victim = int(np.argmin(candidates))
+        if candidates[victim] >= self.segment:
+            return False
+        buf = np.empty((self.segment, self.slot_bytes), np.uint8)
+        offset = victim * self.segment * self.slot_bytes
+        try:
+            got = os.preadv(self.fd, [buf], offset)
+        except OSError as e:
+            raise self._error(e, "reading", victim * self.segment) from None
+        keep = io_kernels().live_slots(buf[: got // self.slot_bytes], victim * self.segment, self.positions)
+        assert keep.shape[0] == self.live[victim], (victim, keep.shape[0], self.live[victim])
+        # free before the move: its records are in memory now, and the move may need its space
+        self._free.append(victim)
+        self._cleaning = True
+        try:
+            self._append(np.ascontiguousarray(buf[keep, : self.HEADER]).view(np.int64).reshape(-1),
+                         np.ascontiguousarray(buf[keep, self.HEADER :]))
+        finally:
+            self._cleaning = False
+        self.cleaned += 1
+        return True
+
+    def _write_at(self, slots: np.ndarray, at: int, rows: np.ndarray) -> None:
+        data = memoryview(slots).cast("B")
+        done = 0
+        while done < len(data):  # a short write (a limit reached) is followed by the one that says why
+            try:
+                done += os.pwrite(self.fd, data[done:], at * self.slot_bytes + done)
+            except OSError as e:
+                raise self._error(e, "writing", int(rows[min(done // self.slot_bytes, len(rows) - 1)])) from None
+
+    def _error(self, e: OSError, what: str, row: int) -> OSError:
+        fix = "free space there, or give another directory (tables.ssd_path)" if what == "writing" else \
+            "check the disk (the file may be damaged)"
+        return OSError(e.errno, f"{what} record {row} of {self.path} failed: {e.strerror}; {fix}")
+
+    def read(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)``
+        uint8, C order): one ``pread`` each, spread over the I/O threads."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        assert out.shape == (n, self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
+        offsets = self.positions[rows] * self.slot_bytes + self.HEADER
+        kernel = io_kernels().read_records
+        bounds = [(lo, min(lo + IO_CHUNK, n)) for lo in range(0, n, IO_CHUNK)]
+        run = lambda b: self._read_chunk(kernel, rows, offsets, out, *b)  # noqa: E731
+        for _ in (map(run, bounds) if len(bounds) == 1 else self._pool.map(run, bounds)):
+            pass  # (the pool's map raises the first chunk's error here)
+
+    def _read_chunk(self, kernel: Callable, rows: np.ndarray, offsets: np.ndarray, out: np.ndarray, lo: int,
+                    hi: int) -> None:
+        while lo < hi:
+            stop = kernel(self.fd, offsets, self.layout.nbytes, out, lo, hi)
+            if stop < hi:  # redo the failed one in Python: its errno becomes the exception
+                try:
+                    got = os.preadv(self.fd, [out[stop]], int(offsets[stop]))
+                except OSError as e:
+                    raise self._error(e, "reading", int(rows[stop])) from None
+                if got != self.layout.nbytes:
+                    raise OSError(f"reading record {int(rows[stop])} of {self.path}: {got} of {self.layout.nbytes} "
+                                  f"bytes (the file is shorter than its index says: damaged)")
+            lo = stop + 1
+
+    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
+        """``records`` (``(len(rows), record_bytes)`` uint8) as the new records of the unique
+        ``rows`` (appended; not yet durable: :meth:`sync`)."""
+        if rows.shape[0]:
+            self._append(rows, records)
+
+    def load(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray) -> None:
+        """The records of ``rows`` into slots ``slots`` of ``fields`` (the cache's fields as
+        ``(capacity, bytes)`` uint8; field ``k`` at record byte ``offsets[k]``)."""
+        records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
+        self.read(rows, records)
+        io_kernels().unpack(records, slots, fields, offsets)
+
+    def store(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray) -> None:
+        """The reverse of :meth:`load`: the slots' records as the rows' new records (appended)."""
+        records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
+        io_kernels().pack(records, slots, fields, offsets)
+        self.write(rows, records)
+
+    def sync(self) -> None:
+        """Make the writes so far durable (``fsync``)."""
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        os.close(self.fd)
