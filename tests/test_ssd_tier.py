@@ -238,3 +238,17 @@ def test_row_sharded_ssd_tables_are_refused(tmp_path, ml_dir, capsys):
                  "--run-dir", str(tmp_path / "run")]) == 1
     assert "tables.storage (--table-storage ssd) with parallelism.table_sharding (--table-sharding row)" in \
         capsys.readouterr().err
+
+
+def test_explain_shows_the_tier_its_cache_and_hit_rate(tmp_path):
+    import hetero
+
+    kind = SparseOptimizerKind.ADAGRAD
+    ssd = _tables(SsdConfig(tmp_path, cache_bytes=CACHE_ROWS * _record_bytes(kind)))
+    opt = kind.optimizer(ssd.tables.values())
+    _train(ssd, opt, _batches(5))
+    stats = ssd.groups[0].ssd.cache.stats
+    text = str(hetero.explain(ssd, (next(_batches(1)),)))
+    assert f"SSD tier:\n  tables.a, tables.b: {ROWS_A + ROWS_B} rows in {tmp_path}; cache " in text
+    assert f"({CACHE_ROWS} rows of {_record_bytes(kind)} bytes, lfu)" in text
+    assert f"hit rate {stats.hit_rate:.1%} of {stats.hits + stats.misses} rows looked up so far" in text

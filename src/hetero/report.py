@@ -1,6 +1,6 @@
-"""``hetero.explain``: the host/device partition of a model and, given a sharding plan, its
-operator-parallel layouts, and, given a data-parallel mesh, the collectives of a step - one report
-over both packages (placement knows nothing of parallel)."""
+"""``hetero.explain``: the host/device partition of a model, its tables on the SSD tier and, given
+a sharding plan, its operator-parallel layouts, and, given a data-parallel mesh, the collectives of
+a step - one report over the packages (placement knows nothing of parallel or storage)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from hetero.parallel.zero import ZeroConfig
 from hetero.placement.annotate import PlacementSpec
 from hetero.placement.explainer import Explanation
 from hetero.placement.explainer import explain as explain_placement
+from hetero.embedding import table_groups
 from hetero.planner.plan import Plan
+from hetero.storage.report import TierGroup, TierReport
 
 
 def explain(model: nn.Module | Plan, example_inputs: tuple[Any, ...] = (), spec: PlacementSpec | None = None, *,
@@ -56,6 +58,7 @@ def explain(model: nn.Module | Plan, example_inputs: tuple[Any, ...] = (), spec:
     if isinstance(model, Plan):
         return model
     report = explain_placement(model, example_inputs, spec)
+    report.storage = _tier(model)
     if sharding is not None:
         if not mesh:
             raise ValueError("hetero.explain(sharding=...) needs the mesh it plans for: pass mesh={MeshDim.TP: 2, ...}")
@@ -71,3 +74,16 @@ def explain(model: nn.Module | Plan, example_inputs: tuple[Any, ...] = (), spec:
     elif pipeline is not None:
         report.pipeline = plan_pipeline(model, pipeline, (mesh or {}).get(MeshDim.PP, 1))
     return report
+
+
+def _tier(model: nn.Module) -> TierReport | None:
+    """The model's table groups on the SSD tier (``None``: none)."""
+    groups = []
+    for names, g in table_groups(model).items():
+        if g.ssd_config is None:
+            continue
+        c, rows = g.ssd_config, g.ssd
+        laid = {} if rows is None else dict(record_bytes=rows.layout.nbytes, cache_rows=rows.cache.capacity,
+                                            file_bytes=rows.file.nbytes, stats=rows.cache.stats)
+        groups.append(TierGroup(tuple(names.split(",")), c.directory, g.num_rows, c.cache_bytes, c.policy, **laid))
+    return TierReport(tuple(groups)) if groups else None

@@ -187,32 +187,19 @@ class DeviceEmbedding(nn.Module):
 
     @staticmethod
     def from_host(table: HostEmbedding, device: torch.device) -> "DeviceEmbedding":
-        """``table``'s rows copied to ``device`` (one host->device copy of the whole table)."""
+        """``table``'s rows copied to ``device`` (one host->device copy of the whole table).
+
+        Raises:
+            ValueError: a table on the SSD tier (it stays there: it may not fit anywhere else).
+        """
+        if table.config.storage is StorageTier.SSD:
+            raise ValueError(f"table {table.name!r} is on the SSD tier: it stays on the host; keep it there, or put it "
+                             f"in memory (storage=StorageTier.HOST_DRAM) to move it to the device")
         return DeviceEmbedding(table.config, table.weight.detach().to(device, torch.float32, copy=True))
 
     @property
     def name(self) -> str:
         return self.config.name
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.config.storage is StorageTier.SSD:  # the rows, not the meta placeholder (read whole: tables that fit)
-            destination[prefix + "weight"] = self.group.ssd_read(self.group_row, self.config.num_embeddings)["weight"]
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):  # noqa: ANN001 - nn.Module's signature
-        key = prefix + "weight"
-        if self.config.storage is not StorageTier.SSD or key not in state_dict:
-            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                                 unexpected_keys, error_msgs)
-        rows = state_dict[key]
-        shape = (self.config.num_embeddings, self.config.embedding_dim)
-        if tuple(rows.shape) != shape:
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(rows.shape)}, the table "
-                              f"{self.name!r} has {shape}")
-            return None
-        self.group.ssd_assign("weight", self.group_row, rows)
-        return None
 
     def extra_repr(self) -> str:
         c = self.config

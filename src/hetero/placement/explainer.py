@@ -33,6 +33,8 @@ class Explanation:
             a data-parallel mesh (a ``hetero.parallel.dp_plan.CollectivePlan``).
         pipeline: the stages and the predicted bubble when ``hetero.explain`` was given a
             pipeline config (a ``hetero.parallel.pipeline_plan.PipelinePlan``); printed last.
+        storage: the tables on the SSD tier, their caches and hit rates, when there are any (a
+            ``hetero.storage.report.TierReport``).
     """
 
     subgraphs: list[Subgraph]
@@ -44,9 +46,10 @@ class Explanation:
     operator_parallel: object | None = None
     data_parallel: object | None = None
     pipeline: object | None = None
+    storage: object | None = None
 
     def __str__(self) -> str:
-        sections = [self._placement_text(), self.operator_parallel, self.data_parallel, self.pipeline]
+        sections = [self._placement_text(), self.storage, self.operator_parallel, self.data_parallel, self.pipeline]
         return "\n".join(str(s) for s in sections if s is not None)
 
     def _placement_text(self) -> str:

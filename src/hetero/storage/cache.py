@@ -96,6 +96,7 @@ class RowCache:
         self._pin = np.zeros(capacity, np.int64)  # the acquire that last used the slot
         self.dirty = np.zeros(capacity, np.bool_)
         self._stamp, self._hand = 0, 0
+        self._last: tuple[np.ndarray, np.ndarray] | None = None
         self.stats = CacheStats()
 
     @property
@@ -113,6 +114,12 @@ class RowCache:
             OSError: a failed read or write (:class:`RowFile`).
         """
         n = rows.shape[0]
+        last = self._last
+        # The rows the last call gave slots to (a view of the same memory, which ``_last`` keeps alive, so
+        # no other array can be there): still resident - the update of the rows a lookup just brought in.
+        if last is not None and last[0].ctypes.data == rows.ctypes.data and last[0].shape == rows.shape and \
+                last[0].strides == rows.strides and last[0].dtype == rows.dtype:
+            return last[1]
         if n > self.capacity:
             raise ValueError(f"a batch touches {n} rows of {self.file.path.name} but its cache holds {self.capacity}: "
                              f"give the cache at least {n} rows ({n * self.file.layout.nbytes} bytes)")
@@ -133,6 +140,7 @@ class RowCache:
             self.stats.misses += n_miss
         self.stats.evictions += n_victim
         self.stats.write_backs += back.shape[0]
+        self._last = (rows, slots)  # (a lookup's rows, asked again by the update of the same step)
         return slots
 
     def _write(self, rows: np.ndarray, slots: np.ndarray) -> None:
@@ -153,6 +161,7 @@ class RowCache:
     def clear(self) -> None:
         """Forget every cached row (after :meth:`flush`: an update not yet written back is lost)."""
         assert not self.dirty.any(), "clear() after flush()"
+        self._last = None
         self._keys.fill(-1)
         self.slot_row.fill(-1)
         self._count.fill(0)
