@@ -252,3 +252,17 @@ def test_explain_shows_the_tier_its_cache_and_hit_rate(tmp_path):
     assert f"SSD tier:\n  tables.a, tables.b: {ROWS_A + ROWS_B} rows in {tmp_path}; cache " in text
     assert f"({CACHE_ROWS} rows of {_record_bytes(kind)} bytes, lfu)" in text
     assert f"hit rate {stats.hit_rate:.1%} of {stats.hits + stats.misses} rows looked up so far" in text
+
+
+def test_a_run_on_the_ssd_tier_stopped_and_resumed_equals_one_run(tmp_path, ml_dir):
+    from hetero.cli import main
+
+    args = [*movielens(ml_dir), "--epochs", "2", "--no-progress", "--table-storage", "ssd", "--cache-mb", "1"]
+    assert main(["train", *args, "--run-dir", str(tmp_path / "whole")]) == 0
+    assert main(["train", *args, "--run-dir", str(tmp_path / "part"), "--max-steps", "5"]) == 0
+    assert main(["train", *args, "--run-dir", str(tmp_path / "part"), "--resume"]) == 0  # a new scratch file, loaded
+    a, b = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "part"))
+    assert (a["test_auc"], a["test_logloss"], a["steps"]) == (b["test_auc"], b["test_logloss"], b["steps"])
+    ca, cb = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("whole", "part"))
+    for k in ca["model"]:
+        assert torch.equal(ca["model"][k], cb["model"][k]), k
