@@ -222,7 +222,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
             ids = grad.ids.numpy()
             K = kernels()
             src, _, offsets, scale = grad.per_id if grad.per_id is not None else (None,) * 4
-            if grad.is_coalesced or offsets.numel() or not grad.chain[0].numel():
+            if grad.is_coalesced or offsets.numel() or grad.chain is None or not grad.chain[0].numel():
                 # pooled bags, or no occurrence chains (torch.unique deduped: row-sharded, SSD tier): coalesce first
                 g = (grad.rows.contiguous().numpy(), _NO_ROWS, _NO_IDX, _NO_IDX, _NO_SCALE, K.num_threads())
             else:  # per-id gradient: the kernel sums each row's occurrences as it updates the row

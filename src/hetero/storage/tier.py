@@ -1,7 +1,7 @@
 """A table group's rows on the SSD tier: its record file under its row cache (:class:`SsdRows`).
 
 The record layout is the row followed by the state of the group's sparse optimizer
-(:meth:`SsdRows.layout_for`). A group's rows are laid out when they are first needed: by its
+(:meth:`SsdRows.for_state`). A group's rows are laid out when they are first needed: by its
 optimizer (row and state), or earlier by a lookup or a loaded checkpoint (the row alone, then
 re-laid out once, in one sequential pass, when the optimizer arrives).
 """
@@ -102,8 +102,8 @@ class SsdRows:
 
 
 def _put(records: np.ndarray, layout: RecordLayout, name: str, values: torch.Tensor) -> None:
+    at = layout.offset(name)  # (KeyError naming the layout's fields, for a field it does not have)
     f = next(f for f in layout.fields if f.name == name)
-    at = layout.offset(name)
     src = values.detach().to(f.dtype).contiguous().reshape(values.shape[0], -1)
     raw = src.view(torch.int16) if f.dtype == torch.bfloat16 else src
     records[:, at : at + f.nbytes] = raw.numpy().view(np.uint8).reshape(values.shape[0], f.nbytes)
