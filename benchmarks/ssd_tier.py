@@ -58,7 +58,8 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
     torch.manual_seed(0)
     record = dim * 4 + 4  # the row and row-wise Adagrad's one value
     kw = {}
-    if storage == "ssd":
+    prefetch = storage == "ssd_prefetch"  # the next batch's misses read ahead on the prefetch worker
+    if storage.startswith("ssd"):
         kw = dict(storage=StorageTier.SSD, ssd=SsdConfig(directory, cache_bytes=int(cache * rows * F * record),
                                                            policy=CachePolicy(policy)))
     t0 = time.perf_counter()
@@ -76,7 +77,7 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
 
     for b in work[:warmup]:
         step(b)
-    cache_obj = coll.groups[0].ssd.cache if storage == "ssd" else None
+    cache_obj = coll.groups[0].ssd.cache if storage.startswith("ssd") else None
     filled = 0
     while cache_obj is not None and cache_obj.stats.evictions == 0 and filled < 500:  # to the steady state: a full cache
         for b in batches(dist, rows, 10, seed=1 + filled):
@@ -84,7 +85,9 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
         filled += 10
     before = dataclass_counts(cache_obj)
     t0 = time.perf_counter()
-    for b in work[warmup:]:
+    from hetero.embedding import Prefetcher
+
+    for b in (Prefetcher(coll, work[warmup:], features=lambda b: b) if prefetch else work[warmup:]):
         step(b)
     seconds = time.perf_counter() - t0
     after = dataclass_counts(cache_obj)
@@ -92,6 +95,7 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if cache_obj is not None:
         hits, misses = after[0] - before[0], after[1] - before[1]
+        out["read_ahead"] = (after[4] - before[4]) / max(1, misses)  # of the misses, read on the prefetch worker
         out.update(hit_rate=hits / max(1, hits + misses), miss_reads_per_s=misses / seconds,
                    write_backs_per_s=(after[3] - before[3]) / seconds, cache_rows=cache_obj.capacity,
                    cache_bytes=cache_obj.nbytes, file_bytes=cache_obj.file.nbytes, segments_cleaned=cache_obj.file.cleaned,
@@ -99,9 +103,9 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
     return out
 
 
-def dataclass_counts(cache) -> tuple[int, int, int, int]:
+def dataclass_counts(cache) -> tuple[int, int, int, int, int]:
     s = cache.stats if cache is not None else None
-    return (s.hits, s.misses, s.evictions, s.write_backs) if s else (0, 0, 0, 0)
+    return (s.hits, s.misses, s.evictions, s.write_backs, s.staged) if s else (0, 0, 0, 0, 0)
 
 
 def case(args, storage: str, dist: str, policy: str = "lfu") -> dict:
@@ -148,9 +152,13 @@ def main() -> None:
         mem, ssd = case(args, "memory", dist), case(args, "ssd", dist)
         result[dist] = {"memory": mem, "ssd": ssd, "ssd_over_memory": ssd["samples_per_s"] / mem["samples_per_s"]}
     result["zipf_lru"] = case(args, "ssd", "zipf", "lru")
+    for dist in ("zipf", "uniform"):  # the same run with the next batch's misses read ahead
+        result[dist]["ssd_prefetch"] = ahead = case(args, "ssd_prefetch", dist)
+        result[dist]["ssd_prefetch_over_memory"] = ahead["samples_per_s"] / result[dist]["memory"]["samples_per_s"]
     result["disk"] = disk(args)
     result["ssd_over_memory_zipf"] = result["zipf"]["ssd_over_memory"]
     result["ssd_over_memory_uniform"] = result["uniform"]["ssd_over_memory"]
+    result["ssd_prefetch_over_memory_zipf"] = result["zipf"]["ssd_prefetch_over_memory"]
     result["hit_rate_zipf_lfu"] = result["zipf"]["ssd"]["hit_rate"]
     result["hit_rate_zipf_lru"] = result["zipf_lru"]["hit_rate"]
     emit(args.name, result)

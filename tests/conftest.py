@@ -107,14 +107,15 @@ def make_dataset(n=600, seed=0):
     return TabularDataset(feats, dense, label, specs)
 
 
-def criteo_lines(n, label=None, seed=0):
-    """``n`` rows of a Criteo TSV (label, 13 counts, 26 hex categories; some empty), seeded."""
+def criteo_lines(n, label=None, seed=0, categories=31):
+    """``n`` rows of a Criteo TSV (label, 13 counts, 26 hex categories of ``categories`` values
+    each; some empty), seeded."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         y = label if label is not None else rng.randint(0, 1)
         ints = [str(rng.randint(0, 50)) if rng.random() > 0.2 else "" for _ in range(13)]
-        cats = [f"{rng.randint(0, 30):08x}" if rng.random() > 0.1 else "" for _ in range(26)]
+        cats = [f"{rng.randint(0, categories - 1):08x}" if rng.random() > 0.1 else "" for _ in range(26)]
         rows.append("\t".join([str(y), *ints, *cats]))
     return "\n".join(rows) + ("\n" if rows else "")
 

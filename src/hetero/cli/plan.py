@@ -54,7 +54,7 @@ def job_model(job: JobConfig, features: tuple[Feature, ...], num_dense: int,
     ssd = None
     if t.storage is TableStorage.SSD:  # each rank's replica of the tables in a directory of its own
         where = (t.ssd_path or job.checkpoint.run_dir / "ssd") / (f"rank{parallel.rank()}" if parallel.active() else "")
-        ssd = SsdConfig(where, cache_bytes=t.cache_mb << 20, policy=t.cache_policy)
+        ssd = SsdConfig(where, cache_bytes=int(t.cache_mb * (1 << 20)), policy=t.cache_policy)
     return build_model(m.name, config, features, num_dense, ssd).to(device), config
 
 

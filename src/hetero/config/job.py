@@ -326,10 +326,10 @@ class Tables:
 
     storage: Annotated[TableStorage, alias("--table-storage")] = TableStorage.MEMORY
     """Host memory, or the SSD tier: each row with its optimizer state in a file on a local disk, under a DRAM
-    row cache (one process, no prefetch yet)."""
+    row cache (replicated or row-sharded tables, with or without prefetch)."""
     ssd_path: Annotated[Path | None, alias("--ssd-path")] = None
     """Directory of the SSD tier's row files (scratch of one run; default: RUN_DIR/ssd)."""
-    cache_mb: Annotated[int, alias("--cache-mb"), Bounds(low=1)] = 256
+    cache_mb: Annotated[float, alias("--cache-mb"), Bounds(low=0, inclusive=False)] = 256
     """DRAM budget of each table group's row cache, MiB (rows with their optimizer state)."""
     cache_policy: Annotated[CachePolicy, alias("--cache-policy")] = CachePolicy.LFU
     """The row cache's replacement: lfu (GCLOCK hit counts) or lru (CLOCK)."""

@@ -113,9 +113,9 @@ _APART = {
     "parameter_server.servers": (("parallelism.zero", "parallelism.table_sharding", "training.prefetch"),
                                  "a parameter server's workers train data-parallel with replicated dense parts"),
     "parallelism.table_sharding": (("training.prefetch",), "the prefetcher reads replicated tables only"),
-    "tables.storage": (("training.prefetch", "parallelism.pp", "parallelism.tp", "parallelism.table_sharding",
-                        "parameter_server.servers", "checkpoint.format"),
-                       "the SSD tier trains in one process, without prefetch, with integrated checkpoints (for now)"),
+    "tables.storage": (("parallelism.pp", "parallelism.tp", "parameter_server.servers", "checkpoint.format"),
+                       "the SSD tier holds replicated or row-sharded tables beside data parallelism, with integrated "
+                       "checkpoints (for now)"),
 }
 
 

@@ -17,6 +17,7 @@ tie the table's memory layout to its optimizer (and put optimizer state into eve
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import Any, Protocol
 
 import numpy as np
@@ -77,6 +78,7 @@ class TableGroup:
             t.group = self
             start += v
         self.storage = storage
+        self.first_row = 0  # the global row of storage row 0 (a row-sharded group: its shard's start)
         # the SSD tier: the rows' settings, and the rows once laid out (ssd_rows)
         self.ssd_config = tables[0].config.ssd if tables[0].config.storage is StorageTier.SSD else None
         assert all(t.config.ssd == self.ssd_config for t in tables), "a group's tables share one SSD tier"
@@ -95,7 +97,28 @@ class TableGroup:
 
     @property
     def num_rows(self) -> int:
+        """Rows this process holds (a row-sharded group: its shard's)."""
         return self.storage.shape[0]
+
+    def local_start(self, table: GroupedTable) -> int:
+        """The storage row of ``table``'s first row here (its ``weight`` holds the table's rows in
+        this process: all of them, or a row-sharded group's part)."""
+        return min(max(table.group_row - self.first_row, 0), self.num_rows)
+
+    def local_weight(self) -> Tensor:
+        """Every row this process holds (``(num_rows, dim)``): the storage, or a copy read from the SSD
+        tier (tables that fit in memory)."""
+        return self.ssd_read(0, self.num_rows, ("weight",))["weight"] if self.ssd_config is not None else self.storage
+
+    def read_rows(self, rows: Tensor) -> Tensor:
+        """Copies of storage rows ``rows`` (int64, repeats allowed: a row-sharded owner serving the
+        lookups of several ranks): from the storage, or through the SSD tier's row cache (misses
+        read from disk)."""
+        if self.ssd_config is None:
+            return self.storage.index_select(0, rows)
+        unique, inverse = torch.unique(rows, return_inverse=True)  # (the cache takes each row once)
+        slots = torch.from_numpy(self.ssd_rows().cache.acquire(unique.numpy()))
+        return self.ssd.cache.fields["weight"].index_select(0, slots[inverse])
 
     # ------------------------------------------------------------------------------ SSD tier
     def ssd_rows(self, state: dict[str, tuple[bool, float]] | None = None) -> SsdRows:
@@ -105,13 +128,16 @@ class TableGroup:
         assert self.ssd_config is not None, "not a group on the SSD tier"
         if self.ssd is None:
             name = "-".join(t.config.name for t in self.tables)
+            if len(name) > 100:  # (a file name has at most 255 bytes): the first and last table, and a digest of all
+                name = f"{self.tables[0].config.name}-{self.tables[-1].config.name}-{zlib.crc32(name.encode()):08x}"
             self.ssd = SsdRows(name, self.num_rows, self.dim, self.dtype, self.ssd_config, self._initial_rows, state or {})
         elif state is not None:
             self.ssd = SsdRows.for_state(self.ssd, state)
         return self.ssd
 
     def _initial_rows(self, lo: int, hi: int) -> Tensor:
-        """Group rows ``[lo, hi)`` as the tables' seeds make them (:func:`init_rows`)."""
+        """Storage rows ``[lo, hi)`` as the tables' seeds make them (:func:`init_rows`)."""
+        lo, hi = lo + self.first_row, hi + self.first_row  # (global rows)
         out = torch.empty(hi - lo, self.dim, dtype=self.dtype)
         for t in self.tables:
             a, b = max(lo, t.group_row), min(hi, t.group_row + t.config.num_embeddings)
@@ -119,12 +145,13 @@ class TableGroup:
                 out[a - lo : b - lo] = init_rows(t.config, t.init_seed, a - t.group_row, b - t.group_row)
         return out
 
-    def ssd_read(self, lo: int, n: int) -> dict[str, Tensor]:
-        """Every field (``weight``, then the optimizer's state) of group rows ``[lo, lo + n)``, copies."""
-        return self.ssd_rows().read(lo, lo + n)
+    def ssd_read(self, lo: int, n: int, names: tuple[str, ...] | None = None) -> dict[str, Tensor]:
+        """Fields ``names`` (default: every one: ``weight``, then the optimizer's state) of storage
+        rows ``[lo, lo + n)``, copies."""
+        return self.ssd_rows().read(lo, lo + n, names)
 
     def ssd_assign(self, name: str, lo: int, values: Tensor) -> None:
-        """Set field ``name`` of group rows ``[lo, lo + len(values))`` (a loaded checkpoint)."""
+        """Set field ``name`` of storage rows ``[lo, lo + len(values))`` (a loaded checkpoint)."""
         self.ssd_rows().assign(name, lo, values)
 
     def plan(self, requests: list[Request], dedup: bool = True) -> LookupPlan:
@@ -176,9 +203,10 @@ class TableGroup:
         # Record the version before reading: an update racing with this gather is then seen as
         # newer than the gather and its rows are refreshed before use (conservative).
         plan.version = self.version
-        if self.ssd_config is not None:  # the rows into the cache (misses read from disk), then out of it
+        if self.ssd_config is not None:  # the rows into the cache (misses read ahead or from disk), then out of it
             cache = self.ssd_rows().cache
-            slots = torch.from_numpy(cache.acquire(plan.unique.numpy()))
+            slots = torch.from_numpy(cache.acquire(plan.unique.numpy(), staged=plan.staged))
+            plan.staged = None  # (used: its memory goes)
             torch.index_select(cache.fields["weight"], 0, slots, out=out)
         else:
             torch.index_select(self.storage, 0, plan.unique, out=out)

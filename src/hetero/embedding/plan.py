@@ -16,6 +16,7 @@ from torch import Tensor
 
 from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.kernels import kernels
+from hetero.storage.records import StagedRecords
 
 
 class PlannedTable(Protocol):
@@ -64,6 +65,8 @@ class LookupPlan:
         scale: ``(N,)`` float32 per-id weight (``1/len(bag)`` for mean pooling), or ``None``.
         bag_ranges: per request, its ``[start, end)`` range of bags and output shape.
         version: the group's update count when the rows were gathered (prefetch).
+        staged: a group on the SSD tier: the records of its uncached unique rows, read ahead by a
+            prefetch worker (:meth:`~hetero.storage.cache.RowCache.stage`), or ``None``.
     """
 
     unique: Tensor | None
@@ -80,6 +83,7 @@ class LookupPlan:
     copy_done: "torch.cuda.Event | None" = None  # end of the prefetch host->device copy
     max_staleness: int = 0  # optimizer steps the gathered rows may lag behind
     refreshed: int = 0  # rows gathered again because an update overtook the prefetch
+    staged: StagedRecords | None = None  # SSD tier: records read ahead (checked when used)
 
 
 

@@ -6,6 +6,11 @@ kernels that release the GIL) and, when rows must travel, gathers them into a pi
 buffer and starts the host->device copy on a side CUDA stream (an event marks its end; the
 compute stream waits on that event, not the host).
 
+Tables on the SSD tier (:mod:`hetero.storage`): the worker reads ahead the records of the next
+batch's rows that are not in the row cache (the disk reads, overlapped); the training thread takes
+them into the cache when the batch is reached, each only if it is still its row's current record
+(else read again), so these rows are never stale whatever ``max_staleness`` says.
+
 Read-after-write: rows gathered for batch i+1 may be updated by batch i's optimizer step
 afterwards. Each group keeps a per-row update version; when batch i+1 is consumed, rows updated
 after their gather are gathered again (and re-sent), so a lookup never sees a stale row unless
@@ -66,10 +71,10 @@ class Prefetcher:
                 if g.exchange.placement is not RowPlacement.LOCAL:
                     raise ValueError(f"tables {[t.name for t in g.tables]} are {g.exchange.placement.value}: their lookup "
                                      f"talks to other ranks and cannot be prefetched; prefetch replicated tables only")
-                if g.ssd_config is not None:  # (the row cache serves one thread; the overlapped read is #37's next step)
-                    raise ValueError(f"tables {[t.name for t in g.tables]} are on the SSD tier, which is not prefetched "
-                                     f"yet: train them without prefetch")
-                g.track_row_versions()
+                if g.ssd_config is not None:
+                    g.ssd_rows()  # laid out here, on the training thread: the worker only reads ahead
+                else:
+                    g.track_row_versions()
         self.batches = batches
         self.refreshed_rows = 0  # rows re-gathered because an update overtook their prefetch
         cuda = any(c.tables and next(iter(c.tables.values())).output_device.type == "cuda" for c in self.collections)
@@ -88,6 +93,13 @@ class Prefetcher:
             plans = []
             for group, reqs in zip(c.groups, c.requests(feats)):
                 device = reqs[0].table.output_device
+                if group.ssd is not None:
+                    # The SSD tier: the cache belongs to the training thread, which gathers from it; here
+                    # the uncached rows' records are read ahead (checked when used: never stale).
+                    plan = group.plan(reqs)
+                    plan.staged = group.ssd.cache.stage(plan.unique.numpy())
+                    plans.append(plan)
+                    continue
                 in_place = device.type == "cpu" and group.dtype == torch.float32  # pooled from the table itself
                 gather = self.config.gather_rows
                 if gather is None:

@@ -102,7 +102,8 @@ class HostEmbedding(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.config.storage is StorageTier.SSD:  # the rows, not the meta placeholder (read whole: tables that fit)
-            destination[prefix + "weight"] = self.group.ssd_read(self.group_row, self.config.num_embeddings)["weight"]
+            rows = self.group.ssd_read(self.group.local_start(self), self.weight.shape[0], ("weight",))["weight"]
+            destination[prefix + "weight"] = rows
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):  # noqa: ANN001 - nn.Module's signature
@@ -111,12 +112,12 @@ class HostEmbedding(nn.Module):
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)
         rows = state_dict[key]
-        shape = (self.config.num_embeddings, self.config.embedding_dim)
+        shape = tuple(self.weight.shape)  # (the rows here: a row-sharded table's part)
         if tuple(rows.shape) != shape:
             error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(rows.shape)}, the table "
                               f"{self.name!r} has {shape}")
             return None
-        self.group.ssd_assign("weight", self.group_row, rows)
+        self.group.ssd_assign("weight", self.group.local_start(self), rows)
         return None
 
     @property

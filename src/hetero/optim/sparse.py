@@ -179,7 +179,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
     def _state_views(self) -> dict[str, dict[str, Tensor]]:
         out = {}
         for name, t in self.tables.items():
-            a = t.group_row
+            a = t.group.local_start(t)  # (a row-sharded group: the shard's rows of the table)
             out[name] = {s: x[a : a + t.weight.shape[0]] for s, x in self.group_state[t.group].items()}
         return out
 
@@ -190,8 +190,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         out = self._state_views()
         for name, t in self.tables.items():
             if t.group.ssd_config is not None:
-                read = t.group.ssd_read(t.group_row, t.config.num_embeddings)
-                out[name] = {s: read[s] for s in self.state_names}
+                out[name] = t.group.ssd_read(t.group.local_start(t), t.weight.shape[0], tuple(self.state_names))
         return out
 
     def count_step(self, group: TableGroup) -> None:
@@ -323,7 +322,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
             table = self.tables[name]
             for s, t in tensors.items():
                 if table.group.ssd_config is not None:
-                    table.group.ssd_assign(s, table.group_row, t)
+                    table.group.ssd_assign(s, table.group.local_start(table), t)
                 else:
                     views[name][s].copy_(t)
         self._load_counts(state_dict)

@@ -203,7 +203,7 @@ def _table_crc(table: HostEmbedding, rows_per_block: int = 1 << 16) -> int:
     crc, rows = 0, table.config.num_embeddings
     for lo in range(0, rows, rows_per_block):
         n = min(rows_per_block, rows - lo)
-        block = table.group.ssd_read(table.group_row + lo, n)["weight"] if table.group.ssd_config is not None \
+        block = table.group.ssd_read(table.group_row + lo, n, ("weight",))["weight"] if table.group.ssd_config is not None \
             else table.weight.detach()[lo : lo + n]
         if block.dtype in (torch.bfloat16, torch.float16):
             block = block.view(torch.int16)  # numpy has no bf16: the same bytes as int16
@@ -299,6 +299,8 @@ class DistributedSparse:
             if not isinstance(group.exchange, RowSharding):
                 continue
             for s, x in opt.group_state[group].items():
+                if group.ssd_config is not None:  # (one field at a time: the copies a checkpoint holds at once)
+                    x = group.ssd_read(0, group.num_rows, (s,))[s]
                 full = gather_rows(x, group.exchange.global_rows)
                 for name, t in opt.tables.items():
                     if t.group is group:
@@ -325,7 +327,7 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, t in sharded_tables(model).items():
         g = t.group
         if g not in done:
-            done[g] = gather_rows(g.storage, g.exchange.global_rows)
+            done[g] = gather_rows(g.local_weight(), g.exchange.global_rows)
         state[f"{name}.weight"] = table_rows(t, done[g])
     return state
 

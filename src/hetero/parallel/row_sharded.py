@@ -98,7 +98,7 @@ class RowSharding(RowExchange):
         asked = torch.empty(sum(recv), dtype=torch.int64)
         dist.all_to_all_single(asked, unique[order], recv, send, group=self.group)
         local_rows = asked - self.lo
-        served = group.storage.index_select(0, local_rows).float()  # the rows this rank owns and was asked for
+        served = group.read_rows(local_rows).float()  # the rows this rank owns and was asked for
         got = torch.empty(unique.numel(), group.dim)
         dist.all_to_all_single(got, served, send, recv, group=self.group)
         rows = torch.empty_like(got)
@@ -188,13 +188,20 @@ def shard_rows(module: nn.Module) -> int:
             continue
         total = group.num_rows
         lo, hi = block_range(total, r, n)
-        shard = host_empty((hi - lo, group.dim), group.dtype)
-        shard.copy_(group.storage[lo:hi])
+        if group.ssd_config is not None:  # the SSD tier: the shard's rows are laid out when first needed, from row lo
+            if group.ssd is not None:
+                raise ValueError(f"tables {[t.name for t in group.tables]} are on the SSD tier and already laid out: "
+                                 f"shard their rows before their first lookup or sparse optimizer")
+            shard = torch.empty((hi - lo, group.dim), dtype=group.dtype, device="meta")
+        else:
+            shard = host_empty((hi - lo, group.dim), group.dtype)
+            shard.copy_(group.storage[lo:hi])
         for t in group.tables:
             start = t.group_row
             a, b = min(max(start, lo), hi), min(max(start + t.config.num_embeddings, lo), hi)
             t.weight.data = shard[a - lo : b - lo]  # the table's rows on this rank (possibly none)
         group.storage = shard  # ids and row offsets stay global: the exchange maps them to ranks
+        group.first_row = lo
         group.marker = None
         group.exchange = RowSharding(group, total)
     return len(groups)

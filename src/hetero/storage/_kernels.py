@@ -41,12 +41,16 @@ def _home(key, mask):
 
 @njit(nogil=True, cache=True)
 def _insert(keys, vals, key, val):
+    """Map ``key`` to ``val``; ``False`` (nothing changed) when ``key`` is there already."""
     mask = keys.shape[0] - 1
     h = _home(key, mask)
     while keys[h] != EMPTY:
+        if keys[h] == key:
+            return False
         h = (h + 1) & mask
     keys[h] = key
     vals[h] = val
+    return True
 
 
 @njit(nogil=True, cache=True)
@@ -77,7 +81,8 @@ def acquire(ids, keys, vals, slot_row, count, pin, dirty, stamp, max_count, new_
     ``victims`` / ``old_rows`` / ``was_dirty`` (the slots given up, their rows, whether they hold
     an update the file lacks). The map and the slots' bookkeeping are updated; the data is not
     moved (the caller writes the dirty victims back, then reads the misses). Returns
-    ``(misses, victims, hand)`` counts and the new hand."""
+    ``(misses, victims, hand)`` counts and the new hand; misses -1 when a row was given twice
+    (the map is then inconsistent: the caller stops)."""
     mask = keys.shape[0] - 1
     capacity = slot_row.shape[0]
     n_miss = 0
@@ -120,7 +125,8 @@ def acquire(ids, keys, vals, slot_row, count, pin, dirty, stamp, max_count, new_
         count[s] = new_count
         pin[s] = stamp
         dirty[s] = False
-        _insert(keys, vals, ids[i], s)
+        if not _insert(keys, vals, ids[i], s):  # a row given twice: the caller broke the contract (unique rows)
+            return -1, n_victim, hand
     return n_miss, n_victim, hand
 
 

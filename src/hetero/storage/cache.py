@@ -18,8 +18,13 @@ Replacement (:class:`CachePolicy`): CLOCK (second chance; an approximation of LR
 rows of a skewed id distribution; a new row starts on probation, count 0: the first to go unless
 hit again). ``benchmarks/ssd_tier.py`` measures both.
 
-Thread contract: one thread at a time (the training thread, or a prefetch worker under the table
-group's lock).
+Read-ahead (:meth:`RowCache.stage`): a prefetch worker reads the records of the next batch's
+rows that are not cached, while the training thread goes on; :meth:`RowCache.acquire` then takes
+a miss's record from them only if it is still the row's current one (:class:`StagedRecords`),
+so a read-ahead row is never stale.
+
+Thread contract: one thread at a time (the training thread), except :meth:`RowCache.stage`, which
+may run on another thread at the same time.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 import torch
 
 from hetero.placement import host_empty
-from hetero.storage.records import RowFile, io_kernels
+from hetero.storage.records import RowFile, StagedRecords, io_kernels
 
 LFU_MAX_COUNT = 15  # GCLOCK's ceiling: a row hit 15 times survives 15 passes of the hand
 
@@ -56,11 +61,12 @@ class CachePolicy(enum.Enum):
 
 @dataclasses.dataclass
 class CacheStats:
-    """Counts since the cache was built: rows found, rows read from disk, rows given up, and
-    those of them written back (dirty)."""
+    """Counts since the cache was built: rows found, rows read from disk (``staged`` of them
+    ahead, by :meth:`RowCache.stage`), rows given up, and those of them written back (dirty)."""
 
     hits: int = 0
     misses: int = 0
+    staged: int = 0
     evictions: int = 0
     write_backs: int = 0
 
@@ -104,10 +110,23 @@ class RowCache:
         """DRAM the cached rows take (their fields), bytes."""
         return sum(t.numel() * t.element_size() for t in self.fields.values())
 
-    def acquire(self, rows: np.ndarray, used: bool = True) -> np.ndarray:
+    def stage(self, rows: np.ndarray) -> StagedRecords:
+        """Read ahead the records of the unique ``rows`` (int64) that are not cached now; any
+        thread, while the owner goes on (the map is read without a lock: a hint, since the owner
+        may change it meanwhile - the records are checked when :meth:`acquire` uses them).
+
+        Raises:
+            OSError: a failed read (:class:`RowFile`).
+        """
+        slots = np.empty(rows.shape[0], np.int64)
+        io_kernels().lookup(rows, self._keys, self._vals, slots)  # (the map is never over half full: probes end)
+        return self.file.stage(rows[slots < 0])
+
+    def acquire(self, rows: np.ndarray, used: bool = True, staged: StagedRecords | None = None) -> np.ndarray:
         """Slots (int64, one per row) of the unique rows ``rows`` (int64), each resident until the
-        next call; misses are read from the file, dirty victims written back first. ``used``:
-        count the rows in :attr:`stats` (a lookup; an update of rows just looked up is not).
+        next call; misses are read from the file (or taken from ``staged``, :meth:`stage`, where
+        its record is still current), dirty victims written back first. ``used``: count the rows
+        in :attr:`stats` (a lookup; an update of rows just looked up is not).
 
         Raises:
             ValueError: more rows than the cache holds (the message names the size to give).
@@ -129,12 +148,13 @@ class RowCache:
         n_miss, n_victim, self._hand = io_kernels().acquire(
             rows, self._keys, self._vals, self.slot_row, self._count, self._pin, self.dirty, self._stamp,
             self.policy.max_count, self.policy.admission_count, self._hand, slots, misses, victims, old_rows, was_dirty)
+        assert n_miss >= 0, "RowCache.acquire takes unique rows (a row given twice would be cached twice)"
         back = victims[:n_victim][was_dirty[:n_victim]]
         if back.shape[0]:  # their records are still in their slots: out to the file before the reads land
             self._write(old_rows[:n_victim][was_dirty[:n_victim]], back)
         if n_miss:
             miss = misses[:n_miss]
-            self.file.load(rows[miss], slots[miss], self._field_bytes, self._offsets)
+            self.stats.staged += self.file.load(rows[miss], slots[miss], self._field_bytes, self._offsets, staged)
         if used:
             self.stats.hits += n - n_miss
             self.stats.misses += n_miss
@@ -166,26 +186,27 @@ class RowCache:
         self.slot_row.fill(-1)
         self._count.fill(0)
 
-    def read(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    def read(self, rows: np.ndarray, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """The current values of ``rows`` (any int64 rows; the cache is left as it is): field name
-        -> ``(len(rows), width)`` or ``(len(rows),)`` tensor, from the cache where a row is
-        cached, else from the file."""
+        (``names``, default every field) -> ``(len(rows), width)`` or ``(len(rows),)`` tensor,
+        from the cache where a row is cached, else from the file."""
         slots = np.empty(rows.shape[0], np.int64)
         io_kernels().lookup(rows, self._keys, self._vals, slots)
         cached = slots >= 0
-        out = {f.name: torch.empty(f.shape(rows.shape[0]), dtype=f.dtype) for f in self.file.layout.fields}
+        fields = [f for f in self.file.layout.fields if names is None or f.name in names]
+        out = {f.name: torch.empty(f.shape(rows.shape[0]), dtype=f.dtype) for f in fields}
         away = np.flatnonzero(~cached)
         if away.shape[0]:
             records = np.empty((away.shape[0], self.file.layout.nbytes), np.uint8)
             self.file.read(rows[away], records)
-            for offset, field in ((self.file.layout.offset(f.name), f) for f in self.file.layout.fields):
+            for offset, field in ((self.file.layout.offset(f.name), f) for f in fields):
                 bytes_ = records[:, offset : offset + field.nbytes].copy()
                 out[field.name][torch.from_numpy(away)] = torch.from_numpy(bytes_).view(field.dtype).reshape(
                     field.shape(away.shape[0]))
         here = np.flatnonzero(cached)
         if here.shape[0]:
-            for name, t in self.fields.items():
-                out[name][torch.from_numpy(here)] = t[torch.from_numpy(slots[here])]
+            for name in out:
+                out[name][torch.from_numpy(here)] = self.fields[name][torch.from_numpy(slots[here])]
         return out
 
 

@@ -69,6 +69,23 @@ class RecordLayout:
         raise KeyError(f"no field {name!r} in records of {[f.name for f in self.fields]}")
 
 
+@dataclasses.dataclass
+class StagedRecords:
+    """Records read ahead of their use (:meth:`RowFile.stage`), on a prefetch worker: ``rows``
+    (sorted int64), the file slots they were read from, those slots' segment generations then, and
+    the records (``(len(rows), record_bytes)`` uint8). A record is used only while its row's slot
+    and that slot's generation are unchanged (:meth:`RowFile.load`): any write of the row since
+    (a write-back, the cleaner's move, a loaded checkpoint) gives it a new slot, and a slot is only
+    written again after its segment was freed (a new generation), so a record that passes the check
+    is the row's current one, byte for byte."""
+
+    file: "RowFile"
+    rows: np.ndarray
+    slots: np.ndarray
+    generations: np.ndarray
+    records: np.ndarray
+
+
 class RowFile:
     """``rows`` records of ``layout`` in a log-structured file ``path`` (created; a file there is
     replaced: it is scratch space of one run).
@@ -86,7 +103,9 @@ class RowFile:
     with 26 tables of 1M rows, the kernel's write-back of those pages throttled training to 7k
     samples/s (``docs/ssd-tier.md``).
 
-    Thread contract: one thread at a time (the cache's owner); the calls wait for their I/O threads.
+    Thread contract: one thread at a time (the cache's owner), except :meth:`stage`, which a
+    prefetch worker may call at the same time (it reads only, and its records are checked when
+    used); the calls wait for their I/O threads.
 
     Raises:
         OSError: a failed read or write, naming the file, the record and the system's reason
@@ -106,6 +125,7 @@ class RowFile:
         self.threads = threads
         self.positions = np.full(rows, -1, np.int64)  # row -> its slot (8 bytes a row of host memory)
         self.live = np.zeros(0, np.int64)  # live slots per segment
+        self.generation = np.zeros(0, np.int64)  # times each segment was freed (staged records check it)
         self._free: list[int] = []
         self._tail, self._cleaning = -1, False
         self._tail_used = self.segment  # (no segment yet: the first append opens one)
@@ -160,6 +180,7 @@ class RowFile:
                 pass
         if self._free:
             return self._free.pop()
+        self.generation = np.append(self.generation, 0)  # (first: a stager reads positions, then generations)
         self.live = np.append(self.live, 0)
         return self.live.shape[0] - 1
 
@@ -181,6 +202,7 @@ class RowFile:
         keep = io_kernels().live_slots(buf[: got // self.slot_bytes], victim * self.segment, self.positions)
         assert keep.shape[0] == self.live[victim], (victim, keep.shape[0], self.live[victim])
         # free before the move: its records are in memory now, and the move may need its space
+        self.generation[victim] += 1  # (before it is reused: records staged from it are then refused)
         self._free.append(victim)
         self._cleaning = True
         try:
@@ -205,14 +227,15 @@ class RowFile:
             "check the disk (the file may be damaged)"
         return OSError(e.errno, f"{what} record {row} of {self.path} failed: {e.strerror}; {fix}")
 
-    def read(self, rows: np.ndarray, out: np.ndarray) -> None:
+    def read(self, rows: np.ndarray, out: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)``
-        uint8, C order): one ``pread`` each, spread over the I/O threads."""
+        uint8, C order): one ``pread`` each, spread over the I/O threads. ``slots``: read these
+        file slots instead of the rows' current ones (:meth:`stage`)."""
         n = rows.shape[0]
         if n == 0:
             return
         assert out.shape == (n, self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
-        offsets = self.positions[rows] * self.slot_bytes + self.HEADER
+        offsets = (self.positions[rows] if slots is None else slots) * self.slot_bytes + self.HEADER
         kernel = io_kernels().read_records
         bounds = [(lo, min(lo + IO_CHUNK, n)) for lo in range(0, n, IO_CHUNK)]
         run = lambda b: self._read_chunk(kernel, rows, offsets, out, *b)  # noqa: E731
@@ -239,12 +262,38 @@ class RowFile:
         if rows.shape[0]:
             self._append(rows, records)
 
-    def load(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray) -> None:
-        """The records of ``rows`` into slots ``slots`` of ``fields`` (the cache's fields as
-        ``(capacity, bytes)`` uint8; field ``k`` at record byte ``offsets[k]``)."""
+    def stage(self, rows: np.ndarray) -> StagedRecords:
+        """Read the current records of ``rows`` (unique int64) ahead of their use, from any thread
+        while the owner goes on (see :class:`StagedRecords`)."""
+        rows = np.sort(rows)
+        at = self.positions[rows]  # (the slots first, then their generations: a slot moved meanwhile is refused)
+        generations = self.generation[at // self.segment]
         records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
-        self.read(rows, records)
+        self.read(rows, records, at)
+        return StagedRecords(self, rows, at, generations, records)
+
+    def load(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray,
+             staged: StagedRecords | None = None) -> int:
+        """The records of ``rows`` into slots ``slots`` of ``fields`` (the cache's fields as
+        ``(capacity, bytes)`` uint8; field ``k`` at record byte ``offsets[k]``): from ``staged``
+        where it holds a row's current record, else read now. Returns how many came from ``staged``."""
+        records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
+        fresh = np.zeros(rows.shape[0], np.bool_)
+        if staged is not None and staged.file is self and staged.rows.shape[0]:
+            i = np.minimum(np.searchsorted(staged.rows, rows), staged.rows.shape[0] - 1)
+            at = staged.slots[i]
+            fresh = (staged.rows[i] == rows) & (self.positions[rows] == at) & \
+                (self.generation[at // self.segment] == staged.generations[i])
+            records[fresh] = staged.records[i[fresh]]
+        rest = np.flatnonzero(~fresh)
+        if rest.shape[0] == rows.shape[0]:
+            self.read(rows, records)
+        elif rest.shape[0]:
+            part = np.empty((rest.shape[0], self.layout.nbytes), np.uint8)
+            self.read(rows[rest], part)
+            records[rest] = part
         io_kernels().unpack(records, slots, fields, offsets)
+        return rows.shape[0] - rest.shape[0]
 
     def store(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray) -> None:
         """The reverse of :meth:`load`: the slots' records as the rows' new records (appended)."""

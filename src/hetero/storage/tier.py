@@ -80,9 +80,9 @@ class SsdRows:
             return rows
         return SsdRows(rows.name, rows.rows, rows.dim, rows.dtype, rows.config, init=None, state=state, previous=rows)
 
-    def read(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
-        """Every field of rows ``[lo, hi)``, current values (copies)."""
-        return self.cache.read(np.arange(lo, hi, dtype=np.int64))
+    def read(self, lo: int, hi: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """Fields ``names`` (default: every one) of rows ``[lo, hi)``, current values (copies)."""
+        return self.cache.read(np.arange(lo, hi, dtype=np.int64), names)
 
     def assign(self, name: str, lo: int, values: torch.Tensor) -> None:
         """Set field ``name`` of rows ``[lo, lo + len(values))`` (a loaded checkpoint): the cache is
