@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -83,6 +84,9 @@ class TableGroup:
         self.ssd_config = tables[0].config.ssd if tables[0].config.storage is StorageTier.SSD else None
         assert all(t.config.ssd == self.ssd_config for t in tables), "a group's tables share one SSD tier"
         self.ssd: SsdRows | None = None
+        # False: the state dicts (the tables', their optimizer's) leave this group's rows out - a checkpoint
+        # holds them on its own, as the SSD tier's snapshots (set by hetero.train for its groups on the tier)
+        self.rows_in_state_dict = True
         # dedup scratch: 8 bytes per row; None for a row-sharded group (``torch.unique`` instead:
         # a marker over the global row space on every rank would not shrink with more ranks)
         self.marker: np.ndarray | None = None if deferred else np.zeros(total, np.int64)
@@ -153,6 +157,16 @@ class TableGroup:
     def ssd_assign(self, name: str, lo: int, values: Tensor) -> None:
         """Set field ``name`` of storage rows ``[lo, lo + len(values))`` (a loaded checkpoint)."""
         self.ssd_rows().assign(name, lo, values)
+
+    def ssd_checkpoint(self, dest: Path) -> dict:
+        """Snapshot the rows on the SSD tier into the new directory ``dest``
+        (:meth:`SsdRows.checkpoint`); returns its manifest."""
+        return self.ssd_rows().checkpoint(dest, self.first_row)
+
+    def ssd_restore(self, parts: list[tuple[Path, dict]]) -> None:
+        """The rows on the SSD tier from snapshots ``parts`` (:meth:`SsdRows.restore`), laid out
+        as they are now (the optimizer's state included)."""
+        self.ssd_rows().restore(parts, self.first_row)
 
     def plan(self, requests: list[Request], dedup: bool = True) -> LookupPlan:
         """:func:`~hetero.embedding.plan.build_plan` for this group (reads no table rows)."""

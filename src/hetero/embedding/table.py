@@ -102,12 +102,17 @@ class HostEmbedding(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.config.storage is StorageTier.SSD:  # the rows, not the meta placeholder (read whole: tables that fit)
+            del destination[prefix + "weight"]
+            if not self.group.rows_in_state_dict:  # (a checkpoint holds them as the tier's snapshots)
+                return
             rows = self.group.ssd_read(self.group.local_start(self), self.weight.shape[0], ("weight",))["weight"]
             destination[prefix + "weight"] = rows
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):  # noqa: ANN001 - nn.Module's signature
         key = prefix + "weight"
+        if self.config.storage is StorageTier.SSD and not self.group.rows_in_state_dict:
+            return None  # (the rows come from the tier's snapshots)
         if self.config.storage is not StorageTier.SSD or key not in state_dict:
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)

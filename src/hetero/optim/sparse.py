@@ -186,12 +186,12 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
     @property
     def table_state(self) -> dict[str, dict[str, Tensor]]:
         """Per-table views of the state: ``{table name: {state name: (V, D) or (V,) tensor}}``;
-        for a table on the SSD tier, copies read from it (every row: tables that fit in memory)."""
-        out = self._state_views()
-        for name, t in self.tables.items():
-            if t.group.ssd_config is not None:
-                out[name] = t.group.ssd_read(t.group.local_start(t), t.weight.shape[0], tuple(self.state_names))
-        return out
+        for a table on the SSD tier, copies read from it (every row: tables that fit in memory), or
+        nothing where its group's ``rows_in_state_dict`` is off (a checkpoint's tier snapshots hold it)."""
+        views, g = self._state_views(), {name: t.group for name, t in self.tables.items()}
+        return {name: g[name].ssd_read(g[name].local_start(t), t.weight.shape[0], tuple(self.state_names))
+                if g[name].ssd_config is not None else views[name]
+                for name, t in self.tables.items() if g[name].rows_in_state_dict}
 
     def count_step(self, group: TableGroup) -> None:
         """Count a step of ``group`` that changed none of its rows here: a parameter-server shard
@@ -306,7 +306,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         if "state" not in state_dict:
             self._load_counts(state_dict)
             return
-        saved, ours = set(state_dict["state"]), set(self.tables)
+        saved, ours = set(state_dict["state"]), {k for k, t in self.tables.items() if t.group.rows_in_state_dict}
         if saved != ours:
             raise ValueError(f"{kind} state holds tables {sorted(saved)}, this optimizer has {sorted(ours)}")
         views = self._state_views()

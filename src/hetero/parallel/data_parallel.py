@@ -296,7 +296,7 @@ class DistributedSparse:
             return state
         opt = self.optimizer
         for group in opt.groups:
-            if not isinstance(group.exchange, RowSharding):
+            if not isinstance(group.exchange, RowSharding) or not group.rows_in_state_dict:
                 continue
             for s, x in opt.group_state[group].items():
                 if group.ssd_config is not None:  # (one field at a time: the copies a checkpoint holds at once)
@@ -326,6 +326,8 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     done: dict[TableGroup, torch.Tensor] = {}  # groups hash by identity
     for name, t in sharded_tables(model).items():
         g = t.group
+        if not g.rows_in_state_dict:  # (the SSD tier's snapshots hold them)
+            continue
         if g not in done:
             done[g] = gather_rows(g.local_weight(), g.exchange.global_rows)
         state[f"{name}.weight"] = table_rows(t, done[g])

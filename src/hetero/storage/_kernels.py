@@ -23,13 +23,13 @@ EMPTY = -1  # a free key of the map, a free slot's row
 
 
 @njit(nogil=True, cache=False)
-def read_records(fd, offsets, nbytes, buf, lo, hi):
-    """Read ``nbytes`` at byte ``offsets[i]`` of the file into row ``i`` of ``buf`` (``(n, nbytes)``
-    uint8), for ``i`` in ``[lo, hi)``. Returns the first position that failed (a short read or an
-    error), else ``hi``."""
+def read_records(fds, offsets, nbytes, buf, lo, hi):
+    """Read ``nbytes`` at byte ``offsets[i]`` of file descriptor ``fds[i]`` into row ``i`` of
+    ``buf`` (``(n, nbytes)`` uint8), for ``i`` in ``[lo, hi)``. Returns the first position that
+    failed (a short read or an error), else ``hi``."""
     base = buf.ctypes.data
     for i in range(lo, hi):
-        if _pread(fd, base + i * nbytes, nbytes, offsets[i]) != nbytes:
+        if _pread(fds[i], base + i * nbytes, nbytes, offsets[i]) != nbytes:
             return i
     return hi
 

@@ -172,7 +172,7 @@ class RowCache:
 
     def flush(self) -> None:
         """Write every updated row back to the file (they stay cached, now clean); not yet durable
-        (``file.sync()``)."""
+        (``file.seal()``)."""
         slots = np.flatnonzero(self.dirty).astype(np.int64)
         if slots.shape[0]:
             self._write(self.slot_row[slots], slots)

@@ -2,8 +2,10 @@
 record per row, so that one read brings a row together with its state (the layout of FBGEMM's SSD
 tables and OneFlow's OneEmbedding: ``[weight | state...]`` per row).
 
-A :class:`RowFile` is a log-structured file of those records (see its docstring): written-back
-records are appended, and a cleaner reclaims the space of the records they replace. Reads of a
+A :class:`RowFile` is a log-structured store of those records in a directory of segment files
+(see its docstring): written-back records are appended, a cleaner reclaims the space of the
+records they replace, and a sealed segment is never written again, so a checkpoint can share it
+(:mod:`hetero.storage.snapshot`). Reads of a
 batch of records are split over a small pool of threads, each running one compiled loop of
 ``pread`` with the GIL released (:mod:`hetero.storage._kernels`): as many reads in flight as
 threads, no Python per record; they fail with the system's reason.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,21 +91,30 @@ class StagedRecords:
 
 
 class RowFile:
-    """``rows`` records of ``layout`` in a log-structured file ``path`` (created; a file there is
-    replaced: it is scratch space of one run).
+    """``rows`` records of ``layout`` in a log-structured store: the directory ``path`` (created; a
+    directory there is replaced: it is scratch space of one run) of segment files; the initial
+    records ``init(lo, hi)`` (``(hi - lo, record_bytes)`` uint8; default zeros), or none
+    (``empty``: :func:`hetero.storage.snapshot.restore` fills the store); ``segment``: slots per
+    segment (default: from ``rows``).
 
-    The file is a sequence of segments of ``segment`` slots; a slot holds a record and, before it,
-    its row (int64). ``positions[r]`` is the slot of row ``r``'s current record. Writes append
-    (:meth:`write`, :meth:`store`): sequential writes into the current segment, whatever rows
-    they hold; the record a row had before becomes garbage. When a new segment is needed and the
-    file already holds ``GC_RATIO`` times as many slots as rows, the segment with the fewest live
-    records is cleaned first - read in one piece, its live records appended, the segment reused
-    (greedy cleaning of a log-structured file system, Rosenblum & Ousterhout 1992). The file stays
-    under ``GC_RATIO`` times its live slots (plus one segment), and the cleaner copies few records:
-    a segment of cold rows never written back stays full and is never cleaned. Writing records
-    in place instead dirties a 4 KiB page per 132-byte record: measured on the benchmark machine
-    with 26 tables of 1M rows, the kernel's write-back of those pages throttled training to 7k
-    samples/s (``docs/ssd-tier.md``).
+    The store is a sequence of segments of ``segment`` slots, each segment a file of its own; a
+    slot holds a record and, before it, its row (int64). ``positions[r]`` is the slot (segment *
+    ``segment`` + index) of row ``r``'s current record. Writes append (:meth:`write`,
+    :meth:`store`): sequential writes into the current segment, whatever rows they hold; the
+    record a row had before becomes garbage. When a new segment is needed and the store already
+    holds ``GC_RATIO`` times as many slots as rows, the segment with the fewest live records is
+    cleaned first - read in one piece, its live records appended, its file deleted and the
+    segment number reused by a new file (greedy cleaning of a log-structured file system,
+    Rosenblum & Ousterhout 1992). The store stays under ``GC_RATIO`` times its live slots (plus
+    one segment), and the cleaner copies few records: a segment of cold rows never written back
+    stays full and is never cleaned. Writing records in place instead dirties a 4 KiB page per
+    132-byte record: measured on the benchmark machine with 26 tables of 1M rows, the kernel's
+    write-back of those pages throttled training to 7k samples/s (``docs/ssd-tier.md``).
+
+    A segment file is only ever appended to, and only while it is the current segment; after
+    :meth:`seal` no file of the store changes again (the cleaner deletes and creates files, it
+    never rewrites one): a checkpoint hard-links them (:mod:`hetero.storage.snapshot`). Each
+    segment's CRC-32 is kept as it is written.
 
     Thread contract: one thread at a time (the cache's owner), except :meth:`stage`, which a
     prefetch worker may call at the same time (it reads only, and its records are checked when
@@ -116,30 +129,56 @@ class RowFile:
     GC_RATIO = 1.4
 
     def __init__(self, path: str | os.PathLike, layout: RecordLayout, rows: int, threads: int = 8,
-                 init: Callable[[int, int], np.ndarray] | None = None) -> None:
+                 init: Callable[[int, int], np.ndarray] | None = None, segment: int | None = None,
+                 empty: bool = False) -> None:
         self.path, self.layout, self.rows = Path(path), layout, rows
         self.slot_bytes = self.HEADER + layout.nbytes
-        self.segment = max(64, min(1 << 16, rows // 32))  # slots per segment
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.segment = segment or max(64, min(1 << 16, rows // 32))  # slots per segment
+        shutil.rmtree(self.path, ignore_errors=True)  # (a previous run's scratch: this run starts from its own rows)
+        self.path.mkdir(parents=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hetero-ssd-io")
         self.threads = threads
         self.positions = np.full(rows, -1, np.int64)  # row -> its slot (8 bytes a row of host memory)
         self.live = np.zeros(0, np.int64)  # live slots per segment
         self.generation = np.zeros(0, np.int64)  # times each segment was freed (staged records check it)
+        self.fds = np.zeros(0, np.int32)  # each segment's open file (-1: none)
+        self.sizes = np.zeros(0, np.int64)  # bytes written to each segment's file
+        self.crcs: list[int] = []  # CRC-32 of each segment's bytes so far
+        self._unsynced: set[int] = set()  # segments written since the last seal
         self._free: list[int] = []
         self._tail, self._cleaning = -1, False
         self._tail_used = self.segment  # (no segment yet: the first append opens one)
         self.cleaned = 0  # segments cleaned
         self._slots = np.empty((0, self.slot_bytes), np.uint8)  # staging of one batch
-        for lo in range(0, rows, 1 << 14):  # the initial records, in row order
+        for lo in range(0, 0 if empty else rows, 1 << 14):  # the initial records, in row order (empty: a restore's)
             hi = min(lo + (1 << 14), rows)
             data = init(lo, hi) if init is not None else np.zeros((hi - lo, layout.nbytes), np.uint8)
             self._append(np.arange(lo, hi, dtype=np.int64), np.ascontiguousarray(data))
 
     @property
     def nbytes(self) -> int:
-        """Bytes the file holds (live records, their rows, garbage and free segments)."""
+        """Bytes the store's segments hold (live records, their rows, garbage and free segments)."""
         return self.live.shape[0] * self.segment * self.slot_bytes
+
+    def segment_path(self, s: int) -> Path:
+        return self.path / f"{s:06d}.seg"
+
+    def _grow(self) -> int:
+        """A new segment number at the end (no file yet)."""
+        # (generation first: a stager reads positions, then generations)
+        self.generation, self.fds = np.append(self.generation, 0), np.append(self.fds, np.int32(-1))
+        self.sizes = np.append(self.sizes, 0)
+        self.crcs.append(0)
+        self.live = np.append(self.live, 0)
+        return self.live.shape[0] - 1
+
+    def _open(self, s: int) -> None:
+        """A new, empty file for segment ``s``."""
+        try:
+            self.fds[s] = os.open(self.segment_path(s), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise self._error(e, "writing", -1, s) from None
+        self.sizes[s], self.crcs[s] = 0, 0
 
     def _append(self, rows: np.ndarray, records: np.ndarray) -> None:
         """``records`` (``(n, record_bytes)``) as the records of the unique ``rows``, written in
@@ -158,7 +197,7 @@ class RowFile:
                 self._tail, self._tail_used = self._next_segment(), 0
             k = min(n - done, self.segment - self._tail_used)
             first = self._tail * self.segment + self._tail_used
-            self._write_at(slots[done : done + k], first, rows[done : done + k])
+            self._write(self._tail, slots[done : done + k], rows[done : done + k])
             part = rows[done : done + k]
             old = self.positions[part]
             old = old[old >= 0]
@@ -170,39 +209,37 @@ class RowFile:
             done += k
 
     def _next_segment(self) -> int:
-        """A segment to append to: a free one, else (once the file is ``GC_RATIO`` times its live
-        slots) the one the cleaner empties, else a new one at the end of the file."""
+        """A segment to append to, with a new file: a free one, else (once the store is
+        ``GC_RATIO`` times its live slots) the one the cleaner empties, else a new one at the end."""
         if not self._free and not self._cleaning and \
                 (self.live.shape[0] + 1) * self.segment > self.GC_RATIO * max(self.rows, self.segment):
             # each cleaning frees a segment and fills part of one with what it moves: clean until two
             # are free, so that the moved records land in freed segments rather than new ones
             while len(self._free) < 2 and self._clean():
                 pass
-        if self._free:
-            return self._free.pop()
-        self.generation = np.append(self.generation, 0)  # (first: a stager reads positions, then generations)
-        self.live = np.append(self.live, 0)
-        return self.live.shape[0] - 1
+        s = self._free.pop() if self._free else self._grow()
+        self._open(s)
+        return s
 
     def _clean(self) -> bool:
-        """Empty the segment with the fewest live records: read it, append its live records.
-        ``False`` when every segment is full (the file grows instead)."""
+        """Empty the segment with the fewest live records: read it, append its live records,
+        delete its file. ``False`` when every segment is full (the store grows instead)."""
         candidates = self.live.copy()
         candidates[self._tail] = self.segment + 1  # (the current segment is being filled)
         candidates[self._free] = self.segment + 1
         victim = int(np.argmin(candidates))
         if candidates[victim] >= self.segment:
             return False
-        buf = np.empty((self.segment, self.slot_bytes), np.uint8)
-        offset = victim * self.segment * self.slot_bytes
+        buf = np.empty((int(self.sizes[victim]) // self.slot_bytes, self.slot_bytes), np.uint8)
         try:
-            got = os.preadv(self.fd, [buf], offset)
+            got = os.preadv(int(self.fds[victim]), [buf], 0)
         except OSError as e:
-            raise self._error(e, "reading", victim * self.segment) from None
+            raise self._error(e, "reading", -1, victim) from None
         keep = io_kernels().live_slots(buf[: got // self.slot_bytes], victim * self.segment, self.positions)
         assert keep.shape[0] == self.live[victim], (victim, keep.shape[0], self.live[victim])
         # free before the move: its records are in memory now, and the move may need its space
         self.generation[victim] += 1  # (before it is reused: records staged from it are then refused)
+        self._drop(victim)
         self._free.append(victim)
         self._cleaning = True
         try:
@@ -213,63 +250,83 @@ class RowFile:
         self.cleaned += 1
         return True
 
-    def _write_at(self, slots: np.ndarray, at: int, rows: np.ndarray) -> None:
+    def _drop(self, s: int) -> None:
+        """Close and delete segment ``s``'s file (a checkpoint's link to it keeps its bytes)."""
+        os.close(int(self.fds[s]))
+        self.fds[s] = -1
+        self.segment_path(s).unlink()
+        self._unsynced.discard(s)
+
+    def _write(self, s: int, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Append ``slots`` to segment ``s``'s file."""
         data = memoryview(slots).cast("B")
-        done = 0
+        done, at = 0, int(self.sizes[s])
         while done < len(data):  # a short write (a limit reached) is followed by the one that says why
             try:
-                done += os.pwrite(self.fd, data[done:], at * self.slot_bytes + done)
+                done += os.pwrite(int(self.fds[s]), data[done:], at + done)
             except OSError as e:
-                raise self._error(e, "writing", int(rows[min(done // self.slot_bytes, len(rows) - 1)])) from None
+                raise self._error(e, "writing", int(rows[min(done // self.slot_bytes, len(rows) - 1)]), s) from None
+        self.sizes[s] = at + done
+        self.crcs[s] = zlib.crc32(data, self.crcs[s])
+        self._unsynced.add(s)
 
-    def _error(self, e: OSError, what: str, row: int) -> OSError:
+    def _error(self, e: OSError, what: str, row: int, s: int) -> OSError:
         fix = "free space there, or give another directory (tables.ssd_path)" if what == "writing" else \
             "check the disk (the file may be damaged)"
-        return OSError(e.errno, f"{what} record {row} of {self.path} failed: {e.strerror}; {fix}")
+        record = f"record {row} in " if row >= 0 else ""
+        return OSError(e.errno, f"{what} {record}{self.segment_path(s)} failed: {e.strerror}; {fix}")
 
     def read(self, rows: np.ndarray, out: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)``
         uint8, C order): one ``pread`` each, spread over the I/O threads. ``slots``: read these
-        file slots instead of the rows' current ones (:meth:`stage`)."""
+        store slots instead of the rows' current ones (:meth:`stage`)."""
         n = rows.shape[0]
         if n == 0:
             return
         assert out.shape == (n, self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
-        offsets = (self.positions[rows] if slots is None else slots) * self.slot_bytes + self.HEADER
+        at = self.positions[rows] if slots is None else slots
+        fds = self.fds[at // self.segment]
+        offsets = (at % self.segment) * self.slot_bytes + self.HEADER
         kernel = io_kernels().read_records
         bounds = [(lo, min(lo + IO_CHUNK, n)) for lo in range(0, n, IO_CHUNK)]
-        run = lambda b: self._read_chunk(kernel, rows, offsets, out, *b)  # noqa: E731
+        run = lambda b: self._read_chunk(kernel, rows, fds, offsets, at, out, *b)  # noqa: E731
         for _ in (map(run, bounds) if len(bounds) == 1 else self._pool.map(run, bounds)):
             pass  # (the pool's map raises the first chunk's error here)
 
-    def _read_chunk(self, kernel: Callable, rows: np.ndarray, offsets: np.ndarray, out: np.ndarray, lo: int,
-                    hi: int) -> None:
+    def _read_chunk(self, kernel: Callable, rows: np.ndarray, fds: np.ndarray, offsets: np.ndarray, at: np.ndarray,
+                    out: np.ndarray, lo: int, hi: int) -> None:
         while lo < hi:
-            stop = kernel(self.fd, offsets, self.layout.nbytes, out, lo, hi)
+            stop = kernel(fds, offsets, self.layout.nbytes, out, lo, hi)
             if stop < hi:  # redo the failed one in Python: its errno becomes the exception
+                s = int(at[stop]) // self.segment
                 try:
-                    got = os.preadv(self.fd, [out[stop]], int(offsets[stop]))
+                    got = os.preadv(int(fds[stop]), [out[stop]], int(offsets[stop]))
                 except OSError as e:
-                    raise self._error(e, "reading", int(rows[stop])) from None
+                    raise self._error(e, "reading", int(rows[stop]), s) from None
                 if got != self.layout.nbytes:
-                    raise OSError(f"reading record {int(rows[stop])} of {self.path}: {got} of {self.layout.nbytes} "
-                                  f"bytes (the file is shorter than its index says: damaged)")
+                    raise OSError(f"reading record {int(rows[stop])} in {self.segment_path(s)}: {got} of "
+                                  f"{self.layout.nbytes} bytes (the file is shorter than its index says: damaged)")
             lo = stop + 1
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
         """``records`` (``(len(rows), record_bytes)`` uint8) as the new records of the unique
-        ``rows`` (appended; not yet durable: :meth:`sync`)."""
+        ``rows`` (appended; not yet durable: :meth:`seal`)."""
         if rows.shape[0]:
             self._append(rows, records)
 
     def stage(self, rows: np.ndarray) -> StagedRecords:
         """Read the current records of ``rows`` (unique int64) ahead of their use, from any thread
-        while the owner goes on (see :class:`StagedRecords`)."""
+        while the owner goes on (see :class:`StagedRecords`). A read that fails (the owner closed
+        the segment's file meanwhile) stages nothing: the owner reads the rows itself."""
         rows = np.sort(rows)
         at = self.positions[rows]  # (the slots first, then their generations: a slot moved meanwhile is refused)
         generations = self.generation[at // self.segment]
         records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
-        self.read(rows, records, at)
+        try:
+            self.read(rows, records, at)
+        except OSError:
+            rows = at = generations = np.zeros(0, np.int64)
+            records = records[:0]
         return StagedRecords(self, rows, at, generations, records)
 
     def load(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray,
@@ -301,10 +358,22 @@ class RowFile:
         io_kernels().pack(records, slots, fields, offsets)
         self.write(rows, records)
 
-    def sync(self) -> None:
-        """Make the writes so far durable (``fsync``)."""
-        os.fsync(self.fd)
+    def seal(self) -> None:
+        """Make the writes so far durable (``fsync`` of every segment written since the last seal)
+        and end the current segment: later appends open a new one, so no file the store holds now
+        is written again (the cleaner may delete one)."""
+        for s in sorted(self._unsynced):
+            os.fsync(int(self.fds[s]))
+        self._unsynced.clear()
+        self._tail_used = self.segment
+        fd = os.open(self.path, os.O_RDONLY)  # the directory: its new and deleted entries durable too
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         self._pool.shutdown()
-        os.close(self.fd)
+        for fd in self.fds[self.fds >= 0]:
+            os.close(int(fd))
+        self.fds[:] = -1

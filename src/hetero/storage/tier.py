@@ -9,13 +9,17 @@ re-laid out once, in one sequential pass, when the optimizer arrives).
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from hetero.storage.cache import RowCache
 from hetero.storage.config import SsdConfig
+from hetero.checkpoint.io import CheckpointError
+from hetero.storage import snapshot
 from hetero.storage.records import Field, RecordLayout, RowFile
 
 CHUNK = 1 << 14  # rows per sequential pass step (initialisation, re-layout, assignment)
@@ -33,28 +37,85 @@ class SsdRows:
         OSError: a failed read or write, naming the file.
     """
 
-    def __init__(self, name: str, rows: int, dim: int, dtype: torch.dtype, config: SsdConfig, init: InitRows,
-                 state: Mapping[str, tuple[bool, float]] = {}, previous: "SsdRows | None" = None) -> None:
+    def __init__(self, name: str, rows: int, dim: int, dtype: torch.dtype, config: SsdConfig, init: InitRows | None,
+                 state: Mapping[str, tuple[bool, float]] = {}, previous: "SsdRows | None" = None,
+                 records: Callable[[int, int], np.ndarray] | None = None) -> None:
         self.name, self.rows, self.dim, self.dtype, self.config = name, rows, dim, dtype, config
         self.state = dict(state)
-        self.layout = RecordLayout((Field("weight", dtype, dim),
-                                    *(Field(s, torch.float32, 1 if scalar else dim, scalar) for s, (scalar, _) in state.items())))
+        self.layout = layout(dtype, dim, state)
         config.directory.mkdir(parents=True, exist_ok=True)
         final = config.directory / f"{name}.rows"
-        path = final if previous is None else final.with_suffix(".relayout")  # beside the old file until done
-        if path.exists():
-            os.remove(path)  # a previous run's scratch file: this run starts from its own rows
+        path = final if previous is None else final.with_suffix(".relayout")  # beside the old store until done
         if previous is not None:
             previous.cache.flush()
         source = (lambda lo, hi: previous._records_with(self.layout, self.state, lo, hi)) if previous is not None \
-            else (lambda lo, hi: self._initial(init, lo, hi))
-        self.file = RowFile(path, self.layout, rows, config.io_threads, init=source)
+            else records or (lambda lo, hi: self._initial(init, lo, hi))
+        self._adopt(RowFile(path, self.layout, rows, config.io_threads, init=source))
         if previous is not None:
             previous.close()
+            shutil.rmtree(final)
             os.replace(path, final)
             self.file.path = final
-        capacity = max(1, config.cache_bytes // self.layout.nbytes)
-        self.cache = RowCache(self.file, min(capacity, rows), config.policy)
+
+    def _adopt(self, file: RowFile) -> None:
+        self.file = file
+        capacity = max(1, self.config.cache_bytes // self.layout.nbytes)
+        self.cache = RowCache(file, min(capacity, self.rows), self.config.policy)
+
+    def checkpoint(self, dest: Path, first_row: int = 0) -> dict:
+        """Write back the cache and snapshot the rows into the new directory ``dest``
+        (:func:`hetero.storage.snapshot.write`: incremental, links to the sealed segments);
+        ``first_row``: the global row of row 0 (a row-sharded group's shard). Returns the manifest."""
+        self.cache.flush()
+        return snapshot.write(self.file, dest, {"name": self.name, "dim": self.dim, "dtype": str(self.dtype),
+                                                "state": self.state, "first_row": first_row})
+
+    def restore(self, parts: list[tuple[Path, dict]], first_row: int = 0) -> None:
+        """Replace the rows (and state) by those of snapshots ``parts`` (directory, its verified
+        manifest), which together hold global rows ``[first_row, first_row + rows)`` in this
+        layout: a snapshot of exactly these rows is linked back; several, or another row range
+        (a checkpoint of another world size), are read into a new store.
+
+        Raises:
+            CheckpointError: a snapshot of another layout (dtype, width, optimizer state), or
+                rows no part holds.
+        """
+        for where, m in parts:
+            if snapshot.layout_of(m) != self.layout:
+                raise CheckpointError(f"the SSD tier's checkpoint {where} holds records of {snapshot.layout_of(m)}, "
+                                      f"this run's are {self.layout}: resume with the run's tables and optimizer")
+        self.file.close()  # (its rows are replaced: the cache's updates too)
+        final = self.config.directory / f"{self.name}.rows"
+        exact = [(w, m) for w, m in parts if m["extra"]["first_row"] == first_row and m["rows"] == self.rows]
+        if exact:
+            self._adopt(snapshot.restore(exact[0][0], final, self.config.io_threads, exact[0][1]))
+            return
+        spans = sorted((m["extra"]["first_row"], m["extra"]["first_row"] + m["rows"], w, m) for w, m in parts)
+        if not spans or spans[0][0] > first_row or spans[-1][1] < first_row + self.rows or \
+                any(a[1] < b[0] for a, b in zip(spans, spans[1:])):
+            raise CheckpointError(f"the SSD tier's checkpoints {[str(w) for w, _ in parts]} do not hold rows "
+                                  f"[{first_row}, {first_row + self.rows}) of {self.name}")
+        sources = []  # the parts this store's rows come from, linked into scratch stores to be read
+        for k, (a, b, where, m) in enumerate(spans):
+            if a < first_row + self.rows and b > first_row:
+                sources.append((a, b, snapshot.restore(where, final.with_suffix(f".from{k}"), self.config.io_threads, m)))
+
+        def records(lo: int, hi: int) -> np.ndarray:
+            out = np.empty((hi - lo, self.layout.nbytes), np.uint8)
+            for a, b, file in sources:  # global rows [a, b) of each source
+                s, e = max(a, first_row + lo), min(b, first_row + hi)
+                if s < e:
+                    part = np.empty((e - s, self.layout.nbytes), np.uint8)
+                    file.read(np.arange(s - a, e - a, dtype=np.int64), part)
+                    out[s - first_row - lo : e - first_row - lo] = part
+            return out
+
+        try:
+            self._adopt(RowFile(final, self.layout, self.rows, self.config.io_threads, init=records))
+        finally:
+            for _, _, file in sources:
+                file.close()
+                shutil.rmtree(file.path)
 
     def _initial(self, init: InitRows, lo: int, hi: int) -> np.ndarray:
         """Records ``[lo, hi)`` of initial rows and initial state."""
@@ -99,6 +160,13 @@ class SsdRows:
 
     def close(self) -> None:
         self.file.close()
+
+
+def layout(dtype: torch.dtype, dim: int, state: Mapping[str, tuple[bool, float]]) -> RecordLayout:
+    """The record of a row of ``dim`` values of ``dtype`` with ``state`` (name -> (one value per
+    row, initial value)): the row, then each state in fp32."""
+    return RecordLayout((Field("weight", dtype, dim),
+                         *(Field(s, torch.float32, 1 if scalar else dim, scalar) for s, (scalar, _) in state.items())))
 
 
 def _put(records: np.ndarray, layout: RecordLayout, name: str, values: torch.Tensor) -> None:

@@ -1,0 +1,135 @@
+"""Checkpoints of tables on the SSD tier that never hold the tables in memory (hetero.storage.snapshot):
+links to the tier's sealed segment files plus its row index, incremental, checksummed, restored
+exactly - against the same tables trained in memory without a break (the independent reference)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hetero.checkpoint import CheckpointError
+from hetero.optim import SparseOptimizerKind
+from hetero.storage import snapshot
+from hetero.storage.config import SsdConfig
+
+from test_ssd_tier import CACHE_ROWS, _assert_same, _batches, _record_bytes, _tables, _train
+
+KIND = SparseOptimizerKind.LAZY_ADAM
+
+
+def _ssd(tmp_path, name):
+    tables = _tables(SsdConfig(tmp_path / name, cache_bytes=CACHE_ROWS * _record_bytes(KIND)))
+    return tables, KIND.optimizer(tables.tables.values())
+
+
+def _group(tables):
+    (group,) = tables.groups
+    return group
+
+
+def test_a_snapshot_restored_into_new_tables_continues_exactly_and_the_next_is_incremental(tmp_path):
+    mem = _tables(None)
+    mem_opt = KIND.optimizer(mem.tables.values())
+    _train(mem, mem_opt, _batches(50))
+    ssd, opt = _ssd(tmp_path, "run")
+    batches = list(_batches(50))
+    _train(ssd, opt, batches[:20])
+    first = _group(ssd).ssd_checkpoint(tmp_path / "ckpt1")
+    counts = opt.state_dict(include_state=False)
+    _train(ssd, opt, batches[20:21])  # one more step: few segments change
+    second = _group(ssd).ssd_checkpoint(tmp_path / "ckpt2")
+    shared = [n for n in second["segments"] if n in first["segments"]
+              and os.stat(tmp_path / "ckpt1" / n).st_ino == os.stat(tmp_path / "ckpt2" / n).st_ino]
+    assert shared and len(shared) >= len(second["segments"]) - 3, (len(shared), len(second["segments"]))
+    _train(ssd, opt, batches[21:])  # the original run goes on: the snapshots' files must not change
+    resumed, resumed_opt = _ssd(tmp_path, "resumed")
+    _group(resumed).ssd_restore([(tmp_path / "ckpt1", snapshot.verify(tmp_path / "ckpt1"))])
+    resumed_opt.load_state_dict(counts)
+    _train(resumed, resumed_opt, batches[20:])
+    _assert_same(mem, resumed, mem_opt, resumed_opt)
+    _assert_same(mem, ssd, mem_opt, opt)
+
+
+def test_a_flipped_byte_in_a_segment_or_the_index_is_named_on_load(tmp_path):
+    ssd, opt = _ssd(tmp_path, "run")
+    _train(ssd, opt, _batches(10))
+    manifest = _group(ssd).ssd_checkpoint(tmp_path / "ckpt")
+    for name in (sorted(manifest["segments"])[0], "index.bin"):
+        path = tmp_path / "ckpt" / name
+        data = bytearray(path.read_bytes())
+        os.unlink(path)  # (the segment is a link to the tier's file: write a new one)
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=rf"{path} does not match its checksum .* the file is damaged"):
+            snapshot.verify(tmp_path / "ckpt")
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+    snapshot.verify(tmp_path / "ckpt")
+    os.unlink(tmp_path / "ckpt" / "manifest.json")  # a snapshot the writer did not finish
+    with pytest.raises(CheckpointError, match="manifest.json is missing: the SSD tier's checkpoint .* is unfinished"):
+        snapshot.verify(tmp_path / "ckpt")
+
+
+def test_snapshots_of_two_shards_restore_into_one_store_and_back(tmp_path):
+    # another world size: rows [0, 2500) and [2500, 5000) of two ranks read into one store, and one
+    # store's rows cut into the upper half of two
+    ssd, opt = _ssd(tmp_path, "run")
+    _train(ssd, opt, _batches(10))
+    whole = _group(ssd).ssd_read(0, 5000)
+    full = _group(ssd).ssd_checkpoint(tmp_path / "full")
+    one, _ = _ssd(tmp_path, "one")
+    _group(one).ssd_restore([(tmp_path / "full", full)])
+    g = _group(one)
+    g.first_row = 2500  # (as row sharding sets it: this store holds global rows [2500, 5000))
+    g.storage = g.storage[:2500]
+    g.ssd.rows = 2500
+    g.ssd_restore([(tmp_path / "full", full)])
+    half = g.ssd_read(0, 2500)
+    for k in whole:
+        assert torch.equal(half[k], whole[k][2500:]), k
+    lo = _ssd(tmp_path, "lo")[0]
+    _group(lo).storage = _group(lo).storage[:2500]
+    _group(lo).ssd.rows = 2500
+    halves = [(tmp_path / "snap_hi", g.ssd_checkpoint(tmp_path / "snap_hi"))]
+    lo_group = _group(lo)
+    lo_group.ssd_restore([(tmp_path / "full", full)])
+    halves.append((tmp_path / "snap_lo", lo_group.ssd_checkpoint(tmp_path / "snap_lo")))
+    back, _ = _ssd(tmp_path, "back")
+    _group(back).ssd_restore(halves)
+    again = _group(back).ssd_read(0, 5000)
+    for k in whole:
+        assert torch.equal(again[k], whole[k]), k
+    with pytest.raises(CheckpointError, match=r"do not hold rows \[0, 5000\)"):
+        _group(back).ssd_restore(halves[:1])
+
+
+def test_a_write_failure_while_checkpointing_is_one_line_and_the_last_checkpoint_loads(tmp_path):
+    import subprocess
+    import sys
+
+    # RLIMIT_FSIZE below the row index's size (8 bytes a row) and above a segment file's
+    script = f"""
+import resource, sys
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from test_ssd_checkpoint import _ssd, _group
+from test_ssd_tier import _batches, _train
+from pathlib import Path
+tmp = Path({str(tmp_path)!r})
+ssd, opt = _ssd(tmp, "run")
+_train(ssd, opt, _batches(5))
+_group(ssd).ssd_checkpoint(tmp / "ok")
+resource.setrlimit(resource.RLIMIT_FSIZE, (35000, 35000))
+_train(ssd, opt, _batches(5))
+try:
+    _group(ssd).ssd_checkpoint(tmp / "failed")
+except OSError as e:
+    print("ERROR", e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    line = (out.stdout.strip().splitlines() or [out.stderr])[-1]
+    assert line.startswith("ERROR") and str(tmp_path / "failed") in line and "File too large" in line and \
+        "the last checkpoint is intact" in line, out.stdout + out.stderr
+    assert not (tmp_path / "failed" / "manifest.json").exists()
+    snapshot.verify(tmp_path / "ok")
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "ok" / "index.bin", np.int64).shape, (5000,))
