@@ -133,3 +133,84 @@ except OSError as e:
     assert not (tmp_path / "failed" / "manifest.json").exists()
     snapshot.verify(tmp_path / "ok")
     np.testing.assert_array_equal(np.fromfile(tmp_path / "ok" / "index.bin", np.int64).shape, (5000,))
+
+
+_KILLED = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from hetero.cli import main
+from hetero.storage import cache, snapshot
+
+where, at = sys.argv[1], int(sys.argv[2])
+calls = [0]
+if where == "checkpoint":  # in the at-th snapshot, after its segments and index, before its manifest
+    write = snapshot.write
+
+    def killed(file, dest, extra=None):
+        calls[0] += 1
+        if calls[0] == at:
+            os.replace = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        return write(file, dest, extra)
+
+    snapshot.write = killed
+else:  # in the middle of a step: the at-th lookup of the row cache, after write-backs of the step before
+    acquire = cache.RowCache.acquire
+
+    def killed(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return acquire(self, *a, **k)
+
+    cache.RowCache.acquire = killed
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "step"])
+def test_kill_9_leaves_the_last_checkpoint_loadable_and_the_resume_exact(tmp_path, ml_dir, where):
+    import subprocess
+    import sys
+
+    from conftest import movielens
+    from hetero.cli import main
+    from test_ssd_tier import load_whole
+
+    args = ["train", *movielens(ml_dir), "--epochs", "2", "--no-progress", "--table-storage", "ssd", "--cache-mb",
+            "0.2", "--checkpoint-every", "3"]
+    assert main([*args, "--run-dir", str(tmp_path / "one")]) == 0
+    script = _KILLED.format(tests=os.path.dirname(__file__))
+    run = [sys.executable, "-c", script, where, "3" if where == "checkpoint" else "23", *args, "--run-dir",
+           str(tmp_path / "killed")]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=600)
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert main([*args, "--run-dir", str(tmp_path / "killed"), "--resume"]) == 0
+    a, b = load_whole(tmp_path / "one" / "checkpoint.pt"), load_whole(tmp_path / "killed" / "checkpoint.pt")
+    assert a["position"] == b["position"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for opt, saved in a["sparse_optimizers"].items():
+        for table, tensors in saved["state"].items():
+            for s, v in tensors.items():
+                assert torch.equal(b["sparse_optimizers"][opt]["state"][table][s], v), (opt, table, s)
+    assert len(list((tmp_path / "killed" / "tier").iterdir())) == 1  # the unfinished and earlier saves are gone
+
+
+def test_hetero_train_names_a_damaged_tier_file_on_resume_and_changes_nothing(tmp_path, ml_dir, capsys):
+    from conftest import movielens
+    from hetero.cli import main
+
+    args = ["train", *movielens(ml_dir), "--epochs", "1", "--no-progress", "--table-storage", "ssd", "--run-dir",
+            str(tmp_path / "run")]
+    assert main(args) == 0
+    (directory,) = (tmp_path / "run" / "tier").iterdir()
+    segment = sorted(directory.rglob("*.seg"))[0]
+    data = bytearray(segment.read_bytes())
+    data[-5] ^= 1
+    segment.write_bytes(bytes(data))
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{segment} does not match its checksum" in err[0] and "the file is damaged" in err[0]
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before

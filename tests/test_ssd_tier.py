@@ -66,6 +66,26 @@ def _assert_same(mem, ssd, mem_opt, ssd_opt):
             assert torch.equal(sa[t][s], sb[t][s]), (t, s)
 
 
+def load_whole(path):
+    """A ``hetero train`` checkpoint with the tables on the SSD tier read back into it from the tier's
+    snapshots (hetero.storage.snapshot.read_fields), as a checkpoint of the tables in memory holds them."""
+    from hetero.storage import snapshot
+
+    state = torch.load(path, weights_only=False)
+    entry = state.pop("tier", None)
+    for key, saved in (entry["groups"] if entry else {}).items():
+        parts = [snapshot.read_fields(path.parent / entry["directory"] / f"rank{r}" / saved["name"])
+                 for r in range(saved["parts"])]
+        fields = {f: torch.cat([p[f] for p in parts]) for f in parts[0]}
+        start = 0
+        for name, rows in saved["tables"]:
+            state["model"][f"{name}.weight"] = fields["weight"][start : start + rows]
+            opt = next(o for o in state["sparse_optimizers"].values() if name in o["steps"])
+            opt["state"][name] = {f: v[start : start + rows] for f, v in fields.items() if f != "weight"}
+            start += rows
+    return state
+
+
 @pytest.mark.parametrize("kind", list(SparseOptimizerKind))
 def test_training_on_the_ssd_tier_equals_training_in_memory(tmp_path, kind):
     ssd_cfg = SsdConfig(tmp_path, cache_bytes=CACHE_ROWS * _record_bytes(kind))
@@ -213,7 +233,7 @@ def test_the_main_job_on_the_ssd_tier_equals_it_in_memory(tmp_path, ml_dir):
     assert (tmp_path / "ssd" / "ssd").is_dir()  # the default place of the row files: RUN_DIR/ssd
     mem, ssd = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("mem", "ssd"))
     assert (mem["test_auc"], mem["test_logloss"]) == (ssd["test_auc"], ssd["test_logloss"])
-    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("mem", "ssd"))
+    a, b = (load_whole(tmp_path / d / "checkpoint.pt") for d in ("mem", "ssd"))
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert 'storage = "ssd"' in (tmp_path / "ssd" / "config.toml").read_text()
@@ -267,7 +287,7 @@ def test_replicated_ssd_tables_at_2_ranks_train_as_in_memory(tmp_path, ml_dir):
     assert sorted(p.name for p in (tmp_path / "ssd" / "ssd").iterdir()) == ["rank0", "rank1"]  # a replica each
     a, b = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("mem", "ssd"))
     assert (a["test_auc"], a["test_logloss"], a["world_size"]) == (b["test_auc"], b["test_logloss"], 2)
-    ca, cb = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("mem", "ssd"))
+    ca, cb = (load_whole(tmp_path / d / "checkpoint.pt") for d in ("mem", "ssd"))
     for k in ca["model"]:
         assert torch.equal(ca["model"][k], cb["model"][k]), k
 
@@ -291,7 +311,7 @@ def test_row_sharded_ssd_tables_at_2_ranks_stopped_and_resumed_train_as_in_memor
             common.append("--resume")
         done = hetero_on_ranks(tmp_path, 2, common)
         assert done.returncode == 0, done.stderr[-2000:]
-        return torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)
+        return load_whole(tmp_path / name / "checkpoint.pt")
 
     ssd_args = ("--table-storage", "ssd", "--cache-mb", "0.4")
     reference, resumed, ssd = run("mem"), run("mem_resumed", stop=True), run("ssd", *ssd_args, stop=True)
@@ -304,6 +324,20 @@ def test_row_sharded_ssd_tables_at_2_ranks_stopped_and_resumed_train_as_in_memor
             for table, tensors in saved["state"].items():
                 for s, v in tensors.items():
                     assert torch.equal(other["sparse_optimizers"][opt]["state"][table][s], v), (opt, table, s)
+    # another world size: the 2-rank checkpoints resumed in one process (the tier's two shards read into
+    # one store), against the tables in memory resumed so
+    from hetero.cli import main
+
+    ends = []
+    for name, extra in (("mem_one", ()), ("ssd_one", ssd_args)):
+        common = [*args, "--run-dir", str(tmp_path / name), *extra]
+        done = hetero_on_ranks(tmp_path, 2, [*common, "--max-steps", "3"])
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert main([*common, "--resume"]) == 0
+        ends.append(load_whole(tmp_path / name / "checkpoint.pt"))
+    assert ends[0]["position"] == ends[1]["position"] == reference["position"]
+    for k in ends[0]["model"]:
+        assert torch.equal(ends[0]["model"][k], ends[1]["model"][k]), k
 
 
 def test_explain_shows_the_tier_its_cache_and_hit_rate(tmp_path):
@@ -329,6 +363,6 @@ def test_a_run_on_the_ssd_tier_stopped_and_resumed_equals_one_run(tmp_path, ml_d
     assert main(["train", *args, "--run-dir", str(tmp_path / "part"), "--resume"]) == 0  # a new scratch file, loaded
     a, b = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "part"))
     assert (a["test_auc"], a["test_logloss"], a["steps"]) == (b["test_auc"], b["test_logloss"], b["steps"])
-    ca, cb = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("whole", "part"))
+    ca, cb = (load_whole(tmp_path / d / "checkpoint.pt") for d in ("whole", "part"))
     for k in ca["model"]:
         assert torch.equal(ca["model"][k], cb["model"][k]), k

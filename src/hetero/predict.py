@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, reco
 from hetero.data.stream import file_shards
 from hetero.models.build import ModelKind, build_model, model_config
 from hetero.record import RECORD_KEY, ModelRecord, RunRecord, reader_settings
+from hetero.storage import SsdConfig
 from hetero.train.report import binary_metrics
+from hetero.train.tier import TierCheckpoint
 
 
 def run_record(checkpoint: Path, state: dict[str, Any]) -> RunRecord:
@@ -66,8 +69,6 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
             setting), the data lacks a feature column or ``id_column`` (naming the file's
             columns), or a bad value (file, line, column, value).
     """
-    import pyarrow as pa
-
     checkpoint, data, out = Path(checkpoint), Path(data), Path(out)
     if checkpoint.is_dir():
         raise CheckpointError(f"{checkpoint} is a sharded checkpoint: merge it into one file with `hetero checkpoint "
@@ -86,11 +87,25 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
     if not labelled:  # rows to score, no labels: the output has no label column
         schema = schema.unlabelled()
     encoding = dataclasses.replace(encoding, schema=schema)
-    model = _model(encoding.specs(), record.model)
-    check_model_compatible(model.state_dict(), state["model"], checkpoint)
-    model.load_state_dict(state["model"])
-    model.eval()
-    del state
+    with tempfile.TemporaryDirectory(dir=checkpoint.parent, prefix=".hetero-predict-") as scratch:
+        # tables the run kept on the SSD tier are read from its snapshots there (linked into a scratch
+        # store beside the checkpoint: the same file system), under a row cache of the tier's default size
+        ssd = SsdConfig(Path(scratch)) if "tier" in state else None
+        model = _model(encoding.specs(), record.model, ssd)
+        tier = TierCheckpoint(model, checkpoint.parent)
+        parts = tier.check(state.get("tier"), checkpoint)
+        check_model_compatible(model.state_dict(), state["model"], checkpoint)
+        tier.restore(parts)
+        model.load_state_dict(state["model"])
+        model.eval()
+        del state
+        return _score(model, encoding, schema, data, reader, out, batch_size, rank, world_size, id_column, labelled)
+
+
+def _score(model, encoding, schema, data: Path, reader: ReaderConfig, out: Path, batch_size: int, rank: int,  # noqa: ANN001
+           world_size: int, id_column: str | None, labelled: bool) -> tuple[Path, dict[str, float | None]] | None:
+    import pyarrow as pa
+
     shard = file_shards(data, reader, world_size)[rank] if world_size > 1 else None
     extra = (id_column,) if id_column is not None and id_column not in schema.columns else ()
     scores, labels, ids = [], [], []
@@ -141,13 +156,13 @@ def _reader(saved: ReaderConfig, given: ReaderConfig | None, checkpoint: Path) -
     return given
 
 
-def _model(specs: tuple, record: ModelRecord) -> torch.nn.Module:
+def _model(specs: tuple, record: ModelRecord, ssd: SsdConfig | None) -> torch.nn.Module:
     try:
         kind = ModelKind(record.kind)
     except ValueError:
         raise ValueError(f"the run record's model {record.kind!r} cannot be scored here (known: "
                          f"{[k.value for k in ModelKind]})") from None
-    return build_model(kind, model_config(kind, record.config), specs, record.num_dense)
+    return build_model(kind, model_config(kind, record.config), specs, record.num_dense, ssd)
 
 
 def _write(table, path: Path, as_csv: bool) -> None:  # noqa: ANN001 - a pyarrow Table

@@ -131,13 +131,19 @@ class TableGroup:
         not yet laid out). The first call writes the initial rows (each table's seeded values)."""
         assert self.ssd_config is not None, "not a group on the SSD tier"
         if self.ssd is None:
-            name = "-".join(t.config.name for t in self.tables)
-            if len(name) > 100:  # (a file name has at most 255 bytes): the first and last table, and a digest of all
-                name = f"{self.tables[0].config.name}-{self.tables[-1].config.name}-{zlib.crc32(name.encode()):08x}"
-            self.ssd = SsdRows(name, self.num_rows, self.dim, self.dtype, self.ssd_config, self._initial_rows, state or {})
+            self.ssd = SsdRows(self.ssd_name, self.num_rows, self.dim, self.dtype, self.ssd_config, self._initial_rows,
+                               state or {})
         elif state is not None:
             self.ssd = SsdRows.for_state(self.ssd, state)
         return self.ssd
+
+    @property
+    def ssd_name(self) -> str:
+        """The name of the group's store on the SSD tier: its tables' names joined."""
+        name = "-".join(t.config.name for t in self.tables)
+        if len(name) > 100:  # (a file name has at most 255 bytes): the first and last table, and a digest of all
+            name = f"{self.tables[0].config.name}-{self.tables[-1].config.name}-{zlib.crc32(name.encode()):08x}"
+        return name
 
     def _initial_rows(self, lo: int, hi: int) -> Tensor:
         """Storage rows ``[lo, hi)`` as the tables' seeds make them (:func:`init_rows`)."""
@@ -165,8 +171,12 @@ class TableGroup:
 
     def ssd_restore(self, parts: list[tuple[Path, dict]]) -> None:
         """The rows on the SSD tier from snapshots ``parts`` (:meth:`SsdRows.restore`), laid out
-        as they are now (the optimizer's state included)."""
-        self.ssd_rows().restore(parts, self.first_row)
+        as they are now (the optimizer's state included), or, not laid out yet, as saved."""
+        if self.ssd is None:
+            self.ssd = SsdRows.from_snapshots(self.ssd_name, self.num_rows, self.dim, self.dtype, self.ssd_config, parts,
+                                              self.first_row)
+        else:
+            self.ssd.restore(parts, self.first_row)
 
     def plan(self, requests: list[Request], dedup: bool = True) -> LookupPlan:
         """:func:`~hetero.embedding.plan.build_plan` for this group (reads no table rows)."""

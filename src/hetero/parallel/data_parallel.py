@@ -384,5 +384,6 @@ def global_shapes(model: nn.Module) -> dict[str, torch.Tensor]:
     (to check a checkpoint against the model without gathering)."""
     state = dict(model.state_dict())
     for name, t in sharded_tables(model).items():
-        state[f"{name}.weight"] = torch.empty(t.config.num_embeddings, t.config.embedding_dim, device="meta")
+        if t.group.rows_in_state_dict:
+            state[f"{name}.weight"] = torch.empty(t.config.num_embeddings, t.config.embedding_dim, device="meta")
     return state

@@ -159,6 +159,32 @@ def layout_of(manifest: dict[str, Any]) -> RecordLayout:
     return _layout_of(manifest)
 
 
+def read_fields(snapshot: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every field of every row of a snapshot (verified first), in row order: field name ->
+    ``(rows, width)`` or ``(rows,)`` tensor. For tables that fit in memory (tests, exports).
+
+    Raises:
+        CheckpointError: as :func:`verify`.
+    """
+    snapshot = Path(snapshot)
+    manifest = verify(snapshot)
+    layout, segment = _layout_of(manifest), manifest["segment"]
+    positions = np.fromfile(snapshot / manifest["index"][0], np.int64)
+    records = np.empty((positions.shape[0], layout.nbytes), np.uint8)
+    for name in manifest["segments"]:
+        s = int(name.split(".")[0])
+        slots = np.fromfile(snapshot / name, np.uint8).reshape(-1, manifest["slot_bytes"])
+        mine = np.flatnonzero(positions // segment == s)
+        records[mine] = slots[positions[mine] % segment, RowFile.HEADER :]
+    out = {}
+    for f in layout.fields:
+        at = layout.offset(f.name)
+        raw = torch.from_numpy(np.ascontiguousarray(records[:, at : at + f.nbytes]))
+        out[f.name] = raw.view(torch.int16 if f.dtype == torch.bfloat16 else f.dtype).view(f.dtype).reshape(
+            f.shape(positions.shape[0]))
+    return out
+
+
 def restore(snapshot: str | os.PathLike, path: str | os.PathLike, threads: int = 8,
             manifest: dict[str, Any] | None = None) -> RowFile:
     """A store in the new scratch directory ``path`` holding a snapshot's records (its files

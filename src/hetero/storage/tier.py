@@ -70,6 +70,19 @@ class SsdRows:
         return snapshot.write(self.file, dest, {"name": self.name, "dim": self.dim, "dtype": str(self.dtype),
                                                 "state": self.state, "first_row": first_row})
 
+    @classmethod
+    def from_snapshots(cls, name: str, rows: int, dim: int, dtype: torch.dtype, config: SsdConfig,
+                       parts: list[tuple[Path, dict]], first_row: int = 0) -> "SsdRows":
+        """Rows (with the state they were saved with) from snapshots, as :meth:`restore`, without
+        writing initial rows first (a model restored to be scored)."""
+        self = cls.__new__(cls)
+        self.name, self.rows, self.dim, self.dtype, self.config = name, rows, dim, dtype, config
+        self.state = {k: tuple(v) for k, v in parts[0][1]["extra"]["state"].items()}
+        self.layout = layout(dtype, dim, self.state)
+        config.directory.mkdir(parents=True, exist_ok=True)
+        self._restore(parts, first_row)
+        return self
+
     def restore(self, parts: list[tuple[Path, dict]], first_row: int = 0) -> None:
         """Replace the rows (and state) by those of snapshots ``parts`` (directory, its verified
         manifest), which together hold global rows ``[first_row, first_row + rows)`` in this
@@ -78,23 +91,32 @@ class SsdRows:
 
         Raises:
             CheckpointError: a snapshot of another layout (dtype, width, optimizer state), or
-                rows no part holds.
+                rows no part holds; nothing is changed then.
         """
+        self._check(parts, first_row)
+        self.file.close()  # (its rows are replaced: the cache's updates too)
+        self._restore(parts, first_row)
+
+    def _check(self, parts: list[tuple[Path, dict]], first_row: int) -> list[tuple[int, int, Path, dict]]:
+        """The parts by first row; raises :class:`CheckpointError` as :meth:`restore`."""
         for where, m in parts:
             if snapshot.layout_of(m) != self.layout:
                 raise CheckpointError(f"the SSD tier's checkpoint {where} holds records of {snapshot.layout_of(m)}, "
                                       f"this run's are {self.layout}: resume with the run's tables and optimizer")
-        self.file.close()  # (its rows are replaced: the cache's updates too)
-        final = self.config.directory / f"{self.name}.rows"
-        exact = [(w, m) for w, m in parts if m["extra"]["first_row"] == first_row and m["rows"] == self.rows]
-        if exact:
-            self._adopt(snapshot.restore(exact[0][0], final, self.config.io_threads, exact[0][1]))
-            return
         spans = sorted((m["extra"]["first_row"], m["extra"]["first_row"] + m["rows"], w, m) for w, m in parts)
         if not spans or spans[0][0] > first_row or spans[-1][1] < first_row + self.rows or \
                 any(a[1] < b[0] for a, b in zip(spans, spans[1:])):
             raise CheckpointError(f"the SSD tier's checkpoints {[str(w) for w, _ in parts]} do not hold rows "
                                   f"[{first_row}, {first_row + self.rows}) of {self.name}")
+        return spans
+
+    def _restore(self, parts: list[tuple[Path, dict]], first_row: int) -> None:
+        spans = self._check(parts, first_row)
+        final = self.config.directory / f"{self.name}.rows"
+        exact = [(w, m) for w, m in parts if m["extra"]["first_row"] == first_row and m["rows"] == self.rows]
+        if exact:
+            self._adopt(snapshot.restore(exact[0][0], final, self.config.io_threads, exact[0][1]))
+            return
         sources = []  # the parts this store's rows come from, linked into scratch stores to be read
         for k, (a, b, where, m) in enumerate(spans):
             if a < first_row + self.rows and b > first_row:

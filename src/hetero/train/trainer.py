@@ -28,7 +28,8 @@ from hetero.optim import SparseOptimizer
 from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel import (
     DataParallelGroup, DistributedSparse, ParallelDims, ParallelPlan, check_replicas, full_model_state,
-    full_optimizer_state, global_rank, global_shapes, load_full_optimizer_state, local_model_state, parallelize,
+    full_optimizer_state, global_rank, global_shapes, load_full_optimizer_state, local_model_state, parallelize, rank,
+    world_size,
 )
 from hetero.record import RECORD_KEY, check_record
 from hetero.parallel.pipeline import Pipeline
@@ -39,6 +40,7 @@ from hetero.train.checkpointing import (
 from hetero.train.config import CheckpointFormat, TrainConfig
 from hetero.train.report import binary_metrics, write_report
 from hetero.train.scalars import ScalarLog
+from hetero.train.tier import TierCheckpoint
 
 log = logging.getLogger("hetero")
 FORMAT_VERSION = 1
@@ -137,6 +139,10 @@ class Trainer:
         self.record, self.run_files = record, dict(run_files or {})
         self.scalars = ScalarLog(self.run_dir / "tensorboard") if config.tensorboard and global_rank() == 0 else None
         self._identity = train.identity()  # read once (a dataset's checksum is a pass over it)
+        self.tier = TierCheckpoint(model, self.run_dir, rank(), world_size())  # tables on the SSD tier, if any
+        if self.tier and config.checkpoint_format is CheckpointFormat.SHARDED:
+            raise ValueError("tables on the SSD tier are checkpointed as the tier's snapshots beside an integrated "
+                             "checkpoint: use checkpoint_format=CheckpointFormat.INTEGRATED")
 
     def state_dict(self, tables: bool = True) -> dict[str, Any]:
         """Everything needed to continue bit for bit, tensors whole (the integrated layout).
@@ -253,6 +259,7 @@ class Trainer:
         if self.pipeline is not None:
             state = self._stage_view(state, path)
         self.check_resumable(state, path)
+        tier = self.tier.check(state.get("tier"), path)  # every snapshot read and checked before anything changes
         ours = self._hyper_parameters()
         if "model" in state:
             self.model.load_state_dict(local_model_state(self.model, state["model"]))  # this rank's rows of sharded tables
@@ -270,6 +277,7 @@ class Trainer:
         self.train_seconds = state["throughput"]["train_seconds"]
         self.train_samples = state["throughput"]["train_samples"]
         self.best = dict(state.get("best", {"score": None, "epoch": 0, "stopped": False}))  # (older checkpoints)
+        self.tier.restore(tier)
 
     def save(self, path: Path | None = None) -> Path:
         """Write the checkpoint in ``config.checkpoint_format`` to ``path`` (default: the run's
@@ -285,8 +293,15 @@ class Trainer:
         # Every rank builds the state (it gathers row-sharded tables: a collective; a pipeline's
         # stages gather on rank 0 alone); rank 0 writes and the others wait until the file is complete.
         state = self.state_dict()
+        if self.tier:  # the SSD tier's rows: snapshots in a directory every rank names alike before any writes
+            directory = self.tier.new_directory(path, self.global_step)
+            self.dp.barrier()
+            state["tier"] = self.tier.save(directory)
+            self.dp.barrier()  # every rank's snapshots complete before the file names them
         if global_rank() == 0:
             save_checkpoint(state, path)
+            if self.tier:
+                self.tier.clean(path, state["tier"])  # (the earlier saves' snapshots: no file names them now)
         self.dp.barrier()
         return path
 
