@@ -305,9 +305,25 @@ def test_a_table_larger_than_the_device_budget_is_never_placed_on_the_device(cac
     assert host_only.plan().device_tables == ()
 
 
-def test_tables_a_plan_moves_to_the_device_train_as_host_tables_do(cache):
-    from hetero.embedding import DeviceEmbedding, dense_parameters, host_tables
+def train_beside(applied, reference, inputs, labels, steps=3):
+    """``steps`` steps of an applied plan and, beside it, of the unplaced ``reference`` model with
+    torch's AdamW and hetero's LazyAdam at the same learning rates (the independent reference)."""
+    from hetero.embedding import dense_parameters, host_tables
     from hetero.optim import LazyAdam, LazyAdamConfig
+
+    dense = torch.optim.AdamW(dense_parameters(reference), lr=1e-2, weight_decay=0.0)
+    sparse = LazyAdam(host_tables(reference), LazyAdamConfig())
+    for _ in range(steps):
+        applied.step(inputs, labels, _bce)
+        for opt in (dense, sparse):
+            opt.zero_grad()
+        _bce(reference(*inputs), labels).backward()
+        dense.step()
+        sparse.step()
+
+
+def test_tables_a_plan_moves_to_the_device_train_as_host_tables_do(cache):
+    from hetero.embedding import DeviceEmbedding, host_tables
 
     model, inputs, labels = _wide_deep(rows_a=500)
     reference = _wide_deep(rows_a=500)[0]
@@ -317,15 +333,7 @@ def test_tables_a_plan_moves_to_the_device_train_as_host_tables_do(cache):
     assert len(plan.device_tables) == 3
     applied = apply(model, plan, OptimizerConfig(lr=1e-2))
     assert sum(isinstance(m, DeviceEmbedding) for m in model.modules()) == 3 and len(host_tables(model)) == 1
-    dense = torch.optim.AdamW(dense_parameters(reference), lr=1e-2, weight_decay=0.0)
-    sparse = LazyAdam(host_tables(reference), LazyAdamConfig())
-    for _ in range(3):
-        applied.step(inputs, labels, _bce)
-        for opt in (dense, sparse):
-            opt.zero_grad()
-        _bce(reference(*inputs), labels).backward()
-        dense.step()
-        sparse.step()
+    train_beside(applied, reference, inputs, labels)
     trained, initial = dict(model.named_parameters()), dict(_wide_deep(rows_a=500)[0].named_parameters())
     for name, p in reference.named_parameters():
         assert (p != initial[name]).any(), name  # it trained (a device table left alone would not)

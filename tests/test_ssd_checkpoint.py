@@ -72,36 +72,33 @@ def test_a_flipped_byte_in_a_segment_or_the_index_is_named_on_load(tmp_path):
 
 
 def test_snapshots_of_two_shards_restore_into_one_store_and_back(tmp_path):
-    # another world size: rows [0, 2500) and [2500, 5000) of two ranks read into one store, and one
-    # store's rows cut into the upper half of two
+    # another world size: one store's rows cut into the two halves of two ranks, and those two
+    # snapshots read back into one store
     ssd, opt = _ssd(tmp_path, "run")
     _train(ssd, opt, _batches(10))
     whole = _group(ssd).ssd_read(0, 5000)
-    full = _group(ssd).ssd_checkpoint(tmp_path / "full")
-    one, _ = _ssd(tmp_path, "one")
-    _group(one).ssd_restore([(tmp_path / "full", full)])
-    g = _group(one)
-    g.first_row = 2500  # (as row sharding sets it: this store holds global rows [2500, 5000))
-    g.storage = g.storage[:2500]
-    g.ssd.rows = 2500
-    g.ssd_restore([(tmp_path / "full", full)])
-    half = g.ssd_read(0, 2500)
-    for k in whole:
-        assert torch.equal(half[k], whole[k][2500:]), k
-    lo = _ssd(tmp_path, "lo")[0]
-    _group(lo).storage = _group(lo).storage[:2500]
-    _group(lo).ssd.rows = 2500
-    halves = [(tmp_path / "snap_hi", g.ssd_checkpoint(tmp_path / "snap_hi"))]
-    lo_group = _group(lo)
-    lo_group.ssd_restore([(tmp_path / "full", full)])
-    halves.append((tmp_path / "snap_lo", lo_group.ssd_checkpoint(tmp_path / "snap_lo")))
-    back, _ = _ssd(tmp_path, "back")
-    _group(back).ssd_restore(halves)
-    again = _group(back).ssd_read(0, 5000)
+    full = [(tmp_path / "full", _group(ssd).ssd_checkpoint(tmp_path / "full"))]
+
+    def shard(name, first_row):  # a fresh group holding global rows [first_row, first_row + 2500), as row sharding sets it
+        g = _group(_ssd(tmp_path, name)[0])
+        g.first_row, g.storage = first_row, g.storage[:2500]
+        return g
+
+    halves = []
+    for name, first_row in (("hi", 2500), ("lo", 0)):
+        g = shard(name, first_row)
+        g.ssd_restore(full)
+        got = g.ssd_read(0, 2500)
+        for k in whole:
+            assert torch.equal(got[k], whole[k][first_row : first_row + 2500]), (name, k)
+        halves.append((tmp_path / f"snap_{name}", g.ssd_checkpoint(tmp_path / f"snap_{name}")))
+    back = _group(_ssd(tmp_path, "back")[0])
+    back.ssd_restore(halves)
+    again = back.ssd_read(0, 5000)
     for k in whole:
         assert torch.equal(again[k], whole[k]), k
     with pytest.raises(CheckpointError, match=r"do not hold rows \[0, 5000\)"):
-        _group(back).ssd_restore(halves[:1])
+        _group(_ssd(tmp_path, "short")[0]).ssd_restore(halves[:1])
 
 
 def test_a_write_failure_while_checkpointing_is_one_line_and_the_last_checkpoint_loads(tmp_path):

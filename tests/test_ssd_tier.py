@@ -164,8 +164,9 @@ from hetero.optim import SparseOptimizerKind
 from hetero.placement import StorageTier
 from hetero.storage.config import SsdConfig
 t = HostEmbeddingCollection([TableConfig("big", 100000, 16, storage=StorageTier.SSD, ssd=SsdConfig({str(tmp_path)!r}))])
+SparseOptimizerKind.SGD.optimizer(t.tables.values())  # (declares the records' layout: nothing written yet)
 try:
-    SparseOptimizerKind.SGD.optimizer(t.tables.values())
+    t({{"big": torch.arange(10)}})  # the first lookup lays the rows out
 except OSError as e:
     print("ERROR", e)
 """
@@ -221,6 +222,27 @@ def test_a_read_ahead_record_whose_slot_was_reused_is_read_again(tmp_path):
     got = np.zeros((1, 16), np.uint8)
     assert file.load(row, np.array([0]), (got,), np.array([0]), staged) == 0  # refused: read again
     assert got.view(np.float32)[0, 0] == i
+    file.close()
+
+
+def test_a_flush_of_more_rows_than_a_piece_writes_every_one_back(tmp_path):
+    # the write-back of a whole cache goes in pieces (FLUSH_CHUNK): every row lands, none twice
+    import numpy as np
+
+    from hetero.storage.cache import FLUSH_CHUNK
+    from hetero.storage.records import Field, RecordLayout
+
+    rows = FLUSH_CHUNK * 2 + 123
+    file = RowFile(tmp_path / "f.rows", RecordLayout((Field("w", torch.float32, 2),)), rows=rows, threads=2)
+    cache = RowCache(file, rows)
+    slots = cache.acquire(np.arange(rows, dtype=np.int64))
+    cache.fields["w"][torch.from_numpy(slots)] = torch.arange(2 * rows, dtype=torch.float32).view(rows, 2)
+    cache.mark_dirty(slots)
+    cache.flush()
+    assert not cache.dirty.any() and file.live.sum() == rows
+    got = np.empty((rows, 8), np.uint8)
+    file.read(np.arange(rows, dtype=np.int64), got)
+    assert np.array_equal(got.view(np.float32).reshape(rows, 2), np.arange(2 * rows, dtype=np.float32).reshape(rows, 2))
     file.close()
 
 

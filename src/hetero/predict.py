@@ -25,6 +25,7 @@ import torch
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint
 from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, record_batches
 from hetero.data.stream import file_shards
+from hetero.embedding import host_tables, move_tables_to_ssd
 from hetero.models.build import ModelKind, build_model, model_config
 from hetero.record import RECORD_KEY, ModelRecord, RunRecord, reader_settings
 from hetero.storage import SsdConfig
@@ -90,8 +91,13 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
     with tempfile.TemporaryDirectory(dir=checkpoint.parent, prefix=".hetero-predict-") as scratch:
         # tables the run kept on the SSD tier are read from its snapshots there (linked into a scratch
         # store beside the checkpoint: the same file system), under a row cache of the tier's default size
-        ssd = SsdConfig(Path(scratch)) if "tier" in state else None
+        entry = state.get("tier")
+        ssd = SsdConfig(Path(scratch)) if entry else None
         model = _model(encoding.specs(), record.model, ssd)
+        saved = [name for g in (entry or {"groups": {}})["groups"].values() for name, _ in g["tables"]]
+        if entry and sorted(saved) != sorted(host_tables(model)):  # some tables on the tier (a planned run's)
+            model = _model(encoding.specs(), record.model, None)
+            move_tables_to_ssd(model, saved, ssd, write=False)
         tier = TierCheckpoint(model, checkpoint.parent)
         parts = tier.check(state.get("tier"), checkpoint)
         check_model_compatible(model.state_dict(), state["model"], checkpoint)

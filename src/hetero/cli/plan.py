@@ -50,12 +50,15 @@ def job_model(job: JobConfig, features: tuple[Feature, ...], num_dense: int,
         config = DLRMConfig(embedding_dim=m.embedding_dim, bottom=m.bottom, top=m.hidden)
     else:
         config = WideDeepConfig(embedding_dim=m.embedding_dim, hidden=m.hidden, dropout=m.dropout)
-    t = job.tables
-    ssd = None
-    if t.storage is TableStorage.SSD:  # each rank's replica of the tables in a directory of its own
-        where = (t.ssd_path or job.checkpoint.run_dir / "ssd") / (f"rank{parallel.rank()}" if parallel.active() else "")
-        ssd = SsdConfig(where, cache_bytes=int(t.cache_mb * (1 << 20)), policy=t.cache_policy)
+    ssd = ssd_settings(job) if job.tables.storage is TableStorage.SSD else None  # (auto: those the plan chooses, later)
     return build_model(m.name, config, features, num_dense, ssd).to(device), config
+
+
+def ssd_settings(job: JobConfig) -> SsdConfig:
+    """The job's SSD tier (``[tables]``): each rank's tables in a directory of its own."""
+    t = job.tables
+    where = (t.ssd_path or job.checkpoint.run_dir / "ssd") / (f"rank{parallel.rank()}" if parallel.active() else "")
+    return SsdConfig(where, cache_bytes=int(t.cache_mb * (1 << 20)), policy=t.cache_policy)
 
 
 def planning_batches(job: JobConfig, rows: Rows) -> Batches:
@@ -139,7 +142,9 @@ def _make_plan(job: JobConfig, model: nn.Module, batches: Batches, world: int) -
     sparse = {"wide": job.optimizer.wide, "deep": job.optimizer.deep}
     planner = Planner(model, inputs, world_size=world, optimizer=OptimizerKind.ADAM, sparse_optimizers=sparse,
                       loss_fn=lambda logits: torch.nn.functional.binary_cross_entropy_with_logits(logits, label),
-                      sample_batches=more, config=PlannerConfig(micro_batches=(1,), device_tables=False))
+                      sample_batches=more, config=PlannerConfig(
+                          micro_batches=(1,), device_tables=False,
+                          ssd=ssd_settings(job) if job.tables.storage is TableStorage.AUTO else None))
     return planner.plan(job.planner.device_memory, job.planner.host_memory)
 
 
@@ -171,6 +176,9 @@ def plan_changes(plan: Plan, job: JobConfig, model: nn.Module) -> JobConfig:
         if names:
             raise ValueError(f"the plan {what} ({', '.join(names)}), which the main job does not run: plan it with "
                              f"hetero plan (or --plan auto), or apply it with hetero.apply")
+    if plan.ssd_tables and job.tables.storage is not TableStorage.AUTO:
+        raise ValueError(f"the plan puts tables on the SSD tier ({', '.join(plan.ssd_tables)}) and tables.storage is "
+                         f"{job.tables.storage.value}: set tables.storage = auto (--table-storage auto), or plan again")
     p, default = job.parallelism, Parallelism()
     sharding = TableSharding.ROW if c.tables is TablePlacement.ROW_SHARDED else TableSharding.REPLICATED
     # (key, the job's value, its default, the plan's), values as the job file writes them

@@ -19,13 +19,13 @@ import torch
 from hetero import parallel, ps
 from hetero.cli.data import job_data
 from hetero.cli.errors import report_error
-from hetero.cli.plan import dense_optimizer, job_model, job_plan, plan_changes, planning_batches
+from hetero.cli.plan import dense_optimizer, job_model, job_plan, plan_changes, planning_batches, ssd_settings
 from hetero.config.job import JobConfig, Resume, TableSharding, TableStorage
 from hetero.config.manager import locate
 from hetero.config.toml import job_to_dict, job_to_toml
 from hetero.data import BatchConfig, Batches
 from hetero.data.stream import StreamBatches
-from hetero.embedding import dense_parameters, host_tables, set_num_threads
+from hetero.embedding import dense_parameters, host_tables, move_tables_to_ssd, set_num_threads
 from hetero.models.wide_deep import mlp_sharding_plan, pipeline_split_points
 from hetero.optim import FTRLConfig, SparseOptimizerKind
 from hetero.optim.host_state import storage_bytes
@@ -89,12 +89,17 @@ def build_trainer(job: JobConfig, dims: ParallelDims | None = None, ps_job: ps.P
     data = job_data(job, dims.dp_group)
     # a parameter server runs no model: it keeps it on the host and leaves the accelerator alone
     device = torch.device("cpu") if server else resolve_device(Target.DEVICE)
+    if job.tables.storage is TableStorage.AUTO and not job.planner.plan:
+        raise ValueError("tables.storage = auto (--table-storage auto) lets the planner choose: add --plan auto (and "
+                         "planner.host_memory, the budget the tables must fit), or choose memory or ssd")
     model, model_config = job_model(job, data.specs, data.num_dense, device)
     planned = strategy = None
     recompute = RecomputeConfig()
     if job.planner.plan:
         planned = job_plan(job, model, planning_batches(job, data.train))
         job = plan_changes(planned, job, model)  # the table placement and ZeRO stage it chose
+        if planned.ssd_tables:  # the tables it puts on the SSD tier (this job's directory: the plan chose which)
+            move_tables_to_ssd(model, list(planned.ssd_tables), ssd_settings(job))
         dims = job_dims(job).build()  # (a data-parallel job: its ZeRO stage's mesh over every rank)
         recompute = planned.recompute_config()
     p, o = job.parallelism, job.optimizer
@@ -153,8 +158,9 @@ def _log_tables(job: JobConfig, model: torch.nn.Module, data, device: torch.devi
     n_rows = sum(t.config.num_embeddings for t in tables.values())
     servers = job.parameter_server.servers
     where = f"on {servers} parameter servers" if servers else f"on this host ({job.parallelism.table_sharding.value})"
-    if job.tables.storage is TableStorage.SSD:
-        where = f"on the SSD tier in {job.tables.ssd_path or job.checkpoint.run_dir / 'ssd'} ({job.tables.cache_mb} MiB " \
+    on_ssd = [n for n, t in tables.items() if t.config.ssd is not None]
+    if on_ssd:
+        where = (f"{len(on_ssd)} of them " if len(on_ssd) < len(tables) else "") + f"on the SSD tier in {job.tables.ssd_path or job.checkpoint.run_dir / 'ssd'} ({job.tables.cache_mb} MiB " \
                 f"row cache per table group)"
     log.info("hetero: %s training samples; %d host tables, %d rows, %.1f MB %s; MLP on %s",
              "streamed" if isinstance(data.train, StreamBatches) else len(data.train), len(tables), n_rows,

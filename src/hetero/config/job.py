@@ -318,6 +318,7 @@ class TableStorage(enum.Enum):
 
     MEMORY = "memory"  # host DRAM
     SSD = "ssd"  # a local disk under a DRAM row cache (hetero.storage)
+    AUTO = "auto"  # the planner's choice per table (--plan auto): the SSD tier where host memory binds
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -326,7 +327,8 @@ class Tables:
 
     storage: Annotated[TableStorage, alias("--table-storage")] = TableStorage.MEMORY
     """Host memory, or the SSD tier: each row with its optimizer state in a file on a local disk, under a DRAM
-    row cache (replicated or row-sharded tables, with or without prefetch)."""
+    row cache (replicated or row-sharded tables, with or without prefetch); auto: the planner puts tables there
+    where planner.host_memory binds (with --plan auto)."""
     ssd_path: Annotated[Path | None, alias("--ssd-path")] = None
     """Directory of the SSD tier's row files (scratch of one run; default: RUN_DIR/ssd)."""
     cache_mb: Annotated[float, alias("--cache-mb"), Bounds(low=0, inclusive=False)] = 256

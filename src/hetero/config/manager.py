@@ -99,7 +99,7 @@ def _set(job: JobConfig) -> dict[str, tuple[str, bool]]:
             "parameter_server.servers": ("--ps-servers", job.parameter_server.servers > 0),
             "training.prefetch": ("--prefetch", t.prefetch), "data.stream": ("--stream", job.data.stream),
             "checkpoint.format": ("--checkpoint-format sharded", job.checkpoint.format is CheckpointFormat.SHARDED),
-            "tables.storage": ("--table-storage ssd", job.tables.storage is TableStorage.SSD)}
+            "tables.storage": (f"--table-storage {job.tables.storage.value}", job.tables.storage is not TableStorage.MEMORY)}
 
 
 # a key -> the keys the main job does not run beside it, and why

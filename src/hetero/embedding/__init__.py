@@ -4,7 +4,7 @@ The counterpart of MindSpore's ``EmbeddingLookup(target="CPU", sparse=True)``; t
 trained by the sparse optimizers in :mod:`hetero.optim`.
 """
 
-from hetero.embedding.collection import HostEmbeddingCollection, move_tables_to_device
+from hetero.embedding.collection import HostEmbeddingCollection, move_tables_to_device, move_tables_to_ssd
 from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement, RowSpace
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import set_num_threads
@@ -41,6 +41,7 @@ __all__ = [
     "host_tables",
     "init_rows",
     "move_tables_to_device",
+    "move_tables_to_ssd",
     "set_num_threads",
     "table_groups",
 ]

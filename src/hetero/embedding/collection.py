@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,8 @@ from torch import Tensor, nn
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
 from hetero.embedding.table import DeviceEmbedding, HostEmbedding, TableConfig
+from hetero.placement import StorageTier
+from hetero.storage import SsdConfig, SsdRows
 
 
 class HostEmbeddingCollection(nn.Module):
@@ -111,6 +114,50 @@ def _same_requests(a: list[list[Request]], b: list[list[Request]]) -> bool:
             if x is None or y is None or x.shape != y.shape or x.device != y.device or not torch.equal(x, y):
                 return False
     return True
+
+
+def move_tables_to_ssd(model: nn.Module, names: list[str], ssd: SsdConfig, write: bool = True) -> None:
+    """Put the host tables ``names`` (qualified names) of ``model`` on the SSD tier ``ssd``: the
+    collections holding them regroup, and each new group's store is written with the tables'
+    rows as they are now (then their host memory is let go); ``write=False``: nothing written,
+    the stores are restored from a checkpoint next. Build sparse optimizers after it.
+
+    Raises:
+        ValueError: a name that is no host table of ``model`` (listing them), or tables on the
+            tier ``ssd`` already.
+    """
+    modules = dict(model.named_modules())
+    rows: dict[HostEmbedding, Tensor] = {}  # (modules hash by identity)
+    there = [n for n, m in modules.items() if isinstance(m, HostEmbedding) and m.config.ssd == ssd]
+    if there:  # (they would regroup with the moved ones into a new store)
+        raise ValueError(f"tables {there} are on the SSD tier {ssd.directory} already: move the others to another "
+                         f"directory, or build them all there")
+    bad = [n for n in names if not isinstance(modules.get(n), HostEmbedding)]
+    if bad:  # (before anything changes)
+        tables = [n for n, m in modules.items() if isinstance(m, HostEmbedding)]
+        raise ValueError(f"{bad[0]!r} is not a host table of {type(model).__name__}; its host tables are {tables}")
+    for name in names:
+        table = modules[name]
+        rows[table] = table.weight.data
+        table.config = dataclasses.replace(table.config, storage=StorageTier.SSD, ssd=ssd)
+        # (a new parameter: a host tensor's data cannot become a meta tensor)
+        table.weight = nn.Parameter(torch.empty(tuple(table.weight.shape), dtype=table.weight.dtype, device="meta"),
+                                    requires_grad=False)
+        TableGroup([table])  # (a table outside any collection: a group of its own)
+    for m in model.modules():
+        if isinstance(m, HostEmbeddingCollection) and any(t in rows for t in m.tables.values()):
+            m.regroup()
+    moved = [m for m in modules.values() if isinstance(m, HostEmbedding) and m in rows and write]
+    for g in dict.fromkeys(m.group for m in moved):  # (each new group once, in model order; groups hash by identity)
+        def initial(lo: int, hi: int, g: TableGroup = g) -> Tensor:  # (the tables' current rows, not their seeds')
+            out = torch.empty(hi - lo, g.dim, dtype=g.dtype)
+            for t in g.tables:
+                a, b = max(lo, t.group_row), min(hi, t.group_row + t.config.num_embeddings)
+                if a < b:
+                    out[a - lo : b - lo] = rows[t][a - t.group_row : b - t.group_row]
+            return out
+
+        g.ssd = SsdRows(g.ssd_name, g.num_rows, g.dim, g.dtype, ssd, initial, g.ssd_state or {})
 
 
 def move_tables_to_device(model: nn.Module, names: list[str], device: torch.device) -> dict[str, DeviceEmbedding]:

@@ -84,6 +84,7 @@ class TableGroup:
         self.ssd_config = tables[0].config.ssd if tables[0].config.storage is StorageTier.SSD else None
         assert all(t.config.ssd == self.ssd_config for t in tables), "a group's tables share one SSD tier"
         self.ssd: SsdRows | None = None
+        self.ssd_state: dict[str, tuple[bool, float]] | None = None  # the declared layout (ssd_layout)
         # False: the state dicts (the tables', their optimizer's) leave this group's rows out - a checkpoint
         # holds them on its own, as the SSD tier's snapshots (set by hetero.train for its groups on the tier)
         self.rows_in_state_dict = True
@@ -125,17 +126,24 @@ class TableGroup:
         return self.ssd.cache.fields["weight"].index_select(0, slots[inverse])
 
     # ------------------------------------------------------------------------------ SSD tier
-    def ssd_rows(self, state: dict[str, tuple[bool, float]] | None = None) -> SsdRows:
-        """The group's rows on the SSD tier, laid out with ``state`` (name -> (one value per row,
-        initial value): the sparse optimizer's) or, when ``None``, as they are (the row alone if
-        not yet laid out). The first call writes the initial rows (each table's seeded values)."""
+    def ssd_rows(self) -> SsdRows:
+        """The group's rows on the SSD tier. The first call lays them out - writes the initial rows
+        (each table's seeded values) with the declared state (:meth:`ssd_layout`; none: the row
+        alone) - unless a checkpoint was restored first (:meth:`ssd_restore`)."""
         assert self.ssd_config is not None, "not a group on the SSD tier"
         if self.ssd is None:
             self.ssd = SsdRows(self.ssd_name, self.num_rows, self.dim, self.dtype, self.ssd_config, self._initial_rows,
-                               state or {})
-        elif state is not None:
-            self.ssd = SsdRows.for_state(self.ssd, state)
+                               self.ssd_state or {})
         return self.ssd
+
+    def ssd_layout(self, state: dict[str, tuple[bool, float]]) -> None:
+        """Declare the records' state (name -> (one value per row, initial value): the sparse
+        optimizer's). Rows already laid out are re-laid out now (one sequential pass); otherwise
+        it applies when they are first needed, so a resume that restores a checkpoint before any
+        lookup writes no initial rows."""
+        self.ssd_state = dict(state)
+        if self.ssd is not None:
+            self.ssd = SsdRows.for_state(self.ssd, state)
 
     @property
     def ssd_name(self) -> str:
@@ -170,11 +178,11 @@ class TableGroup:
         return self.ssd_rows().checkpoint(dest, self.first_row)
 
     def ssd_restore(self, parts: list[tuple[Path, dict]]) -> None:
-        """The rows on the SSD tier from snapshots ``parts`` (:meth:`SsdRows.restore`), laid out
-        as they are now (the optimizer's state included), or, not laid out yet, as saved."""
-        if self.ssd is None:
+        """The rows on the SSD tier from snapshots ``parts`` (:meth:`SsdRows.restore`), in the
+        declared or current layout (the optimizer's state included), or, with none declared, as saved."""
+        if self.ssd is None:  # (no initial rows written: the store is the snapshot's)
             self.ssd = SsdRows.from_snapshots(self.ssd_name, self.num_rows, self.dim, self.dtype, self.ssd_config, parts,
-                                              self.first_row)
+                                              self.first_row, self.ssd_state)
         else:
             self.ssd.restore(parts, self.first_row)
 

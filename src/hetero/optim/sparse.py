@@ -147,7 +147,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         }
         for g in self.groups:
             if g.ssd_config is not None:  # each row's record: the row, then this optimizer's state
-                g.ssd_rows({s: (self.rowwise_state, self._state_initial(s)) for s in self.state_names})
+                g.ssd_layout({s: (self.rowwise_state, self._state_initial(s)) for s in self.state_names})
         for name, views in self._state_views().items():
             self.state[self.tables[name].weight] = views
 

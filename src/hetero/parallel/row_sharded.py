@@ -39,6 +39,7 @@ from hetero.embedding import RowExchange, RowPlacement, RowSpace, SparseGrad, ho
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import copy_to, host_empty
+from hetero.storage import SsdRows
 from hetero.parallel.env import active, host_group, rank, world_size
 
 
@@ -188,11 +189,12 @@ def shard_rows(module: nn.Module) -> int:
             continue
         total = group.num_rows
         lo, hi = block_range(total, r, n)
-        if group.ssd_config is not None:  # the SSD tier: the shard's rows are laid out when first needed, from row lo
-            if group.ssd is not None:
-                raise ValueError(f"tables {[t.name for t in group.tables]} are on the SSD tier and already laid out: "
-                                 f"shard their rows before their first lookup or sparse optimizer")
+        if group.ssd_config is not None:  # the SSD tier: the shard's rows laid out when first needed, from row lo
             shard = torch.empty((hi - lo, group.dim), dtype=group.dtype, device="meta")
+            if group.ssd is not None:  # laid out whole already: this rank's block of it replaces it
+                old = group.ssd
+                group.ssd = SsdRows(old.name, hi - lo, group.dim, group.dtype, old.config, None, old.state, previous=old,
+                                    first=lo)
         else:
             shard = host_empty((hi - lo, group.dim), group.dtype)
             shard.copy_(group.storage[lo:hi])

@@ -22,6 +22,7 @@ sparse optimizers, device tables torch's of the same rule. The result,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,12 +31,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from hetero.embedding import dense_parameters, host_tables, move_tables_to_device
+from hetero.embedding import dense_parameters, host_tables, move_tables_to_device, move_tables_to_ssd
 from hetero.optim import SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, host_part
 from hetero.parallel.dims import ParallelDims
 from hetero.parallel.parallelize import ParallelPlan, parallelize
-from hetero.parallel.env import world_size
+from hetero.parallel.env import global_rank, world_size
 from hetero.parallel.mesh import MeshDim
 from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
@@ -101,6 +102,8 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
                          f"makes one)")
     # the plan's device tables: one host->device copy of each, before the partition (a device leaf there)
     moved = move_tables_to_device(model.to(device) if c.tp > 1 else model, list(plan.device_tables), device)
+    if plan.ssd_tables:  # the plan's tables on the SSD tier: their rows written to its store, their memory let go
+        move_tables_to_ssd(model, list(plan.ssd_tables), plan.ssd)
     # the composition root's operator sharding (before recompute, whose regions replay the sharded
     # operators, and before the partition, which keeps a sharded module whole: its layouts are
     # hooks; host units run whole, unsharded) and recompute regions
@@ -157,6 +160,9 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     its state sharded), HostAdamW or PartialOffloadAdamW, every rank its share of the batch."""
 
     c = plan.candidate
+    if plan.ssd_tables:  # (before the row sharding and the optimizers: this rank's store, laid out whole, then cut)
+        move_tables_to_ssd(model, list(plan.ssd_tables),
+                           dataclasses.replace(plan.ssd, directory=plan.ssd.directory / f"rank{global_rank()}"))
     # (the dense host units: a unit of host tables places itself)
     hosted, streamed = list(plan.placement_spec(model).modules), plan.streamed_units()
     tables = host_tables(model)

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from hetero.planner.calibration_types import Curve, LinearRate, TableRate
+from hetero.planner.calibration_types import Curve, DiskRate, LinearRate, TableRate
+from hetero.planner.disk import measure_disk
 from hetero.planner.graph import ModelGraph, OpCost, OpFamily
 from hetero.planner.timing import (
     copy_curves,
@@ -98,6 +99,8 @@ class Calibration:
         seconds: how long the measurement took.
         device_tables: sparse optimizer kind value -> :class:`TableRate` of tables moved to
             the device (torch's sparse optimizers: LazyAdam, Adagrad, SGD).
+        disks: a disk's key (:func:`disk_key`) -> its :class:`DiskRate` (the SSD tier's; measured
+            the first time a plan may put tables on it, :func:`disk`).
     """
 
     key: str
@@ -115,6 +118,7 @@ class Calibration:
     collectives: dict[str, dict[str, Curve]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     device_tables: dict[str, TableRate] = dataclasses.field(default_factory=dict)
+    disks: dict[str, DiskRate] = dataclasses.field(default_factory=dict)
 
     def optimizer_rate(self, kind: OptimizerKind, on: Target = Target.DEVICE) -> LinearRate:
         """torch's dense optimizer ``kind`` stepping on ``on``'s cores (the device's or the host's)."""
@@ -168,7 +172,8 @@ class Calibration:
             {k: TableRate(**v) for k, v in doc["tables"].items()}, doc["op_overhead_s"], doc["handoff_s"],
             doc["shapes"],
             {k: {c: curve(v) for c, v in coll.items()} for k, coll in doc.get("collectives", {}).items()},
-            doc.get("seconds", 0.0), {k: TableRate(**v) for k, v in doc.get("device_tables", {}).items()})
+            doc.get("seconds", 0.0), {k: TableRate(**v) for k, v in doc.get("device_tables", {}).items()},
+            {k: DiskRate(**v) for k, v in doc.get("disks", {}).items()})
 
 
 def machine_key() -> tuple[str, str]:
@@ -231,6 +236,30 @@ def collectives(calibration: Calibration, world: int, cache_dir: Path | None = N
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         _write(path, calibration)
+
+
+def disk_key(directory: Path) -> str:
+    """The key of the disk holding ``directory`` (or its nearest existing parent): its device number."""
+    path = Path(directory).resolve()
+    while not path.exists():
+        path = path.parent
+    return f"dev{os.stat(path).st_dev}"
+
+
+def disk(calibration: Calibration, directory: Path, cache_dir: Path | None = None) -> DiskRate:
+    """The :class:`DiskRate` of the disk holding ``directory``: measured there the first time
+    (:func:`hetero.planner.disk.measure_disk`, a second or so), then cached with the rest."""
+    from filelock import FileLock
+
+    key = disk_key(directory)
+    if key not in calibration.disks:
+        log.info("hetero: measuring the disk of %s for the SSD tier (once; cached)", directory)
+        calibration.disks[key] = measure_disk(Path(directory))
+        path = cache_path(cache_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            _write(path, calibration)
+    return calibration.disks[key]
 
 
 def _read(path: Path) -> Calibration | None:

@@ -81,3 +81,15 @@ class TableRate:
         return lookups + self.update_fixed + self.update_per_table * tables + \
             (self.update_per_row + self.update_per_row_element * dim) * rows + \
             self.update_per_id_element * dim * ids_per_pass * passes
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskRate:
+    """A local disk as the SSD tier uses it (:mod:`hetero.planner.disk` measures it): seconds
+    per record read at random - its misses, issued by the tier's I/O threads, the page cache
+    dropped first - and per byte appended - its write-backs, sequential. A record of up to a
+    4 KiB page costs one read whatever its size (``record_bytes``: the size measured)."""
+
+    read_s: float
+    write_s_per_byte: float
+    record_bytes: int

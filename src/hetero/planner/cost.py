@@ -32,8 +32,10 @@ from typing import Protocol
 from hetero.optim import DEVICE_SPARSE_OPTIMIZERS, SparseOptimizerKind
 from hetero.placement import Target
 from hetero.planner.calibration import Calibration
+from hetero.planner.calibration_types import DiskRate
 from hetero.planner.graph import ModelGraph, OpCost, OpFamily, TableInfo, Unit
 from hetero.parallel.comm import Collective
+from hetero.storage import SsdConfig
 from hetero.planner.space import (
     CostPart,
     STREAMED,
@@ -144,20 +146,23 @@ class MeasuredCost:
             modules owning their parameters: :func:`hetero.planner.capture.streamable_units`).
         shares: by ``dp`` degree, the model captured on a rank's share of the batch (its ops
             timed at those shapes; without one, the global batch's ops scaled to the share).
+        ssd: host tables may go on the SSD tier with these settings (its cache budget per
+            group), priced with ``disk`` (this disk's :class:`DiskRate`); ``None``: they stay in memory.
     """
 
     def __init__(self, graph: ModelGraph, calibration: Calibration, optimizer: OptimizerKind,
                  sparse: Mapping[str, SparseOptimizerKind] = {}, pinned: Mapping[str, Target] = {},
                  host_units: bool = True, tensor: Mapping[int, TensorSharding] = {},
                  device_tables: bool = True, staged_tensor: Mapping[int, TensorSharding] = {},
-                 streamable: frozenset[str] = frozenset(), shares: Mapping[int, ModelGraph] = {}) -> None:
+                 streamable: frozenset[str] = frozenset(), shares: Mapping[int, ModelGraph] = {},
+                 ssd: SsdConfig | None = None, disk: DiskRate | None = None) -> None:
         self.graph, self.cal, self.optimizer, self.shares = graph, calibration, optimizer, shares
         self.units = [u for u in graph.units if u.name]
         self.root = next(u for u in graph.units if not u.name)
         self.sparse, self.pinned, self.host_units, self.tensor = sparse, pinned, host_units, tensor
         self.streamable = streamable
         self.staged_tensor = staged_tensor
-        self.tables = TablePricing(graph, calibration, sparse)
+        self.tables = TablePricing(graph, calibration, sparse, ssd, disk)
         self._movable: dict[int, list[TableInfo]] = {}
         # remembered: the searches ask for the same unit's passes under many candidates (the hot spot)
         self._pass_seconds: dict[tuple[str, bool, Target, int, int], float] = {}
@@ -167,6 +172,14 @@ class MeasuredCost:
             movable = [t for t in u.tables if device_tables and t.row_bytes == 4 * t.dim and
                        kinds[t.name] in DEVICE_SPARSE_OPTIMIZERS and kinds[t.name].value in calibration.device_tables]
             self._movable[i] = sorted(movable, key=lambda t: -self.tables.ids(t) / self.tables.device_bytes(t))
+
+    def ssd_order(self, i: int) -> list[TableInfo]:
+        """Unit ``i``'s tables in the order they go on the SSD tier (:class:`UnitChoice`'s
+        ``ssd_tables = k``: the first ``k``): the fewest looked-up ids per byte of table first
+        (the coldest host memory is given up first); empty without the planner's ``ssd``."""
+        if self.tables.ssd is None:
+            return []
+        return sorted(self.units[i].tables, key=lambda t: self.tables.ids(t) / (t.rows * t.row_bytes))
 
     def table_order(self, i: int) -> list[TableInfo]:
         """Unit ``i``'s tables that may move to the device (float32 rows, a sparse optimizer torch
@@ -202,7 +215,8 @@ class MeasuredCost:
             movable = self.table_order(i) if c.dp == 1 else []
             return (UnitChoice(Target.HOST),) + tuple(
                 UnitChoice(Target.DEVICE if k == len(u.tables) else Target.HOST, device_tables=k)
-                for k in range(1, len(movable) + 1))
+                for k in range(1, len(movable) + 1)) + tuple(
+                UnitChoice(Target.HOST, ssd_tables=k) for k in range(1, len(self.ssd_order(i)) + 1))
         out = [x for x in UNIT_CHOICES if not (x.recompute and not u.saved_bytes)
                and (self.host_units or x.target is Target.DEVICE or u.name in self.pinned)
                and (x.target is Target.DEVICE or c.takes_host_units()
@@ -241,7 +255,8 @@ class MeasuredCost:
     def _unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.units[i]
         if u.tables:
-            seconds, device, host = self.tables.unit(u, c, self.table_order(i)[:choice.device_tables])
+            seconds, device, host = self.tables.unit(u, c, self.table_order(i)[:choice.device_tables],
+                                                     self.ssd_order(i)[:choice.ssd_tables])
             return UnitCost(seconds, device_static=device, host_bytes=host)
         s = self._scale(c)
         compute = self._passes(u.name, False, choice.target, c) * (2 if choice.recompute else 1) + \

@@ -25,6 +25,7 @@ from hetero.parallel.operator_plan import OpStrategy, ShardingPlan
 from hetero.parallel.recompute import RecomputeConfig
 from hetero.planner.graph import Granularity
 from hetero.planner.space import Candidate, CostPart, OptimizerKind, StateHome, TablePlacement, UnitChoice
+from hetero.storage import CachePolicy, SsdConfig
 
 FORMAT_VERSION = 1
 
@@ -107,6 +108,9 @@ class Plan:
         split_points: with ``pp > 1``, the pipeline units where stages ``1..pp-1`` begin
             (:class:`~hetero.parallel.pipeline_plan.PipelineConfig`'s).
         granularity: what one of ``units`` is (blocks, or leaf modules: per-op placement).
+        ssd_tables: the tables the plan puts on the SSD tier (``ssd``: its settings), by qualified name;
+            ``ssd_hit_rate``: the expected row hit rate of their caches (of the distinct rows a
+            step touches; :meth:`hetero.planner.table_cost.TablePricing.ssd_cost`).
     """
 
     model: str
@@ -129,6 +133,9 @@ class Plan:
     device_tables: tuple[str, ...] = ()
     split_points: tuple[str, ...] = ()
     granularity: Granularity = Granularity.BLOCKS
+    ssd_tables: tuple[str, ...] = ()
+    ssd_hit_rate: float | None = None
+    ssd: SsdConfig | None = None
 
     # ---------------------------------------------------------------- what it asks of a model
     def host_units(self) -> list[str]:
@@ -191,7 +198,7 @@ class Plan:
             "device_memory": self.device_memory, "host_memory": self.host_memory, "optimizer": self.optimizer.value,
             "candidate": {**dataclasses.asdict(c), "state": c.state.value, "tables": c.tables.value},
             "units": {k: {"target": v.target.value, "recompute": v.recompute, "device_tables": v.device_tables,
-                          "weights": v.weights.value} for k, v in self.units.items()},
+                          "weights": v.weights.value, "ssd_tables": v.ssd_tables} for k, v in self.units.items()},
             "annotations": {k: v.value for k, v in self.annotations.items()},
             "predicted": {**dataclasses.asdict(self.predicted),
                           "parts": {k.value: v for k, v in self.predicted.parts.items()}},
@@ -201,6 +208,9 @@ class Plan:
                              list(v.out_strategy), "local_output": v.use_local_output} for k, v in self.sharding.items()},
             "kept_sharding": list(self.kept_sharding), "device_tables": list(self.device_tables),
             "split_points": list(self.split_points), "granularity": self.granularity.value,
+            "ssd_tables": list(self.ssd_tables), "ssd_hit_rate": self.ssd_hit_rate,
+            "ssd": None if self.ssd is None else {"directory": str(self.ssd.directory), "cache_bytes": self.ssd.cache_bytes,
+                                                  "policy": self.ssd.policy.value, "io_threads": self.ssd.io_threads},
         }
 
     @staticmethod
@@ -214,7 +224,7 @@ class Plan:
             return Plan(doc["model"], doc["batch"], doc["world_size"], doc["device_memory"], doc["host_memory"],
                         OptimizerKind(doc["optimizer"]), Candidate(**cand),
                         {k: UnitChoice(Target(v["target"]), v["recompute"], v.get("device_tables", 0),
-                                       Target(v.get("weights", "device")))
+                                       Target(v.get("weights", "device")), v.get("ssd_tables", 0))
                          for k, v in doc["units"].items()},
                         {k: Target(v) for k, v in doc["annotations"].items()}, _prediction(doc["predicted"]),
                         [Decision(**d) for d in doc["decisions"]], SearchReport(**doc["search"]), doc["machine"],
@@ -222,7 +232,10 @@ class Plan:
                         {k: OpStrategy(tuple(tuple(x) for x in v["in"]), None if v["out"] is None else tuple(v["out"]),
                                        v["local_output"]) for k, v in doc.get("sharding", {}).items()},
                         dict(layout or {}), tuple(doc.get("kept_sharding", ())), tuple(doc.get("device_tables", ())),
-                        tuple(doc.get("split_points", ())), Granularity(doc.get("granularity", "blocks")))
+                        tuple(doc.get("split_points", ())), Granularity(doc.get("granularity", "blocks")),
+                        tuple(doc.get("ssd_tables", ())), doc.get("ssd_hit_rate"),
+                        None if doc.get("ssd") is None else SsdConfig(**{**doc["ssd"],
+                                                                         "policy": CachePolicy(doc["ssd"]["policy"])}))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a hetero plan ({type(e).__name__}: {e})") from None
 
@@ -281,6 +294,9 @@ class Plan:
                       (", output made whole" if v.use_local_output else "") for k, v in self.sharding.items()]
         if self.device_tables:
             lines.append("tables on the device: " + ", ".join(self.device_tables))
+        if self.ssd_tables:
+            lines.append("tables on the SSD tier: " + ", ".join(self.ssd_tables) + f" ({self.ssd.directory}, a row cache "
+                         f"of {mb(self.ssd.cache_bytes)} per group; expected row hit rate {self.ssd_hit_rate:.0%})")
         if self.split_points:
             lines.append(f"pipeline: {self.candidate.pp} stages (1F1B, {self.candidate.micro_batches} micro-batches), "
                          f"stages 1.. begin at " + ", ".join(self.split_points))

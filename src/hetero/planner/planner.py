@@ -33,11 +33,12 @@ from hetero.parallel.operator_plan import ShardingPlan
 from hetero.placement import PlacementSpec, Target
 from hetero.placement.capture import capture_failure
 from hetero.planner.applied import split_batch
-from hetero.planner.calibration import calibrate, collectives, time_shapes
+from hetero.planner.calibration import calibrate, collectives, disk, time_shapes
 from hetero.planner.capture import capture, streamable_units
 from hetero.planner.cost import CostModel, MeasuredCost
 from hetero.planner.graph import Granularity
 from hetero.parallel.pipeline_plan import pipeline_units
+from hetero.storage import SsdConfig
 from hetero.planner.pipeline import (Stages, cut_positions, pipeline_failure, priced_stages, search_stages, split_points,
                                      stage_decisions)
 from hetero.planner.plan import Decision, Plan, Prediction, SearchReport
@@ -99,6 +100,10 @@ class PlannerConfig:
             for a training loop that keeps its tables on the host, as the main job's).
         granularity: what one unit is: the model's blocks, or every leaf module (per-op
             placement: finer plans, a longer search).
+        ssd: host tables may go on the SSD tier with these settings (``hetero.apply`` puts them
+            there), when host memory is the binding budget: the tier is slower, so a plan within
+            the budgets without it is faster; its disk is measured once (:func:`disk`). ``None``
+            (default): tables stay in memory.
     """
 
     method: SearchMethod = SearchMethod.AUTO
@@ -109,6 +114,7 @@ class PlannerConfig:
     memory_margin: float = 0.05
     device_tables: bool = True
     granularity: Granularity = Granularity.BLOCKS
+    ssd: SsdConfig | None = None
 
 
 class NoPlanError(ValueError):
@@ -192,7 +198,8 @@ class Planner:
                                  host_units=self.untraceable is None, tensor=self.tensor,
                                  device_tables=config.device_tables, staged_tensor=self.staged_tensor,
                                  streamable=streamable_units(model, [u.name for u in self.graph.units if u.name and not u.tables])
-                                 if self.untraceable is None else frozenset())
+                                 if self.untraceable is None else frozenset(), ssd=config.ssd,
+                                 disk=disk(self.calibration, config.ssd.directory, config.cache_dir) if config.ssd else None)
         self.biased = Biased(self.cost, config.tolerance)  # the searches' tie-break (its mean unit remembered)
         sizes = {c.dp for c in self.settings} | {c.tp for c in self.settings} | {2 for c in self.settings if c.pp > 1}
         for n in sorted(sizes):  # collectives' rates (once; a pipeline's sends as 2 ranks' all-gather)
@@ -337,11 +344,14 @@ class Planner:
             a.seconds, a.device_bytes, a.host_bytes,
             {CostPart.SLOWEST_STAGE: a.seconds})
         moved = tuple(table.name for i, ch in enumerate(a.choices) for table in self.cost.table_order(i)[:ch.device_tables])
+        on_ssd = [table for i, ch in enumerate(a.choices) for table in self.cost.ssd_order(i)[:ch.ssd_tables]]
+        hit = self.cost.tables.ssd_cost(on_ssd, c)[2] if on_ssd else None
         return Plan(self.model_name, self.graph.batch, self.world_size, device_memory, host_memory, self.optimizer, c,
                     dict(zip(self.cost.names(), a.choices)), dict(self.pinned), predicted, decisions,
                     report, self.calibration.machine, self.calibration.host_is_device,
                     dict(t.strategies) if t else {}, dict(t.layout) if t else {}, t.annotated if t else (), moved,
-                    split_points(self.cost.names(), self.pipeline_units, a.cuts), self.config.granularity)
+                    split_points(self.cost.names(), self.pipeline_units, a.cuts), self.config.granularity,
+                    tuple(t.name for t in on_ssd), hit, self.config.ssd if on_ssd else None)
 
 
 def plan(model: nn.Module, example_inputs: tuple[Any, ...], *, device_memory: int | None = None,

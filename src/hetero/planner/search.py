@@ -324,7 +324,7 @@ class _Delegating:
 class Biased(_Delegating):
     """A cost model whose recomputed, streamed or host units, moved tables and host/device switches cost
     more (the search's tie-break): a recompute (streaming, a dense unit on the host) ``tolerance`` of the unit's seconds, tables moved to the
-    device that of the unit's host tables, a switch that of the mean unit's (a host unit inside a
+    device or the SSD tier that of the unit's host tables, a switch that of the mean unit's (a host unit inside a
     stretch of device units, and the reverse, then loses a tie)."""
 
     inner: MeasuredCost
@@ -333,7 +333,7 @@ class Biased(_Delegating):
 
     def unit(self, i: int, choice: UnitChoice, c: Candidate) -> UnitCost:
         u = self.inner.unit(i, choice, c)
-        if choice.device_tables:  # tables moved cost a tolerance of their host work
+        if choice.device_tables or choice.ssd_tables:  # tables moved (to the device, the SSD tier) cost a tolerance of their host work
             host = self.inner.unit(i, UnitChoice(Target.HOST), c).seconds
             return dataclasses.replace(u, seconds=u.seconds + self.tolerance * host)
         changed = choice.recompute or choice.weights is Target.HOST or \

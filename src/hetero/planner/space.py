@@ -102,14 +102,21 @@ class UnitChoice:
             backward - and their gradients back: the parameter offload of ZeRO-Offload/Infinity
             (Ren et al. 2021; Rajbhandari et al. 2021; DeepSpeed's ``offload_param``), decided
             per unit. No recompute with it.
+        ssd_tables: a unit of host tables: how many of them go on the SSD tier (the planner's
+            ``ssd`` setting), the first in the cost model's SSD order
+            (:meth:`hetero.planner.cost.MeasuredCost.ssd_order`: the fewest looked-up ids per
+            byte first); the rest stay in host memory.
     """
 
     target: Target = Target.DEVICE
     recompute: bool = False
     device_tables: int = 0
     weights: Target = Target.DEVICE
+    ssd_tables: int = 0
 
     def __str__(self) -> str:
+        if self.ssd_tables:
+            return f"host, {self.ssd_tables} table(s) on the SSD tier"
         if self.device_tables and self.target is Target.HOST:
             return f"host, {self.device_tables} table(s) on the device"
         if self.weights is Target.HOST:

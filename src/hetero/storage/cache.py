@@ -38,6 +38,7 @@ import torch
 from hetero.placement import host_empty
 from hetero.storage.records import RowFile, StagedRecords, io_kernels
 
+FLUSH_CHUNK = 1 << 16  # slots written back per piece by flush()
 LFU_MAX_COUNT = 15  # GCLOCK's ceiling: a row hit 15 times survives 15 passes of the hand
 
 
@@ -174,9 +175,10 @@ class RowCache:
         """Write every updated row back to the file (they stay cached, now clean); not yet durable
         (``file.seal()``)."""
         slots = np.flatnonzero(self.dirty).astype(np.int64)
-        if slots.shape[0]:
-            self._write(self.slot_row[slots], slots)
-            self.dirty[slots] = False
+        for lo in range(0, slots.shape[0], FLUSH_CHUNK):  # (in pieces: a whole cache's records at once would double it)
+            part = slots[lo : lo + FLUSH_CHUNK]
+            self._write(self.slot_row[part], part)
+            self.dirty[part] = False
 
     def clear(self) -> None:
         """Forget every cached row (after :meth:`flush`: an update not yet written back is lost)."""

@@ -28,6 +28,7 @@ import torch
 from hetero._numba import load
 
 IO_CHUNK = 256  # records per task handed to an I/O thread (small batches still spread over the pool)
+APPEND_CHUNK = 1 << 16  # records appended per piece (bounds the staging buffer a store keeps)
 
 
 def io_kernels() -> ModuleType:
@@ -311,8 +312,8 @@ class RowFile:
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
         """``records`` (``(len(rows), record_bytes)`` uint8) as the new records of the unique
         ``rows`` (appended; not yet durable: :meth:`seal`)."""
-        if rows.shape[0]:
-            self._append(rows, records)
+        for lo in range(0, rows.shape[0], APPEND_CHUNK):  # (in pieces: the staging of one piece is kept for the next)
+            self._append(rows[lo : lo + APPEND_CHUNK], records[lo : lo + APPEND_CHUNK])
 
     def stage(self, rows: np.ndarray) -> StagedRecords:
         """Read the current records of ``rows`` (unique int64) ahead of their use, from any thread

@@ -28,7 +28,10 @@ InitRows = Callable[[int, int], torch.Tensor]  # rows [lo, hi) of the group's we
 
 class SsdRows:
     """``rows`` rows of ``dim`` values of ``dtype`` with state ``state`` (name -> (scalar, initial
-    value)) in a record file of ``config.directory`` under a :class:`RowCache`.
+    value)) in a record store of ``config.directory`` under a :class:`RowCache`. Their first
+    values: ``init(lo, hi)`` (rows), or ``records(lo, hi)`` (whole records), or the rows
+    ``[first, first + rows)`` of ``previous``, which this replaces (another layout, or a shard
+    of it: written beside it, then moved into its place).
 
     Thread contract: as :class:`RowCache`.
 
@@ -39,7 +42,7 @@ class SsdRows:
 
     def __init__(self, name: str, rows: int, dim: int, dtype: torch.dtype, config: SsdConfig, init: InitRows | None,
                  state: Mapping[str, tuple[bool, float]] = {}, previous: "SsdRows | None" = None,
-                 records: Callable[[int, int], np.ndarray] | None = None) -> None:
+                 records: Callable[[int, int], np.ndarray] | None = None, first: int = 0) -> None:
         self.name, self.rows, self.dim, self.dtype, self.config = name, rows, dim, dtype, config
         self.state = dict(state)
         self.layout = layout(dtype, dim, state)
@@ -48,7 +51,8 @@ class SsdRows:
         path = final if previous is None else final.with_suffix(".relayout")  # beside the old store until done
         if previous is not None:
             previous.cache.flush()
-        source = (lambda lo, hi: previous._records_with(self.layout, self.state, lo, hi)) if previous is not None \
+        source = (lambda lo, hi: previous._records_with(self.layout, self.state, lo + first, hi + first)) \
+            if previous is not None \
             else records or (lambda lo, hi: self._initial(init, lo, hi))
         self._adopt(RowFile(path, self.layout, rows, config.io_threads, init=source))
         if previous is not None:
@@ -72,12 +76,14 @@ class SsdRows:
 
     @classmethod
     def from_snapshots(cls, name: str, rows: int, dim: int, dtype: torch.dtype, config: SsdConfig,
-                       parts: list[tuple[Path, dict]], first_row: int = 0) -> "SsdRows":
-        """Rows (with the state they were saved with) from snapshots, as :meth:`restore`, without
-        writing initial rows first (a model restored to be scored)."""
+                       parts: list[tuple[Path, dict]], first_row: int = 0,
+                       state: Mapping[str, tuple[bool, float]] | None = None) -> "SsdRows":
+        """Rows with ``state`` (default: the state they were saved with) from snapshots, as
+        :meth:`restore`, without writing initial rows first."""
         self = cls.__new__(cls)
         self.name, self.rows, self.dim, self.dtype, self.config = name, rows, dim, dtype, config
-        self.state = {k: tuple(v) for k, v in parts[0][1]["extra"]["state"].items()}
+        saved = {k: tuple(v) for k, v in parts[0][1]["extra"]["state"].items()} if parts else {}
+        self.state = dict(state) if state is not None else saved
         self.layout = layout(dtype, dim, self.state)
         config.directory.mkdir(parents=True, exist_ok=True)
         self._restore(parts, first_row)
