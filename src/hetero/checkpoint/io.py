@@ -33,12 +33,18 @@ def save_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    fsync_path(path.parent)  # make the rename itself durable
     return path
+
+
+def fsync_path(path: str | Path) -> None:
+    """``fsync`` a file or a directory by its path (a directory: its entries - renames, new and
+    deleted files - become durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetero.checkpoint.io import CheckpointError
+from hetero.checkpoint.io import CheckpointError, fsync_path
 from hetero.checkpoint.integrity import (
     sha256_file,
     write_checksums,
@@ -56,14 +56,6 @@ def _single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_sharded(state: Mapping[str, Any], path: str | Path) -> Path:
@@ -98,7 +90,7 @@ def save_sharded(state: Mapping[str, Any], path: str | Path) -> Path:
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)  # the renames themselves are durable
+        fsync_path(path.parent)  # the renames themselves are durable
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return path

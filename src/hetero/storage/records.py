@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hetero._numba import load
+from hetero.checkpoint.io import fsync_path
 
 IO_CHUNK = 256  # records per task handed to an I/O thread (small batches still spread over the pool)
 APPEND_CHUNK = 1 << 16  # records appended per piece (bounds the staging buffer a store keeps)
@@ -367,11 +368,7 @@ class RowFile:
             os.fsync(int(self.fds[s]))
         self._unsynced.clear()
         self._tail_used = self.segment
-        fd = os.open(self.path, os.O_RDONLY)  # the directory: its new and deleted entries durable too
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(self.path)  # the directory: its new and deleted entries durable too
 
     def close(self) -> None:
         self._pool.shutdown()

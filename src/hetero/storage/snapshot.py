@@ -32,20 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetero.checkpoint.io import CheckpointError
+from hetero.checkpoint.io import CheckpointError, fsync_path
 from hetero.storage.records import Field, RecordLayout, RowFile
 
 MANIFEST, INDEX = "manifest.json", "index.bin"
 FORMAT = 1
 _CHUNK = 16 << 20  # bytes per read while checking a file's CRC-32
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -56,7 +48,7 @@ def _link(src: Path, dst: Path) -> None:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
         shutil.copyfile(src, dst)
-        _fsync(dst)
+        fsync_path(dst)
 
 
 def _layout_to_json(layout: RecordLayout) -> list:
@@ -97,7 +89,7 @@ def write(file: RowFile, dest: str | os.PathLike, extra: dict[str, Any] | None =
             f.flush()
             os.fsync(f.fileno())
         os.replace(dest / (MANIFEST + ".tmp"), dest / MANIFEST)
-        _fsync(dest)
+        fsync_path(dest)
     except OSError as e:
         raise OSError(e.errno, f"writing the checkpoint of {file.path.name} in {dest} failed: {e.strerror}; free "
                                f"space there (the last checkpoint is intact), then resume from it") from None
