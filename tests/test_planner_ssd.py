@@ -11,7 +11,7 @@ import hetero
 from hetero.planner.apply import OptimizerConfig, apply
 from hetero.planner.plan import Plan
 from hetero.planner.planner import Planner, PlannerConfig
-from hetero.planner.space import Target, UnitChoice
+from hetero.planner.space import Candidate, Target, UnitChoice
 from hetero.storage import SsdConfig
 
 from test_planner import _bce, _wide_deep, train_beside
@@ -42,10 +42,14 @@ def test_a_host_budget_below_the_tables_puts_the_coldest_on_the_ssd_tier_and_app
            f"expected row hit rate {plan.ssd_hit_rate:.0%})" in text, text
     again = Plan.from_dict(plan.to_dict())
     assert (again.ssd_tables, again.ssd, again.units) == (plan.ssd_tables, plan.ssd, plan.units)
-    # hetero.apply puts the table there; it trains as the same table in memory, bit for bit
+    # hetero.apply puts the table there; it trains as the same table in memory, bit for bit (the plan
+    # priced with the rest as one process trains: the search may pick micro-batches or another state
+    # home on another calibration, which sum in another order)
+    given = planner.price(Candidate(), {"wide": UnitChoice(Target.HOST), "deep": UnitChoice(Target.HOST, ssd_tables=1)})
+    assert given.ssd_tables == plan.ssd_tables and given.ssd == ssd
     reference = _wide_deep()[0]
     fresh = _wide_deep()[0]
-    applied = apply(fresh, plan, OptimizerConfig(lr=1e-2))
+    applied = apply(fresh, given, OptimizerConfig(lr=1e-2))
     tables = host_tables(fresh)
     assert [n for n, t in tables.items() if t.config.storage is StorageTier.SSD] == ["deep.tables.deep_a"]
     assert tables["deep.tables.deep_a"].weight.is_meta  # (its host memory let go)
@@ -59,15 +63,9 @@ def test_without_the_ssd_setting_the_planner_never_uses_the_tier(cache):
     model, inputs, labels = _wide_deep()
     planner = Planner(model, inputs, loss_fn=lambda o: _bce(o, labels),
                       config=PlannerConfig(cache_dir=cache, device_tables=False))
-    assert all(not c.ssd_tables for i in range(len(planner.cost.units)) for c in planner.cost.options(i, _candidate()))
+    assert all(not c.ssd_tables for i in range(len(planner.cost.units)) for c in planner.cost.options(i, Candidate()))
     with pytest.raises(ValueError, match="host budget"):
         planner.plan(host_memory=planner.plan().predicted.host_bytes - (30 << 20))
-
-
-def _candidate():
-    from hetero.planner.space import Candidate
-
-    return Candidate()
 
 
 def test_hetero_train_with_table_storage_auto_puts_what_the_plan_chooses_on_the_tier(tmp_path, cache, monkeypatch,
@@ -96,8 +94,10 @@ def test_hetero_train_with_table_storage_auto_puts_what_the_plan_chooses_on_the_
     assert len(list((tmp_path / "auto" / "ssd").iterdir())) >= 1
     assert main(["train", *job[:-2], "--run-dir", str(tmp_path / "mem")]) == 0
     a, b = load_whole(tmp_path / "mem" / "checkpoint.pt"), load_whole(tmp_path / "auto" / "checkpoint.pt")
+    # (the plan may also put the dense optimizer's state on the host - HostAdamW, which rounds otherwise
+    # than torch's Adam - so this compares to 1e-5; the tier itself is bit for bit, above and in test_ssd_tier)
     for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
+        torch.testing.assert_close(b["model"][k], a["model"][k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
     # scored from the tier's snapshots (those tables) and the checkpoint file (the others), as in memory
     import pyarrow.parquet as pq
 
@@ -105,7 +105,7 @@ def test_hetero_train_with_table_storage_auto_puts_what_the_plan_chooses_on_the_
         assert main(["predict", "--checkpoint", str(tmp_path / name / "checkpoint.pt"), "--data", str(data), "--out",
                      str(tmp_path / f"{name}.parquet")]) == 0
     scores = [pq.read_table(tmp_path / f"{n}.parquet").column("score").to_numpy() for n in ("mem", "auto")]
-    assert (scores[0] == scores[1]).all()
+    np.testing.assert_allclose(scores[1], scores[0], rtol=0, atol=1e-5)
     capsys.readouterr()
     assert main(["train", *job, "--run-dir", str(tmp_path / "unplanned")]) == 1
     assert "tables.storage = auto (--table-storage auto) lets the planner choose: add --plan auto" in \
