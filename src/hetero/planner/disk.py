@@ -28,6 +28,7 @@ def measure_disk(directory: Path, threads: int = 16) -> DiskRate:
     is removed)."""
     directory.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".hetero-disk-", dir=directory))
+    file = None
     try:
         layout = RecordLayout((Field("weight", torch.uint8, RECORD),))
         data = np.random.default_rng(0).integers(0, 255, (ROWS, RECORD), dtype=np.uint8)
@@ -43,7 +44,8 @@ def measure_disk(directory: Path, threads: int = 16) -> DiskRate:
         t0 = time.perf_counter()
         file.read(rows, out)
         read = (time.perf_counter() - t0) / READS
-        file.close()
         return DiskRate(read, write, RECORD)
     finally:
+        if file is not None:
+            file.close()
         shutil.rmtree(scratch, ignore_errors=True)

@@ -86,7 +86,7 @@ class SsdRows:
         self.state = dict(state) if state is not None else saved
         self.layout = layout(dtype, dim, self.state)
         config.directory.mkdir(parents=True, exist_ok=True)
-        self._restore(parts, first_row)
+        self._restore(self._check(parts, first_row), first_row)
         return self
 
     def restore(self, parts: list[tuple[Path, dict]], first_row: int = 0) -> None:
@@ -99,9 +99,9 @@ class SsdRows:
             CheckpointError: a snapshot of another layout (dtype, width, optimizer state), or
                 rows no part holds; nothing is changed then.
         """
-        self._check(parts, first_row)
+        spans = self._check(parts, first_row)  # (before anything changes)
         self.file.close()  # (its rows are replaced: the cache's updates too)
-        self._restore(parts, first_row)
+        self._restore(spans, first_row)
 
     def _check(self, parts: list[tuple[Path, dict]], first_row: int) -> list[tuple[int, int, Path, dict]]:
         """The parts by first row; raises :class:`CheckpointError` as :meth:`restore`."""
@@ -116,10 +116,10 @@ class SsdRows:
                                   f"[{first_row}, {first_row + self.rows}) of {self.name}")
         return spans
 
-    def _restore(self, parts: list[tuple[Path, dict]], first_row: int) -> None:
-        spans = self._check(parts, first_row)
+    def _restore(self, spans: list[tuple[int, int, Path, dict]], first_row: int) -> None:
+        """The store from the checked parts ``spans`` (:meth:`_check`)."""
         final = self.config.directory / f"{self.name}.rows"
-        exact = [(w, m) for w, m in parts if m["extra"]["first_row"] == first_row and m["rows"] == self.rows]
+        exact = [(w, m) for a, b, w, m in spans if a == first_row and b - a == self.rows]
         if exact:
             self._adopt(snapshot.restore(exact[0][0], final, self.config.io_threads, exact[0][1]))
             return
