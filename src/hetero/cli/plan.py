@@ -141,7 +141,8 @@ def _make_plan(job: JobConfig, model: nn.Module, batches: Batches, world: int) -
     (inputs, label), more = samples[0], tuple(s[0] for s in samples[1:])
     sparse = {"wide": job.optimizer.wide, "deep": job.optimizer.deep}
     planner = Planner(model, inputs, world_size=world, optimizer=OptimizerKind.ADAM, sparse_optimizers=sparse,
-                      loss_fn=lambda logits: torch.nn.functional.binary_cross_entropy_with_logits(logits, label),
+                      loss_fn=lambda logits: torch.nn.functional.binary_cross_entropy_with_logits(
+                          logits, label.to(logits.device)),  # (the capture runs the model on the device)
                       sample_batches=more, config=PlannerConfig(
                           micro_batches=(1,), device_tables=False,
                           ssd=ssd_settings(job) if job.tables.storage is TableStorage.AUTO else None))

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from hetero.optim.host_adam import HostAdamW
 from hetero.optim.host_state import HostOffloadConfig
+from hetero.optim.fused import fused_on_cuda
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ class PartialOffloadAdamW:
         host_config = dataclasses.replace(config.host, max_grad_norm=config.max_grad_norm)
         self.host = _HostPart([(n, p) for n, p in named if n in chosen], **hyper, config=host_config,
                               process_group=process_group) if host else None
-        self.device = torch.optim.AdamW(device, **hyper) if device else None
+        self.device = torch.optim.AdamW(device, **hyper, **fused_on_cuda(device)) if device else None
 
     @property
     def ratio(self) -> float:

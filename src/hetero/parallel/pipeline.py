@@ -146,6 +146,22 @@ def _timed_stage_class():  # built lazily (importing torch.distributed.pipelinin
                 if cuda is not None:
                     torch.cuda.set_rng_state_all(cuda)
 
+        def _shape_inference(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            # older torch (2.11: no _forward_metadata_inference) infers the shapes here, by a
+            # forward alone: the same pass, the same restore (buffers and RNG) at once after it
+            buffers = [(b, b.detach().clone()) for b in self.submod.buffers()]  # a copy each
+            rng = torch.get_rng_state()
+            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+            try:
+                return super()._shape_inference(*args, **kwargs)
+            finally:
+                torch.set_rng_state(rng)
+                if cuda is not None:
+                    torch.cuda.set_rng_state_all(cuda)
+                with torch.no_grad():
+                    for b, value in buffers:
+                        b.copy_(value)
+
         def _post_metadata_inference_cleanup(self) -> None:
             super()._post_metadata_inference_cleanup()
             with torch.no_grad():

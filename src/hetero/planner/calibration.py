@@ -60,7 +60,7 @@ from hetero.placement import Target, resolve_device
 from hetero.parallel.comm import Collective
 from hetero.planner.space import OptimizerKind
 
-VERSION = 14  # bump when what is measured changes: older cache files are measured again
+VERSION = 15  # bump when what is measured changes: older cache files are measured again
 
 log = logging.getLogger("hetero")
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from hetero.optim import HostAdamW, HostOffloadConfig
 from hetero.optim.partial_offload import PartialOffloadAdamW, PartialOffloadConfig
+from hetero.optim.fused import fused_on_cuda
 from hetero.planner.plan import Plan
 from hetero.planner.space import ADAM_FAMILY, OptimizerKind, StateHome
 
@@ -47,9 +48,11 @@ def optimizer_args(kind: OptimizerKind, c: OptimizerConfig) -> tuple[type[torch.
 
 def torch_optimizer(params: list[nn.Parameter], kind: OptimizerKind, c: OptimizerConfig,
                     foreach: bool | None = None) -> torch.optim.Optimizer:
-    """torch's optimizer of ``kind`` over ``params`` (``foreach``: torch's, ``None`` its default)."""
+    """torch's optimizer of ``kind`` over ``params`` (``foreach``: torch's; ``None``: on CUDA the
+    fused kernels (:func:`~hetero.optim.fused.fused_on_cuda`), else torch's default)."""
     cls, defaults = optimizer_args(kind, c)
-    return cls(params, foreach=foreach, **defaults)
+    fused = fused_on_cuda(params) if foreach is None else {}
+    return cls(params, **(fused or {"foreach": foreach}), **defaults)
 
 
 def host_optimizer(params: Iterable[nn.Parameter], plan: Plan, c: OptimizerConfig) -> torch.optim.Optimizer:

@@ -29,6 +29,7 @@ from hetero.optim import (
     SparseOptimizerKind,
     device_sparse_optimizer,
 )
+from hetero.optim.fused import fused_on_cuda
 from hetero.embedding import HostEmbeddingCollection, TableConfig, move_tables_to_device
 
 
@@ -230,8 +231,9 @@ def optimizer_rate(device: torch.device, kind: str) -> LinearRate:
         params = [torch.nn.Parameter(torch.rand(total // tensors, device=device)) for _ in range(tensors)]
         for p in params:
             p.grad = torch.rand_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3) if kind == "adamw" else \
-            torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd_momentum" else 0.0)
+        fused = fused_on_cuda(params)  # (the implementation hetero.apply's device optimizer uses)
+        opt = torch.optim.AdamW(params, lr=1e-3, **fused) if kind == "adamw" else \
+            torch.optim.SGD(params, lr=1e-3, momentum=0.9 if kind == "sgd_momentum" else 0.0, **fused)
         rows.append((1.0, total, tensors))
         seconds.append(timed(opt.step, device))
     return LinearRate(*map(float, _fit(rows, seconds)))
