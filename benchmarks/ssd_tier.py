@@ -79,7 +79,8 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
         step(b)
     cache_obj = coll.groups[0].ssd.cache if storage.startswith("ssd") else None
     filled = 0
-    while cache_obj is not None and cache_obj.stats.evictions == 0 and filled < 500:  # to the steady state: a full cache
+    # to the steady state: a full cache, and a store at its size (the log's cleaner at work)
+    while cache_obj is not None and (cache_obj.stats.evictions == 0 or cache_obj.file.cleaned == 0) and filled < 500:
         for b in batches(dist, rows, 10, seed=1 + filled):
             step(b)
         filled += 10

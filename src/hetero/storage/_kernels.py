@@ -1,12 +1,13 @@
-"""numba kernels of the SSD tier: batched record I/O and the row cache's bookkeeping. Imported
+"""numba kernels of the SSD tier: batched record copies and the row cache's bookkeeping. Imported
 lazily (:func:`hetero.storage.records.io_kernels`).
 
-The read kernel calls libc's ``pread`` from compiled code with the GIL released: a batch of
-record reads is one kernel call per I/O thread, no Python per row, and the threads keep as many
-reads in flight as there are threads. It is compiled per process (``cache=False``): a ctypes
-function pointer is an address of this process. The cache kernels are one pass over a
-batch's rows each (open-addressing row -> slot map with backward-shift deletion; CLOCK or GCLOCK
-victim selection, Smith 1978 / Effelsberg & Haerder 1984).
+The gather kernel copies records out of the store's mapped segment files
+(:mod:`hetero.storage.mapping`) with libc's ``memcpy`` called from compiled code, the GIL
+released: a batch of records is one kernel call per I/O thread, no Python per record, and a
+record read from the disk (a page fault) keeps one read in flight per thread. It is compiled per
+process (``cache=False``): a ctypes function pointer is an address of this process. The cache
+kernels are one pass over a batch's rows each (open-addressing row -> slot map with
+backward-shift deletion; CLOCK or GCLOCK victim selection, Smith 1978 / Effelsberg & Haerder 1984).
 """
 
 import ctypes
@@ -14,23 +15,31 @@ import ctypes
 import numpy as np
 from numba import njit
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_pread = _libc.pread
-_pread.restype = ctypes.c_ssize_t
-_pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
+_libc = ctypes.CDLL(None)
+_memcpy = _libc.memcpy
+_memcpy.restype = ctypes.c_void_p
+_memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
 EMPTY = -1  # a free key of the map, a free slot's row
 
 
 @njit(nogil=True, cache=False)
-def read_records(fds, offsets, nbytes, buf, lo, hi):
-    """Read ``nbytes`` at byte ``offsets[i]`` of file descriptor ``fds[i]`` into row ``i`` of
-    ``buf`` (``(n, nbytes)`` uint8), for ``i`` in ``[lo, hi)``. Returns the first position that
-    failed (a short read or an error), else ``hi``."""
-    base = buf.ctypes.data
+def gather(bases, sizes, segment, slot_bytes, header, at, rows, dst, strides, widths, offsets, lo, hi):
+    """For ``i`` in ``[lo, hi)``: the record in store slot ``at[i]`` (segment ``at[i] // segment``
+    mapped at ``bases``, ``sizes`` bytes of it written; the record ``header`` bytes into its slot
+    of ``slot_bytes``) into row ``rows[i]`` of each destination ``k``: ``widths[k]`` bytes from
+    record byte ``offsets[k]`` to address ``dst[k] + rows[i] * strides[k]``. Returns the first
+    position whose slot is not a written slot of a mapped segment (nothing copied for it), else ``hi``."""
     for i in range(lo, hi):
-        if _pread(fds[i], base + i * nbytes, nbytes, offsets[i]) != nbytes:
+        a = at[i]
+        s = a // segment
+        start = (a - s * segment) * slot_bytes
+        if a < 0 or s >= bases.shape[0] or bases[s] == 0 or start + slot_bytes > sizes[s]:
             return i
+        src = bases[s] + start + header
+        r = rows[i]
+        for k in range(dst.shape[0]):
+            _memcpy(dst[k] + r * strides[k], src + offsets[k], widths[k])
     return hi
 
 
@@ -40,59 +49,62 @@ def _home(key, mask):
 
 
 @njit(nogil=True, cache=True)
-def _insert(keys, vals, key, val):
-    """Map ``key`` to ``val``; ``False`` (nothing changed) when ``key`` is there already."""
-    mask = keys.shape[0] - 1
+def _insert(table, key, val):
+    """Map ``key`` to ``val`` (``table``: ``(size, 2)`` int64 of key and value side by side, one
+    cache line for both); ``False`` (nothing changed) when ``key`` is there already."""
+    mask = table.shape[0] - 1
     h = _home(key, mask)
-    while keys[h] != EMPTY:
-        if keys[h] == key:
+    while table[h, 0] != EMPTY:
+        if table[h, 0] == key:
             return False
         h = (h + 1) & mask
-    keys[h] = key
-    vals[h] = val
+    table[h, 0] = key
+    table[h, 1] = val
     return True
 
 
 @njit(nogil=True, cache=True)
-def _remove(keys, vals, key):
-    mask = keys.shape[0] - 1
+def _remove(table, key):
+    mask = table.shape[0] - 1
     h = _home(key, mask)
-    while keys[h] != key:
+    while table[h, 0] != key:
         h = (h + 1) & mask
-    keys[h] = EMPTY
+    table[h, 0] = EMPTY
     j = h
     while True:  # backward shift: keep every key reachable from its home without tombstones
         j = (j + 1) & mask
-        if keys[j] == EMPTY:
+        if table[j, 0] == EMPTY:
             return
-        home = _home(keys[j], mask)
+        home = _home(table[j, 0], mask)
         if (j > h and (home <= h or home > j)) or (j < h and home <= h and home > j):
-            keys[h], vals[h] = keys[j], vals[j]
-            keys[j] = EMPTY
+            table[h, 0], table[h, 1] = table[j, 0], table[j, 1]
+            table[j, 0] = EMPTY
             h = j
 
 
 @njit(nogil=True, cache=True)
-def acquire(ids, keys, vals, slot_row, count, pin, dirty, stamp, max_count, new_count, hand, slots, misses, victims, old_rows,
+def acquire(ids, table, slot_row, meta, dirty, stamp, max_count, new_count, hand, slots, misses, victims, old_rows,
             was_dirty):
     """Slots for the unique rows ``ids``: hits are found, misses get a slot (a free one, else a
     victim: the CLOCK hand passes slots, taking one whose count is 0 and that this batch does not
-    use, decrementing the others). Fills ``slots`` (one per id), ``misses`` (positions in ``ids``),
-    ``victims`` / ``old_rows`` / ``was_dirty`` (the slots given up, their rows, whether they hold
-    an update the file lacks). The map and the slots' bookkeeping are updated; the data is not
-    moved (the caller writes the dirty victims back, then reads the misses). Returns
-    ``(misses, victims, hand)`` counts and the new hand; misses -1 when a row was given twice
-    (the map is then inconsistent: the caller stops)."""
-    mask = keys.shape[0] - 1
+    use, decrementing the others). ``meta[s]``: the acquire that last used slot ``s`` (``stamp``)
+    shifted left by 8, and its count in the low 8 bits (one word: one cache miss for a hit). Fills
+    ``slots`` (one per id), ``misses`` (positions in ``ids``), ``victims`` / ``old_rows`` /
+    ``was_dirty`` (the slots given up, their rows, whether they hold an update the file lacks). The
+    map and the slots' bookkeeping are updated; the data is not moved (the caller writes the dirty
+    victims back, then reads the misses). Returns ``(misses, victims, hand)`` counts and the new
+    hand; misses -1 when a row was given twice (the map is then inconsistent: the caller stops)."""
+    mask = table.shape[0] - 1
     capacity = slot_row.shape[0]
+    pinned = stamp << 8
     n_miss = 0
     for i in range(ids.shape[0]):
         key = ids[i]
         h = _home(key, mask)
         s = EMPTY
-        while keys[h] != EMPTY:
-            if keys[h] == key:
-                s = vals[h]
+        while table[h, 0] != EMPTY:
+            if table[h, 0] == key:
+                s = table[h, 1]
                 break
             h = (h + 1) & mask
         if s == EMPTY:
@@ -100,9 +112,8 @@ def acquire(ids, keys, vals, slot_row, count, pin, dirty, stamp, max_count, new_
             n_miss += 1
         else:
             slots[i] = s
-            pin[s] = stamp
-            if count[s] < max_count:
-                count[s] += 1
+            c = meta[s] & 255
+            meta[s] = pinned | (c + 1 if c < max_count else c)
     n_victim = 0
     for j in range(n_miss):
         while True:  # terminates: the caller checked that a batch fits, so unpinned slots exist
@@ -110,37 +121,37 @@ def acquire(ids, keys, vals, slot_row, count, pin, dirty, stamp, max_count, new_
             hand = hand + 1 if hand + 1 < capacity else 0
             if slot_row[s] == EMPTY:
                 break
-            if pin[s] == stamp:
+            m = meta[s]
+            if (m >> 8) == stamp:
                 continue
-            if count[s] > 0:
-                count[s] -= 1
+            if (m & 255) > 0:
+                meta[s] = m - 1
                 continue
             victims[n_victim], old_rows[n_victim], was_dirty[n_victim] = s, slot_row[s], dirty[s]
             n_victim += 1
-            _remove(keys, vals, slot_row[s])
+            _remove(table, slot_row[s])
             break
         i = misses[j]
         slots[i] = s
         slot_row[s] = ids[i]
-        count[s] = new_count
-        pin[s] = stamp
+        meta[s] = pinned | new_count
         dirty[s] = False
-        if not _insert(keys, vals, ids[i], s):  # a row given twice: the caller broke the contract (unique rows)
+        if not _insert(table, ids[i], s):  # a row given twice: the caller broke the contract (unique rows)
             return -1, n_victim, hand
     return n_miss, n_victim, hand
 
 
 @njit(nogil=True, cache=True)
-def lookup(ids, keys, vals, slots):
+def lookup(ids, table, slots):
     """``slots[i]``: the slot of row ``ids[i]``, or -1 where it is not cached."""
-    mask = keys.shape[0] - 1
+    mask = table.shape[0] - 1
     for i in range(ids.shape[0]):
         key = ids[i]
         h = _home(key, mask)
         slots[i] = EMPTY
-        while keys[h] != EMPTY:
-            if keys[h] == key:
-                slots[i] = vals[h]
+        while table[h, 0] != EMPTY:
+            if table[h, 0] == key:
+                slots[i] = table[h, 1]
                 break
             h = (h + 1) & mask
 

@@ -97,10 +97,9 @@ class RowCache:
         self._field_bytes = tuple(b for _, b in self._bytes)
         self._offsets = np.array([o for o, _ in self._bytes], np.int64)
         size = 1 << max(4, (2 * capacity - 1).bit_length())  # the map at most half full
-        self._keys, self._vals = np.full(size, -1, np.int64), np.zeros(size, np.int64)
+        self._map = np.full((size, 2), -1, np.int64)  # row -> slot, open addressing: (key, value) side by side
         self.slot_row = np.full(capacity, -1, np.int64)  # the row each slot holds (-1: free)
-        self._count = np.zeros(capacity, np.uint8)
-        self._pin = np.zeros(capacity, np.int64)  # the acquire that last used the slot
+        self._meta = np.zeros(capacity, np.int64)  # the acquire that last used the slot << 8 | its count
         self.dirty = np.zeros(capacity, np.bool_)
         self._stamp, self._hand = 0, 0
         self._last: tuple[np.ndarray, np.ndarray] | None = None
@@ -120,7 +119,7 @@ class RowCache:
             OSError: a failed read (:class:`RowFile`).
         """
         slots = np.empty(rows.shape[0], np.int64)
-        io_kernels().lookup(rows, self._keys, self._vals, slots)  # (the map is never over half full: probes end)
+        io_kernels().lookup(rows, self._map, slots)  # (the map is never over half full: probes end)
         return self.file.stage(rows[slots < 0])
 
     def acquire(self, rows: np.ndarray, used: bool = True, staged: StagedRecords | None = None) -> np.ndarray:
@@ -147,7 +146,7 @@ class RowCache:
         slots, misses = np.empty(n, np.int64), np.empty(n, np.int64)
         victims, old_rows, was_dirty = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
         n_miss, n_victim, self._hand = io_kernels().acquire(
-            rows, self._keys, self._vals, self.slot_row, self._count, self._pin, self.dirty, self._stamp,
+            rows, self._map, self.slot_row, self._meta, self.dirty, self._stamp,
             self.policy.max_count, self.policy.admission_count, self._hand, slots, misses, victims, old_rows, was_dirty)
         assert n_miss >= 0, "RowCache.acquire takes unique rows (a row given twice would be cached twice)"
         back = victims[:n_victim][was_dirty[:n_victim]]
@@ -184,16 +183,16 @@ class RowCache:
         """Forget every cached row (after :meth:`flush`: an update not yet written back is lost)."""
         assert not self.dirty.any(), "clear() after flush()"
         self._last = None
-        self._keys.fill(-1)
+        self._map[:, 0] = -1
         self.slot_row.fill(-1)
-        self._count.fill(0)
+        self._meta.fill(0)
 
     def read(self, rows: np.ndarray, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """The current values of ``rows`` (any int64 rows; the cache is left as it is): field name
         (``names``, default every field) -> ``(len(rows), width)`` or ``(len(rows),)`` tensor,
         from the cache where a row is cached, else from the file."""
         slots = np.empty(rows.shape[0], np.int64)
-        io_kernels().lookup(rows, self._keys, self._vals, slots)
+        io_kernels().lookup(rows, self._map, slots)
         cached = slots >= 0
         fields = [f for f in self.file.layout.fields if names is None or f.name in names]
         out = {f.name: torch.empty(f.shape(rows.shape[0]), dtype=f.dtype) for f in fields}

@@ -19,15 +19,19 @@ class SsdConfig:
             state; the cache holds ``cache_bytes // record bytes`` rows, at least one batch's).
         policy: the cache's replacement policy (:class:`CachePolicy`).
         io_threads: reads (and writes) in flight per batch.
+        mapped_bytes: the store's pages the process keeps mapped, bytes, about
+            (:mod:`hetero.storage.mapping`): past it the mappings let go of their pages, which stay
+            in the page cache. What the resident set holds beyond the cache.
     """
 
     directory: Path
     cache_bytes: int = 256 << 20
     policy: CachePolicy = CachePolicy.LFU
     io_threads: int = 16
+    mapped_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
-        if self.cache_bytes <= 0 or self.io_threads <= 0:
-            raise ValueError(f"SsdConfig: cache_bytes and io_threads must be positive, got {self.cache_bytes} and "
-                             f"{self.io_threads}")
+        if self.cache_bytes <= 0 or self.io_threads <= 0 or self.mapped_bytes <= 0:
+            raise ValueError(f"SsdConfig: cache_bytes, io_threads and mapped_bytes must be positive, got "
+                             f"{self.cache_bytes}, {self.io_threads} and {self.mapped_bytes}")

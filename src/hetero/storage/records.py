@@ -6,14 +6,16 @@ A :class:`RowFile` is a log-structured store of those records in a directory of 
 (see its docstring): written-back records are appended, a cleaner reclaims the space of the
 records they replace, and a sealed segment is never written again, so a checkpoint can share it
 (:mod:`hetero.storage.snapshot`). Reads of a
-batch of records are split over a small pool of threads, each running one compiled loop of
-``pread`` with the GIL released (:mod:`hetero.storage._kernels`): as many reads in flight as
-threads, no Python per record; they fail with the system's reason.
+batch of records copy them out of the mapped segment files (:mod:`hetero.storage.mapping`), split
+over a small pool of threads, each running one compiled loop with the GIL released
+(:mod:`hetero.storage._kernels`): no system call and no Python per record, and as many reads in
+flight as threads where the pages come from the disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import shutil
 import zlib
@@ -27,8 +29,9 @@ import torch
 
 from hetero._numba import load
 from hetero.checkpoint.io import fsync_path
+from hetero.storage.mapping import SegmentMaps
 
-IO_CHUNK = 256  # records per task handed to an I/O thread (small batches still spread over the pool)
+MIN_CHUNK = 64  # the fewest records per task handed to an I/O thread (a batch is spread over all of them)
 APPEND_CHUNK = 1 << 16  # records appended per piece (bounds the staging buffer a store keeps)
 
 
@@ -145,6 +148,10 @@ class RowFile:
         self.generation = np.zeros(0, np.int64)  # times each segment was freed (staged records check it)
         self.fds = np.zeros(0, np.int32)  # each segment's open file (-1: none)
         self.sizes = np.zeros(0, np.int64)  # bytes written to each segment's file
+        self.maps = SegmentMaps(self.segment * self.slot_bytes)  # each segment's file, mapped to be read
+        self._pages = 1 + self.slot_bytes // mmap.PAGESIZE  # pages a record's read may touch (at most, near enough)
+        self._owned = np.zeros(0, np.bool_)  # files this store made (and may write again when no snapshot links them)
+        self._reused: set[int] = set()  # segments whose file is written again from its start (longer until sealed)
         self.crcs: list[int] = []  # CRC-32 of each segment's bytes so far
         self._unsynced: set[int] = set()  # segments written since the last seal
         self._free: list[int] = []
@@ -170,30 +177,59 @@ class RowFile:
         # (generation first: a stager reads positions, then generations)
         self.generation, self.fds = np.append(self.generation, 0), np.append(self.fds, np.int32(-1))
         self.sizes = np.append(self.sizes, 0)
+        self._owned = np.append(self._owned, False)
+        self.maps.grow()
         self.crcs.append(0)
         self.live = np.append(self.live, 0)
         return self.live.shape[0] - 1
 
     def _open(self, s: int) -> None:
-        """A new, empty file for segment ``s``."""
-        try:
-            self.fds[s] = os.open(self.segment_path(s), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as e:
-            raise self._error(e, "writing", -1, s) from None
+        """An empty file for segment ``s``: its own file again where :meth:`_drop` kept it (written
+        over from its start: its pages are in the page cache, where a new file's must be allocated
+        - 10x the write rate measured), else a new one."""
+        if self.fds[s] >= 0:
+            self._reused.add(s)
+        else:
+            try:
+                self.fds[s] = os.open(self.segment_path(s), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                self.maps.map(s, int(self.fds[s]), self.segment_path(s))
+            except OSError as e:
+                raise self._error(e, "writing", -1, s) from None
+            self._owned[s] = True
         self.sizes[s], self.crcs[s] = 0, 0
 
-    def _append(self, rows: np.ndarray, records: np.ndarray) -> None:
-        """``records`` (``(n, record_bytes)``) as the records of the unique ``rows``, written in
-        order into the current segment and the next ones."""
-        n, done = rows.shape[0], 0
-        if self._cleaning:  # (called by the cleaner inside another append, whose records are in the staging)
+    def attach(self, s: int, size: int, crc: int) -> None:
+        """Segment ``s`` is the file at :meth:`segment_path` (a snapshot's, linked in), ``size``
+        bytes with CRC-32 ``crc``: opened to be read (never written: it is not this store's)."""
+        while self.live.shape[0] <= s:
+            self._grow()
+        self.fds[s] = os.open(self.segment_path(s), os.O_RDONLY)
+        self.maps.map(s, int(self.fds[s]), self.segment_path(s))
+        self.sizes[s], self.crcs[s] = size, crc
+
+    def _staging(self, rows: np.ndarray) -> np.ndarray:
+        """The slots (row header filled in) to append ``rows``' records from: the kept staging
+        buffer, or a new one inside the cleaner (its caller's records are in the kept one)."""
+        n = rows.shape[0]
+        if self._cleaning:
             slots = np.empty((n, self.slot_bytes), np.uint8)
         else:
             if self._slots.shape[0] < n:
                 self._slots = np.empty((max(n, 2 * self._slots.shape[0]), self.slot_bytes), np.uint8)
             slots = self._slots[:n]
-        slots[:, : self.HEADER] = rows.view(np.uint8).reshape(n, self.HEADER)
+        slots[:, : self.HEADER] = np.ascontiguousarray(rows).view(np.uint8).reshape(n, self.HEADER)
+        return slots
+
+    def _append(self, rows: np.ndarray, records: np.ndarray) -> None:
+        """``records`` (``(n, record_bytes)``) as the records of the unique ``rows``, written in
+        order into the current segment and the next ones."""
+        slots = self._staging(rows)
         slots[:, self.HEADER :] = records
+        self._append_slots(rows, slots)
+
+    def _append_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """As :meth:`_append`, the records already in slots (``(n, slot_bytes)``, row headers first)."""
+        n, done = rows.shape[0], 0
         while done < n:
             if self._tail_used == self.segment:
                 self._tail, self._tail_used = self._next_segment(), 0
@@ -244,18 +280,24 @@ class RowFile:
         self._drop(victim)
         self._free.append(victim)
         self._cleaning = True
-        try:
-            self._append(np.ascontiguousarray(buf[keep, : self.HEADER]).view(np.int64).reshape(-1),
-                         np.ascontiguousarray(buf[keep, self.HEADER :]))
+        try:  # (the live slots as they are, headers and records)
+            self._append_slots(np.ascontiguousarray(buf[keep, : self.HEADER]).view(np.int64).reshape(-1), buf[keep])
         finally:
             self._cleaning = False
         self.cleaned += 1
         return True
 
     def _drop(self, s: int) -> None:
-        """Close and delete segment ``s``'s file (a checkpoint's link to it keeps its bytes)."""
+        """Let segment ``s``'s file go: kept open to be written again (:meth:`_open`) where this
+        store made it and no snapshot links it; else closed and deleted (a checkpoint's link to it
+        keeps its bytes, which are never written again)."""
+        if self._owned[s] and os.fstat(int(self.fds[s])).st_nlink == 1:
+            return
+        self.maps.unmap(s)
         os.close(int(self.fds[s]))
         self.fds[s] = -1
+        self._owned[s] = False
+        self._reused.discard(s)
         self.segment_path(s).unlink()
         self._unsynced.discard(s)
 
@@ -280,35 +322,40 @@ class RowFile:
 
     def read(self, rows: np.ndarray, out: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)``
-        uint8, C order): one ``pread`` each, spread over the I/O threads. ``slots``: read these
-        store slots instead of the rows' current ones (:meth:`stage`)."""
+        uint8, C order), spread over the I/O threads. ``slots``: read these store slots instead of
+        the rows' current ones (:meth:`stage`)."""
+        n = rows.shape[0]
+        assert out.shape == (n, self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
+        whole = np.array([self.layout.nbytes], np.int64)
+        self._gather(rows, self.positions[rows] if slots is None else slots, np.arange(n, dtype=np.int64),
+                     np.array([out.ctypes.data], np.int64), whole, whole, np.zeros(1, np.int64))
+
+    def _gather(self, rows: np.ndarray, at: np.ndarray, to: np.ndarray, dst: np.ndarray, strides: np.ndarray,
+                widths: np.ndarray, offsets: np.ndarray, staging: bool = False) -> None:
+        """Records in store slots ``at`` (of ``rows``) into rows ``to`` of the destinations
+        (:func:`hetero.storage._kernels.gather`), over the I/O threads; ``staging``: on the
+        prefetch worker (:meth:`stage`, which holds the mappings' lock)."""
         n = rows.shape[0]
         if n == 0:
             return
-        assert out.shape == (n, self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
-        at = self.positions[rows] if slots is None else slots
-        fds = self.fds[at // self.segment]
-        offsets = (at % self.segment) * self.slot_bytes + self.HEADER
-        kernel = io_kernels().read_records
-        bounds = [(lo, min(lo + IO_CHUNK, n)) for lo in range(0, n, IO_CHUNK)]
-        run = lambda b: self._read_chunk(kernel, rows, fds, offsets, at, out, *b)  # noqa: E731
-        for _ in (map(run, bounds) if len(bounds) == 1 else self._pool.map(run, bounds)):
-            pass  # (the pool's map raises the first chunk's error here)
+        bases, sizes = self.maps.bases, self.sizes
+        kernel = io_kernels().gather
+        chunk = max(MIN_CHUNK, -(-n // self.threads))
 
-    def _read_chunk(self, kernel: Callable, rows: np.ndarray, fds: np.ndarray, offsets: np.ndarray, at: np.ndarray,
-                    out: np.ndarray, lo: int, hi: int) -> None:
-        while lo < hi:
-            stop = kernel(fds, offsets, self.layout.nbytes, out, lo, hi)
-            if stop < hi:  # redo the failed one in Python: its errno becomes the exception
-                s = int(at[stop]) // self.segment
-                try:
-                    got = os.preadv(int(fds[stop]), [out[stop]], int(offsets[stop]))
-                except OSError as e:
-                    raise self._error(e, "reading", int(rows[stop]), s) from None
-                if got != self.layout.nbytes:
-                    raise OSError(f"reading record {int(rows[stop])} in {self.segment_path(s)}: {got} of "
-                                  f"{self.layout.nbytes} bytes (the file is shorter than its index says: damaged)")
-            lo = stop + 1
+        def run(lo: int) -> None:
+            hi = min(lo + chunk, n)
+            stop = kernel(bases, sizes, self.segment, self.slot_bytes, self.HEADER, at, to, dst, strides, widths,
+                          offsets, lo, hi)
+            if stop < hi:
+                raise OSError(f"reading record {int(rows[stop])} in {self.segment_path(int(at[stop]) // self.segment)}: "
+                              f"its slot {int(at[stop])} is not a written one (the store is damaged)")
+
+        for _ in (map(run, range(0, n, chunk)) if n <= chunk else self._pool.map(run, range(0, n, chunk))):
+            pass  # (the pool's map raises the first chunk's error here)
+        if staging:  # (the worker counts its own; the owner lets the mappings' pages go)
+            self.maps.staged_pages += n * self._pages
+        else:
+            self.maps.touched(n * self._pages)
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
         """``records`` (``(len(rows), record_bytes)`` uint8) as the new records of the unique
@@ -321,14 +368,17 @@ class RowFile:
         while the owner goes on (see :class:`StagedRecords`). A read that fails (the owner closed
         the segment's file meanwhile) stages nothing: the owner reads the rows itself."""
         rows = np.sort(rows)
-        at = self.positions[rows]  # (the slots first, then their generations: a slot moved meanwhile is refused)
-        generations = self.generation[at // self.segment]
         records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
-        try:
-            self.read(rows, records, at)
-        except OSError:
-            rows = at = generations = np.zeros(0, np.int64)
-            records = records[:0]
+        whole = np.array([self.layout.nbytes], np.int64)
+        with self.maps.lock:  # (no mapping goes away, and no file is cut short, while it copies)
+            at = self.positions[rows]  # (the slots first, then their generations: a slot moved meanwhile is refused)
+            generations = self.generation[at // self.segment]
+            try:
+                self._gather(rows, at, np.arange(rows.shape[0], dtype=np.int64), np.array([records.ctypes.data], np.int64),
+                             whole, whole, np.zeros(1, np.int64), staging=True)
+            except OSError:  # (a slot the owner freed meanwhile: the owner reads the rows itself)
+                rows = at = generations = np.zeros(0, np.int64)
+                records = records[:0]
         return StagedRecords(self, rows, at, generations, records)
 
     def load(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray,
@@ -336,34 +386,39 @@ class RowFile:
         """The records of ``rows`` into slots ``slots`` of ``fields`` (the cache's fields as
         ``(capacity, bytes)`` uint8; field ``k`` at record byte ``offsets[k]``): from ``staged``
         where it holds a row's current record, else read now. Returns how many came from ``staged``."""
-        records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
         fresh = np.zeros(rows.shape[0], np.bool_)
         if staged is not None and staged.file is self and staged.rows.shape[0]:
             i = np.minimum(np.searchsorted(staged.rows, rows), staged.rows.shape[0] - 1)
             at = staged.slots[i]
             fresh = (staged.rows[i] == rows) & (self.positions[rows] == at) & \
                 (self.generation[at // self.segment] == staged.generations[i])
-            records[fresh] = staged.records[i[fresh]]
+            if fresh.any():
+                io_kernels().unpack(staged.records[i[fresh]], slots[fresh], fields, offsets)
         rest = np.flatnonzero(~fresh)
-        if rest.shape[0] == rows.shape[0]:
-            self.read(rows, records)
-        elif rest.shape[0]:
-            part = np.empty((rest.shape[0], self.layout.nbytes), np.uint8)
-            self.read(rows[rest], part)
-            records[rest] = part
-        io_kernels().unpack(records, slots, fields, offsets)
+        if rest.shape[0]:  # straight from the mapped files into the cache's slots: one copy a field
+            rest_rows = rows[rest]
+            widths = np.array([f.shape[1] for f in fields], np.int64)
+            self._gather(rest_rows, self.positions[rest_rows], slots[rest],
+                         np.array([f.ctypes.data for f in fields], np.int64),
+                         np.array([f.strides[0] for f in fields], np.int64), widths, offsets.astype(np.int64))
         return rows.shape[0] - rest.shape[0]
 
     def store(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray) -> None:
         """The reverse of :meth:`load`: the slots' records as the rows' new records (appended)."""
-        records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
-        io_kernels().pack(records, slots, fields, offsets)
-        self.write(rows, records)
+        for lo in range(0, rows.shape[0], APPEND_CHUNK):  # (packed straight into the staging, in pieces)
+            part = rows[lo : lo + APPEND_CHUNK]
+            staging = self._staging(part)
+            io_kernels().pack(staging[:, self.HEADER :], slots[lo : lo + APPEND_CHUNK], fields, offsets)
+            self._append_slots(part, staging)
 
     def seal(self) -> None:
         """Make the writes so far durable (``fsync`` of every segment written since the last seal)
         and end the current segment: later appends open a new one, so no file the store holds now
         is written again (the cleaner may delete one)."""
+        with self.maps.lock:  # (a file written again from its start ends where its writes did)
+            for s in sorted(self._reused):
+                os.ftruncate(int(self.fds[s]), int(self.sizes[s]))
+            self._reused.clear()
         for s in sorted(self._unsynced):
             os.fsync(int(self.fds[s]))
         self._unsynced.clear()
@@ -372,6 +427,7 @@ class RowFile:
 
     def close(self) -> None:
         self._pool.shutdown()
+        self.maps.close()
         for fd in self.fds[self.fds >= 0]:
             os.close(int(fd))
         self.fds[:] = -1

@@ -190,11 +190,8 @@ def restore(snapshot: str | os.PathLike, path: str | os.PathLike, threads: int =
     file = RowFile(path, _layout_of(manifest), manifest["rows"], threads, segment=manifest["segment"], empty=True)
     for name, (size, crc) in sorted(manifest["segments"].items()):
         s = int(name.split(".")[0])
-        while file.live.shape[0] <= s:
-            file._grow()
         _link(snapshot / name, file.segment_path(s))
-        file.fds[s] = os.open(file.segment_path(s), os.O_RDONLY)  # (sealed: only read, then deleted by the cleaner)
-        file.sizes[s], file.crcs[s] = size, crc
+        file.attach(s, size, crc)  # (sealed: only read, then deleted by the cleaner)
     file.positions[:] = np.fromfile(snapshot / manifest["index"][0], np.int64)
     file.live[:] = np.bincount(file.positions // file.segment, minlength=file.live.shape[0])
     file._free = [s for s in range(file.live.shape[0]) if file.fds[s] < 0]

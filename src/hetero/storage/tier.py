@@ -63,6 +63,7 @@ class SsdRows:
 
     def _adopt(self, file: RowFile) -> None:
         self.file = file
+        file.maps.budget = self.config.mapped_bytes
         capacity = max(1, self.config.cache_bytes // self.layout.nbytes)
         self.cache = RowCache(file, min(capacity, self.rows), self.config.policy)
 

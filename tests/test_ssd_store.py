@@ -1,0 +1,90 @@
+"""The SSD tier's record store (hetero.storage.records, .mapping): reads copy records out of the
+mapped segment files, a freed segment's own file is written again where no snapshot links it, and
+the mappings let go of their pages past their budget. Each against plain Python over the same
+writes, or the process's own counts (/proc/self/status)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hetero.storage import snapshot
+from hetero.storage.records import Field, RecordLayout, RowFile
+
+ROWS, WIDTH = 256, 8  # 32-byte records; segments of 64 slots: 4 hold the rows, the cleaner runs past 5
+
+
+def _churn(file, rng, expected, writes=40):
+    for _ in range(writes):
+        rows = np.unique(rng.integers(0, ROWS, 48)).astype(np.int64)
+        values = rng.standard_normal((rows.shape[0], WIDTH)).astype(np.float32)
+        file.write(rows, values.view(np.uint8))
+        expected[rows] = values
+
+
+def _read_all(file):
+    out = np.empty((ROWS, WIDTH * 4), np.uint8)
+    file.read(np.arange(ROWS, dtype=np.int64), out)
+    return out.view(np.float32)
+
+
+def _inodes(file):
+    return {s: os.stat(file.segment_path(s)).st_ino for s in range(file.live.shape[0]) if file.fds[s] >= 0}
+
+
+def test_a_freed_segment_is_written_again_in_place_unless_a_snapshot_links_it(tmp_path):
+    rng = np.random.default_rng(0)
+    expected = np.zeros((ROWS, WIDTH), np.float32)
+    file = RowFile(tmp_path / "s", RecordLayout((Field("w", torch.float32, WIDTH),)), ROWS, threads=2, segment=64)
+    _churn(file, rng, expected)
+    assert file.cleaned > 0  # (the store is at its size: the cleaner frees segments)
+    before, cleaned = _inodes(file), file.cleaned
+    _churn(file, rng, expected)
+    assert file.cleaned > cleaned and _inodes(file) == before  # freed and written again: the same files
+    assert np.array_equal(_read_all(file), expected)
+    # a snapshot links the segments: none of them is written again, the snapshot stays as it was
+    snapshot.write(file, tmp_path / "snap")
+    linked = {s: ino for s, ino in _inodes(file).items() if file.live[s] > 0}
+    _churn(file, rng, expected, writes=80)
+    assert all(ino not in _inodes(file).values() for ino in linked.values())  # (let go of, never reused)
+    snapshot.verify(tmp_path / "snap")
+    assert np.array_equal(_read_all(file), expected)
+    file.close()
+
+
+def test_a_slot_the_store_never_wrote_is_refused_naming_the_file(tmp_path):
+    file = RowFile(tmp_path / "s", RecordLayout((Field("w", torch.float32, WIDTH),)), ROWS, threads=2, segment=64)
+    file.write(np.array([3], np.int64), np.ones((1, WIDTH), np.float32).view(np.uint8))  # (a new segment: 1 slot)
+    tail = file.positions[3] // file.segment
+    file.positions[3] += 5  # past what the segment's file holds
+    with pytest.raises(OSError, match=rf"reading record 3 in .*{tail:06d}\.seg: its slot \d+ is not a written one"):
+        _read_all(file)
+    file.close()
+
+
+def _rss_file_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.parametrize("budget_mib,bounded", [(4, True), (1024, False)])
+def test_the_mappings_let_go_of_their_pages_past_their_budget(tmp_path, budget_mib, bounded):
+    # 64 MiB of 4 KiB records, every one read twice: the pages stay mapped (counted in RssFile) up to
+    # the budget; with a budget above the store, all of them are (the check that the count can fail)
+    rows, width = 1 << 14, 1024
+    file = RowFile(tmp_path / "s", RecordLayout((Field("w", torch.float32, width),)), rows, threads=2,
+                   init=lambda lo, hi: np.zeros((hi - lo, 4 * width), np.uint8))
+    file.maps.budget = budget_mib << 20
+    out = np.empty((1024, 4 * width), np.uint8)
+    before = _rss_file_kib()
+    grew = 0
+    for _ in range(2):
+        for lo in range(0, rows, 1024):
+            file.read(np.arange(lo, lo + 1024, dtype=np.int64), out)
+            grew = max(grew, _rss_file_kib() - before)
+    if bounded:
+        assert grew < 3 * budget_mib * 1024, grew  # (the budget, give or take the last read's pages)
+    else:
+        assert grew > 48 * 1024, grew
+    file.close()
