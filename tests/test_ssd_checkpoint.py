@@ -41,7 +41,8 @@ def test_a_snapshot_restored_into_new_tables_continues_exactly_and_the_next_is_i
     second = _group(ssd).ssd_checkpoint(tmp_path / "ckpt2")
     shared = [n for n in second["segments"] if n in first["segments"]
               and os.stat(tmp_path / "ckpt1" / n).st_ino == os.stat(tmp_path / "ckpt2" / n).st_ino]
-    assert shared and len(shared) >= len(second["segments"]) - 3, (len(shared), len(second["segments"]))
+    # (new: the segments of one step's write-backs and of the cleaner's moves, each stream its own)
+    assert shared and len(shared) >= len(second["segments"]) - 4, (len(shared), len(second["segments"]))
     _train(ssd, opt, batches[21:])  # the original run goes on: the snapshots' files must not change
     resumed, resumed_opt = _ssd(tmp_path, "resumed")
     _group(resumed).ssd_restore([(tmp_path / "ckpt1", snapshot.verify(tmp_path / "ckpt1"))])

@@ -3,14 +3,17 @@ mapped segment files, a freed segment's own file is written again where no snaps
 the mappings let go of their pages past their budget. Each against plain Python over the same
 writes, or the process's own counts (/proc/self/status)."""
 
+import errno
 import os
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from hetero.storage import snapshot
-from hetero.storage.records import Field, RecordLayout, RowFile
+from hetero.storage.layout import Field, RecordLayout
+from hetero.storage.records import RowFile
 
 ROWS, WIDTH = 256, 8  # 32-byte records; segments of 64 slots: 4 hold the rows, the cleaner runs past 5
 
@@ -88,3 +91,27 @@ def test_the_mappings_let_go_of_their_pages_past_their_budget(tmp_path, budget_m
     else:
         assert grew > 48 * 1024, grew
     file.close()
+
+
+@pytest.mark.parametrize("err,fix", [(errno.EIO, "check the disk"), (errno.ENOSPC, "free space there")])
+def test_a_failed_write_back_stops_training_with_one_line_and_the_last_checkpoint_loads(tmp_path, monkeypatch, err, fix):
+    from test_ssd_checkpoint import _group, _ssd
+    from test_ssd_tier import _batches, _train
+
+    ssd, opt = _ssd(tmp_path, "run")
+    _train(ssd, opt, _batches(5))
+    _group(ssd).ssd_checkpoint(tmp_path / "ok")
+
+    def refused(fd, data, offset):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, "pwrite", refused)  # (the writer thread's write-backs from here on)
+    with pytest.raises(OSError) as raised:
+        _train(ssd, opt, _batches(20))
+        _group(ssd).ssd_checkpoint(tmp_path / "failed")
+    line = str(raised.value)
+    assert "\n" not in line and re.search(rf"writing record \d+ in {re.escape(str(tmp_path))}.*\.seg failed: "
+                                          rf"{os.strerror(err)}; {fix}", line), line
+    monkeypatch.undo()
+    assert not (tmp_path / "failed" / "manifest.json").exists()
+    snapshot.verify(tmp_path / "ok")

@@ -208,11 +208,12 @@ def test_a_read_ahead_record_whose_slot_was_reused_is_read_again(tmp_path):
     # segment: the slot alone cannot tell, the segment's generation does
     import numpy as np
 
-    from hetero.storage.records import Field, RecordLayout
+    from hetero.storage.layout import Field, RecordLayout
 
     file = RowFile(tmp_path / "f.rows", RecordLayout((Field("w", torch.float32, 4),)), rows=64, threads=2)
     row = np.array([5], np.int64)
     file.write(row, np.zeros((1, 16), np.uint8))  # (into a segment of its own: the first is full)
+    file.writer.drain()  # (a record not written yet is not read ahead)
     staged = file.stage(row)
     for i in range(1, 500):
         file.write(row, np.full((1, 4), i, np.float32).view(np.uint8))
@@ -230,7 +231,7 @@ def test_a_flush_of_more_rows_than_a_piece_writes_every_one_back(tmp_path):
     import numpy as np
 
     from hetero.storage.cache import FLUSH_CHUNK
-    from hetero.storage.records import Field, RecordLayout
+    from hetero.storage.layout import Field, RecordLayout
 
     rows = FLUSH_CHUNK * 2 + 123
     file = RowFile(tmp_path / "f.rows", RecordLayout((Field("w", torch.float32, 2),)), rows=rows, threads=2)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.kernels import kernels
-from hetero.storage.records import StagedRecords
+from hetero.storage.layout import StagedRecords
 
 
 class PlannedTable(Protocol):

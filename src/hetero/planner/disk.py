@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from hetero.planner.calibration_types import DiskRate
-from hetero.storage.records import Field, RecordLayout, RowFile
+from hetero.storage.layout import Field, RecordLayout
+from hetero.storage.records import RowFile
 
 RECORD = 256  # bytes of the measured records (a 60-wide fp32 row with row-wise Adagrad's state)
 ROWS = 1 << 18  # 64 MiB of records

@@ -7,7 +7,8 @@ job's ``[tables] storage = "ssd"``); its group lays its rows out when its sparse
 
 from hetero.storage.cache import CachePolicy, CacheStats, RowCache
 from hetero.storage.config import SsdConfig
-from hetero.storage.records import Field, RecordLayout, RowFile, StagedRecords
+from hetero.storage.layout import Field, RecordLayout, StagedRecords
+from hetero.storage.records import RowFile
 from hetero.storage.tier import SsdRows
 
 __all__ = ["CachePolicy", "CacheStats", "Field", "RecordLayout", "RowCache", "RowFile", "SsdConfig", "SsdRows",

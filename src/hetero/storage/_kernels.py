@@ -13,7 +13,7 @@ backward-shift deletion; CLOCK or GCLOCK victim selection, Smith 1978 / Effelsbe
 import ctypes
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 _libc = ctypes.CDLL(None)
 _memcpy = _libc.memcpy
@@ -82,23 +82,14 @@ def _remove(table, key):
             h = j
 
 
-@njit(nogil=True, cache=True)
-def acquire(ids, table, slot_row, meta, dirty, stamp, max_count, new_count, hand, slots, misses, victims, old_rows,
-            was_dirty):
-    """Slots for the unique rows ``ids``: hits are found, misses get a slot (a free one, else a
-    victim: the CLOCK hand passes slots, taking one whose count is 0 and that this batch does not
-    use, decrementing the others). ``meta[s]``: the acquire that last used slot ``s`` (``stamp``)
-    shifted left by 8, and its count in the low 8 bits (one word: one cache miss for a hit). Fills
-    ``slots`` (one per id), ``misses`` (positions in ``ids``), ``victims`` / ``old_rows`` /
-    ``was_dirty`` (the slots given up, their rows, whether they hold an update the file lacks). The
-    map and the slots' bookkeeping are updated; the data is not moved (the caller writes the dirty
-    victims back, then reads the misses). Returns ``(misses, victims, hand)`` counts and the new
-    hand; misses -1 when a row was given twice (the map is then inconsistent: the caller stops)."""
+@njit(nogil=True, cache=True, parallel=True)
+def find(ids, table, meta, stamp, max_count, slots):
+    """The lookup half of :func:`acquire`, over the cores: ``slots[i]`` the slot of row ``ids[i]``
+    (-1: a miss); a hit's slot is stamped and its count raised (the rows are unique: no two
+    threads touch one slot)."""
     mask = table.shape[0] - 1
-    capacity = slot_row.shape[0]
     pinned = stamp << 8
-    n_miss = 0
-    for i in range(ids.shape[0]):
+    for i in prange(ids.shape[0]):
         key = ids[i]
         h = _home(key, mask)
         s = EMPTY
@@ -107,13 +98,32 @@ def acquire(ids, table, slot_row, meta, dirty, stamp, max_count, new_count, hand
                 s = table[h, 1]
                 break
             h = (h + 1) & mask
-        if s == EMPTY:
-            misses[n_miss] = i
-            n_miss += 1
-        else:
-            slots[i] = s
+        slots[i] = s
+        if s != EMPTY:
             c = meta[s] & 255
             meta[s] = pinned | (c + 1 if c < max_count else c)
+
+
+@njit(nogil=True, cache=True)
+def acquire(ids, table, slot_row, meta, dirty, stamp, max_count, new_count, hand, slots, misses, victims, old_rows,
+            was_dirty):
+    """Slots for the unique rows ``ids``, whose hits :func:`find` filled in (``slots``; -1 a
+    miss): misses get a slot (a free one, else a
+    victim: the CLOCK hand passes slots, taking one whose count is 0 and that this batch does not
+    use, decrementing the others). ``meta[s]``: the acquire that last used slot ``s`` (``stamp``)
+    shifted left by 8, and its count in the low 8 bits (one word: one cache miss for a hit). Fills
+    ``slots`` (one per id), ``misses`` (positions in ``ids``), ``victims`` / ``old_rows`` /
+    ``was_dirty`` (the slots given up, their rows, whether they hold an update the file lacks). The
+    map and the slots' bookkeeping are updated; the data is not moved (the caller writes the dirty
+    victims back, then reads the misses). Returns ``(misses, victims, hand)`` counts and the new
+    hand; misses -1 when a row was given twice (the map is then inconsistent: the caller stops)."""
+    capacity = slot_row.shape[0]
+    pinned = stamp << 8
+    n_miss = 0
+    for i in range(ids.shape[0]):
+        if slots[i] == EMPTY:
+            misses[n_miss] = i
+            n_miss += 1
     n_victim = 0
     for j in range(n_miss):
         while True:  # terminates: the caller checked that a batch fits, so unpinned slots exist
@@ -156,21 +166,21 @@ def lookup(ids, table, slots):
             h = (h + 1) & mask
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, parallel=True)
 def unpack(records, slots, fields, offsets):
     """Record ``i`` into slot ``slots[i]`` of the cache's fields (each ``(capacity, bytes)``
     uint8; field ``k`` at record byte ``offsets[k]``)."""
-    for i in range(slots.shape[0]):
+    for i in prange(slots.shape[0]):
         s = slots[i]
         for k in range(len(fields)):
             f = fields[k]
             f[s, :] = records[i, offsets[k] : offsets[k] + f.shape[1]]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, parallel=True)
 def pack(records, slots, fields, offsets):
-    """The reverse of :func:`unpack`."""
-    for i in range(slots.shape[0]):
+    """The reverse of :func:`unpack`, over the cores."""
+    for i in prange(slots.shape[0]):
         s = slots[i]
         for k in range(len(fields)):
             f = fields[k]

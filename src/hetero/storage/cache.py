@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from hetero.placement import host_empty
-from hetero.storage.records import RowFile, StagedRecords, io_kernels
+from hetero.storage.layout import StagedRecords, io_kernels
+from hetero.storage.records import RowFile
 
 FLUSH_CHUNK = 1 << 16  # slots written back per piece by flush()
 LFU_MAX_COUNT = 15  # GCLOCK's ceiling: a row hit 15 times survives 15 passes of the hand
@@ -145,7 +146,9 @@ class RowCache:
         self._stamp += 1
         slots, misses = np.empty(n, np.int64), np.empty(n, np.int64)
         victims, old_rows, was_dirty = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
-        n_miss, n_victim, self._hand = io_kernels().acquire(
+        kernels = io_kernels()
+        kernels.find(rows, self._map, self._meta, self._stamp, self.policy.max_count, slots)  # (the hits, on every core)
+        n_miss, n_victim, self._hand = kernels.acquire(
             rows, self._map, self.slot_row, self._meta, self.dirty, self._stamp,
             self.policy.max_count, self.policy.admission_count, self._hand, slots, misses, victims, old_rows, was_dirty)
         assert n_miss >= 0, "RowCache.acquire takes unique rows (a row given twice would be cached twice)"

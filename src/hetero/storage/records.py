@@ -5,94 +5,32 @@ tables and OneFlow's OneEmbedding: ``[weight | state...]`` per row).
 A :class:`RowFile` is a log-structured store of those records in a directory of segment files
 (see its docstring): written-back records are appended, a cleaner reclaims the space of the
 records they replace, and a sealed segment is never written again, so a checkpoint can share it
-(:mod:`hetero.storage.snapshot`). Reads of a
-batch of records copy them out of the mapped segment files (:mod:`hetero.storage.mapping`), split
-over a small pool of threads, each running one compiled loop with the GIL released
-(:mod:`hetero.storage._kernels`): no system call and no Python per record, and as many reads in
-flight as threads where the pages come from the disk.
+(:mod:`hetero.storage.snapshot`). Reads of a batch of records copy them out of the mapped segment
+files (:mod:`hetero.storage.mapping`), split over a pool of threads, each a compiled loop with the
+GIL released (:mod:`hetero.storage._kernels`): no system call and no Python per record, and as many
+reads in flight as threads where the pages come from the disk. Appends go to a thread of their own
+(:mod:`hetero.storage.writer`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 import shutil
-import zlib
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
-import torch
 
-from hetero._numba import load
 from hetero.checkpoint.io import fsync_path
+from hetero.storage.layout import RecordLayout, StagedRecords, io_kernels
 from hetero.storage.mapping import SegmentMaps
+from hetero.storage.writer import SegmentWriter, io_error
 
 MIN_CHUNK = 64  # the fewest records per task handed to an I/O thread (a batch is spread over all of them)
 APPEND_CHUNK = 1 << 16  # records appended per piece (bounds the staging buffer a store keeps)
-
-
-def io_kernels() -> ModuleType:
-    """The compiled I/O and cache kernels (:mod:`hetero.storage._kernels`)."""
-    return load("hetero.storage._kernels")
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    """One part of a record: ``width`` values of ``dtype`` per row; ``scalar``: one value per
-    row, held as a ``(rows,)`` array (row-wise Adagrad's sum)."""
-
-    name: str
-    dtype: torch.dtype
-    width: int = 1
-    scalar: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size() * self.width
-
-    def shape(self, rows: int) -> tuple[int, ...]:
-        return (rows,) if self.scalar else (rows, self.width)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordLayout:
-    """The fields of a record, in order: the row first, then the optimizer's state."""
-
-    fields: tuple[Field, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.fields)
-
-    def offset(self, name: str) -> int:
-        """Byte offset of field ``name`` in a record."""
-        at = 0
-        for f in self.fields:
-            if f.name == name:
-                return at
-            at += f.nbytes
-        raise KeyError(f"no field {name!r} in records of {[f.name for f in self.fields]}")
-
-
-@dataclasses.dataclass
-class StagedRecords:
-    """Records read ahead of their use (:meth:`RowFile.stage`), on a prefetch worker: ``rows``
-    (sorted int64), the file slots they were read from, those slots' segment generations then, and
-    the records (``(len(rows), record_bytes)`` uint8). A record is used only while its row's slot
-    and that slot's generation are unchanged (:meth:`RowFile.load`): any write of the row since
-    (a write-back, the cleaner's move, a loaded checkpoint) gives it a new slot, and a slot is only
-    written again after its segment was freed (a new generation), so a record that passes the check
-    is the row's current one, byte for byte."""
-
-    file: "RowFile"
-    rows: np.ndarray
-    slots: np.ndarray
-    generations: np.ndarray
-    records: np.ndarray
 
 
 class RowFile:
@@ -147,22 +85,33 @@ class RowFile:
         self.live = np.zeros(0, np.int64)  # live slots per segment
         self.generation = np.zeros(0, np.int64)  # times each segment was freed (staged records check it)
         self.fds = np.zeros(0, np.int32)  # each segment's open file (-1: none)
-        self.sizes = np.zeros(0, np.int64)  # bytes written to each segment's file
+        self.sizes = np.zeros(0, np.int64)  # bytes appended to each segment's file (handed to the writer)
+        me = weakref.ref(self)  # (the writer's thread must not keep the store alive)
+        self.writer = SegmentWriter(self.slot_bytes, lambda e, row, s: me()._error(e, "writing", row, s))
         self.maps = SegmentMaps(self.segment * self.slot_bytes)  # each segment's file, mapped to be read
         self._pages = 1 + self.slot_bytes // mmap.PAGESIZE  # pages a record's read may touch (at most, near enough)
         self._owned = np.zeros(0, np.bool_)  # files this store made (and may write again when no snapshot links them)
         self._reused: set[int] = set()  # segments whose file is written again from its start (longer until sealed)
-        self.crcs: list[int] = []  # CRC-32 of each segment's bytes so far
         self._unsynced: set[int] = set()  # segments written since the last seal
         self._free: list[int] = []
-        self._tail, self._cleaning = -1, False
-        self._tail_used = self.segment  # (no segment yet: the first append opens one)
+        # two streams of appends, each into its own current segment: write-backs (0) and the cleaner's
+        # moves (1). A record the cleaner moves was not written since it was appended - colder than a
+        # write-back - so its segments stay full and the write-backs' segments, emptied by the next
+        # write-backs, are the ones cleaned: fewer records moved per segment freed (the hot/cold
+        # separation of Rosenblum & Ousterhout 1992)
+        self._tail, self._cleaning = [-1, -1], False
+        self._tail_used = [self.segment, self.segment]  # (no segment yet: the first append opens one)
         self.cleaned = 0  # segments cleaned
-        self._slots = np.empty((0, self.slot_bytes), np.uint8)  # staging of one batch
         for lo in range(0, 0 if empty else rows, 1 << 14):  # the initial records, in row order (empty: a restore's)
             hi = min(lo + (1 << 14), rows)
             data = init(lo, hi) if init is not None else np.zeros((hi - lo, layout.nbytes), np.uint8)
             self._append(np.arange(lo, hi, dtype=np.int64), np.ascontiguousarray(data))
+        self.writer.drain()  # (laid out before it is used: a write the disk refuses is raised here)
+
+    @property
+    def crcs(self) -> list[int]:
+        """CRC-32 of each segment's bytes written (complete after :meth:`seal`)."""
+        return self.writer.crcs
 
     @property
     def nbytes(self) -> int:
@@ -179,7 +128,7 @@ class RowFile:
         self.sizes = np.append(self.sizes, 0)
         self._owned = np.append(self._owned, False)
         self.maps.grow()
-        self.crcs.append(0)
+        self.writer.grow()
         self.live = np.append(self.live, 0)
         return self.live.shape[0] - 1
 
@@ -196,7 +145,8 @@ class RowFile:
             except OSError as e:
                 raise self._error(e, "writing", -1, s) from None
             self._owned[s] = True
-        self.sizes[s], self.crcs[s] = 0, 0
+        self.sizes[s] = 0
+        self.writer.reset(s)  # (nothing of it is in flight: a freed segment's writes ended before it was read)
 
     def attach(self, s: int, size: int, crc: int) -> None:
         """Segment ``s`` is the file at :meth:`segment_path` (a snapshot's, linked in), ``size``
@@ -205,46 +155,52 @@ class RowFile:
             self._grow()
         self.fds[s] = os.open(self.segment_path(s), os.O_RDONLY)
         self.maps.map(s, int(self.fds[s]), self.segment_path(s))
-        self.sizes[s], self.crcs[s] = size, crc
+        self.sizes[s] = size
+        self.writer.reset(s, size, crc)
 
     def _staging(self, rows: np.ndarray) -> np.ndarray:
-        """The slots (row header filled in) to append ``rows``' records from: the kept staging
-        buffer, or a new one inside the cleaner (its caller's records are in the kept one)."""
+        """A staging buffer from the writer's pool (:meth:`SegmentWriter.buffer`), its first
+        ``len(rows)`` slots' row headers filled in: the records go after them."""
         n = rows.shape[0]
-        if self._cleaning:
-            slots = np.empty((n, self.slot_bytes), np.uint8)
-        else:
-            if self._slots.shape[0] < n:
-                self._slots = np.empty((max(n, 2 * self._slots.shape[0]), self.slot_bytes), np.uint8)
-            slots = self._slots[:n]
-        slots[:, : self.HEADER] = np.ascontiguousarray(rows).view(np.uint8).reshape(n, self.HEADER)
-        return slots
+        buf = self.writer.buffer(n)
+        buf[:n, : self.HEADER] = np.ascontiguousarray(rows).view(np.uint8).reshape(n, self.HEADER)
+        return buf
 
     def _append(self, rows: np.ndarray, records: np.ndarray) -> None:
         """``records`` (``(n, record_bytes)``) as the records of the unique ``rows``, written in
         order into the current segment and the next ones."""
-        slots = self._staging(rows)
-        slots[:, self.HEADER :] = records
-        self._append_slots(rows, slots)
+        buf = self._staging(rows)
+        buf[: rows.shape[0], self.HEADER :] = records
+        self._append_slots(rows, buf[: rows.shape[0]], buf)
 
-    def _append_slots(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """As :meth:`_append`, the records already in slots (``(n, slot_bytes)``, row headers first)."""
-        n, done = rows.shape[0], 0
-        while done < n:
-            if self._tail_used == self.segment:
-                self._tail, self._tail_used = self._next_segment(), 0
-            k = min(n - done, self.segment - self._tail_used)
-            first = self._tail * self.segment + self._tail_used
-            self._write(self._tail, slots[done : done + k], rows[done : done + k])
-            part = rows[done : done + k]
-            old = self.positions[part]
-            old = old[old >= 0]
-            if old.shape[0]:  # their previous records become garbage
-                self.live -= np.bincount(old // self.segment, minlength=self.live.shape[0])
-            self.positions[part] = np.arange(first, first + k)
-            self.live[self._tail] += k
-            self._tail_used += k
-            done += k
+    def _append_slots(self, rows: np.ndarray, slots: np.ndarray, buffer: np.ndarray | None = None,
+                      stream: int = 0) -> None:
+        """As :meth:`_append`, the records already in slots (``(n, slot_bytes)``, row headers
+        first); ``buffer``: the writer's buffer they are in (back to its pool once written);
+        ``stream``: 0 write-backs, 1 the cleaner's moves."""
+        n, done, handed = rows.shape[0], 0, buffer is None
+        try:
+            while done < n:
+                if self._tail_used[stream] == self.segment:
+                    self._tail[stream], self._tail_used[stream] = self._next_segment(), 0
+                tail = self._tail[stream]
+                k = min(n - done, self.segment - self._tail_used[stream])
+                first = tail * self.segment + self._tail_used[stream]
+                last = done + k == n
+                self._write(tail, slots[done : done + k], rows[done : done + k], buffer if last else None)
+                handed = handed or last
+                part = rows[done : done + k]
+                old = self.positions[part]
+                old = old[old >= 0]
+                if old.shape[0]:  # their previous records become garbage
+                    self.live -= np.bincount(old // self.segment, minlength=self.live.shape[0])
+                self.positions[part] = np.arange(first, first + k)
+                self.live[tail] += k
+                self._tail_used[stream] += k
+                done += k
+        finally:
+            if not handed:  # (the pool keeps its count; pieces in flight keep this buffer alive until written)
+                self.writer.give_back(np.empty((0, self.slot_bytes), np.uint8))
 
     def _next_segment(self) -> int:
         """A segment to append to, with a new file: a free one, else (once the store is
@@ -263,11 +219,13 @@ class RowFile:
         """Empty the segment with the fewest live records: read it, append its live records,
         delete its file. ``False`` when every segment is full (the store grows instead)."""
         candidates = self.live.copy()
-        candidates[self._tail] = self.segment + 1  # (the current segment is being filled)
+        candidates[[t for t in self._tail if t >= 0]] = self.segment + 1  # (the current segments are being filled)
         candidates[self._free] = self.segment + 1
         victim = int(np.argmin(candidates))
         if candidates[victim] >= self.segment:
             return False
+        if self.writer.written[victim] < self.sizes[victim]:
+            self.writer.drain()  # (its records are read back from its file)
         buf = np.empty((int(self.sizes[victim]) // self.slot_bytes, self.slot_bytes), np.uint8)
         try:
             got = os.preadv(int(self.fds[victim]), [buf], 0)
@@ -281,7 +239,8 @@ class RowFile:
         self._free.append(victim)
         self._cleaning = True
         try:  # (the live slots as they are, headers and records)
-            self._append_slots(np.ascontiguousarray(buf[keep, : self.HEADER]).view(np.int64).reshape(-1), buf[keep])
+            self._append_slots(np.ascontiguousarray(buf[keep, : self.HEADER]).view(np.int64).reshape(-1), buf[keep],
+                               stream=1)
         finally:
             self._cleaning = False
         self.cleaned += 1
@@ -301,24 +260,16 @@ class RowFile:
         self.segment_path(s).unlink()
         self._unsynced.discard(s)
 
-    def _write(self, s: int, slots: np.ndarray, rows: np.ndarray) -> None:
-        """Append ``slots`` to segment ``s``'s file."""
-        data = memoryview(slots).cast("B")
-        done, at = 0, int(self.sizes[s])
-        while done < len(data):  # a short write (a limit reached) is followed by the one that says why
-            try:
-                done += os.pwrite(int(self.fds[s]), data[done:], at + done)
-            except OSError as e:
-                raise self._error(e, "writing", int(rows[min(done // self.slot_bytes, len(rows) - 1)]), s) from None
-        self.sizes[s] = at + done
-        self.crcs[s] = zlib.crc32(data, self.crcs[s])
+    def _write(self, s: int, slots: np.ndarray, rows: np.ndarray, buffer: np.ndarray | None) -> None:
+        """Append ``slots`` to segment ``s``'s file: handed to the writer thread (the positions
+        point at them from now on; a read waits for the bytes where they are not written yet)."""
+        at = int(self.sizes[s])
+        self.sizes[s] = at + slots.shape[0] * self.slot_bytes
         self._unsynced.add(s)
+        self.writer.submit(s, int(self.fds[s]), at, slots, rows, buffer)
 
     def _error(self, e: OSError, what: str, row: int, s: int) -> OSError:
-        fix = "free space there, or give another directory (tables.ssd_path)" if what == "writing" else \
-            "check the disk (the file may be damaged)"
-        record = f"record {row} in " if row >= 0 else ""
-        return OSError(e.errno, f"{what} {record}{self.segment_path(s)} failed: {e.strerror}; {fix}")
+        return io_error(e, what, self.segment_path(s), row)
 
     def read(self, rows: np.ndarray, out: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)``
@@ -338,20 +289,27 @@ class RowFile:
         n = rows.shape[0]
         if n == 0:
             return
-        bases, sizes = self.maps.bases, self.sizes
         kernel = io_kernels().gather
         chunk = max(MIN_CHUNK, -(-n // self.threads))
 
-        def run(lo: int) -> None:
-            hi = min(lo + chunk, n)
-            stop = kernel(bases, sizes, self.segment, self.slot_bytes, self.HEADER, at, to, dst, strides, widths,
-                          offsets, lo, hi)
-            if stop < hi:
-                raise OSError(f"reading record {int(rows[stop])} in {self.segment_path(int(at[stop]) // self.segment)}: "
-                              f"its slot {int(at[stop])} is not a written one (the store is damaged)")
+        def run(lo: int, bases: np.ndarray, written: np.ndarray) -> int:
+            return kernel(bases, written, self.segment, self.slot_bytes, self.HEADER, at, to, dst, strides, widths,
+                          offsets, lo, min(lo + chunk, n))
 
-        for _ in (map(run, range(0, n, chunk)) if n <= chunk else self._pool.map(run, range(0, n, chunk))):
-            pass  # (the pool's map raises the first chunk's error here)
+        for attempt in range(2):
+            bases, written = self.maps.bases, np.array(self.writer.written, np.int64)
+            starts = range(0, n, chunk)
+            stops = map(run, starts, [bases] * len(starts), [written] * len(starts)) if n <= chunk else \
+                self._pool.map(run, starts, [bases] * len(starts), [written] * len(starts))
+            failed = [(lo, stop) for lo, stop in zip(starts, stops) if stop < min(lo + chunk, n)]
+            if not failed:
+                break
+            lo, stop = failed[0]
+            if attempt == 0 and not staging:  # (the writer may not have got there yet: wait, then the chunks again)
+                self.writer.drain()
+                continue
+            raise OSError(f"reading record {int(rows[stop])} in {self.segment_path(int(at[stop]) // self.segment)}: "
+                          f"its slot {int(at[stop])} is not a written one (the store is damaged)")
         if staging:  # (the worker counts its own; the owner lets the mappings' pages go)
             self.maps.staged_pages += n * self._pages
         else:
@@ -365,18 +323,23 @@ class RowFile:
 
     def stage(self, rows: np.ndarray) -> StagedRecords:
         """Read the current records of ``rows`` (unique int64) ahead of their use, from any thread
-        while the owner goes on (see :class:`StagedRecords`). A read that fails (the owner closed
-        the segment's file meanwhile) stages nothing: the owner reads the rows itself."""
+        while the owner goes on (see :class:`StagedRecords`). A row whose record the writer has not
+        written yet is left out, and a read that fails (a slot the owner freed meanwhile) stages
+        nothing: the owner reads those rows itself."""
         rows = np.sort(rows)
-        records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
         whole = np.array([self.layout.nbytes], np.int64)
         with self.maps.lock:  # (no mapping goes away, and no file is cut short, while it copies)
             at = self.positions[rows]  # (the slots first, then their generations: a slot moved meanwhile is refused)
+            written = np.array(self.writer.written, np.int64)
+            seg = np.minimum(at // self.segment, written.shape[0] - 1)
+            ready = (at >= 0) & ((at - seg * self.segment + 1) * self.slot_bytes <= written[seg])
+            rows, at = rows[ready], at[ready]
             generations = self.generation[at // self.segment]
+            records = np.empty((rows.shape[0], self.layout.nbytes), np.uint8)
             try:
                 self._gather(rows, at, np.arange(rows.shape[0], dtype=np.int64), np.array([records.ctypes.data], np.int64),
                              whole, whole, np.zeros(1, np.int64), staging=True)
-            except OSError:  # (a slot the owner freed meanwhile: the owner reads the rows itself)
+            except OSError:
                 rows = at = generations = np.zeros(0, np.int64)
                 records = records[:0]
         return StagedRecords(self, rows, at, generations, records)
@@ -407,14 +370,15 @@ class RowFile:
         """The reverse of :meth:`load`: the slots' records as the rows' new records (appended)."""
         for lo in range(0, rows.shape[0], APPEND_CHUNK):  # (packed straight into the staging, in pieces)
             part = rows[lo : lo + APPEND_CHUNK]
-            staging = self._staging(part)
-            io_kernels().pack(staging[:, self.HEADER :], slots[lo : lo + APPEND_CHUNK], fields, offsets)
-            self._append_slots(part, staging)
+            buf = self._staging(part)
+            io_kernels().pack(buf[: part.shape[0], self.HEADER :], slots[lo : lo + APPEND_CHUNK], fields, offsets)
+            self._append_slots(part, buf[: part.shape[0]], buf)
 
     def seal(self) -> None:
         """Make the writes so far durable (``fsync`` of every segment written since the last seal)
         and end the current segment: later appends open a new one, so no file the store holds now
         is written again (the cleaner may delete one)."""
+        self.writer.drain()  # (raises a write that failed)
         with self.maps.lock:  # (a file written again from its start ends where its writes did)
             for s in sorted(self._reused):
                 os.ftruncate(int(self.fds[s]), int(self.sizes[s]))
@@ -422,10 +386,11 @@ class RowFile:
         for s in sorted(self._unsynced):
             os.fsync(int(self.fds[s]))
         self._unsynced.clear()
-        self._tail_used = self.segment
+        self._tail_used = [self.segment, self.segment]
         fsync_path(self.path)  # the directory: its new and deleted entries durable too
 
     def close(self) -> None:
+        self.writer.close()
         self._pool.shutdown()
         self.maps.close()
         for fd in self.fds[self.fds >= 0]:

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from hetero.checkpoint.io import CheckpointError, fsync_path
-from hetero.storage.records import Field, RecordLayout, RowFile
+from hetero.storage.layout import Field, RecordLayout
+from hetero.storage.records import RowFile
 
 MANIFEST, INDEX = "manifest.json", "index.bin"
 FORMAT = 1

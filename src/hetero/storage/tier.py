@@ -20,7 +20,8 @@ from hetero.storage.cache import RowCache
 from hetero.storage.config import SsdConfig
 from hetero.checkpoint.io import CheckpointError
 from hetero.storage import snapshot
-from hetero.storage.records import Field, RecordLayout, RowFile
+from hetero.storage.layout import Field, RecordLayout
+from hetero.storage.records import RowFile
 
 CHUNK = 1 << 14  # rows per sequential pass step (initialisation, re-layout, assignment)
 InitRows = Callable[[int, int], torch.Tensor]  # rows [lo, hi) of the group's weight, initial values
