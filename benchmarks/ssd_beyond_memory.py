@@ -6,11 +6,12 @@ Zipf(1.05) ids under a row cache of ``--cache-gb``; then a checkpoint (the tier'
 
 Reported: samples/s (after ``--warmup`` steps), the row hit rate and miss reads per second beside
 the disk's own 4 KiB random-read rate at queue depth 1 and 32 (``disk_rate.py``), peak resident
-memory (``ru_maxrss``) of each process, bytes on disk over logical bytes, and the times of the
-first layout (the initial rows written), the checkpoint, the resume's check (every snapshot file
-read against its CRC-32) and its restore (links). The page cache is not the process's memory; it
-holds what of the store fits in the rest of RAM, so part of the misses are served from it (the
-``disk`` block says what the disk itself does).
+memory (``ru_maxrss``) of each process and, while training, the peaks of its two parts (``RssAnon``:
+the process's own memory; ``RssFile``: store pages it keeps mapped, page cache, at most about
+``SsdConfig.mapped_bytes``), bytes on disk over logical bytes, and the times of the first layout
+(the initial rows written), the checkpoint, the resume's check (every snapshot file read against
+its CRC-32) and its restore (links). The page cache holds what of the store fits in the rest of
+RAM, so part of the misses are served from it (the ``disk`` block says what the disk itself does).
 
     python benchmarks/ssd_beyond_memory.py --dir /path/on/the/disk
 """
@@ -59,6 +60,7 @@ def _steps(coll, opt, args, count: int, seed: int, budget: float) -> tuple[int, 
         out = coll({f"C{j}": torch.from_numpy(np.ascontiguousarray(ids[:, j])) for j in range(F)})
         torch.autograd.backward(list(out.values()), [upstream] * F)
         opt.step()
+        _sample()
         if time.perf_counter() - t0 > budget:
             return i + 1, time.perf_counter() - t0
     return count, time.perf_counter() - t0
@@ -66,6 +68,19 @@ def _steps(coll, opt, args, count: int, seed: int, budget: float) -> tuple[int, 
 
 def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+PEAKS = {"RssAnon": 0, "RssFile": 0}  # the resident set's parts, their peaks over the steps (bytes)
+
+
+def _sample() -> None:
+    """The process's own memory (``RssAnon``) and the store's pages it keeps mapped (``RssFile``:
+    page cache, dropped under pressure) - ``ru_maxrss`` counts both."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in PEAKS:
+                PEAKS[key] = max(PEAKS[key], int(line.split()[1]) * 1024)
 
 
 def train(args) -> dict:
@@ -93,7 +108,8 @@ def train(args) -> dict:
             "cache_bytes": cache.nbytes, "cache_rows": cache.capacity, "logical_bytes": logical,
             "store_bytes": group.ssd.file.nbytes, "store_over_logical": group.ssd.file.nbytes / logical,
             "store_bytes_on_disk": _du(Path(args.dir) / "store"), "segments_cleaned": group.ssd.file.cleaned,
-            "checkpoint_s": checkpoint, "peak_rss_bytes": _rss()}
+            "checkpoint_s": checkpoint, "peak_rss_bytes": _rss(), "peak_rss_anon_bytes": PEAKS["RssAnon"],
+            "peak_rss_file_bytes": PEAKS["RssFile"]}
 
 
 def resume(args) -> dict:

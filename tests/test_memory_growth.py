@@ -87,4 +87,5 @@ def test_resident_memory_is_flat_per_step(tmp_path, mode):
         # a checkpoint's peak stays within two more copies of the tables and their state (row-sharded
         # tables are gathered whole on every rank: the received blocks, then the whole tensors)
         over = got["peak"] / 1024 - rss[warm - 1]
+        print(f"{mode} rank {r}: warm {rss[warm - 1]:.0f} MiB, grew {grown:.1f} MiB, peak +{over:.0f} MiB")  # (pytest -s)
         assert over < 2 * 3 * table_mib, f"{mode} rank {r}: peak {over:.0f} MiB over the warm resident set"

@@ -1,6 +1,6 @@
 """The SSD tier's record store (hetero.storage.records, .mapping): reads copy records out of the
-mapped segment files, a freed segment's own file is written again where no snapshot links it, and
-the mappings let go of their pages past their budget. Each against plain Python over the same
+mapped segment files (up to a budget; the others with pread), a freed segment's own file is written
+again where no snapshot links it, and a failed write is one line. Each against plain Python over the same
 writes, or the process's own counts (/proc/self/status)."""
 
 import errno
@@ -36,10 +36,12 @@ def _inodes(file):
     return {s: os.stat(file.segment_path(s)).st_ino for s in range(file.live.shape[0]) if file.fds[s] >= 0}
 
 
-def test_a_freed_segment_is_written_again_in_place_unless_a_snapshot_links_it(tmp_path):
+@pytest.mark.parametrize("mapped_segments", [100, 2])  # (2: most segments are read with pread)
+def test_a_freed_segment_is_written_again_in_place_unless_a_snapshot_links_it(tmp_path, mapped_segments):
     rng = np.random.default_rng(0)
     expected = np.zeros((ROWS, WIDTH), np.float32)
-    file = RowFile(tmp_path / "s", RecordLayout((Field("w", torch.float32, WIDTH),)), ROWS, threads=2, segment=64)
+    file = RowFile(tmp_path / "s", RecordLayout((Field("w", torch.float32, WIDTH),)), ROWS, threads=2, segment=64,
+                   mapped_bytes=mapped_segments * 64 * (8 + 4 * WIDTH))
     _churn(file, rng, expected)
     assert file.cleaned > 0  # (the store is at its size: the cleaner frees segments)
     before, cleaned = _inodes(file), file.cleaned
@@ -72,13 +74,13 @@ def _rss_file_kib():
 
 
 @pytest.mark.parametrize("budget_mib,bounded", [(4, True), (1024, False)])
-def test_the_mappings_let_go_of_their_pages_past_their_budget(tmp_path, budget_mib, bounded):
-    # 64 MiB of 4 KiB records, every one read twice: the pages stay mapped (counted in RssFile) up to
-    # the budget; with a budget above the store, all of them are (the check that the count can fail)
+def test_segments_are_mapped_up_to_the_budget_and_the_rest_read_with_pread(tmp_path, budget_mib, bounded):
+    # 64 MiB of 4 KiB records, every one read twice: the mapped segments' pages stay mapped (counted in
+    # RssFile), the others are read into the page cache only; with a budget above the store, all are
+    # mapped (the check that the count can fail)
     rows, width = 1 << 14, 1024
     file = RowFile(tmp_path / "s", RecordLayout((Field("w", torch.float32, width),)), rows, threads=2,
-                   init=lambda lo, hi: np.zeros((hi - lo, 4 * width), np.uint8))
-    file.maps.budget = budget_mib << 20
+                   init=lambda lo, hi: np.zeros((hi - lo, 4 * width), np.uint8), mapped_bytes=budget_mib << 20)
     out = np.empty((1024, 4 * width), np.uint8)
     before = _rss_file_kib()
     grew = 0
@@ -86,6 +88,7 @@ def test_the_mappings_let_go_of_their_pages_past_their_budget(tmp_path, budget_m
         for lo in range(0, rows, 1024):
             file.read(np.arange(lo, lo + 1024, dtype=np.int64), out)
             grew = max(grew, _rss_file_kib() - before)
+            assert not out.any()  # (the zeros written, through either path)
     if bounded:
         assert grew < 3 * budget_mib * 1024, grew  # (the budget, give or take the last read's pages)
     else:

@@ -2,9 +2,9 @@
 lazily (:func:`hetero.storage.records.io_kernels`).
 
 The gather kernel copies records out of the store's mapped segment files
-(:mod:`hetero.storage.mapping`) with libc's ``memcpy`` called from compiled code, the GIL
-released: a batch of records is one kernel call per I/O thread, no Python per record, and a
-record read from the disk (a page fault) keeps one read in flight per thread. It is compiled per
+(:mod:`hetero.storage.mapping`) with libc's ``memcpy``, or reads them with ``pread`` where a
+segment is not mapped, called from compiled code with the GIL released: a batch of records is
+one kernel call per I/O thread, no Python per record, and one read in flight per thread. It is compiled per
 process (``cache=False``): a ctypes function pointer is an address of this process. The cache
 kernels are one pass over a batch's rows each (open-addressing row -> slot map with
 backward-shift deletion; CLOCK or GCLOCK victim selection, Smith 1978 / Effelsberg & Haerder 1984).
@@ -19,24 +19,36 @@ _libc = ctypes.CDLL(None)
 _memcpy = _libc.memcpy
 _memcpy.restype = ctypes.c_void_p
 _memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_pread = _libc.pread
+_pread.restype = ctypes.c_ssize_t
+_pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
 
 EMPTY = -1  # a free key of the map, a free slot's row
 
 
 @njit(nogil=True, cache=False)
-def gather(bases, sizes, segment, slot_bytes, header, at, rows, dst, strides, widths, offsets, lo, hi):
-    """For ``i`` in ``[lo, hi)``: the record in store slot ``at[i]`` (segment ``at[i] // segment``
-    mapped at ``bases``, ``sizes`` bytes of it written; the record ``header`` bytes into its slot
-    of ``slot_bytes``) into row ``rows[i]`` of each destination ``k``: ``widths[k]`` bytes from
-    record byte ``offsets[k]`` to address ``dst[k] + rows[i] * strides[k]``. Returns the first
-    position whose slot is not a written slot of a mapped segment (nothing copied for it), else ``hi``."""
+def gather(bases, fds, written, segment, slot_bytes, header, at, rows, dst, strides, widths, offsets, scratch, lo, hi):
+    """For ``i`` in ``[lo, hi)``: the record in store slot ``at[i]`` (segment ``at[i] // segment``,
+    ``written`` bytes of it written; the record ``header`` bytes into its slot of ``slot_bytes``)
+    into row ``rows[i]`` of each destination ``k``: ``widths[k]`` bytes from record byte
+    ``offsets[k]`` to address ``dst[k] + rows[i] * strides[k]``. A segment mapped at ``bases``
+    is copied from; one not mapped (0) is read with ``pread`` from ``fds`` into ``scratch`` (a
+    record's bytes) first. Returns the first position whose slot is not a written one or whose
+    read failed (nothing copied for it), else ``hi``."""
+    nbytes = slot_bytes - header
+    buf = np.int64(scratch.ctypes.data)
     for i in range(lo, hi):
         a = at[i]
         s = a // segment
         start = (a - s * segment) * slot_bytes
-        if a < 0 or s >= bases.shape[0] or bases[s] == 0 or start + slot_bytes > sizes[s]:
+        if a < 0 or s >= bases.shape[0] or s >= fds.shape[0] or start + slot_bytes > written[s]:
             return i
-        src = bases[s] + start + header
+        if bases[s] != 0:
+            src = bases[s] + start + header
+        else:
+            if fds[s] < 0 or _pread(fds[s], buf, nbytes, start + header) != nbytes:
+                return i
+            src = buf
         r = rows[i]
         for k in range(dst.shape[0]):
             _memcpy(dst[k] + r * strides[k], src + offsets[k], widths[k])

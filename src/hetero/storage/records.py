@@ -6,15 +6,13 @@ A :class:`RowFile` is a log-structured store of those records in a directory of 
 (see its docstring): written-back records are appended, a cleaner reclaims the space of the
 records they replace, and a sealed segment is never written again, so a checkpoint can share it
 (:mod:`hetero.storage.snapshot`). Reads of a batch of records copy them out of the mapped segment
-files (:mod:`hetero.storage.mapping`), split over a pool of threads, each a compiled loop with the
-GIL released (:mod:`hetero.storage._kernels`): no system call and no Python per record, and as many
-reads in flight as threads where the pages come from the disk. Appends go to a thread of their own
-(:mod:`hetero.storage.writer`).
+files (:mod:`hetero.storage.mapping`) on a pool of threads, compiled loops with the GIL released
+(:mod:`hetero.storage._kernels`): no system call, no Python per record, and a read in flight a
+thread where pages come from the disk. Appends go to a thread of their own (:mod:`hetero.storage.writer`).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import weakref
@@ -73,7 +71,7 @@ class RowFile:
 
     def __init__(self, path: str | os.PathLike, layout: RecordLayout, rows: int, threads: int = 8,
                  init: Callable[[int, int], np.ndarray] | None = None, segment: int | None = None,
-                 empty: bool = False) -> None:
+                 empty: bool = False, mapped_bytes: int = 1 << 30) -> None:
         self.path, self.layout, self.rows = Path(path), layout, rows
         self.slot_bytes = self.HEADER + layout.nbytes
         self.segment = segment or max(64, min(1 << 16, rows // 32))  # slots per segment
@@ -88,8 +86,7 @@ class RowFile:
         self.sizes = np.zeros(0, np.int64)  # bytes appended to each segment's file (handed to the writer)
         me = weakref.ref(self)  # (the writer's thread must not keep the store alive)
         self.writer = SegmentWriter(self.slot_bytes, lambda e, row, s: me()._error(e, "writing", row, s))
-        self.maps = SegmentMaps(self.segment * self.slot_bytes)  # each segment's file, mapped to be read
-        self._pages = 1 + self.slot_bytes // mmap.PAGESIZE  # pages a record's read may touch (at most, near enough)
+        self.maps = SegmentMaps(self.segment * self.slot_bytes, mapped_bytes)  # segment files mapped to be read
         self._owned = np.zeros(0, np.bool_)  # files this store made (and may write again when no snapshot links them)
         self._reused: set[int] = set()  # segments whose file is written again from its start (longer until sealed)
         self._unsynced: set[int] = set()  # segments written since the last seal
@@ -292,28 +289,31 @@ class RowFile:
         kernel = io_kernels().gather
         chunk = max(MIN_CHUNK, -(-n // self.threads))
 
-        def run(lo: int, bases: np.ndarray, written: np.ndarray) -> int:
-            return kernel(bases, written, self.segment, self.slot_bytes, self.HEADER, at, to, dst, strides, widths,
-                          offsets, lo, min(lo + chunk, n))
+        def run(lo: int, arrays: tuple) -> int:
+            scratch = np.empty(self.layout.nbytes, np.uint8)  # (a record read with pread lands here first)
+            return kernel(*arrays, self.segment, self.slot_bytes, self.HEADER, at, to, dst, strides, widths, offsets,
+                          scratch, lo, min(lo + chunk, n))
 
         for attempt in range(2):
-            bases, written = self.maps.bases, np.array(self.writer.written, np.int64)
+            arrays = (self.maps.bases, self.fds, np.array(self.writer.written, np.int64))
             starts = range(0, n, chunk)
-            stops = map(run, starts, [bases] * len(starts), [written] * len(starts)) if n <= chunk else \
-                self._pool.map(run, starts, [bases] * len(starts), [written] * len(starts))
+            stops = map(run, starts, [arrays] * len(starts)) if n <= chunk else \
+                self._pool.map(run, starts, [arrays] * len(starts))
             failed = [(lo, stop) for lo, stop in zip(starts, stops) if stop < min(lo + chunk, n)]
             if not failed:
-                break
+                return
             lo, stop = failed[0]
             if attempt == 0 and not staging:  # (the writer may not have got there yet: wait, then the chunks again)
                 self.writer.drain()
                 continue
-            raise OSError(f"reading record {int(rows[stop])} in {self.segment_path(int(at[stop]) // self.segment)}: "
-                          f"its slot {int(at[stop])} is not a written one (the store is damaged)")
-        if staging:  # (the worker counts its own; the owner lets the mappings' pages go)
-            self.maps.staged_pages += n * self._pages
-        else:
-            self.maps.touched(n * self._pages)
+            s, where = int(at[stop]) // self.segment, int(at[stop]) % self.segment * self.slot_bytes + self.HEADER
+            if 0 <= s < self.fds.shape[0] and self.fds[s] >= 0 and not self.maps.bases[s]:  # (a pread: its errno)
+                try:
+                    os.preadv(int(self.fds[s]), [np.empty(self.layout.nbytes, np.uint8)], where)
+                except OSError as e:
+                    raise self._error(e, "reading", int(rows[stop]), s) from None
+            raise OSError(f"reading record {int(rows[stop])} in {self.segment_path(s)}: its slot {int(at[stop])} is "
+                          f"not a written one (the store is damaged)")
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
         """``records`` (``(len(rows), record_bytes)`` uint8) as the new records of the unique

@@ -179,7 +179,7 @@ def read_fields(snapshot: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def restore(snapshot: str | os.PathLike, path: str | os.PathLike, threads: int = 8,
-            manifest: dict[str, Any] | None = None) -> RowFile:
+            manifest: dict[str, Any] | None = None, mapped_bytes: int = 1 << 30) -> RowFile:
     """A store in the new scratch directory ``path`` holding a snapshot's records (its files
     linked back); ``manifest``: the snapshot's, already :func:`verify`'d (else it is verified here).
 
@@ -188,7 +188,8 @@ def restore(snapshot: str | os.PathLike, path: str | os.PathLike, threads: int =
     """
     snapshot = Path(snapshot)
     manifest = manifest or verify(snapshot)
-    file = RowFile(path, _layout_of(manifest), manifest["rows"], threads, segment=manifest["segment"], empty=True)
+    file = RowFile(path, _layout_of(manifest), manifest["rows"], threads, segment=manifest["segment"], empty=True,
+                   mapped_bytes=mapped_bytes)
     for name, (size, crc) in sorted(manifest["segments"].items()):
         s = int(name.split(".")[0])
         _link(snapshot / name, file.segment_path(s))

@@ -55,7 +55,7 @@ class SsdRows:
         source = (lambda lo, hi: previous._records_with(self.layout, self.state, lo + first, hi + first)) \
             if previous is not None \
             else records or (lambda lo, hi: self._initial(init, lo, hi))
-        self._adopt(RowFile(path, self.layout, rows, config.io_threads, init=source))
+        self._adopt(RowFile(path, self.layout, rows, config.io_threads, init=source, mapped_bytes=config.mapped_bytes))
         if previous is not None:
             previous.close()
             shutil.rmtree(final)
@@ -64,7 +64,6 @@ class SsdRows:
 
     def _adopt(self, file: RowFile) -> None:
         self.file = file
-        file.maps.budget = self.config.mapped_bytes
         capacity = max(1, self.config.cache_bytes // self.layout.nbytes)
         self.cache = RowCache(file, min(capacity, self.rows), self.config.policy)
 
@@ -123,12 +122,13 @@ class SsdRows:
         final = self.config.directory / f"{self.name}.rows"
         exact = [(w, m) for a, b, w, m in spans if a == first_row and b - a == self.rows]
         if exact:
-            self._adopt(snapshot.restore(exact[0][0], final, self.config.io_threads, exact[0][1]))
+            self._adopt(snapshot.restore(exact[0][0], final, self.config.io_threads, exact[0][1], self.config.mapped_bytes))
             return
         sources = []  # the parts this store's rows come from, linked into scratch stores to be read
         for k, (a, b, where, m) in enumerate(spans):
             if a < first_row + self.rows and b > first_row:
-                sources.append((a, b, snapshot.restore(where, final.with_suffix(f".from{k}"), self.config.io_threads, m)))
+                sources.append((a, b, snapshot.restore(where, final.with_suffix(f".from{k}"), self.config.io_threads, m,
+                                                       self.config.mapped_bytes)))
 
         def records(lo: int, hi: int) -> np.ndarray:
             out = np.empty((hi - lo, self.layout.nbytes), np.uint8)
@@ -141,7 +141,8 @@ class SsdRows:
             return out
 
         try:
-            self._adopt(RowFile(final, self.layout, self.rows, self.config.io_threads, init=records))
+            self._adopt(RowFile(final, self.layout, self.rows, self.config.io_threads, init=records,
+                                mapped_bytes=self.config.mapped_bytes))
         finally:
             for _, _, file in sources:
                 file.close()
