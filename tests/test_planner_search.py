@@ -7,7 +7,7 @@ import random
 import pytest
 
 from hetero.placement import Target
-from hetero.planner.cost import BoundaryCost, FixedCost, UnitCost
+from hetero.planner.cost_types import BoundaryCost, FixedCost, UnitCost
 from hetero.planner.search import brute_force, dynamic_programming, evaluate, ilp
 from hetero.planner.space import UNIT_CHOICES, Candidate
 

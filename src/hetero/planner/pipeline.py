@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetero.placement import Target
-from hetero.planner.cost import CostModel
+from hetero.planner.cost_types import CostModel
 from hetero.planner.search import Assignment, Label, frontiers
 from hetero.planner.space import Candidate, UnitChoice
 from hetero.parallel.pipeline import stage_module

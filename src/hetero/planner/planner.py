@@ -35,7 +35,8 @@ from hetero.placement.capture import capture_failure
 from hetero.planner.applied import split_batch
 from hetero.planner.calibration import calibrate, collectives, disk, time_shapes
 from hetero.planner.capture import capture, streamable_units
-from hetero.planner.cost import CostModel, MeasuredCost
+from hetero.planner.cost import MeasuredCost
+from hetero.planner.cost_types import CostModel
 from hetero.planner.graph import Granularity
 from hetero.parallel.pipeline_plan import pipeline_units
 from hetero.storage import SsdConfig
@@ -131,7 +132,7 @@ class Planner:
         model-wide settings to search; default :func:`~hetero.planner.space.grid`) and
         ``search`` (:class:`~hetero.planner.search.Search`, each setting's per-unit search;
         default the one ``config.method`` names). The cost model is the third
-        (:class:`~hetero.planner.cost.CostModel`).
+        (:class:`~hetero.planner.cost_types.CostModel`).
 
     Raises:
         ValueError: as :func:`plan`.

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from hetero.placement import Target
-from hetero.planner.cost import BoundaryCost, CostModel, FixedCost, MeasuredCost, UnitCost
+from hetero.planner.cost import MeasuredCost
+from hetero.planner.cost_types import BoundaryCost, CostModel, FixedCost, UnitCost
 from hetero.planner.space import Candidate, UnitChoice
 
 
