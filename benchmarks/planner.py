@@ -54,7 +54,8 @@ from hetero.planner.apply import OptimizerConfig, apply  # noqa: E402
 from hetero.planner.calibration import calibrate  # noqa: E402
 from hetero.planner.meter import measure_step  # noqa: E402
 from hetero.planner.plan import Plan  # noqa: E402
-from hetero.planner.planner import NoPlanError, Planner  # noqa: E402
+from hetero.planner.config import NoPlanError  # noqa: E402
+from hetero.planner.planner import Planner  # noqa: E402
 from hetero.planner.space import Candidate, OptimizerKind, StateHome, UnitChoice  # noqa: E402
 
 BUDGETS = (2.0, 0.35, 0.1)

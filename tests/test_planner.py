@@ -18,7 +18,8 @@ from hetero.planner.calibration import calibrate
 from hetero.planner.capture import capture
 from hetero.planner.meter import measure_step
 from hetero.planner.plan import Plan
-from hetero.planner.planner import NoPlanError, Planner, PlannerConfig
+from hetero.planner.config import NoPlanError, PlannerConfig
+from hetero.planner.planner import Planner
 from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, UnitChoice
 
 from conftest import assert_trains_as_one_process, make_dataset

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.planner.plan import Plan
-from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.config import PlannerConfig
+from hetero.planner.planner import Planner
 from hetero.placement import Target
 from hetero.optim import SparseOptimizerKind
 from hetero.planner.space import STREAMED, Candidate, OptimizerKind, StateHome, TablePlacement, UnitChoice

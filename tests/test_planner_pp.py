@@ -11,7 +11,8 @@ import hetero
 from hetero.placement import PlacementSpec, Target
 from hetero.planner.pipeline import brute_force_stages, search_stages
 from hetero.planner.plan import Plan
-from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.config import PlannerConfig
+from hetero.planner.planner import Planner
 from hetero.planner.space import STREAMED, Candidate, OptimizerKind, UnitChoice
 
 

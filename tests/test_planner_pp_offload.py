@@ -10,7 +10,8 @@ from test_planner_pp import Stack, _batches
 
 from hetero.placement import PlacementSpec, Target
 from hetero.planner.plan import Plan
-from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.config import PlannerConfig
+from hetero.planner.planner import Planner
 from hetero.planner.space import Candidate, OptimizerKind, StateHome
 
 WIDTH, LR, DECAY = 256, 1e-2, 0.01

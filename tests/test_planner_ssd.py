@@ -10,7 +10,8 @@ import torch
 import hetero
 from hetero.planner.apply import OptimizerConfig, apply
 from hetero.planner.plan import Plan
-from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.config import PlannerConfig
+from hetero.planner.planner import Planner
 from hetero.planner.space import Candidate, Target, UnitChoice
 from hetero.storage import SsdConfig
 

@@ -8,7 +8,8 @@ import pytest
 import torch.nn.functional as F
 
 from hetero.planner.plan import Plan
-from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.config import PlannerConfig
+from hetero.planner.planner import Planner
 from hetero.planner.space import StateHome
 from test_planner import MLP, _batch
 

@@ -10,7 +10,8 @@ from torch import nn
 import hetero
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.planner.plan import Plan
-from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.config import PlannerConfig
+from hetero.planner.planner import Planner
 from hetero.planner.space import Candidate, OptimizerKind, UnitChoice
 
 

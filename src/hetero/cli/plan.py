@@ -35,7 +35,8 @@ from hetero.planner.calibration import machine_key
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer
 from hetero.planner.plan import Plan
 from hetero.planner.space import OptimizerKind, TablePlacement
-from hetero.planner.planner import Planner, PlannerConfig
+from hetero.planner.config import PlannerConfig
+from hetero.planner.planner import Planner
 from hetero.storage.config import SsdConfig
 
 log = logging.getLogger("hetero")
