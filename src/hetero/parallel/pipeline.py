@@ -38,11 +38,12 @@ parallel (stages on device groups, micro-batches).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,31 @@ class StepTime:
         return 1.0 - self.busy / self.wall if self.wall else 0.0
 
 
+def _buffers(module: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """Each buffer of ``module`` with a copy of its value (for :func:`_restore`)."""
+    return [(b, b.detach().clone()) for b in module.buffers()]
+
+
+def _restore(saved: list[tuple[Tensor, Tensor]]) -> None:
+    """The buffers back to their saved values, in place (optimizers and modules hold them)."""
+    with torch.no_grad():
+        for b, value in saved:
+            b.copy_(value)
+
+
+@contextlib.contextmanager
+def _rng_kept() -> Iterator[None]:
+    """The CPU and CUDA RNG states as they were on entry, again on exit."""
+    rng = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 @functools.cache
 def _timed_stage_class():  # built lazily (importing torch.distributed.pipelining is slow), once
     from torch.distributed.pipelining import PipelineStage
@@ -136,37 +162,23 @@ def _timed_stage_class():  # built lazily (importing torch.distributed.pipelinin
             # BatchNorm's running statistics took garbage (NaN) from it, and dropout drew from
             # the RNG. The buffers are restored after the backward inference (which needs them
             # as the forward left them), in place (optimizers hold them); the RNG at once.
-            self._inference_buffers = [(b, b.detach().clone()) for b in self.submod.buffers()]  # a copy each
-            rng = torch.get_rng_state()
-            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-            try:
+            self._inference_buffers = _buffers(self.submod)
+            with _rng_kept():
                 return super()._forward_metadata_inference(*args, **kwargs)
-            finally:
-                torch.set_rng_state(rng)
-                if cuda is not None:
-                    torch.cuda.set_rng_state_all(cuda)
 
         def _shape_inference(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             # older torch (2.11: no _forward_metadata_inference) infers the shapes here, by a
             # forward alone: the same pass, the same restore (buffers and RNG) at once after it
-            buffers = [(b, b.detach().clone()) for b in self.submod.buffers()]  # a copy each
-            rng = torch.get_rng_state()
-            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+            saved = _buffers(self.submod)
             try:
-                return super()._shape_inference(*args, **kwargs)
+                with _rng_kept():
+                    return super()._shape_inference(*args, **kwargs)
             finally:
-                torch.set_rng_state(rng)
-                if cuda is not None:
-                    torch.cuda.set_rng_state_all(cuda)
-                with torch.no_grad():
-                    for b, value in buffers:
-                        b.copy_(value)
+                _restore(saved)
 
         def _post_metadata_inference_cleanup(self) -> None:
             super()._post_metadata_inference_cleanup()
-            with torch.no_grad():
-                for b, value in self._inference_buffers:
-                    b.copy_(value)
+            _restore(self._inference_buffers)
             self._inference_buffers = []
 
     return StageTimer
