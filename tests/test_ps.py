@@ -89,6 +89,34 @@ def test_a_killed_server_restarts_the_job_from_the_last_checkpoint(tmp_path, ml_
     _assert_same_training(tmp_path / "one" / "checkpoint.pt", tmp_path / "ps" / "checkpoint.dcp", tmp_path)
 
 
+def test_servers_holding_their_shards_on_the_ssd_tier_train_as_in_memory_stopped_and_resumed(tmp_path, ml_dir):
+    # Each server's shard of both groups (FTRL's wide, LazyAdam's deep) on its own tier under a cache of
+    # about 200 records: every pull and push evicts. The reference: the same servers in memory, one run.
+    base = [*movielens(ml_dir), *ARGS, "--epochs", "1"]
+    _on_ranks(tmp_path, 4, *base, "--ps-servers", "2", "--run-dir", str(tmp_path / "mem"))
+    ssd = [*base, "--table-storage", "ssd", "--cache-mb", "0.02", "--run-dir", str(tmp_path / "ssd")]
+    _on_ranks(tmp_path, 4, *ssd, "--ps-servers", "2", "--max-steps", "7")
+    _on_ranks(tmp_path, 4, *ssd, "--ps-servers", "2", "--resume")
+    assert sorted(p.name for p in (tmp_path / "ssd" / "ssd").iterdir()) == ["rank2", "rank3"]  # the servers'
+    shards = sorted(p.name for p in (tmp_path / "ssd" / "checkpoint.dcp" / "ps-tier").iterdir())
+    assert shards == ["shard0of2", "shard1of2"]  # inside the DCP directory, swapped in with it
+    mem = torch.load(merge(tmp_path / "mem" / "checkpoint.dcp", tmp_path / "a.pt"))
+    got = torch.load(merge(tmp_path / "ssd" / "checkpoint.dcp", tmp_path / "b.pt"))  # the rows read from the snapshots
+    assert got["position"] == mem["position"] and torch.equal(got["losses"], mem["losses"])
+    assert got["model"].keys() == mem["model"].keys()
+    for k, v in mem["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    for opt, saved in mem["sparse_optimizers"].items():
+        assert got["sparse_optimizers"][opt]["steps"] == saved["steps"]
+        for table, tensors in saved["state"].items():
+            assert tensors.keys() == got["sparse_optimizers"][opt]["state"][table].keys()
+            for s, v in tensors.items():
+                assert torch.equal(got["sparse_optimizers"][opt]["state"][table][s], v), (opt, table, s)
+    # a resume with another number of servers is refused on every rank, naming what the checkpoint holds
+    other = _on_ranks(tmp_path, 3, *ssd, "--ps-servers", "1", "--resume", check=False)
+    assert other.returncode != 0 and "it holds ['shard0of2', 'shard1of2']" in other.stderr, other.stderr[-3000:]
+
+
 def test_async_mode_converges_to_the_auc_of_sync(tmp_path):
     """Sync mode is the 1-process run (previous tests); async reaches its test AUC within 0.01."""
     ml = write_ml100k(tmp_path / "ml", n_users=300, n_items=400, n_ratings=12000)

@@ -22,7 +22,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,25 @@ def _single_process_quiet():
         yield
 
 
-def save_sharded(state: Mapping[str, Any], path: str | Path) -> Path:
-    """Write ``state`` as a DCP checkpoint directory ``path`` (every rank calls it).
+class OwnFiles(Protocol):
+    """A rank's files of its own in a sharded checkpoint's directory, beside DCP's and swapped in
+    with them (a parameter server's SSD tier snapshots, :mod:`hetero.ps.server`)."""
+
+    def write(self, directory: Path) -> None:
+        """Write this rank's files into the new checkpoint ``directory`` (not yet in place)."""
+
+    def check(self, directory: Path) -> Callable[[], None]:
+        """Verify this rank's files in the checkpoint ``directory``, changing nothing; return what
+        loads them (run after every rank's checks passed and DCP's load).
+
+        Raises:
+            CheckpointError: a missing or damaged file, naming it.
+        """
+
+
+def save_sharded(state: Mapping[str, Any], path: str | Path, files: OwnFiles | None = None) -> Path:
+    """Write ``state`` as a DCP checkpoint directory ``path`` (every rank calls it), with this
+    rank's ``files`` of its own.
 
     DCP's file writer fsyncs every file; the directory swap is described in the module docstring.
     """
@@ -74,6 +91,8 @@ def save_sharded(state: Mapping[str, Any], path: str | Path) -> Path:
 
     with _single_process_quiet():
         dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=not _distributed())
+    if files is not None:
+        files.write(tmp)
     _barrier()  # every rank's shard is on disk
     # Each rank hashes the files it wrote; rank 0 writes them all down before the swap, so a
     # checkpoint under its final name always has its checksums.
@@ -149,8 +168,9 @@ def validate(path: str | Path, part: tuple[int, int] = (0, 1)):  # noqa: ANN201 
     return metadata
 
 
-def load_sharded(template: dict[str, Any], path: str | Path) -> Path:
-    """Load a DCP checkpoint into ``template`` in place (every rank calls it); returns the directory.
+def load_sharded(template: dict[str, Any], path: str | Path, files: OwnFiles | None = None) -> Path:
+    """Load a DCP checkpoint into ``template`` in place (every rank calls it), and this rank's
+    ``files`` of its own; returns the directory.
 
     ``template`` has the structure of the saved state: tensors (plain: the full tensor;
     ``DTensor``: this rank's block) are filled in place whatever the saving world size was;
@@ -163,9 +183,10 @@ def load_sharded(template: dict[str, Any], path: str | Path) -> Path:
     """
     import torch.distributed.checkpoint as dcp
 
-    error = None
+    error, load_files = None, None
     try:
         path = _check_template(template, path)
+        load_files = files.check(path) if files is not None else None
     except CheckpointError as e:
         error = e
     if _distributed():
@@ -184,6 +205,8 @@ def load_sharded(template: dict[str, Any], path: str | Path) -> Path:
             dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), no_dist=not _distributed())
     except Exception as e:
         raise CheckpointError(f"sharded checkpoint {path} could not be loaded: {e}") from e
+    if load_files is not None:
+        load_files()
     return path
 
 

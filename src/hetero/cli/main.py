@@ -30,7 +30,7 @@ from hetero.cli.predict import PredictCommand, run_predict
 from hetero.cli.train import run_train
 from hetero.config.manager import load_job
 from hetero.checkpoint import save_checkpoint
-from hetero.checkpoint.sharded import read_full
+from hetero.checkpoint.sharded import read_full, resolve
 from hetero.train.checkpointing import to_integrated
 
 USAGE = """usage: hetero {train,plan,predict,data prepare,checkpoint merge} [--help] ...
@@ -63,7 +63,7 @@ def merge(source: Path, output: Path) -> Path:
         CheckpointError: ``source`` is missing, incomplete (a shard missing or truncated) or unreadable.
     """
 
-    return save_checkpoint(to_integrated(read_full(source)), output)
+    return save_checkpoint(to_integrated(read_full(source), resolve(source)), output)
 
 
 def _parse(cls: type, argv: Sequence[str], prog: str) -> Any:  # noqa: ANN401 - an instance of cls

@@ -113,9 +113,9 @@ _APART = {
     "parameter_server.servers": (("parallelism.zero", "parallelism.table_sharding", "training.prefetch"),
                                  "a parameter server's workers train data-parallel with replicated dense parts"),
     "parallelism.table_sharding": (("training.prefetch",), "the prefetcher reads replicated tables only"),
-    "tables.storage": (("parallelism.pp", "parallelism.tp", "parameter_server.servers", "checkpoint.format"),
-                       "the SSD tier holds replicated or row-sharded tables beside data parallelism, with integrated "
-                       "checkpoints (for now)"),
+    "tables.storage": (("parallelism.pp", "parallelism.tp", "checkpoint.format"),
+                       "the SSD tier holds replicated, row-sharded or parameter-server tables beside data parallelism, "
+                       "with integrated checkpoints (sharded ones on parameter servers) (for now)"),
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,6 +86,9 @@ class TableGroup:
         assert all(t.config.ssd == self.ssd_config for t in tables), "a group's tables share one SSD tier"
         self.ssd: SsdRows | None = None
         self.ssd_state: dict[str, tuple[bool, float]] | None = None  # the declared layout (ssd_layout)
+        # what the tier's first rows are when storage row r is not global row first_row + r: a parameter
+        # server's hash shard (set by hetero.ps.shard_tables; rows [lo, hi) -> (hi - lo, dim) tensor)
+        self.initial_rows: Callable[[int, int], Tensor] | None = None
         # False: the state dicts (the tables', their optimizer's) leave this group's rows out - a checkpoint
         # holds them on its own, as the SSD tier's snapshots (set by hetero.train for its groups on the tier)
         self.rows_in_state_dict = True
@@ -132,7 +136,8 @@ class TableGroup:
         alone) - unless a checkpoint was restored first (:meth:`ssd_restore`)."""
         assert self.ssd_config is not None, "not a group on the SSD tier"
         if self.ssd is None:
-            self.ssd = SsdRows(self.ssd_name, self.num_rows, self.dim, self.dtype, self.ssd_config, self._initial_rows,
+            self.ssd = SsdRows(self.ssd_name, self.num_rows, self.dim, self.dtype, self.ssd_config,
+                               self.initial_rows or self._initial_rows,
                                self.ssd_state or {})
         return self.ssd
 

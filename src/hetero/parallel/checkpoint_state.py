@@ -73,6 +73,8 @@ def model_state(model: nn.Module, sparse_optimizers: Mapping[str, SparseOptimize
         layout["groups"][key] = [(names[t], t.group_row, t.config.num_embeddings) for t in group.tables]
         if group.exchange.placement is RowPlacement.PARAMETER_SERVER:  # the servers write these rows
             layout["ps"][key] = len(group.exchange.servers)
+            if group.ssd_config is not None:  # each server's shard as the tier's snapshot (hetero.ps.server)
+                layout.setdefault("ps_tier", {})[key] = group.ssd_name
             continue
         entry = {"weight": _wrap(group.storage, group, mesh)}
         for opt_key, opt in sparse_optimizers.items():

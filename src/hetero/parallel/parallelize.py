@@ -51,7 +51,6 @@ from hetero.parallel.pipeline_plan import PipelineConfig
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.row_sharded import shard_rows
 from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer
-from hetero.placement import StorageTier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,17 +148,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, plan: ParallelPlan = Paral
     Raises:
         ValueError: dims not built where a mesh is needed; a pipeline without its config or
             loss; a row-sharded or parameter-server job with a model of no host tables; a host
-            table no part of ``plan.sparse`` names (it would never be updated); tables on the SSD
-            tier on parameter servers; as
-            each step does (a name the model does not have, a bad strategy), before the later
-            steps run.
+            table no part of ``plan.sparse`` names (it would never be updated); as each step
+            does (a name the model does not have, a bad strategy), before the later steps run.
     """
     if dims.meshed and dims.mesh is None:
         raise ValueError("parallelize needs the dims' mesh: pass dims.build()")
-    on_ssd = [n for n, t in host_tables(model).items() if t.config.storage is StorageTier.SSD]
-    if on_ssd and ps_job is not None:
-        raise ValueError(f"tables {on_ssd[:3]} are on the SSD tier, which parameter servers do not hold (yet): "
-                         f"replicate or row-shard them, or keep them in memory (tables.storage = memory)")
     pipe = None
     if dims.pp > 1:
         if plan.pipeline is None or plan.loss_fn is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 import logging
 import os
 from typing import Any
@@ -20,7 +21,7 @@ from hetero.embedding import RowPlacement, defer_tables, table_groups
 from hetero.parallel.env import DataParallelGroup
 from hetero.ps.client import PSClient, broadcast
 from hetero.ps.config import PSConfig, PSMode, Role
-from hetero.ps.server import ParameterServer, ServerShard, build_shard, shard_rows_count
+from hetero.ps.server import ParameterServer, ServerShard, build_shard, shard_rows, shard_rows_count
 from hetero.ps.transport import Channel, Op
 
 log = logging.getLogger("hetero")
@@ -103,7 +104,8 @@ class PSJob:
         """Put every table group of ``model`` on the servers; returns how many groups.
 
         On a server, the group's storage becomes its shard (hash partition, rows built from the
-        tables' seeds); on a worker, the group gets a :class:`PSClient` and holds no rows. Every
+        tables' seeds; a group on the SSD tier: the shard on the tier, under its row cache, whose
+        budget is what the server's memory budget counts); on a worker, the group gets a :class:`PSClient` and holds no rows. Every
         rank calls it after building the model and before building the sparse optimizers.
 
         Raises:
@@ -118,11 +120,15 @@ class PSJob:
             if self.role is Role.SERVER:
                 s = self.servers.index(dist.get_rank())
                 global_rows = group.num_rows
-                need = shard_rows_count(global_rows, s, n) * group.dim * group.storage.element_size()
-                budget = self.config.server_memory_bytes
-                if budget and need > budget:
-                    continue  # reported by start(), on every rank; nothing allocated
-                group.storage = build_shard(group, s, n)
+                rows = shard_rows_count(global_rows, s, n)
+                if group.ssd_config is not None:  # the shard on the SSD tier: laid out from the seeds when first needed
+                    group.storage = torch.empty((rows, group.dim), dtype=group.dtype, device="meta")
+                    group.initial_rows = functools.partial(shard_rows, group, s, n)
+                else:
+                    budget = self.config.server_memory_bytes
+                    if budget and rows * group.dim * group.storage.element_size() > budget:
+                        continue  # reported by start(), on every rank; nothing allocated
+                    group.storage = build_shard(group, s, n)
                 group.exchange = ServerShard(global_rows, s, n)
             else:
                 staleness = self.config.staleness if self.config.mode is PSMode.BOUNDED else None
@@ -146,9 +152,9 @@ class PSJob:
             groups = table_groups(model)
             s = self.servers.index(dist.get_rank())
             if any(g.exchange.placement is not RowPlacement.SERVER_SHARD for g in groups.values()):
-                rows = [g.exchange.global_rows for g in groups.values()]
-                need = sum(shard_rows_count(r, s, len(self.servers)) * g.dim * g.storage.element_size()
-                           for r, g in zip(rows, groups.values()))
+                need = sum(g.ssd_config.cache_bytes if g.ssd_config is not None else
+                           shard_rows_count(g.exchange.global_rows, s, len(self.servers)) * g.dim * g.storage.element_size()
+                           for g in groups.values())
                 problem = f"its table rows alone need {_mib(need)}"
             else:
                 self.server = ParameterServer(groups, dict(sparse_optimizers), s, len(self.servers), self.workers,
@@ -176,9 +182,9 @@ class PSJob:
         state = self.server.state()
         if op is Op.SAVE:
             self.server.save_blob(state)
-            save_sharded(state, path)
+            save_sharded(state, path, self.server)  # (with the shard's SSD tier snapshots)
         else:
-            load_sharded(state, path)
+            load_sharded(state, path, self.server)
             self.server.load_blob(state)
 
     def request_checkpoint(self, save: bool, path: str) -> None:

@@ -5,6 +5,12 @@ Rows are hash-partitioned: global group row ``g`` lives on shard ``g % S`` at lo
 servers. A shard is built from the tables' seeds (:func:`hetero.embedding.init_rows`) without
 materialising any other row, so a table needs only its shards' memory anywhere in the job.
 
+A group on the SSD tier (:mod:`hetero.storage`) keeps its shard there: the rows and their
+optimizer state in the server's record store under its row cache, laid out from the same seeds
+when first needed; pulls read through the cache, pushes update in it. A checkpoint holds such a
+shard as the tier's snapshot inside the DCP directory (``ps-tier/shard<s>of<S>/<group>/``,
+written and swapped in with the DCP files: :class:`hetero.checkpoint.sharded.OwnFiles`).
+
 The serve loop takes requests from any worker in arrival order (see
 :mod:`hetero.ps.transport`); it is single-threaded, so a pull never sees a half-applied update.
 Updates use the same fused optimizer kernels as a local table (:mod:`hetero.optim`).
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,11 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hetero.checkpoint.io import CheckpointError
 from hetero.embedding import INIT_CHUNK, RowExchange, RowPlacement, RowSpace, SparseGrad, init_rows
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import host_empty
 from hetero.ps.config import PSMode
+from hetero.storage import snapshot
 from hetero.ps.transport import HEADER, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, Op, Status, decode, encode, header
 
 log = logging.getLogger("hetero")
@@ -52,19 +62,32 @@ def shard_rows_count(global_rows: int, shard: int, servers: int) -> int:
     return max(0, -(-(global_rows - shard) // servers))
 
 
-def build_shard(group: TableGroup, shard: int, servers: int) -> Tensor:
-    """The ``(rows of this shard, D)`` storage of ``group``'s shard, initialised as the full table
-    would be, one seeded block of rows at a time (peak extra memory: one block)."""
-    out = host_empty((shard_rows_count(group.num_rows, shard, servers), group.dim), group.dtype)
+def shard_rows(group: TableGroup, shard: int, servers: int, lo: int, hi: int) -> Tensor:
+    """Rows ``[lo, hi)`` of ``group``'s shard ``shard`` of ``servers`` (global rows
+    ``shard + servers * [lo, hi)``), initialised as the full table would be (:func:`init_rows`
+    of each table's seed; the rows between are generated and dropped: ``servers`` times the
+    rows' bytes for a moment)."""
+    out = torch.empty((max(hi - lo, 0), group.dim), dtype=group.dtype)
+    first, last = shard + servers * lo, shard + servers * (hi - 1)  # global rows
     for t in group.tables:
         start, vocab = t.group_row, t.config.num_embeddings
-        for lo in range(0, vocab, INIT_CHUNK):
-            hi = min(lo + INIT_CHUNK, vocab)
-            first = lo + (shard - start - lo) % servers  # first table row of this block on this shard
-            if first >= hi:
-                continue
-            mine = torch.arange(first, hi, servers)
-            out[(start + mine) // servers] = init_rows(t.config, t.init_seed, lo, hi)[mine - lo]
+        a = max(first, start + (shard - start) % servers)  # this shard's first row in the table
+        b = min(last, start + vocab - 1)
+        if a > b:
+            continue
+        block = init_rows(t.config, t.init_seed, a - start, b - start + 1)[::servers]
+        out[(a - shard) // servers - lo : (b - shard) // servers - lo + 1] = block
+    return out
+
+
+def build_shard(group: TableGroup, shard: int, servers: int) -> Tensor:
+    """The ``(rows of this shard, D)`` storage of ``group``'s shard, initialised as the full table
+    would be, one block of rows at a time (:func:`shard_rows`; peak extra memory: one block)."""
+    out = host_empty((shard_rows_count(group.num_rows, shard, servers), group.dim), group.dtype)
+    step = max(1, INIT_CHUNK // servers)
+    for lo in range(0, out.shape[0], step):
+        hi = min(lo + step, out.shape[0])
+        out[lo:hi] = shard_rows(group, shard, servers, lo, hi)
     return out
 
 
@@ -95,8 +118,9 @@ class ParameterServer:
         self.served_rows = self.updated_rows = 0
 
     def nbytes(self) -> int:
-        """Bytes of this shard: table rows and optimizer state."""
-        total = sum(g.storage.numel() * g.storage.element_size() for g in self.groups)
+        """Bytes of this shard in memory: table rows and optimizer state; a group on the SSD tier,
+        its row cache's budget."""
+        total = sum(shard_bytes(g) for g in self.groups)
         for _, opt in self.optimizers.items():
             for state in opt.group_state.values():
                 total += sum(x.numel() * x.element_size() for x in state.values() if not x.is_meta)
@@ -177,7 +201,7 @@ class ParameterServer:
         self._send_rows(src, g, local)
 
     def _send_rows(self, dst: int, g: int, local: Tensor) -> None:
-        rows = self.groups[g].storage.index_select(0, local)
+        rows = self.groups[g].read_rows(local)  # (on the SSD tier: through its row cache)
         self.served_rows += local.numel()
         self._reply(dst, [header(Status.OK, local.numel()), rows])
 
@@ -228,6 +252,8 @@ class ParameterServer:
         group (live tensors: a load writes into them) and one blob with the step counts."""
         tables = {}
         for key, group in zip(self.keys, self.groups):
+            if group.ssd_config is not None:  # (the tier's snapshot: OwnFiles)
+                continue
             entry = {"weight": group.storage}
             name, opt = self.owner[group]
             for s, x in opt.group_state[group].items():
@@ -245,3 +271,49 @@ class ParameterServer:
         saved = torch.load(buf, map_location="cpu", weights_only=True)
         for name, opt in self.optimizers.items():
             opt.load_state_dict(saved["sparse_optimizers"][name])  # counts only; the rows were loaded in place
+
+    # ------------------------------------------------------------------------------ SSD tier
+    def _tier_dir(self, directory: Path, group: TableGroup) -> Path:
+        return Path(directory) / PS_TIER / f"shard{self.shard}of{self.servers}" / group.ssd_name
+
+    def write(self, directory: Path) -> None:
+        """:class:`~hetero.checkpoint.sharded.OwnFiles`: snapshot each group on the SSD tier
+        (the cache written back first) into the new checkpoint ``directory``."""
+        for group in self.groups:
+            if group.ssd_config is not None:
+                group.ssd_checkpoint(self._tier_dir(directory, group))
+
+    def check(self, directory: Path) -> Callable[[], None]:
+        """:class:`~hetero.checkpoint.sharded.OwnFiles`: verify this shard's snapshots in
+        ``directory`` (sizes and CRCs); return what restores them.
+
+        Raises:
+            CheckpointError: a snapshot missing (another number of servers saved it: resume with
+                as many) or damaged, naming it.
+        """
+        parts = {}
+        for key, group in zip(self.keys, self.groups):
+            if group.ssd_config is None:
+                continue
+            where = self._tier_dir(directory, group)
+            if not where.is_dir():
+                saved = sorted(p.name for p in (Path(directory) / PS_TIER).glob("shard*"))
+                raise CheckpointError(f"checkpoint {directory} has no SSD tier snapshot of tables {key} for shard "
+                                      f"{self.shard} of {self.servers} servers (it holds {saved or 'none'}): resume "
+                                      f"with the number of servers it was saved with, and the tables on the tier")
+            parts[group] = [(where, snapshot.verify(where))]
+
+        def restore() -> None:
+            for group, snapshots in parts.items():
+                group.ssd_restore(snapshots)  # (linked back into the server's store)
+        return restore
+
+
+PS_TIER = "ps-tier"  # a checkpoint's directory of the servers' SSD tier snapshots
+
+
+def shard_bytes(group: TableGroup) -> int:
+    """Memory of ``group``'s storage here: its rows, or (on the SSD tier) its row cache's budget."""
+    if group.ssd_config is not None:
+        return group.ssd_config.cache_bytes
+    return group.storage.numel() * group.storage.element_size()

@@ -14,8 +14,9 @@ writing its part:
   and back, at any world size;
 * ``ps.<group>.shard<s>`` and ``ps_meta.shard<s>`` instead of ``tables.<group>`` in a
   parameter-server job (:mod:`hetero.ps`): server ``s`` writes its hash shard of the rows and
-  state, and a blob with the step counts; such a checkpoint resumes with the same number of
-  servers (any number of workers);
+  state, and a blob with the step counts (a group on the SSD tier: its shard as the tier's
+  snapshot in ``ps-tier/``, :mod:`hetero.ps.server`); such a checkpoint resumes with the same
+  number of servers (any number of workers);
 * ``extra``: the rest as one ``torch.save`` blob (``io.BytesIO``): data position, RNG, loss
   history, dense optimizer state, sparse optimizer configs and step counts, and the layout of
   the groups (for :func:`to_integrated`).
@@ -28,14 +29,18 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from hetero.checkpoint.io import CheckpointError
 from hetero.parallel.env import DataParallelGroup
 from hetero.parallel.checkpoint_state import model_state
 from hetero.parallel.tree_comm import gather_tree
+from hetero.ps.server import PS_TIER
+from hetero.storage.snapshot import read_fields
 
 
 class Checkpointed(Protocol):
@@ -81,9 +86,26 @@ def _interleave(shards: Mapping[str, Any], servers: int) -> dict[str, torch.Tens
     return out
 
 
-def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
+def _tier_shards(directory: Path, key: str, name: str, servers: int, layout: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's parameter-server shards from their SSD tier snapshots in the checkpoint
+    ``directory`` (read whole: tables that fit in memory), named as the DCP's shards are."""
+    tables = {q for q, _, _ in layout["groups"][key]}
+    owner = next((o for o, names in layout["sparse"].items() if tables & set(names.values())), None)
+    shards = {}
+    for s in range(servers):
+        fields = read_fields(directory / PS_TIER / f"shard{s}of{servers}" / name)
+        shards[f"shard{s}"] = {("weight" if f == "weight" else f"{owner}.{f}"): v for f, v in fields.items()}
+    return shards
+
+
+def to_integrated(full: Mapping[str, Any], directory: Path | None = None) -> dict[str, Any]:
     """A sharded checkpoint read whole (:func:`~hetero.checkpoint.sharded.read_full`) in the
-    integrated layout: per-table weights in ``model``, per-table state in each sparse optimizer."""
+    integrated layout: per-table weights in ``model``, per-table state in each sparse optimizer;
+    ``directory``: the checkpoint's (for the parameter servers' SSD tier snapshots).
+
+    Raises:
+        CheckpointError: a parameter server's SSD tier snapshot missing or damaged, naming it.
+    """
     extra = read_extra(full)
     layout = extra.pop("layout")
     extra.pop("saved_world_size", None)  # the trainer's; hetero.parallel.save_distributed_checkpoint has none
@@ -91,7 +113,11 @@ def to_integrated(full: Mapping[str, Any]) -> dict[str, Any]:
     tables = dict(full.get("tables", {}))
     steps = {}
     for key, servers in layout.get("ps", {}).items():
-        tables[key] = _interleave(full["ps"][key], servers)
+        name = layout.get("ps_tier", {}).get(key)
+        if name is not None and directory is None:
+            raise CheckpointError(f"tables {key} were on the parameter servers' SSD tier: give the checkpoint's directory")
+        shards = _tier_shards(directory, key, name, servers, layout) if name is not None else full["ps"][key]
+        tables[key] = _interleave(shards, servers)
         steps = read_extra({"extra": full["ps_meta"]["shard0"]})["sparse_optimizers"]  # the servers count the steps
     where: dict[str, tuple[str, int, int]] = {}
     for key, entries in layout["groups"].items():
