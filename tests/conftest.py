@@ -9,9 +9,12 @@ import torch
 
 from hetero.data import Feature, FeatureRole, Jagged, TabularDataset
 
-# The CUDA runtime reads CUDA_VISIBLE_DEVICES once, when a process first asks for its devices. Ask
-# now: a test that hides the GPUs from the processes it spawns (cpu_ranks) must not hide them from
-# this one, whose later tests would then see CUDA "available" with no device to name.
+# The CUDA runtime reads CUDA_VISIBLE_DEVICES once, when a process first asks for its devices; torch's
+# device_count() reads it again (NVML) until CUDA is initialised. Initialise now: a test that hides the
+# GPUs from the processes it spawns (cpu_ranks) must not hide them from this one, whose later tests
+# would then see CUDA "available" with no device to name ("Invalid device id").
+if torch.cuda.is_available():
+    torch.cuda.init()
 torch.cuda.device_count()
 
 GENRES = ["Action", "Comedy", "Drama", "Sci-Fi", "Children's"]
