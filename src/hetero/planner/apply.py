@@ -23,7 +23,7 @@ sparse optimizers, device tables torch's of the same rule. The result,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,14 +36,13 @@ from hetero.optim import SparseOptimizerKind, device_sparse_optimizer
 from hetero.optim.partial_offload import PartialOffloadAdamW, host_part
 from hetero.parallel.dims import ParallelDims
 from hetero.parallel.parallelize import ParallelPlan, parallelize
-from hetero.parallel.env import global_rank, world_size
+from hetero.parallel.env import global_rank
 from hetero.parallel.mesh import MeshDim
-from hetero.parallel.operator_plan import ShardingPlan, apply_sharding
 from hetero.parallel.recompute import RecomputeConfig, apply_recompute
 from hetero.parallel.zero import ZeroConfig, apply_zero, zero_optimizer, zero_root
 from hetero.placement import Target, resolve_device
-from hetero.placement.capture import modules_on_path
 from hetero.planner.applied import Applied
+from hetero.planner.apply_parts import operator_sharding, plan_mesh, shard_operators, zero_around
 from hetero.planner.optimizers import OptimizerConfig, device_optimizer, host_optimizer, optimizer_args
 from hetero.planner.plan import Plan
 from hetero.planner.space import StateHome, TablePlacement, sparse_optimizer_of
@@ -107,8 +106,8 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     # the composition root's operator sharding (before recompute, whose regions replay the sharded
     # operators, and before the partition, which keeps a sharded module whole: its layouts are
     # hooks; host units run whole, unsharded) and recompute regions
-    dims = ParallelDims.of_mesh(_mesh(mesh, plan)) if c.tp > 1 else ParallelDims()
-    parallelize(model, dims, ParallelPlan(sharding=_sharding(model, plan, apart=host_dense) if c.tp > 1 else None,
+    dims = ParallelDims.of_mesh(plan_mesh(mesh, plan)) if c.tp > 1 else ParallelDims()
+    parallelize(model, dims, ParallelPlan(sharding=operator_sharding(model, plan, apart=host_dense) if c.tp > 1 else None,
                                           sharding_dim=MeshDim.TP, recompute=plan.recompute_config(), dense=None))
     if host_dense or streamed:
 
@@ -172,20 +171,20 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     if c.tp > 1 and c.zero == 1:
         raise ValueError(f"a dp {c.dp} x tp {c.tp} plan at ZeRO 1 (torch's ZeroRedundancyOptimizer takes no DTensor "
                          f"parameters): plan the model again (hetero.plan never makes one)")
-    mesh = _mesh(mesh, plan)
+    mesh = plan_mesh(mesh, plan)
     dp = mesh[MeshDim.DP.value]
     model.to(resolve_device(Target.DEVICE))
     units = dict(model.named_modules())
     # in the model's order: every replica's flat all-reduce must lay them out alike (a streamed
     # unit's weights are host parameters as a host unit's are: averaged and updated there)
     on_host = dict.fromkeys(p for n in hosted + streamed for p in units[n].parameters())
-    zero = _zero_around(plan, units, hosted + streamed)
+    zero = zero_around(plan, units, hosted + streamed)
     apart = bool(hosted or streamed)
     # the composition root, in torchtitan's order: each replica's tp ranks cut its operators (host
     # units run whole on each rank), recompute regions, then ZeRO 2, 3 (parameters become dp shards
     # - of the tp shards with tp; around host units, only the device units, the root after the partition)
     parallelize(model, ParallelDims.of_mesh(mesh, c.zero), ParallelPlan(
-        sharding=_sharding(model, plan, apart=hosted) if c.tp > 1 else None, sharding_dim=MeshDim.TP,
+        sharding=operator_sharding(model, plan, apart=hosted) if c.tp > 1 else None, sharding_dim=MeshDim.TP,
         recompute=plan.recompute_config(), zero=zero if not apart or zero.units else ZeroConfig(),
         zero_ignored=frozenset(on_host), zero_root=not apart, dense=None))
     units = dict(model.named_modules())  # (recompute may wrap them)
@@ -243,58 +242,6 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
                    data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
 
 
-def _zero_around(plan: Plan, present: Mapping[str, nn.Module], apart: list[str]) -> ZeroConfig:
-    """The plan's ZeRO stage; where units of ``present`` (a model's or a stage's modules) are
-    ``apart`` on the host (their parameters there), FSDP2's units are the device units, each
-    its own: the partitioner keeps a module with hooks whole, so each unit's gathers run, and
-    the partitioned model becomes the root after (:func:`~hetero.parallel.zero.zero_root`; the
-    model's own forward never runs); none there: no units (the root holds every device
-    parameter), never the units by size, which may hold host units."""
-    if not any(n in present for n in apart):
-        return ZeroConfig(plan.candidate.zero)
-    return ZeroConfig(plan.candidate.zero, units=tuple(n for n in plan.units if n in present and n not in apart
-                                                       and any(True for _ in present[n].parameters())))
-
-
-def _mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh:
-    """The plan's mesh: ``mesh``, or the :class:`~hetero.parallel.dims.ParallelDims` of its
-    ``pp`` and ``tp`` over the process group built - checked to have the plan's ``pp x dp x tp``."""
-    c = plan.candidate
-    dims = ParallelDims.of_mesh(mesh, c.zero) if mesh is not None else \
-        ParallelDims.of_job(pp=c.pp, tp=c.tp, zero=c.zero) if world_size() % (c.pp * c.tp) == 0 else None
-    if dims is None or (dims.pp, dims.dp, dims.tp) != (c.pp, c.dp, c.tp):
-        shape = dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else \
-            {"ranks": world_size()}
-        raise ValueError(f"the plan is for pp {c.pp} x dp {c.dp} x tp {c.tp} ranks, the mesh has {shape}: run it under "
-                         f"torchrun --nproc-per-node {c.pp * c.dp * c.tp}")
-    return dims.mesh if dims.mesh is not None else dims.build(mesh=True).mesh
-
-
-def _shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, apart: Sequence[str] = ()) -> None:
-    """The plan's operator strategies of the modules ``model`` holds (a pipeline stage: its own)
-    applied over ``mesh``'s ``tp`` ranks (one replica's); see :func:`_sharding`."""
-    apply_sharding(model, _sharding(model, plan, apart), mesh[MeshDim.TP.value])
-
-
-def _sharding(model: nn.Module, plan: Plan, apart: Sequence[str] = ()) -> ShardingPlan:
-    """The plan's operator strategies of the modules ``model`` holds (a pipeline stage: its own),
-    for one replica's ``tp`` ranks; none may cut a module of the units ``apart`` on the host (a
-    hand-written plan's: ``ValueError``)."""
-    sharding = plan.sharding_plan()
-    if sharding is None:
-        raise ValueError(f"a tp {plan.candidate.tp} plan without operator strategies: plan the model again "
-                         f"(hetero.plan never makes one)")
-    cut = [n for n in sharding.modules if set(modules_on_path(n)) & set(apart)]
-    if cut:
-        raise ValueError(f"the plan cuts {cut}, modules of units it places on the host, which run whole: drop their "
-                         f"strategies, or plan the model again")
-    present, own = dict(model.named_modules()), ShardingPlan()
-    for name, s in sharding.modules.items():
-        if name in present:
-            own.module(name, s.in_strategy, s.out_strategy, s.use_local_output)
-    return own
-
-
 def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh: DeviceMesh | None,
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Applied:
     """A pp plan: the model split at the plan's points (``hetero.parallel.pipeline``, 1F1B), this
@@ -316,7 +263,7 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         raise ValueError(f"a pp {c.pp} x dp {c.dp} x tp {c.tp} plan at ZeRO {c.zero} with its optimizer state "
                          f"{c.describe()['optimizer state']}: a stage offloads none of its state beside tp or ZeRO; "
                          f"plan the model again (hetero.plan never makes one)")
-    mesh = _mesh(mesh, plan)
+    mesh = plan_mesh(mesh, plan)
     recomputed = plan.recompute_config().modules
     offloaded: set[nn.Parameter] = set()  # the stages' parameters whose state a partial offload keeps on the host
     group = mesh[MeshDim.DP.value].get_group() if c.dp > 1 else None  # (the loss average's)
@@ -325,12 +272,12 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
     def recompute_stage(stage: nn.Module) -> nn.Module:  # the split first, then each stage's tp, regions, replicas
         present = dict(stage.named_modules())
         if c.tp > 1:  # the stage's own operators cut over its tp ranks (values whole between stages)
-            _shard(stage, plan, mesh)
+            shard_operators(stage, plan, mesh)
         apply_recompute(stage, RecomputeConfig(tuple(n for n in recomputed if n in present)))
         own, weights = [n for n in hosted if n in present], [n for n in streamed if n in present]
         # (HostReplicaOptimizer averages these)
         kept = {p for n in own + weights for p in present[n].parameters()}
-        zero = _zero_around(plan, present, own + weights)
+        zero = zero_around(plan, present, own + weights)
         if (own or weights) and group is not None and zero.units:  # FSDP2's units, before the partition
             apply_zero(stage, zero, mesh, ignored=kept, root=False)  # (which keeps them whole)
         if own or weights:  # the stage as host and device subgraphs (its host parameters move there)
