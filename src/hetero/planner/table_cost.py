@@ -118,8 +118,8 @@ class TablePricing:
         they take the Good-Turing share of the ids: the fraction of ids whose row the samples saw
         once (Good 1953; a row seen once is as likely a new row as a returning one).
         A miss is a random read and, the row being updated, a write-back later (its record
-        appended); host bytes are the caches, their maps and bookkeeping (about 50 bytes a slot)
-        and the row index (8 bytes a row)."""
+        appended); host bytes are the caches and their bookkeeping (17 bytes a slot), and the
+        indexes of the rows (the cache's slot, 4 bytes a row; the file's position, 8)."""
         share = c.dp if c.tables is TablePlacement.ROW_SHARDED else 1
         groups: dict[tuple[int, int], list[TableInfo]] = {}
         for t in tables:
@@ -141,7 +141,7 @@ class TablePricing:
             rate = float(chances[:slots].sum() / (chances.sum() + new_rows)) if chances.size else 0.0
             rows = sum(self.updated_rows(t, c) for t in members)
             seconds += rows * (1.0 - rate) * (self.disk.read_s + (record + 8) * self.disk.write_s_per_byte)
-            host += slots * (record + 50) + 8 * sum(t.rows for t in members) // share
+            host += slots * (record + 17) + 12 * sum(t.rows for t in members) // share
             hits, distinct = hits + rows * rate, distinct + rows
         return seconds, int(host), hits / distinct if distinct else 0.0
 

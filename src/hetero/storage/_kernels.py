@@ -6,8 +6,8 @@ The gather kernel copies records out of the store's mapped segment files
 segment is not mapped, called from compiled code with the GIL released: a batch of records is
 one kernel call per I/O thread, no Python per record, and one read in flight per thread. It is compiled per
 process (``cache=False``): a ctypes function pointer is an address of this process. The cache
-kernels are one pass over a batch's rows each (open-addressing row -> slot map with
-backward-shift deletion; CLOCK or GCLOCK victim selection, Smith 1978 / Effelsberg & Haerder 1984).
+kernels are one pass over a batch's rows each (a direct row -> slot index; CLOCK or GCLOCK victim
+selection, Smith 1978 / Effelsberg & Haerder 1984).
 """
 
 import ctypes
@@ -55,61 +55,14 @@ def gather(bases, fds, written, segment, slot_bytes, header, at, rows, dst, stri
     return hi
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _home(key, mask):
-    return np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(20)) & mask
-
-
-@njit(nogil=True, cache=True)
-def _insert(table, key, val):
-    """Map ``key`` to ``val`` (``table``: ``(size, 2)`` int64 of key and value side by side, one
-    cache line for both); ``False`` (nothing changed) when ``key`` is there already."""
-    mask = table.shape[0] - 1
-    h = _home(key, mask)
-    while table[h, 0] != EMPTY:
-        if table[h, 0] == key:
-            return False
-        h = (h + 1) & mask
-    table[h, 0] = key
-    table[h, 1] = val
-    return True
-
-
-@njit(nogil=True, cache=True)
-def _remove(table, key):
-    mask = table.shape[0] - 1
-    h = _home(key, mask)
-    while table[h, 0] != key:
-        h = (h + 1) & mask
-    table[h, 0] = EMPTY
-    j = h
-    while True:  # backward shift: keep every key reachable from its home without tombstones
-        j = (j + 1) & mask
-        if table[j, 0] == EMPTY:
-            return
-        home = _home(table[j, 0], mask)
-        if (j > h and (home <= h or home > j)) or (j < h and home <= h and home > j):
-            table[h, 0], table[h, 1] = table[j, 0], table[j, 1]
-            table[j, 0] = EMPTY
-            h = j
-
-
 @njit(nogil=True, cache=True, parallel=True)
-def find(ids, table, meta, stamp, max_count, slots):
+def find(ids, index, meta, stamp, max_count, slots):
     """The lookup half of :func:`acquire`, over the cores: ``slots[i]`` the slot of row ``ids[i]``
-    (-1: a miss); a hit's slot is stamped and its count raised (the rows are unique: no two
-    threads touch one slot)."""
-    mask = table.shape[0] - 1
+    (``index``: row -> slot, -1 where not cached; -1: a miss); a hit's slot is stamped and its
+    count raised (the rows are unique: no two threads touch one slot)."""
     pinned = stamp << 8
     for i in prange(ids.shape[0]):
-        key = ids[i]
-        h = _home(key, mask)
-        s = EMPTY
-        while table[h, 0] != EMPTY:
-            if table[h, 0] == key:
-                s = table[h, 1]
-                break
-            h = (h + 1) & mask
+        s = np.int64(index[ids[i]])
         slots[i] = s
         if s != EMPTY:
             c = meta[s] & 255
@@ -117,18 +70,9 @@ def find(ids, table, meta, stamp, max_count, slots):
 
 
 @njit(nogil=True, cache=True)
-def acquire(ids, table, slot_row, meta, dirty, stamp, max_count, new_count, hand, slots, misses, victims, old_rows,
-            was_dirty):
-    """Slots for the unique rows ``ids``, whose hits :func:`find` filled in (``slots``; -1 a
-    miss): misses get a slot (a free one, else a
-    victim: the CLOCK hand passes slots, taking one whose count is 0 and that this batch does not
-    use, decrementing the others). ``meta[s]``: the acquire that last used slot ``s`` (``stamp``)
-    shifted left by 8, and its count in the low 8 bits (one word: one cache miss for a hit). Fills
-    ``slots`` (one per id), ``misses`` (positions in ``ids``), ``victims`` / ``old_rows`` /
-    ``was_dirty`` (the slots given up, their rows, whether they hold an update the file lacks). The
-    map and the slots' bookkeeping are updated; the data is not moved (the caller writes the dirty
-    victims back, then reads the misses). Returns ``(misses, victims, hand)`` counts and the new
-    hand; misses -1 when a row was given twice (the map is then inconsistent: the caller stops)."""
+def _choose(ids, slot_row, meta, dirty, stamp, new_count, hand, slots, misses, victims, old_rows, was_dirty):
+    """The serial half of :func:`acquire`: the CLOCK hand's pass over the slots (sequential
+    memory), a slot for each miss; returns ``(misses, victims, hand)``."""
     capacity = slot_row.shape[0]
     pinned = stamp << 8
     n_miss = 0
@@ -151,31 +95,49 @@ def acquire(ids, table, slot_row, meta, dirty, stamp, max_count, new_count, hand
                 continue
             victims[n_victim], old_rows[n_victim], was_dirty[n_victim] = s, slot_row[s], dirty[s]
             n_victim += 1
-            _remove(table, slot_row[s])
             break
         i = misses[j]
         slots[i] = s
         slot_row[s] = ids[i]
         meta[s] = pinned | new_count
         dirty[s] = False
-        if not _insert(table, ids[i], s):  # a row given twice: the caller broke the contract (unique rows)
-            return -1, n_victim, hand
     return n_miss, n_victim, hand
 
 
-@njit(nogil=True, cache=True)
-def lookup(ids, table, slots):
-    """``slots[i]``: the slot of row ``ids[i]``, or -1 where it is not cached."""
-    mask = table.shape[0] - 1
-    for i in range(ids.shape[0]):
-        key = ids[i]
-        h = _home(key, mask)
-        slots[i] = EMPTY
-        while table[h, 0] != EMPTY:
-            if table[h, 0] == key:
-                slots[i] = table[h, 1]
-                break
-            h = (h + 1) & mask
+@njit(nogil=True, cache=True, parallel=True)
+def _reindex(ids, index, slots, misses, n_miss, old_rows, n_victim):
+    """The index's part of :func:`acquire`, over the cores (random writes, one a row): the
+    victims' rows out, then the misses' rows in; the number of misses whose row another miss
+    also took (a row given twice), 0 when the rows were unique."""
+    for v in prange(n_victim):
+        index[old_rows[v]] = EMPTY
+    for j in prange(n_miss):
+        i = misses[j]
+        index[ids[i]] = slots[i]
+    twice = 0
+    for j in prange(n_miss):
+        i = misses[j]
+        if index[ids[i]] != slots[i]:
+            twice += 1
+    return twice
+
+
+def acquire(ids, index, slot_row, meta, dirty, stamp, new_count, hand, slots, misses, victims, old_rows, was_dirty):
+    """Slots for the unique rows ``ids``, whose hits :func:`find` filled in (``slots``; -1 a
+    miss): misses get a slot (a free one, else a victim: the CLOCK hand passes slots, taking one
+    whose count is 0 and that this batch does not use, decrementing the others). ``index``: row
+    -> slot (int32, -1 where not cached). ``meta[s]``: the acquire that last used slot ``s``
+    (``stamp``) shifted left by 8, and its count in the low 8 bits (one word). Fills ``slots``
+    (one per id), ``misses`` (positions in ``ids``), ``victims`` / ``old_rows`` / ``was_dirty``
+    (the slots given up, their rows, whether they hold an update the file lacks). The index and
+    the slots' bookkeeping are updated; the data is not moved (the caller writes the dirty
+    victims back, then reads the misses). Returns ``(misses, victims, hand)`` counts and the new
+    hand; misses -1 when a row was given twice (the index is then inconsistent: the caller stops)."""
+    n_miss, n_victim, hand = _choose(ids, slot_row, meta, dirty, stamp, new_count, hand, slots, misses, victims,
+                                     old_rows, was_dirty)
+    if _reindex(ids, index, slots, misses, n_miss, old_rows, n_victim):
+        return -1, n_victim, hand
+    return n_miss, n_victim, hand
 
 
 @njit(nogil=True, cache=True, parallel=True)

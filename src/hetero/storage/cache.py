@@ -97,8 +97,12 @@ class RowCache:
         self._bytes = [(layout.offset(f.name), _bytes_view(self.fields[f.name], capacity)) for f in layout.fields]
         self._field_bytes = tuple(b for _, b in self._bytes)
         self._offsets = np.array([o for o, _ in self._bytes], np.int64)
-        size = 1 << max(4, (2 * capacity - 1).bit_length())  # the map at most half full
-        self._map = np.full((size, 2), -1, np.int64)  # row -> slot, open addressing: (key, value) side by side
+        if capacity >= 1 << 31:
+            raise ValueError(f"a row cache holds fewer than 2**31 rows, got capacity {capacity}")
+        # row -> slot (-1: not cached), 4 bytes a row of the store (beside its 8-byte position a row): one
+        # random access a lookup, none probing; smaller than a hash map of the cached rows (32-64 bytes each)
+        # while the cache holds more than a tenth of the rows
+        self._index = np.full(file.rows, -1, np.int32)
         self.slot_row = np.full(capacity, -1, np.int64)  # the row each slot holds (-1: free)
         self._meta = np.zeros(capacity, np.int64)  # the acquire that last used the slot << 8 | its count
         self.dirty = np.zeros(capacity, np.bool_)
@@ -113,15 +117,13 @@ class RowCache:
 
     def stage(self, rows: np.ndarray) -> StagedRecords:
         """Read ahead the records of the unique ``rows`` (int64) that are not cached now; any
-        thread, while the owner goes on (the map is read without a lock: a hint, since the owner
+        thread, while the owner goes on (the index is read without a lock: a hint, since the owner
         may change it meanwhile - the records are checked when :meth:`acquire` uses them).
 
         Raises:
             OSError: a failed read (:class:`RowFile`).
         """
-        slots = np.empty(rows.shape[0], np.int64)
-        io_kernels().lookup(rows, self._map, slots)  # (the map is never over half full: probes end)
-        return self.file.stage(rows[slots < 0])
+        return self.file.stage(rows[self._index[rows] < 0])
 
     def acquire(self, rows: np.ndarray, used: bool = True, staged: StagedRecords | None = None) -> np.ndarray:
         """Slots (int64, one per row) of the unique rows ``rows`` (int64), each resident until the
@@ -147,10 +149,10 @@ class RowCache:
         slots, misses = np.empty(n, np.int64), np.empty(n, np.int64)
         victims, old_rows, was_dirty = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
         kernels = io_kernels()
-        kernels.find(rows, self._map, self._meta, self._stamp, self.policy.max_count, slots)  # (the hits, on every core)
+        kernels.find(rows, self._index, self._meta, self._stamp, self.policy.max_count, slots)  # (the hits, on every core)
         n_miss, n_victim, self._hand = kernels.acquire(
-            rows, self._map, self.slot_row, self._meta, self.dirty, self._stamp,
-            self.policy.max_count, self.policy.admission_count, self._hand, slots, misses, victims, old_rows, was_dirty)
+            rows, self._index, self.slot_row, self._meta, self.dirty, self._stamp, self.policy.admission_count,
+            self._hand, slots, misses, victims, old_rows, was_dirty)
         assert n_miss >= 0, "RowCache.acquire takes unique rows (a row given twice would be cached twice)"
         back = victims[:n_victim][was_dirty[:n_victim]]
         if back.shape[0]:  # their records are still in their slots: out to the file before the reads land
@@ -186,7 +188,7 @@ class RowCache:
         """Forget every cached row (after :meth:`flush`: an update not yet written back is lost)."""
         assert not self.dirty.any(), "clear() after flush()"
         self._last = None
-        self._map[:, 0] = -1
+        self._index.fill(-1)
         self.slot_row.fill(-1)
         self._meta.fill(0)
 
@@ -194,8 +196,7 @@ class RowCache:
         """The current values of ``rows`` (any int64 rows; the cache is left as it is): field name
         (``names``, default every field) -> ``(len(rows), width)`` or ``(len(rows),)`` tensor,
         from the cache where a row is cached, else from the file."""
-        slots = np.empty(rows.shape[0], np.int64)
-        io_kernels().lookup(rows, self._map, slots)
+        slots = self._index[rows].astype(np.int64)
         cached = slots >= 0
         fields = [f for f in self.file.layout.fields if names is None or f.name in names]
         out = {f.name: torch.empty(f.shape(rows.shape[0]), dtype=f.dtype) for f in fields}
