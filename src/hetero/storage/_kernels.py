@@ -162,6 +162,19 @@ def pack(records, slots, fields, offsets):
 
 
 @njit(nogil=True, cache=True)
+def relocate(rows, positions, live, segment, first):
+    """The rows ``rows`` now in store slots ``first, first + 1, ...``: each one's previous slot
+    (``positions[row]``, -1: none) leaves its segment's ``live`` count, and ``positions`` points
+    at the new slot."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        old = positions[r]
+        if old >= 0:
+            live[old // segment] -= 1
+        positions[r] = first + i
+
+
+@njit(nogil=True, cache=True)
 def live_slots(segment, first, positions):
     """Positions in ``segment`` (file slots ``first ...``, each a row (int64 in its first 8 bytes)
     and a record) of the live slots: those their row's position points at."""

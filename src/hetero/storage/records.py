@@ -186,12 +186,8 @@ class RowFile:
                 last = done + k == n
                 self._write(tail, slots[done : done + k], rows[done : done + k], buffer if last else None)
                 handed = handed or last
-                part = rows[done : done + k]
-                old = self.positions[part]
-                old = old[old >= 0]
-                if old.shape[0]:  # their previous records become garbage
-                    self.live -= np.bincount(old // self.segment, minlength=self.live.shape[0])
-                self.positions[part] = np.arange(first, first + k)
+                # their previous records become garbage; the rows point at the new slots (one compiled pass)
+                io_kernels().relocate(rows[done : done + k], self.positions, self.live, self.segment, first)
                 self.live[tail] += k
                 self._tail_used[stream] += k
                 done += k
