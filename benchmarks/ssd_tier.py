@@ -47,7 +47,7 @@ def batches(dist: str, rows: int, count: int, seed: int = 0) -> list[dict[str, t
 
 
 def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int,
-        directory: str) -> dict:
+        directory: str, mapped_gib: float = 1.0) -> dict:
     """One case in this process: samples/s and the tier's counts."""
     from hetero.embedding import HostEmbeddingCollection, TableConfig
     from hetero.optim import SparseOptimizerKind
@@ -61,7 +61,8 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
     prefetch = storage == "ssd_prefetch"  # the next batch's misses read ahead on the prefetch worker
     if storage.startswith("ssd"):
         kw = dict(storage=StorageTier.SSD, ssd=SsdConfig(directory, cache_bytes=int(cache * rows * F * record),
-                                                           policy=CachePolicy(policy)))
+                                                           policy=CachePolicy(policy),
+                                                           mapped_bytes=int(mapped_gib * (1 << 30))))
     t0 = time.perf_counter()
     coll = HostEmbeddingCollection([TableConfig(f"C{i}", rows, dim, **kw) for i in range(F)])
     opt = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(coll.tables.values())
@@ -112,7 +113,8 @@ def dataclass_counts(cache) -> tuple[int, int, int, int, int]:
 def case(args, storage: str, dist: str, policy: str = "lfu") -> dict:
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         cmd = [sys.executable, __file__, "--one", storage, dist, policy, "--rows", str(args.rows), "--dim", str(args.dim),
-               "--cache", str(args.cache), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", d]
+               "--cache", str(args.cache), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", d,
+               "--mapped-gib", str(args.mapped_gib)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         result = json.loads(done.stdout.strip().splitlines()[-1])
     print(storage, dist, policy, result, file=sys.stderr)
@@ -142,26 +144,33 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0, help="per disk-rate measurement")
     p.add_argument("--dir", default=None, help="a directory on the disk to measure (default: the temp dir)")
     p.add_argument("--name", default="ssd_tier", help="the result's name (results/NAME_cpu.json)")
+    p.add_argument("--mapped-gib", type=float, default=1.0,
+                   help="the store's pages kept mapped (SsdConfig.mapped_bytes), GiB: the rest read with pread")
+    p.add_argument("--ratio-only", action="store_true",
+                   help="the same-run ratios alone (memory and SSD tier, both distributions): no LRU, prefetch or disk rate")
     p.add_argument("--one", nargs=3, metavar=("STORAGE", "DIST", "POLICY"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(*args.one, args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir)))
+        print(json.dumps(one(*args.one, args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir,
+                             args.mapped_gib)))
         return
     result = {"rows_per_table": args.rows, "tables": F, "dim": args.dim, "batch_size": B, "cache_share": args.cache,
+              "mapped_gib": args.mapped_gib,
               "optimizer": "rowwise_adagrad", "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
     for dist in ("zipf", "uniform"):
         mem, ssd = case(args, "memory", dist), case(args, "ssd", dist)
         result[dist] = {"memory": mem, "ssd": ssd, "ssd_over_memory": ssd["samples_per_s"] / mem["samples_per_s"]}
-    result["zipf_lru"] = case(args, "ssd", "zipf", "lru")
-    for dist in ("zipf", "uniform"):  # the same run with the next batch's misses read ahead
-        result[dist]["ssd_prefetch"] = ahead = case(args, "ssd_prefetch", dist)
-        result[dist]["ssd_prefetch_over_memory"] = ahead["samples_per_s"] / result[dist]["memory"]["samples_per_s"]
-    result["disk"] = disk(args)
     result["ssd_over_memory_zipf"] = result["zipf"]["ssd_over_memory"]
     result["ssd_over_memory_uniform"] = result["uniform"]["ssd_over_memory"]
-    result["ssd_prefetch_over_memory_zipf"] = result["zipf"]["ssd_prefetch_over_memory"]
     result["hit_rate_zipf_lfu"] = result["zipf"]["ssd"]["hit_rate"]
-    result["hit_rate_zipf_lru"] = result["zipf_lru"]["hit_rate"]
+    if not args.ratio_only:
+        result["zipf_lru"] = case(args, "ssd", "zipf", "lru")
+        for dist in ("zipf", "uniform"):  # the same run with the next batch's misses read ahead
+            result[dist]["ssd_prefetch"] = ahead = case(args, "ssd_prefetch", dist)
+            result[dist]["ssd_prefetch_over_memory"] = ahead["samples_per_s"] / result[dist]["memory"]["samples_per_s"]
+        result["disk"] = disk(args)
+        result["ssd_prefetch_over_memory_zipf"] = result["zipf"]["ssd_prefetch_over_memory"]
+        result["hit_rate_zipf_lru"] = result["zipf_lru"]["hit_rate"]
     emit(args.name, result)
 
 
