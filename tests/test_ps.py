@@ -115,6 +115,13 @@ def test_servers_holding_their_shards_on_the_ssd_tier_train_as_in_memory_stopped
     # a resume with another number of servers is refused on every rank, naming what the checkpoint holds
     other = _on_ranks(tmp_path, 3, *ssd, "--ps-servers", "1", "--resume", check=False)
     assert other.returncode != 0 and "it holds ['shard0of2', 'shard1of2']" in other.stderr, other.stderr[-3000:]
+    # a flipped byte in a server's snapshot: named on every rank before anything is loaded
+    segment = sorted((tmp_path / "ssd" / "checkpoint.dcp" / "ps-tier" / "shard1of2").glob("*/*.seg"))[0]
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    damaged = _on_ranks(tmp_path, 4, *ssd, "--ps-servers", "2", "--resume", check=False)
+    assert damaged.returncode != 0 and segment.name in damaged.stderr, damaged.stderr[-3000:]
 
 
 def test_async_mode_converges_to_the_auc_of_sync(tmp_path):

@@ -105,8 +105,9 @@ class PSJob:
 
         On a server, the group's storage becomes its shard (hash partition, rows built from the
         tables' seeds; a group on the SSD tier: the shard on the tier, under its row cache, whose
-        budget is what the server's memory budget counts); on a worker, the group gets a :class:`PSClient` and holds no rows. Every
-        rank calls it after building the model and before building the sparse optimizers.
+        budget is what the server's memory budget counts); on a worker, the group gets a
+        :class:`PSClient` and holds no rows. Every rank calls it after building the model and
+        before building the sparse optimizers.
 
         Raises:
             ValueError: called out of order (see :class:`Stage`).

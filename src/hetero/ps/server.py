@@ -291,7 +291,7 @@ class ParameterServer:
             CheckpointError: a snapshot missing (another number of servers saved it: resume with
                 as many) or damaged, naming it.
         """
-        parts = {}
+        parts = []
         for key, group in zip(self.keys, self.groups):
             if group.ssd_config is None:
                 continue
@@ -301,11 +301,11 @@ class ParameterServer:
                 raise CheckpointError(f"checkpoint {directory} has no SSD tier snapshot of tables {key} for shard "
                                       f"{self.shard} of {self.servers} servers (it holds {saved or 'none'}): resume "
                                       f"with the number of servers it was saved with, and the tables on the tier")
-            parts[group] = [(where, snapshot.verify(where))]
+            parts.append((group, where, snapshot.verify(where)))
 
         def restore() -> None:
-            for group, snapshots in parts.items():
-                group.ssd_restore(snapshots)  # (linked back into the server's store)
+            for group, where, manifest in parts:
+                group.ssd_restore([(where, manifest)])  # (linked back into the server's store)
         return restore
 
 
