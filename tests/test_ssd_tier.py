@@ -252,7 +252,9 @@ def test_the_main_job_on_the_ssd_tier_equals_it_in_memory(tmp_path, ml_dir):
 
     args = [*movielens(ml_dir), "--epochs", "2"]
     assert main(["train", *args, "--run-dir", str(tmp_path / "mem")]) == 0
-    assert main(["train", *args, "--run-dir", str(tmp_path / "ssd"), "--table-storage", "ssd", "--cache-mb", "1"]) == 0
+    # (no segment mapped: every read a pread - the mapped reads are the other tests')
+    assert main(["train", *args, "--run-dir", str(tmp_path / "ssd"), "--table-storage", "ssd", "--cache-mb", "1",
+                 "--mapped-mb", "0.001"]) == 0
     assert (tmp_path / "ssd" / "ssd").is_dir()  # the default place of the row files: RUN_DIR/ssd
     mem, ssd = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("mem", "ssd"))
     assert (mem["test_auc"], mem["test_logloss"]) == (ssd["test_auc"], ssd["test_logloss"])
@@ -260,6 +262,7 @@ def test_the_main_job_on_the_ssd_tier_equals_it_in_memory(tmp_path, ml_dir):
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert 'storage = "ssd"' in (tmp_path / "ssd" / "config.toml").read_text()
+    assert "mapped_mb = 0.001" in (tmp_path / "ssd" / "config.toml").read_text()
 
 
 def test_the_ssd_tier_is_refused_beside_what_it_does_not_run_with(ml_dir, capsys):

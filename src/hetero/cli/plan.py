@@ -59,7 +59,8 @@ def ssd_settings(job: JobConfig) -> SsdConfig:
     """The job's SSD tier (``[tables]``): each rank's tables in a directory of its own."""
     t = job.tables
     where = (t.ssd_path or job.checkpoint.run_dir / "ssd") / (f"rank{parallel.rank()}" if parallel.active() else "")
-    return SsdConfig(where, cache_bytes=int(t.cache_mb * (1 << 20)), policy=t.cache_policy)
+    return SsdConfig(where, cache_bytes=int(t.cache_mb * (1 << 20)), policy=t.cache_policy,
+                     mapped_bytes=int(t.mapped_mb * (1 << 20)))
 
 
 def planning_batches(job: JobConfig, rows: Rows) -> Batches:

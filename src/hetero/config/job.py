@@ -335,6 +335,9 @@ class Tables:
     """DRAM budget of each table group's row cache, MiB (rows with their optimizer state)."""
     cache_policy: Annotated[CachePolicy, alias("--cache-policy")] = CachePolicy.LFU
     """The row cache's replacement: lfu (GCLOCK hit counts) or lru (CLOCK)."""
+    mapped_mb: Annotated[float, alias("--mapped-mb"), Bounds(low=0, inclusive=False)] = 1024
+    """Of each table group's row file, the MiB kept mapped and read by copying (the rest read with a pread a
+    record): faster where the file sits in the page cache; the mapped pages count in the resident set."""
 
 
 @dataclasses.dataclass(kw_only=True)
