@@ -241,14 +241,19 @@ class TableGroup:
         # newer than the gather and its rows are refreshed before use (conservative).
         plan.version = self.version
         if self.ssd_config is not None:  # the rows into the cache (misses read ahead or from disk), then out of it
-            cache = self.ssd_rows().cache
-            slots = torch.from_numpy(cache.acquire(plan.unique.numpy(), staged=plan.staged))
-            plan.staged = None  # (used: its memory goes)
-            torch.index_select(cache.fields["weight"], 0, slots, out=out)
+            slots = self._cached(plan)
+            torch.index_select(self.ssd.cache.fields["weight"], 0, slots, out=out)
         else:
             torch.index_select(self.storage, 0, plan.unique, out=out)
         plan.rows = out
         return out
+
+    def _cached(self, plan: LookupPlan) -> Tensor:
+        """The cache slots of the plan's unique rows on the SSD tier (misses read ahead or from
+        disk), resident until the cache's next acquire."""
+        slots = self.ssd_rows().cache.acquire(plan.unique.numpy(), staged=plan.staged)
+        plan.staged = None  # (used: its memory goes)
+        return torch.from_numpy(slots)
 
     def refresh_stale(self, plan: LookupPlan) -> int:
         """Re-gather the rows an optimizer step updated after ``plan`` gathered them.
@@ -294,6 +299,12 @@ class TableGroup:
                 # The device is the host: pool straight from the table rows (read at this moment,
                 # so always fresh); there is nothing to transfer, hence no staging copy.
                 rows, index = self.storage, plan.index
+            elif self.dtype == torch.float32 and plan.rows is None:
+                # The same on the SSD tier: pool straight from the cache, at each id's slot (the
+                # slots stay resident until the cache's next acquire: this step's update)
+                plan.version = self.version
+                index = self._cached(plan)[plan.inverse]
+                rows = self.ssd.cache.fields["weight"]
             else:
                 rows, index = (self.gather(plan, pin=False) if plan.rows is None else plan.rows), plan.inverse
                 self.refresh_stale(plan)
