@@ -292,6 +292,32 @@ def test_deferred_tables_hold_no_rows_and_leave_the_random_stream_unchanged():
         defer_tables(False)
 
 
+def test_a_workers_tables_on_the_ssd_tier_hold_no_rows_and_reading_them_raises(tmp_path):
+    # A parameter-server worker holds none of the rows: its state dicts keep meta placeholders (as in
+    # memory), never a tier of initial rows that would pass for the servers'
+    from hetero.embedding import RowExchange, RowPlacement
+    from hetero.placement import StorageTier
+    from hetero.storage.config import SsdConfig
+
+    class Remote(RowExchange):
+        placement = RowPlacement.PARAMETER_SERVER
+        global_rows = 100
+
+        def lookup(self, group, requests, plan):
+            raise AssertionError("not looked up here")
+
+    torch.manual_seed(0)
+    coll = HostEmbeddingCollection([TableConfig("a", 100, 4, storage=StorageTier.SSD, ssd=SsdConfig(tmp_path))])
+    group = coll.tables["a"].group
+    group.exchange = Remote()
+    opt = LazyAdam(list(coll.tables.values()))
+    assert coll.state_dict()["tables.a.weight"].is_meta
+    assert all(x.is_meta for x in opt.state_dict()["state"]["a"].values())
+    with pytest.raises(ValueError, match=r"tables \['a'\] live on the parameter servers' SSD tier"):
+        group.ssd_read(0, 10)
+    assert not any(tmp_path.iterdir())  # no store laid out
+
+
 def test_row_cache_drops_entries_older_than_the_bound():
     cache = ps.RowCache(staleness=1)
     ids = torch.tensor([2, 5, 9])

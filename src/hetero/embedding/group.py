@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from hetero.embedding.capture import HostPool, capture_device_grad
 from hetero.embedding.config import Pooling, TableConfig
-from hetero.embedding.exchange import LocalRows, RowExchange
+from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import kernels
 from hetero.embedding.plan import LookupPlan, Request, build_plan
@@ -130,11 +130,26 @@ class TableGroup:
         return self.ssd.cache.fields["weight"].index_select(0, slots[inverse])
 
     # ------------------------------------------------------------------------------ SSD tier
+    @property
+    def ssd_here(self) -> bool:
+        """Whether this process holds rows of the group on the SSD tier (a parameter-server worker
+        holds none: its servers do, and its placeholders stay ``meta``, as in memory)."""
+        return self.ssd_config is not None and self.exchange.placement is not RowPlacement.PARAMETER_SERVER
+
     def ssd_rows(self) -> SsdRows:
         """The group's rows on the SSD tier. The first call lays them out - writes the initial rows
         (each table's seeded values) with the declared state (:meth:`ssd_layout`; none: the row
-        alone) - unless a checkpoint was restored first (:meth:`ssd_restore`)."""
+        alone) - unless a checkpoint was restored first (:meth:`ssd_restore`).
+
+        Raises:
+            ValueError: on a parameter-server worker, which holds none of the rows (its tier
+                would hold the initial rows, not the servers').
+        """
         assert self.ssd_config is not None, "not a group on the SSD tier"
+        if not self.ssd_here:
+            raise ValueError(f"the rows of tables {[t.config.name for t in self.tables]} live on the parameter "
+                             f"servers' SSD tier, not in this worker: read them from a checkpoint (hetero checkpoint "
+                             f"merge)")
         if self.ssd is None:
             self.ssd = SsdRows(self.ssd_name, self.num_rows, self.dim, self.dtype, self.ssd_config,
                                self.initial_rows or self._initial_rows,

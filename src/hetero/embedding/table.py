@@ -101,7 +101,7 @@ class HostEmbedding(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.config.storage is StorageTier.SSD:  # the rows, not the meta placeholder (read whole: tables that fit)
+        if self.group.ssd_here:  # the rows, not the meta placeholder (read whole: tables that fit)
             del destination[prefix + "weight"]
             if not self.group.rows_in_state_dict:  # (a checkpoint holds them as the tier's snapshots)
                 return

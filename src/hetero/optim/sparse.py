@@ -190,7 +190,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         nothing where its group's ``rows_in_state_dict`` is off (a checkpoint's tier snapshots hold it)."""
         views, g = self._state_views(), {name: t.group for name, t in self.tables.items()}
         return {name: g[name].ssd_read(g[name].local_start(t), t.weight.shape[0], tuple(self.state_names))
-                if g[name].ssd_config is not None else views[name]
+                if g[name].ssd_here else views[name]
                 for name, t in self.tables.items() if g[name].rows_in_state_dict}
 
     def count_step(self, group: TableGroup) -> None:
