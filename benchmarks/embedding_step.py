@@ -7,6 +7,11 @@ Same run: the torch baseline (``nn.Embedding(sparse=True)`` + ``SparseAdam`` / `
 ``SGD``), raw ``index_select`` rows/s on fresh ids (the memory limit: the best of three
 measurements spread over the run), and a 26-table collection
 (26 x 1M x 16, one table per field, one kernel call per step) with LazyAdam.
+
+``--dynamic``: a dynamic table (raw int64 keys, :mod:`hetero.dynamic`) against the fixed-row table
+on the same draws (the fixed table's ids are the keys' indices), at ``--rows`` and ten times as
+many distinct keys, Zipf(1.05), row-wise Adagrad and LazyAdam, in alternating rounds: the
+dynamic table's rate over the fixed one's (issue #38's target: >= 0.7).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
+from hetero.dynamic import Keys  # noqa: E402
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig  # noqa: E402
 from hetero.optim import SparseOptimizerKind  # noqa: E402
 
@@ -92,13 +98,47 @@ def multi_table_rate(batches, rows: int, warmup: int) -> float:
     return B * F / timed(step, batches, warmup)
 
 
+def dynamic_rates(rows: int, steps: int, warmup: int, rounds: int = 3) -> dict:
+    """Fixed against dynamic at ``rows`` distinct keys: lookups/s per optimizer, medians of ``rounds``."""
+    rng = np.random.default_rng(1)
+    keys = rng.integers(-(2**62), 2**62, rows)  # the raw keys; the fixed table's id of keys[i] is i
+    index = id_batches("zipf", rows, warmup + steps)
+    raw = [torch.from_numpy(keys[b.numpy()]) for b in index]
+    out: dict = {}
+    for kind in (SparseOptimizerKind.ROWWISE_ADAGRAD, SparseOptimizerKind.LAZY_ADAM):
+        rates: dict[str, list[float]] = {"fixed": [], "dynamic": []}
+        for _ in range(rounds):
+            for mode in rates:
+                torch.manual_seed(0)
+                cfg = TableConfig("t", rows, D, keys=Keys.DYNAMIC) if mode == "dynamic" else TableConfig("t", rows, D)
+                table = HostEmbedding(cfg)
+                ids = raw if mode == "dynamic" else index
+                rates[mode].append(step_rate(table, kind.optimizer([table]), ids, warmup))
+                del table
+        fixed, dynamic = float(np.median(rates["fixed"])), float(np.median(rates["dynamic"]))
+        out[kind.value] = {"fixed_lookups_per_s": fixed, "dynamic_lookups_per_s": dynamic,
+                           "dynamic_over_fixed": dynamic / fixed, "rounds": rates}
+        print(f"{rows:>9d} keys {kind.value:16s} fixed {fixed / 1e6:6.2f} M/s dynamic {dynamic / 1e6:6.2f} M/s "
+              f"({dynamic / fixed:.2f})", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-multi-table", action="store_true", help="skip the 26-table case (5 GB of host memory)")
+    p.add_argument("--dynamic", action="store_true", help="only the dynamic table against the fixed one")
     args = p.parse_args()
+    if args.dynamic:
+        result = {"table_dim": D, "batch": f"{B} x {F}", "steps": args.steps, "distribution": "zipf(1.05)"}
+        for rows in (args.rows, 10 * args.rows):
+            result[f"keys_{rows}"] = dynamic_rates(rows, args.steps, args.warmup)
+        result["dynamic_over_fixed_min"] = min(v["dynamic_over_fixed"] for k, r in result.items()
+                                               if k.startswith("keys_") for v in r.values())
+        emit("embedding_step_dynamic", result)
+        return
     count = args.steps + args.warmup
     result: dict = {"table": f"{args.rows} x {D} fp32", "batch": f"{B} x {F}", "steps": args.steps}
     baselines = {

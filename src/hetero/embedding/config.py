@@ -8,6 +8,7 @@ import enum
 import torch
 from torch import Tensor
 
+from hetero.dynamic.config import DynamicConfig, Keys
 from hetero.placement.target import StorageTier
 from hetero.storage.config import SsdConfig
 
@@ -28,7 +29,8 @@ class TableConfig:
 
     Attributes:
         name: table name; used in error messages, checkpoints and optimizer state.
-        num_embeddings: vocab size (rows). Valid ids are ``0 <= id < num_embeddings``.
+        num_embeddings: vocab size (rows). Valid ids are ``0 <= id < num_embeddings``. For a
+            dynamic table, its capacity: the most keys it holds rows for.
         embedding_dim: row width ``D`` (1 for the wide part of Wide & Deep).
         feature: key of the input feature this table looks up (defaults to ``name``).
         pooling: how bags are pooled (:class:`Pooling`).
@@ -42,6 +44,11 @@ class TableConfig:
             row beside its sparse-optimizer state: :mod:`hetero.storage`).
         ssd: the SSD tier's directory, cache budget and policy (with ``StorageTier.SSD`` only;
             tables of one group share the group's file and cache: give them one ``SsdConfig``).
+        keys: ``Keys.FIXED`` (ids are rows) or ``Keys.DYNAMIC``: ids are raw int64 keys, each
+            admitted key given a row of its own (:mod:`hetero.dynamic`); the weight then has
+            ``num_embeddings + 1`` rows, the last the default row that keys without a row read.
+        dynamic: a dynamic table's admission and eviction (:class:`~hetero.dynamic.DynamicConfig`;
+            ``None``: the defaults). Only with ``Keys.DYNAMIC``.
     """
 
     name: str
@@ -54,6 +61,8 @@ class TableConfig:
     dtype: torch.dtype = torch.float32
     storage: StorageTier = StorageTier.HOST_DRAM
     ssd: SsdConfig | None = None
+    keys: Keys = Keys.FIXED
+    dynamic: DynamicConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_embeddings <= 0 or self.embedding_dim <= 0:
@@ -71,6 +80,32 @@ class TableConfig:
                              f"a table does; got storage {self.storage.value} and ssd={self.ssd}")
         if self.num_embeddings >= 1 << 32:
             raise ValueError(f"table {self.name!r}: at most 2**32 - 1 rows per table, got {self.num_embeddings}")
+        self._check_keys()
+
+    def _check_keys(self) -> None:
+        if not isinstance(self.keys, Keys):
+            raise ValueError(f"table {self.name!r}: keys must be a Keys ({[k.value for k in Keys]}), got {self.keys!r}")
+        if self.keys is Keys.FIXED:
+            if self.dynamic is not None:
+                raise ValueError(f"table {self.name!r}: dynamic= is a dynamic table's setting; add keys=Keys.DYNAMIC "
+                                 f"or drop it")
+            return
+        if self.dynamic is None:
+            object.__setattr__(self, "dynamic", DynamicConfig())
+        if self.hashed:
+            raise ValueError(f"table {self.name!r}: a dynamic table gives each key a row of its own; drop hashed=True")
+        if self.storage is not StorageTier.HOST_DRAM:
+            raise ValueError(f"table {self.name!r}: a dynamic table lives in host memory for now; drop "
+                             f"storage={self.storage.value} (StorageTier.HOST_DRAM)")
+        if self.num_embeddings >= (1 << 31) - 1:
+            raise ValueError(f"table {self.name!r}: a dynamic table holds at most 2**31 - 2 rows, got "
+                             f"num_embeddings = {self.num_embeddings}")
+        self.dynamic.check(self.name, self.num_embeddings)
+
+    @property
+    def num_rows(self) -> int:
+        """The rows of the table's weight: ``num_embeddings``, and a dynamic table's default row."""
+        return self.num_embeddings + (self.keys is Keys.DYNAMIC)
 
     @property
     def feature_name(self) -> str:

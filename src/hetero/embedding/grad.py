@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,6 +32,7 @@ class SparseGrad:
                  chain: tuple[Tensor, Tensor] | None = None) -> None:
         assert rows is not None or per_id is not None
         self.ids, self._rows, self.space, self.ready, self.per_id, self.chain = ids, rows, space, ready, per_id, chain
+        self._part_of: tuple[SparseGrad, Tensor] | None = None
 
     @staticmethod
     def empty(dim: int, space: RowSpace) -> "SparseGrad":
@@ -38,8 +40,10 @@ class SparseGrad:
 
     @property
     def rows(self) -> Tensor:
+        if self._rows is None and self._part_of is not None:
+            whole, at = self._part_of
+            self._rows = whole.rows[at]
         if self._rows is None:
-
             K = kernels()
             src, inverse, offsets, scale = (t.numpy() for t in self.per_id)
             self._rows = torch.from_numpy(K.pool_backward(src, inverse, offsets, scale, self.ids.numel(), K.num_threads()))
@@ -54,6 +58,21 @@ class SparseGrad:
             self.ready.synchronize()  # sync point: host waits for the device->host gradient copy
             self.ready = None
         return self
+
+    def without(self, rows: np.ndarray) -> "SparseGrad":
+        """This gradient less its rows ``rows`` (sorted int64, in ``space``): a dynamic table's
+        default row, which takes no update. Itself when none of them is here."""
+        keep = ~np.isin(self.ids.numpy(), rows, assume_unique=True)
+        if keep.all():
+            return self
+        at = torch.from_numpy(np.flatnonzero(keep))
+        if self.per_id is not None and self.chain is not None and self.chain[0].numel() and not self.per_id[2].numel():
+            # per-id lookups with occurrence chains: the kept rows' chains only (the rest are never walked)
+            chain = (self.chain[0][at], self.chain[1])
+            kept = SparseGrad(self.ids[at], None, self.space, per_id=self.per_id, chain=chain)
+            kept._part_of = (self, at)  # (its coalesced rows, if asked for: this gradient's, at the kept rows)
+            return kept
+        return SparseGrad(self.ids[at], self.wait().rows[at], self.space)
 
     @staticmethod
     def coalesce(grads: list["SparseGrad"]) -> "SparseGrad":

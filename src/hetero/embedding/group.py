@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from hetero.embedding.capture import HostPool, capture_device_grad
 from hetero.embedding.config import Pooling, TableConfig
+from hetero.embedding.dynamic_rows import DynamicRows
 from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import kernels
@@ -62,7 +63,7 @@ class TableGroup:
         assert len(dims) == 1, f"a group holds one width and dtype, got {dims}"
         self.dim, self.dtype = dims.pop()
         self.tables = list(tables)
-        total = sum(t.config.num_embeddings for t in tables)
+        total = sum(t.config.num_rows for t in tables)
         deferred = any(t.weight.is_meta for t in tables)  # rows held elsewhere (hetero.ps)
         if len(tables) == 1:
             storage = tables[0].weight.data
@@ -72,7 +73,7 @@ class TableGroup:
             storage = host_empty((total, self.dim), self.dtype)
         start = 0
         for t in tables:
-            v = t.config.num_embeddings
+            v = t.config.num_rows
             if storage is not t.weight.data:
                 storage[start : start + v].copy_(t.weight.data)
                 t.weight.data = storage[start : start + v]  # the table's parameter becomes a view
@@ -103,6 +104,9 @@ class TableGroup:
         self.pending = PendingGrads()  # gradients of this step's lookups, until the optimizer steps
         self.version = 0  # optimizer updates applied so far
         self.row_version: np.ndarray | None = None  # per-row update version, while prefetching
+        dynamic = [t for t in tables if getattr(t, "keymap", None) is not None]
+        self.dynamic = DynamicRows([t.config.name for t in dynamic],  # (their default rows: the last of each)
+                                   np.array(sorted(t.group_row + t.config.num_embeddings for t in dynamic), np.int64))
 
     @property
     def num_rows(self) -> int:
@@ -178,7 +182,7 @@ class TableGroup:
         lo, hi = lo + self.first_row, hi + self.first_row  # (global rows)
         out = torch.empty(hi - lo, self.dim, dtype=self.dtype)
         for t in self.tables:
-            a, b = max(lo, t.group_row), min(hi, t.group_row + t.config.num_embeddings)
+            a, b = max(lo, t.group_row), min(hi, t.group_row + t.config.num_rows)
             if a < b:
                 out[a - lo : b - lo] = init_rows(t.config, t.init_seed, a - t.group_row, b - t.group_row)
         return out
@@ -367,6 +371,13 @@ class TableGroup:
         self.version += 1
         if self.row_version is not None:
             kernels().stamp_rows(self.row_version, rows.numpy(), self.version)
+
+    def reset_rows(self, rows: Tensor, values: Tensor) -> None:
+        """Group rows ``rows`` (``(A,)`` int64) belong to new keys of a dynamic table: they take
+        ``values`` (``(A, dim)`` float32) now, and their optimizer state starts afresh at the next
+        step (:meth:`DynamicRows.begin_step`)."""
+        self.storage[rows] = values.to(self.dtype)
+        self.dynamic.add_fresh(rows.numpy())
 
     def track_row_versions(self) -> None:
         if self.row_version is None:

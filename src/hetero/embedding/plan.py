@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hetero.dynamic import Keys
 from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.kernels import kernels
 from hetero.storage.layout import StagedRecords
@@ -26,6 +27,8 @@ class PlannedTable(Protocol):
     group_row: int  # the table's first row in its group's row space
 
     def raise_out_of_range(self, bad: int) -> None: ...
+
+    def rows_of(self, keys: Tensor) -> Tensor: ...  # a dynamic table's rows of raw keys
 
 
 class DedupGroup(Protocol):
@@ -107,6 +110,8 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True) -
         if r.ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"table {cfg.name!r}: ids must be int64 or int32, got {r.ids.dtype}")
         ids = r.ids.to("cpu", torch.int64).reshape(-1)  # sync point if ids live on the device
+        if cfg.keys is Keys.DYNAMIC:  # raw keys -> the table's rows (one compiled pass; training admits)
+            ids = r.table.rows_of(ids)
         if singleton:  # per-id lookups: bag i is id i, no offsets needed
             ranges.append((n, n + ids.numel(), tuple(r.ids.shape)))
         else:
@@ -153,7 +158,7 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True) -
 
 
 def _segment_meta(requests: list[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    vocab = np.array([r.table.config.num_embeddings for r in requests], np.int64)
+    vocab = np.array([r.table.config.num_rows for r in requests], np.int64)
     offset = np.array([r.table.group_row for r in requests], np.int64)
     hashed = np.array([r.table.config.hashed for r in requests], np.bool_)
     return vocab, offset, hashed

@@ -68,6 +68,7 @@ class Prefetcher:
         self.collections = [m for m in model.modules() if isinstance(m, HostEmbeddingCollection)]
         for c in self.collections:
             for g in c.groups:
+                g.dynamic.refuse("prefetch (a plan built ahead would admit and evict a step early)")
                 if g.exchange.placement is not RowPlacement.LOCAL:
                     raise ValueError(f"tables {[t.name for t in g.tables]} are {g.exchange.placement.value}: their lookup "
                                      f"talks to other ranks and cannot be prefetched; prefetch replicated tables only")

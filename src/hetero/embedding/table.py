@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from hetero.dynamic import KeyMap, Keys
 from hetero.embedding.config import INIT_CHUNK, Pooling, TableConfig, init_rows
 from hetero.embedding.grad import SparseGrad
 from hetero.embedding.group import TableGroup
@@ -80,10 +81,17 @@ class HostEmbedding(nn.Module):
         # rows can then be initialised alone - a parameter server builds only its shard - and
         # the global random stream advances the same whether or not the rows are built here.
         self.init_seed = int(torch.randint(0, 1 << 62, (1,)))
-        shape = (config.num_embeddings, config.embedding_dim)
+        shape = (config.num_rows, config.embedding_dim)
+        # a dynamic table's keys -> rows; its rows start as zeros (each is a key's from admission on:
+        # KeyMap.init_rows), but for the last, the default row
+        self.keymap = KeyMap(config.name, config.num_embeddings, config.dynamic, self.init_seed) \
+            if config.keys is Keys.DYNAMIC else None
         if _DEFERRED[0] or config.storage is StorageTier.SSD:
             # no memory: the rows live on parameter servers, or on the SSD tier (the group lays them out)
             weight = torch.empty(shape, dtype=config.dtype, device="meta")
+        elif self.keymap is not None:
+            weight = host_empty(shape, config.dtype).zero_()
+            weight[-1] = config.dynamic.default_value
         else:
             weight = host_empty(shape, config.dtype)
             for lo in range(0, config.num_embeddings, INIT_CHUNK):
@@ -101,6 +109,10 @@ class HostEmbedding(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.keymap is not None:  # a dynamic table's key map, and its clock: the group's optimizer steps
+            for name, value in self.keymap.state_dict().items():
+                destination[f"{prefix}keymap.{name}"] = torch.from_numpy(value)
+            destination[f"{prefix}keymap.step"] = torch.tensor(self.group.dynamic.steps_taken)
         if self.group.ssd_here:  # the rows, not the meta placeholder (read whole: tables that fit)
             del destination[prefix + "weight"]
             if not self.group.rows_in_state_dict:  # (a checkpoint holds them as the tier's snapshots)
@@ -110,6 +122,8 @@ class HostEmbedding(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):  # noqa: ANN001 - nn.Module's signature
+        if self.keymap is not None:
+            self._load_keymap(state_dict, prefix, missing_keys)
         key = prefix + "weight"
         if self.config.storage is StorageTier.SSD and not self.group.rows_in_state_dict:
             return None  # (the rows come from the tier's snapshots)
@@ -124,6 +138,17 @@ class HostEmbedding(nn.Module):
             return None
         self.group.ssd_assign("weight", self.group.local_start(self), rows)
         return None
+
+    def _load_keymap(self, state_dict, prefix: str, missing_keys: list[str]) -> None:  # noqa: ANN001
+        """Take a dynamic table's key map out of ``state_dict`` (what :meth:`_save_to_state_dict`
+        put there) and restore it, or name its keys missing."""
+        names = [*self.keymap.STATE, "step"]
+        found = {n: state_dict.pop(f"{prefix}keymap.{n}") for n in names if f"{prefix}keymap.{n}" in state_dict}
+        if len(found) < len(names):
+            missing_keys.extend(f"{prefix}keymap.{n}" for n in names if n not in found)
+            return
+        self.keymap.load_state_dict({n: found[n].numpy() for n in self.keymap.STATE})
+        self.group.dynamic.steps_taken = int(found["step"])
 
     @property
     def output_device(self) -> torch.device:
@@ -140,6 +165,20 @@ class HostEmbedding(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return f"{c.name!r}, {c.num_embeddings}, {c.embedding_dim}, pooling={c.pooling.value}, host-resident"
+
+    def rows_of(self, keys: Tensor) -> Tensor:
+        """The rows of a dynamic table's ``keys`` (``(N,)`` int64, host) as ``(N,)`` int64 rows of its
+        weight (the default row, ``num_embeddings``, for a key without one). A training lookup (the
+        module in training mode, gradients enabled) admits and evicts (:meth:`KeyMap.translate`);
+        a new key's row gets its initial value, and its optimizer state is reset at the next step
+        (:meth:`TableGroup.reset_rows`). Any other lookup changes nothing."""
+        if not (self.training and torch.is_grad_enabled()):
+            return torch.from_numpy(self.keymap.lookup(keys.numpy()))
+        rows, new = self.keymap.translate(keys.numpy(), self.group.dynamic.steps_taken)
+        if new.rows.shape[0]:
+            values = self.keymap.init_rows(new.keys, self.config.embedding_dim, self.config.init_std)
+            self.group.reset_rows(torch.from_numpy(self.group_row + new.rows), torch.from_numpy(values))
+        return torch.from_numpy(rows)
 
     def raise_out_of_range(self, bad: int) -> None:
         vocab = self.config.num_embeddings
@@ -198,6 +237,8 @@ class DeviceEmbedding(nn.Module):
         Raises:
             ValueError: a table on the SSD tier (it stays there: it may not fit anywhere else).
         """
+        if table.keymap is not None:
+            raise ValueError(f"table {table.name!r} is dynamic: its key map is the host's; keep it on the host")
         if table.config.storage is StorageTier.SSD:
             raise ValueError(f"table {table.name!r} is on the SSD tier: it stays on the host; keep it there, or put it "
                              f"in memory (storage=StorageTier.HOST_DRAM) to move it to the device")

@@ -211,7 +211,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
             raise ValueError(f"{type(self).__name__}.step() takes no closure")
         self._check_lr()
         for group in self.groups:
-            grad = group.pending.take()
+            grad = group.dynamic.begin_step(group.pending.take(), self.group_state[group], self._state_initial)  # (new keys)
             if grad is None or grad.ids.numel() == 0:
                 continue
             # The kernels index this process's storage: group rows only where they are the same.
@@ -288,7 +288,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         for name, tensors in state_dict.get("state", {}).items():
             t = self.tables[name]
             for s, x in tensors.items():
-                want = (t.config.num_embeddings,) if self.rowwise_state else (t.config.num_embeddings, t.config.embedding_dim)
+                want = (t.config.num_rows,) if self.rowwise_state else (t.config.num_rows, t.config.embedding_dim)
                 if tuple(x.shape) != want:
                     raise ValueError(f"{kind} state {s!r} of table {name!r} has shape {tuple(x.shape)} in the checkpoint "
                                      f"and {want} here")

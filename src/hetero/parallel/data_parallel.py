@@ -228,6 +228,9 @@ class DistributedSparse:
     def __init__(self, optimizer: SparseOptimizer, config: DataParallelConfig = DataParallelConfig(),
                  group: DataParallelGroup = DataParallelGroup()) -> None:
         self.optimizer, self.config, self.group = optimizer, config, group
+        if group.active:
+            for g in optimizer.groups:
+                g.dynamic.refuse("data parallel across ranks (each rank's key map would admit its own keys)")
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()

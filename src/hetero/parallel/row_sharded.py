@@ -187,6 +187,7 @@ def shard_rows(module: nn.Module) -> int:
     for group in groups:
         if group.exchange.placement is not RowPlacement.LOCAL:
             continue
+        group.dynamic.refuse("row sharding")
         total = group.num_rows
         lo, hi = block_range(total, r, n)
         if group.ssd_config is not None:  # the SSD tier: the shard's rows laid out when first needed, from row lo

@@ -118,6 +118,7 @@ class PSJob:
         for index, group in enumerate(groups.values()):
             if group.exchange.placement is not RowPlacement.LOCAL:
                 continue
+            group.dynamic.refuse("parameter servers")
             if self.role is Role.SERVER:
                 s = self.servers.index(dist.get_rank())
                 global_rows = group.num_rows

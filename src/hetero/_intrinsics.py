@@ -1,0 +1,46 @@
+"""numba intrinsics the host kernels share (:mod:`hetero.embedding._numba_kernels`,
+:mod:`hetero.dynamic._kernels`): a software prefetch and an atomic add. Imported by kernel modules
+only (it imports numba)."""
+
+import llvmlite.ir as ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def prefetch(typingctx, arr, row):
+    """Prefetch the cache line of ``arr[row]`` (1-D) or ``arr[row, 0]`` into L2 (``prefetcht1``)."""
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        idx = [args[1]] + [zero] * (aryty.ndim - 1)
+        ptr = cgutils.get_item_pointer2(
+            context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
+            cgutils.unpack_tuple(builder, ary.strides), aryty.layout, idx, wraparound=False, boundscheck=False,
+        )
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch")
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])  # read, locality 2, data
+        return context.get_dummy_value()
+
+    return types.void(arr, types.intp), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, arr, index, value):
+    """Atomically add ``value`` to ``arr[index]`` (1-D integer array); returns the old value."""
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer2(
+            context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
+            cgutils.unpack_tuple(builder, ary.strides), aryty.layout, [args[1]], wraparound=False, boundscheck=False,
+        )
+        return builder.atomic_rmw("add", ptr, args[2], "monotonic")
+
+    return arr.dtype(arr, types.intp, arr.dtype), codegen

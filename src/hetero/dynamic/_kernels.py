@@ -1,0 +1,258 @@
+"""numba kernels of the dynamic tables' key map (:mod:`hetero.dynamic.keymap`); compiled on first use.
+
+The map is open addressing with linear probing over a power-of-two table of ``(key, row)``
+slots (one 16-byte entry: a probe is one cache line), at most half full, with backward-shift deletion (Knuth, TAOCP vol. 3, 6.4, algorithm R),
+so no tombstones accumulate however many keys come and go. Keys are mixed by SplitMix64's
+finalizer (Steele, Lea & Flood 2014) before they index anything. A row's use count and last
+step share one 8-byte entry too. The passes over a batch's keys prefetch the entries ``AHEAD`` keys
+in advance (as the embedding kernels do): a batch's keys are random accesses into tables larger
+than the caches.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from hetero._intrinsics import prefetch
+
+AHEAD = 16  # keys of prefetch distance
+EMPTY = np.int32(-1)  # a free slot of the map; a free row's last step
+SATURATED = np.int32(2**31 - 1)
+C1, C2, GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+@njit(cache=True, inline="always")
+def mix(x):
+    """SplitMix64's finalizer of ``x`` (uint64)."""
+    x = (x ^ (x >> np.uint64(30))) * C1
+    x = (x ^ (x >> np.uint64(27))) * C2
+    return x ^ (x >> np.uint64(31))
+
+
+@njit(cache=True, inline="always")
+def _probe(key, home, slots):
+    """The slot of ``key`` (hashed to slot ``home``), or of the empty slot where it would go."""
+    mask = slots.shape[0] - 1
+    i = home
+    while slots[i, 1] != EMPTY and slots[i, 0] != key:
+        i = (i + 1) & mask
+    return i
+
+
+@njit(cache=True, inline="always")
+def _home(key, slots):
+    return np.intp(mix(np.uint64(key)) & np.uint64(slots.shape[0] - 1))
+
+
+@njit(cache=True)
+def _delete(key, slots):
+    """Remove ``key`` (present) from the map, shifting later slots of its probe run back."""
+    mask = slots.shape[0] - 1
+    i = _probe(key, _home(key, slots), slots)
+    j = i
+    while True:
+        slots[i, 1] = EMPTY
+        while True:
+            j = (j + 1) & mask
+            if slots[j, 1] == EMPTY:
+                return
+            home = _home(slots[j, 0], slots)
+            # slot j's key may move to i unless its home lies cyclically in (i, j]
+            if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+                break
+        slots[i, 0], slots[i, 1] = slots[j, 0], slots[j, 1]
+        i = j
+
+
+@njit(cache=True, inline="always")
+def _sketch(key, sketch, add):
+    """The count-min estimate of ``key`` after adding ``add`` to its four counters."""
+    h = mix(np.uint64(key) ^ GOLDEN)
+    h1, h2 = h & np.uint64(0xFFFFFFFF), (h >> np.uint64(32)) | np.uint64(1)
+    mask = np.uint64(sketch.shape[1] - 1)
+    est = SATURATED
+    for d in range(sketch.shape[0]):
+        c = (h1 + np.uint64(d) * h2) & mask
+        v = sketch[d, c]
+        if add and v < SATURATED:
+            v += 1
+            sketch[d, c] = v
+        est = min(est, v)
+    return est
+
+
+@njit(cache=True, parallel=True)
+def _homes(keys, slots):
+    """Each key's home slot (one vectorised pass, over every core)."""
+    out = np.empty(keys.shape[0], np.intp)
+    for i in prange(keys.shape[0]):
+        out[i] = _home(keys[i], slots)
+    return out
+
+
+@njit(cache=True)
+def _rows(keys, homes, slots, out):
+    """``out[i]``: the row of ``keys[i]``, or -1."""
+    n = keys.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:
+            prefetch(slots, homes[i + AHEAD])
+        out[i] = slots[_probe(keys[i], homes[i], slots), 1]
+
+
+def lookup(keys, out, slots, default_row):
+    """Rows of ``keys`` without changing anything (evaluation): a key with no row reads ``default_row``."""
+    _rows(keys, _homes(keys, slots), slots, out)
+    out[out < 0] = default_row
+
+
+@njit(cache=True)
+def evict(k, before, lfu, slots, row_key, stat, free, nfree, evicted):
+    """Evict up to ``k`` rows last looked up before step ``before`` (the current step: any row
+    this step has not looked up; an earlier one: the rows past their age), lowest score first -
+    LFU ``(count, last)``, LRU ``last`` - ties by key; their rows go onto the free stack, their
+    count into ``evicted[0]``. Returns how many were evicted."""
+    n = 0
+    for r in range(stat.shape[0]):
+        if stat[r, 1] != EMPTY and stat[r, 1] < before:
+            n += 1
+    if n == 0 or k <= 0:
+        return 0
+    cand = np.empty(n, np.int64)
+    score = np.empty(n, np.int64)
+    n = 0
+    for r in range(stat.shape[0]):
+        if stat[r, 1] != EMPTY and stat[r, 1] < before:
+            cand[n] = r
+            score[n] = (np.int64(stat[r, 0]) << 32 | stat[r, 1]) if lfu else np.int64(stat[r, 1])
+            n += 1
+    if n > k:
+        kth = np.partition(score, k - 1)[k - 1]  # (a copy: score stays in cand's order)
+        below = 0
+        for j in range(n):
+            below += score[j] < kth
+        ties = np.empty(n, np.int64)
+        t = 0
+        for j in range(n):
+            if score[j] == kth:
+                ties[t] = row_key[cand[j]]
+                t += 1
+        cut = np.sort(ties[:t])[k - below - 1]  # the largest tied key evicted
+        m = 0
+        for j in range(n):
+            if score[j] < kth or (score[j] == kth and row_key[cand[j]] <= cut):
+                cand[m] = cand[j]
+                m += 1
+        n = m
+    for j in range(n):
+        r = cand[j]
+        _delete(row_key[r], slots)
+        evicted[0] += 1
+        stat[r, 0], stat[r, 1] = 0, EMPTY
+        free[nfree[0]] = r
+        nfree[0] += 1
+    return n
+
+
+@njit(cache=True)
+def _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
+           default_row, admitted, evicted, stats):
+    """The second pass of :func:`translate`: the keys with no row (``out[i] == -1``)."""
+    by_count = admit_below == 0
+    missing = np.flatnonzero(out == -1)  # (in order: admissions follow the batch's order)
+    m = missing.shape[0]
+    for j in range(m):
+        if j + AHEAD < m:
+            prefetch(slots, _home(keys[missing[j + AHEAD]], slots))
+        i = missing[j]
+        key = keys[i]
+        s = _probe(key, _home(key, slots), slots)
+        if slots[s, 1] != EMPTY:  # admitted by an earlier occurrence of this batch
+            r = slots[s, 1]
+            out[i] = r
+            if stat[r, 0] < SATURATED:
+                stat[r, 0] += 1
+            continue
+        if by_count:
+            admit = _sketch(key, sketch, False) >= admit_after
+        else:
+            admit = mix(np.uint64(key) ^ mix(np.uint64(step) ^ np.uint64(seed))) < admit_below
+        if admit and nfree[0] == 0:
+            evict(chunk, step, lfu, slots, row_key, stat, free, nfree, evicted)
+            s = _probe(key, _home(key, slots), slots)  # (deletions shifted the slots)
+        if not admit or nfree[0] == 0:
+            out[i] = default_row
+            stats[2] += 1
+            continue
+        nfree[0] -= 1
+        r = free[nfree[0]]
+        slots[s, 0], slots[s, 1] = key, r
+        row_key[r] = key
+        stat[r, 0], stat[r, 1] = 1, step
+        out[i] = r
+        a = admitted[0, 0] + 1
+        admitted[0, 0] = a
+        admitted[a, 0], admitted[a, 1] = r, key
+        stats[0] += 1
+
+
+@njit(cache=True)
+def _count(keys, out, stat, sketch, step, by_count):
+    """The first pass's bookkeeping: a known key's row is counted and stamped; an unknown key is
+    counted in the sketch."""
+    n = keys.shape[0]
+    for i in range(n):
+        if i + AHEAD < n and out[i + AHEAD] >= 0:
+            prefetch(stat, out[i + AHEAD])
+        r = out[i]
+        if r >= 0:
+            stat[r, 1] = step
+            if stat[r, 0] < SATURATED:
+                stat[r, 0] += 1
+        elif by_count:
+            _sketch(keys[i], sketch, True)
+
+
+def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
+              default_row, admitted, evicted, stats):
+    """Rows of a training step's ``keys`` into ``out``: known keys are counted and stamped with
+    ``step``; unknown ones are counted in the sketch and admitted (given a free row, evicting
+    ``chunk`` rows when none is free) once seen ``admit_after`` times - or, with ``admit_below``
+    > 0, when ``mix(key, step, seed) < admit_below`` - else they read ``default_row``. Every
+    occurrence of a key reads the same row: admission is decided once the whole batch is counted.
+
+    ``admitted`` receives ``(row, key)`` pairs from ``admitted[0, 0]`` + 1 on (sized by the caller),
+    ``evicted[0]`` the count of evictions; ``stats`` += (admitted, evicted, default lookups)."""
+    _rows(keys, _homes(keys, slots), slots, out)
+    _count(keys, out, stat, sketch, step, admit_below == 0)
+    before = evicted[0]
+    _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
+           default_row, admitted, evicted, stats)
+    stats[1] += evicted[0] - before
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def init_rows(keys, seed, std, out):
+    """Initial values of the rows of ``keys``: ``N(0, std**2)`` per key (``out``: ``(len(keys), D)``
+    float32), drawn by Box-Muller (in fp32) from SplitMix64's stream seeded by the key and
+    ``seed``, so a key's first row does not depend on when, where or on which rank it is admitted."""
+    d = out.shape[1]
+    scale = np.float32(2.0**-24)
+    two_pi, sd = np.float32(2.0 * np.pi), np.float32(std)
+    for i in prange(keys.shape[0]):
+        base = mix(np.uint64(keys[i]) ^ np.uint64(seed))
+        for j in range(0, d, 2):
+            bits = mix(base + np.uint64(j + 1) * GOLDEN)  # (one 64-bit draw: two 24-bit uniforms)
+            u1 = (np.float32(bits >> np.uint64(40)) + np.float32(1.0)) * scale  # (0, 1]
+            u2 = np.float32((bits >> np.uint64(8)) & np.uint64(0xFFFFFF)) * scale
+            radius = sd * np.sqrt(np.float32(-2.0) * np.log(u1))
+            out[i, j] = radius * np.cos(two_pi * u2)
+            if j + 1 < d:
+                out[i, j + 1] = radius * np.sin(two_pi * u2)
+
+
+@njit(cache=True)
+def insert(keys, rows, slots):
+    """Put ``keys`` (not in the map) at ``rows`` (a restored map's slots)."""
+    for i in range(keys.shape[0]):
+        s = _probe(keys[i], _home(keys[i], slots), slots)
+        slots[s, 0], slots[s, 1] = keys[i], rows[i]

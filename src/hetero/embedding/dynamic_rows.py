@@ -1,0 +1,59 @@
+"""A table group's bookkeeping for its dynamic tables (:class:`DynamicRows`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hetero.embedding.grad import SparseGrad
+
+
+class DynamicRows:
+    """What a :class:`~hetero.embedding.group.TableGroup` keeps for its dynamic tables
+    (:mod:`hetero.dynamic`): their default rows, which no update changes; the rows given to new
+    keys since the optimizer last stepped, whose state it resets; and the group's optimizer steps,
+    the tables' clock.
+
+    Args:
+        tables: the names of the group's dynamic tables (none: every method is a no-op).
+        frozen: their default rows, group rows (``(T,)`` int64, sorted).
+
+    Thread contract: the training thread's (lookups and the optimizer step).
+    """
+
+    def __init__(self, tables: list[str], frozen: np.ndarray) -> None:
+        self.tables, self.frozen = tables, frozen
+        self.steps_taken = 0  # optimizer steps of the group, with a gradient or not
+        self._fresh: list[np.ndarray] = []
+
+    def refuse(self, what: str) -> None:
+        """Raise where a dynamic table cannot go yet (``what``: the mechanism).
+
+        Raises:
+            ValueError: naming the dynamic tables and ``what``.
+        """
+        if self.tables:
+            raise ValueError(f"dynamic tables {self.tables} train in one process without prefetch for now, not with "
+                             f"{what}; use a fixed vocabulary (keys=Keys.FIXED) for these tables there")
+
+    def add_fresh(self, rows: np.ndarray) -> None:
+        """Group rows ``rows`` now belong to new keys: their state is reset at the next step."""
+        self._fresh.append(rows)
+        if len(self._fresh) > 64:  # (lookups without a step between: keep the list short)
+            self._fresh = [np.unique(np.concatenate(self._fresh))]
+
+    def begin_step(self, grad: SparseGrad | None, state: dict[str, Tensor],
+                   initial: Callable[[str], float]) -> SparseGrad | None:
+        """The optimizer's step begins: count it, reset the state (``{name: (rows, ...) tensor}``)
+        of the rows given to new keys to ``initial(name)``, and return ``grad`` less the default
+        rows. The lookups after this call are the next step's."""
+        self.steps_taken += 1
+        if self._fresh:
+            fresh = torch.from_numpy(np.concatenate(self._fresh))
+            self._fresh = []
+            for name, x in state.items():
+                x[fresh] = initial(name)
+        return grad.without(self.frozen) if grad is not None and self.frozen.shape[0] else grad
