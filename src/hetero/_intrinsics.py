@@ -1,6 +1,12 @@
 """numba intrinsics the host kernels share (:mod:`hetero.embedding._numba_kernels`,
 :mod:`hetero.dynamic._kernels`): a software prefetch and an atomic add. Imported by kernel modules
-only (it imports numba)."""
+only (it imports numba).
+
+The prefetch brings the line into L2, not L1 (``prefetcht1``): a core has only about 16 L1 fill
+buffers, which three rows (weight, m, v) times 12 rows ahead oversubscribe, while L2 tracks more
+misses; the LazyAdam train step took 0.25-0.33 ms less (of 3.9-4.0) than with write prefetches
+into L1, in interleaved runs on the 2-core benchmark machine.
+"""
 
 import llvmlite.ir as ir
 from numba import types

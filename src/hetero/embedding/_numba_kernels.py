@@ -6,11 +6,8 @@ one thread, in a fixed order, so results do not depend on the thread count (dete
 
 Random row access is what costs: every kernel that walks rows in data-dependent order issues a
 software prefetch ``AHEAD`` rows in advance (LLVM's ``llvm.prefetch``), which keeps several cache
-misses in flight. Measured on the 2-core benchmark machine: the LazyAdam update of 101k random
-rows of a 1M x 16 table went from 5.1 ms to 2.9 ms. The prefetch brings the line into L2, not L1
-(``prefetcht1``): a core has only about 16 L1 fill buffers, which three rows (weight, m, v) times
-12 rows ahead oversubscribe, while L2 tracks more misses; the LazyAdam train step took 0.25-0.33
-ms less (of 3.9-4.0) than with write prefetches into L1, in interleaved runs.
+misses in flight (:mod:`hetero._intrinsics`). Measured on the 2-core benchmark machine: the
+LazyAdam update of 101k random rows of a 1M x 16 table went from 5.1 ms to 2.9 ms.
 
 Bags: ``offsets`` of length 0 means "every id is its own bag" (a per-id lookup), which skips
 building and reading an ``arange`` offsets array.
