@@ -274,3 +274,16 @@ def test_a_state_dict_without_the_key_map_is_refused_and_a_fixed_table_has_none(
         dyn.load_state_dict(fixed.state_dict())
     with pytest.raises(RuntimeError, match="Unexpected key.*keymap.row_key"):
         fixed.load_state_dict(dyn.state_dict())
+
+
+def test_admission_by_probability_admits_about_that_share_of_sightings_reproducibly():
+    c = DynamicConfig(admit_probability=0.25)
+    keys = np.arange(20_000, dtype=np.int64) * 7919  # each key sighted once
+    runs = []
+    for _ in range(2):
+        m = KeyMap("t", 30_000, c, seed=5)
+        rows, new = m.translate(keys, 0)
+        runs.append(np.sort(new.keys))
+        assert np.array_equal(rows == 30_000, ~np.isin(keys, new.keys))  # the others read the default row
+    assert np.array_equal(runs[0], runs[1])  # the same draws for the same keys, step and seed
+    assert 0.23 < runs[0].shape[0] / keys.shape[0] < 0.27  # binomial: 0.25 +- 7 standard deviations
