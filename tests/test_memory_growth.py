@@ -1,7 +1,8 @@
 """Resident memory stays flat per step in every distributed mode of ``hetero train`` on a
 Criteo-shaped job with >= 100 MB of host tables: dp with replicated and row-sharded tables, tp,
 ZeRO, pp, the parameter server (its shard in memory, or on the SSD tier) and tables on the SSD
-tier (replicated, prefetched, row-sharded), 2 ranks each, a checkpoint every few steps. A rank that
+tier (replicated, prefetched, row-sharded), 2 ranks each, and dynamic tables in one process; a
+checkpoint every few steps. A rank that
 pickled its tables per view at a checkpoint (the pipeline's gather did: 20 GB, killed) or leaked
 per step fails here. Each rank's resident set (``VmRSS``) is sampled after every step, and every
 rank's (a server's too) peak (``ru_maxrss``) is compared with its resident set after warm-up."""
@@ -19,13 +20,15 @@ STEPS, WARM, EVERY = 24, 8, 4  # steps, warm-up steps (two checkpoints), steps b
 BUCKETS = 65536  # 26 deep tables of 65,536 x 16 float32 rows: 109 MB, with LazyAdam's two moments 327 MB
 
 
-def _job(tmp_path):
+def _job(tmp_path, dynamic=False):
     lines = criteo_lines(2500, seed=3)
     (tmp_path / "criteo.tsv").write_text(lines)
     names = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
     dense = "".join(f'[[schema.dense]]\ncolumn = "I{i}"\ntransform = "log1p"\n' for i in range(1, 14))
-    cats = "".join(f'[[schema.categorical]]\ncolumn = "C{i}"\nhash_buckets = {BUCKETS}\nrole = "deep"\n'
-                   for i in range(1, 27))
+    # dynamic: a row per admitted value, at most BUCKETS, evicting by age as values come and go
+    rows = f"dynamic = true\ncapacity = {BUCKETS}\nadmit_after = 2\nttl_steps = 2" if dynamic else \
+        f"hash_buckets = {BUCKETS}"
+    cats = "".join(f'[[schema.categorical]]\ncolumn = "C{i}"\n{rows}\nrole = "deep"\n' for i in range(1, 27))
     job = tmp_path / "job.toml"
     job.write_text(f'[data]\ndelimiter = "\\t"\nheader = false\ncolumn_names = {json.dumps(names)}\n'
                    f'[schema]\nlabel = {{ column = "label" }}\n{dense}{cats}')
@@ -68,14 +71,23 @@ LONGER: dict[str, tuple[int, int]] = {}  # mode -> (steps, warm-up steps) where 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_resident_memory_is_flat_per_step(tmp_path, mode):
-    job, data = _job(tmp_path)
+    _check_flat(tmp_path, mode, 2)
+
+
+def test_resident_memory_is_flat_per_step_with_dynamic_tables(tmp_path):
+    """Dynamic tables (one process: they are not distributed yet) admitting and evicting every step."""
+    _check_flat(tmp_path, "dynamic", 1)
+
+
+def _check_flat(tmp_path, mode, ranks):
+    job, data = _job(tmp_path, dynamic=mode == "dynamic")
     steps, warm = LONGER.get(mode, (STEPS, WARM))
     argv = ["train", "--config", str(job), "--data-path", str(data), "--batch-size", "64", "--max-steps", str(steps),
             "--checkpoint-every", str(EVERY), "--no-progress", "--embedding-dim", "16", "--hidden", "64,32",
-            "--run-dir", str(tmp_path / "run"), *MODES[mode]]
-    spawn(_rank, args=(2, free_port(), argv, str(tmp_path)), nprocs=2, env={**CPU_RANKS})
+            "--run-dir", str(tmp_path / "run"), *MODES.get(mode, [])]
+    spawn(_rank, args=(ranks, free_port(), argv, str(tmp_path)), nprocs=ranks, env={**CPU_RANKS})
     table_mib = 26 * BUCKETS * 16 * 4 / 2**20
-    for r in range(2):
+    for r in range(ranks):
         got = json.loads((tmp_path / f"{r}.json").read_text())
         assert got["code"] == 0
         rss = [k / 1024 for k in got["rss"]]

@@ -14,11 +14,11 @@ def fnv1a_buckets(offsets: np.ndarray, data: np.ndarray, validity: np.ndarray, b
                   buckets: int) -> np.ndarray:
     """Row ``1 + fnv1a64(bytes) mod (buckets - 1)`` of each string ``data[offsets[i]:offsets[i + 1]]``
     (UTF-8; ``offsets`` int32 or int64 as Arrow keeps them), 0 where the string is empty or null;
-    int64 ``(N,)``. ``validity`` is Arrow's validity bitmap (bit ``bit_offset + i``; empty: no
+    int64 ``(N,)``. ``buckets == 0``: the hash itself (a dynamic feature's key, as int64). ``validity`` is Arrow's validity bitmap (bit ``bit_offset + i``; empty: no
     nulls). Releases the GIL: the reader thread decodes the next block meanwhile."""
     n = offsets.shape[0] - 1
     out = np.zeros(n, dtype=np.int64)
-    m = np.uint64(buckets - 1)
+    m = np.uint64(max(buckets - 1, 1))
     check = validity.shape[0] > 0
     for i in range(n):
         if check:
@@ -31,5 +31,5 @@ def fnv1a_buckets(offsets: np.ndarray, data: np.ndarray, validity: np.ndarray, b
         h = _FNV_OFFSET
         for j in range(lo, hi):
             h = (h ^ np.uint64(data[j])) * _FNV_PRIME
-        out[i] = 1 + np.int64(h % m)
+        out[i] = np.int64(h) if buckets == 0 else 1 + np.int64(h % m)
     return out

@@ -40,7 +40,7 @@ def column_types(schema: Schema) -> dict[str, pa.DataType]:
 
     numeric = schema.numeric_columns
     types = {c: pa.float64() if c in numeric else pa.string() for c in schema.columns}
-    hashed = {c.column for c in schema.categorical if c.hash_buckets is not None and c.prefix is None}
-    text = {c.column for c in schema.categorical if c.hash_buckets is None or c.prefix is not None}
+    hashed = {c.column for c in schema.categorical if c.hashed and c.prefix is None}
+    text = {c.column for c in schema.categorical if not c.hashed or c.prefix is not None}
     types.update({c: pa.binary() for c in hashed - text - set(numeric)})
     return types

@@ -55,14 +55,17 @@ class Encoding:
     def specs(self) -> tuple[Feature, ...]:
         """The features' :class:`~hetero.data.tabular.Feature` specs (table sizes include row 0)."""
         schema = self.schema
-        out = [Feature(c.name, self.table_rows(c), c.separator is not None, c.role) for c in schema.categorical]
+        out = [Feature(c.name, self.table_rows(c), c.separator is not None, c.role,
+                       c.dynamic_config() if c.dynamic else None) for c in schema.categorical]
         for x in schema.crosses:  # a bag when it crosses a multi-hot feature
             bags = any(schema.categorical_feature(n).separator is not None for n in x.columns)
             out.append(Feature(x.name, x.hash_buckets, bags, FeatureRole.WIDE))
         return tuple(out)
 
     def table_rows(self, c: Categorical) -> int:
-        """Rows of categorical feature ``c``'s table (row 0 included)."""
+        """Rows of categorical feature ``c``'s table (row 0 included; a dynamic one's: its capacity)."""
+        if c.dynamic:
+            return c.capacity
         if c.hash_buckets is not None:
             return c.hash_buckets
         return len(c.boundaries) + 2 if c.numeric else len(self.vocabularies[c.name]) + 1
@@ -100,8 +103,8 @@ class Encoding:
 
         if c.numeric:  # the bucket ids themselves (as text, for crosses)
             ids = torch.from_numpy(values.to_numpy(zero_copy_only=False, writable=True))
-        elif c.hash_buckets is not None:
-            ids = hash_rows(values, c.hash_buckets)
+        elif c.hashed:  # (a dynamic feature: the unreduced hash is its key)
+            ids = hash_rows(values, 0 if c.dynamic else c.hash_buckets)
         else:
             vocab = pa.array(self.vocabularies[c.name], type=pa.string())
             index = pc.index_in(pc.if_else(pc.equal(values, ""), None, values), value_set=vocab)  # "" -> null -> row 0
@@ -268,8 +271,9 @@ def _merge(tables: list[pa.Table]) -> pa.Table:
 
 
 def hash_rows(col: pa.Array | pa.ChunkedArray, buckets: int) -> torch.Tensor:
-    """Each string's row of a ``buckets``-row hashed table (see :mod:`hetero.data.schema`): int64.
-    Reads Arrow's buffers in place (no copy of the strings)."""
+    """Each string's row of a ``buckets``-row hashed table (see :mod:`hetero.data.schema`), or
+    with ``buckets == 0`` its 64-bit key (a dynamic feature's): int64. Reads Arrow's buffers in
+    place (no copy of the strings)."""
     import pyarrow as pa
 
 

@@ -120,7 +120,8 @@ class _SplitWriter:
         self.dir, self.specs = directory, encoding.specs()
         self.single = [f.name for f in self.specs if not f.multi_hot]
         self.bags = [f.name for f in self.specs if f.multi_hot]
-        self.id_dtype = np.int32 if max((f.vocab_size for f in self.specs), default=0) < 2**31 else np.int64
+        small = max((f.vocab_size for f in self.specs), default=0) < 2**31 and not any(f.dynamic for f in self.specs)
+        self.id_dtype = np.int32 if small else np.int64  # (a dynamic feature's ids are 64-bit keys)
         self.files = {"ids": open(directory / "ids.bin", "wb"), "dense": open(directory / "dense.bin", "wb"),
                       "label": open(directory / "label.bin", "wb")}
         for i, b in enumerate(self.bags):

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hetero.data.tabular import FeatureRole
+from hetero.dynamic import DynamicConfig, Eviction
 from hetero.data.toml_values import check_type
 
 
@@ -104,6 +105,14 @@ class Categorical:
         min_count: vocabulary mode: a value seen fewer times in the training split maps to the
             out-of-vocabulary row 0.
         role: whether the feature feeds the wide part, the deep part, or both.
+        dynamic: neither a vocabulary nor buckets: each value's key is its 64-bit FNV-1a hash (the
+            hashed mode's hash, unreduced; 0 for an empty value) and its tables are dynamic
+            (:mod:`hetero.dynamic`): a row per admitted key, at most ``capacity``. Two of ``n``
+            distinct values share a key with probability about ``n**2 / 2**65`` (1e-5 for 1e7 values).
+        capacity: a dynamic feature's rows (>= 1).
+        admit_after: a dynamic feature's sightings before a value gets a row (>= 1).
+        ttl_steps: a dynamic feature's rows unseen for more than this many steps are evicted.
+        eviction: which rows a full dynamic table gives up first.
     """
 
     column: str
@@ -114,9 +123,15 @@ class Categorical:
     hash_buckets: int | None = None
     min_count: int = 1
     role: FeatureRole = FeatureRole.WIDE_AND_DEEP
+    dynamic: bool = False
+    capacity: int | None = None
+    admit_after: int = 1
+    ttl_steps: int | None = None
+    eviction: Eviction = Eviction.LFU
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", self.name or self.column)
+        self._check_dynamic()
         object.__setattr__(self, "boundaries", tuple(float(b) for b in self.boundaries))
         b = self.boundaries
         if b and any(x >= y for x, y in zip(b, b[1:])):
@@ -135,10 +150,40 @@ class Categorical:
             raise ValueError(f"categorical {self.name!r}: an empty separator; give the string between values, or "
                              f"None for one value per row")
 
+    def _check_dynamic(self) -> None:
+        name = f"categorical {self.name!r}"
+        if not self.dynamic:
+            given = [k for k in ("capacity", "ttl_steps") if getattr(self, k) is not None]
+            given += ["admit_after"] if self.admit_after != 1 else []
+            if given:
+                raise ValueError(f"{name}: {given[0]} is a dynamic feature's setting; add dynamic = true or drop it")
+            return
+        if self.hash_buckets is not None or self.boundaries:
+            raise ValueError(f"{name}: a dynamic feature has neither hash_buckets nor boundaries; drop them")
+        if self.capacity is None or self.capacity < 1:
+            raise ValueError(f"{name}: capacity = {self.capacity}; a dynamic feature needs capacity >= 1 (its most rows)")
+        self.dynamic_config()  # (its own checks, named)
+
+    def dynamic_config(self) -> DynamicConfig:
+        """A dynamic feature's admission and eviction.
+
+        Raises:
+            ValueError: a setting out of range, naming the feature and the setting.
+        """
+        try:
+            return DynamicConfig(admit_after=self.admit_after, ttl_steps=self.ttl_steps, eviction=self.eviction)
+        except ValueError as e:
+            raise ValueError(f"categorical {self.name!r}: {e}") from None
+
     @property
     def vocabulary(self) -> bool:
         """Whether the ids come from a vocabulary fitted on the training split."""
-        return self.hash_buckets is None and not self.boundaries
+        return self.hash_buckets is None and not self.boundaries and not self.dynamic
+
+    @property
+    def hashed(self) -> bool:
+        """Whether the values are hashed (into buckets, or to a dynamic feature's keys)."""
+        return self.hash_buckets is not None or self.dynamic
 
     @property
     def numeric(self) -> bool:

@@ -18,6 +18,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from hetero.dynamic import DynamicConfig
+
 
 class Jagged(NamedTuple):
     """Variable-length bags in the jagged layout: ``values`` ``(total,)`` int64, ``offsets`` ``(N + 1,)``.
@@ -60,12 +62,15 @@ class FeatureRole(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    """A categorical feature: ``vocab_size`` ids in ``[0, vocab_size)``; id 0 means missing/unknown."""
+    """A categorical feature: ``vocab_size`` ids in ``[0, vocab_size)``; id 0 means missing/unknown.
+    A dynamic feature (``dynamic``: its admission and eviction) has int64 keys instead, and
+    ``vocab_size`` rows of capacity."""
 
     name: str
     vocab_size: int
     multi_hot: bool = False
     role: FeatureRole = FeatureRole.WIDE_AND_DEEP
+    dynamic: DynamicConfig | None = None
 
 
 @dataclasses.dataclass

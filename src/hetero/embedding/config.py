@@ -96,7 +96,8 @@ class TableConfig:
             raise ValueError(f"table {self.name!r}: a dynamic table gives each key a row of its own; drop hashed=True")
         if self.storage is not StorageTier.HOST_DRAM:
             raise ValueError(f"table {self.name!r}: a dynamic table lives in host memory for now; drop "
-                             f"storage={self.storage.value} (StorageTier.HOST_DRAM)")
+                             f"storage={self.storage.value} (StorageTier.HOST_DRAM; a job's [tables] storage = "
+                             f"\"memory\")")
         if self.num_embeddings >= (1 << 31) - 1:
             raise ValueError(f"table {self.name!r}: a dynamic table holds at most 2**31 - 2 rows, got "
                              f"num_embeddings = {self.num_embeddings}")

@@ -37,7 +37,8 @@ class DynamicRows:
         """
         if self.tables:
             raise ValueError(f"dynamic tables {self.tables} train in one process without prefetch for now, not with "
-                             f"{what}; use a fixed vocabulary (keys=Keys.FIXED) for these tables there")
+                             f"{what}; drop that, or give these tables a fixed vocabulary (keys=Keys.FIXED; in a "
+                             f"job file's schema, no dynamic = true)")
 
     def add_fresh(self, rows: np.ndarray) -> None:
         """Group rows ``rows`` now belong to new keys: their state is reset at the next step."""

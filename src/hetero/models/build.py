@@ -29,7 +29,7 @@ class ModelKind(enum.Enum):
 def feature_slots(features: Sequence[Feature]) -> list[FeatureSlot]:
     """Each feature's table slot: wide unless the feature is deep-only, deep unless wide-only."""
     return [FeatureSlot(f.name, f.vocab_size, f.multi_hot, wide=f.role is not FeatureRole.DEEP,
-                        deep=f.role is not FeatureRole.WIDE) for f in features]
+                        deep=f.role is not FeatureRole.WIDE, dynamic=f.dynamic) for f in features]
 
 
 def build_model(kind: ModelKind, config: WideDeepConfig | DLRMConfig, features: Sequence[Feature],

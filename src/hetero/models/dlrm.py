@@ -78,7 +78,8 @@ class DLRM(nn.Module):
         self.config, d = config, config.embedding_dim
         self.deep = HostEmbeddingCollection([
             TableConfig(f"deep_{f.name}", f.vocab_size, d, feature=f.name,
-                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std, **table_tier(ssd))
+                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std,
+                        **table_tier(ssd, f))
             for f in features])
         self.bottom = _mlp([num_dense, *config.bottom, d], last_relu=True) if num_dense else None
         n = len(features) + (1 if num_dense else 0)

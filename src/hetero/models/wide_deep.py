@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from hetero.dynamic import DynamicConfig, Keys
 from hetero.embedding import HostEmbeddingCollection, Pooling, TableConfig
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.parallel.pipeline_plan import balanced_cuts
@@ -46,6 +47,7 @@ class FeatureSlot:
     multi_hot: bool = False
     wide: bool = True
     deep: bool = True
+    dynamic: DynamicConfig | None = None  # a dynamic feature's admission and eviction (its tables' keys are raw)
 
 
 class Layers(nn.ModuleDict):
@@ -59,9 +61,11 @@ class Layers(nn.ModuleDict):
         return x
 
 
-def table_tier(ssd: SsdConfig | None) -> dict:
-    """The :class:`TableConfig` keywords of a table on the SSD tier ``ssd`` (``None``: in memory)."""
-    return {} if ssd is None else {"storage": StorageTier.SSD, "ssd": ssd}
+def table_tier(ssd: SsdConfig | None, feature: FeatureSlot) -> dict:
+    """The :class:`TableConfig` keywords of ``feature``'s table on the SSD tier ``ssd`` (``None``: in
+    memory), dynamic if the feature is."""
+    keys = {} if feature.dynamic is None else {"keys": Keys.DYNAMIC, "dynamic": feature.dynamic}
+    return keys if ssd is None else {"storage": StorageTier.SSD, "ssd": ssd, **keys}
 
 
 class WideDeep(nn.Module):
@@ -89,12 +93,14 @@ class WideDeep(nn.Module):
         self.config = config
         self.wide = HostEmbeddingCollection([
             TableConfig(f"wide_{f.name}", f.vocab_size, 1, feature=f.name,
-                        pooling=Pooling.SUM if f.multi_hot else Pooling.NONE, init_std=0.0, **table_tier(ssd))
+                        pooling=Pooling.SUM if f.multi_hot else Pooling.NONE, init_std=0.0,
+                        **table_tier(ssd, f))
             for f in features if f.wide
         ])
         deep = [
             TableConfig(f"deep_{f.name}", f.vocab_size, config.embedding_dim, feature=f.name,
-                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std, **table_tier(ssd))
+                        pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std,
+                        **table_tier(ssd, f))
             for f in features if f.deep
         ]
         self.deep = HostEmbeddingCollection(deep)

@@ -21,7 +21,7 @@ from torch import nn
 
 from hetero import ps
 from hetero.data.tabular import Batch, EvalData, TrainingData
-from hetero.embedding import Prefetcher, dense_parameters
+from hetero.embedding import Prefetcher, dense_parameters, host_tables
 from hetero.optim import SparseOptimizer
 from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel import (
@@ -298,6 +298,8 @@ class Trainer(TrainerCheckpoints):
             "history": self.history,
             "best_epoch": self.best["epoch"] or None,  # of the validation score; the test split's model with keep_best
             "stopped_early": self.best["stopped"],
+            # each dynamic table's keys admitted, rows evicted, lookups of the default row, rows held
+            "dynamic_tables": {name: vars(t.keymap.stats) for name, t in host_tables(self.model).items() if t.keymap},
         }
         return write_report(self.run_dir, self.losses, metrics)
 

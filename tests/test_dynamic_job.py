@@ -1,0 +1,110 @@
+"""Dynamic features in a job file (``dynamic = true`` in the schema): no vocabulary, a row per
+admitted value; trained, resumed exactly and predicted by ``hetero``'s commands."""
+
+import json
+import random
+
+import pytest
+
+from hetero.cli import main
+
+TRAIN = ["--epochs", "2", "--batch-size", "32", "--no-progress", "--embedding-dim", "4", "--hidden", "8"]
+
+JOB = """[data]
+path = "{data}"
+{extra}
+[schema]
+label = "label"
+[[schema.categorical]]
+column = "user"
+dynamic = true
+capacity = 24
+admit_after = 2
+ttl_steps = 6
+[[schema.categorical]]
+column = "item"
+dynamic = true
+capacity = 100
+[[schema.dense]]
+column = "age"
+"""
+
+
+def _csv(path, n=400, seed=0):
+    """label, user, item, age: 60 users (more than the table holds), 20 items."""
+    rng = random.Random(seed)
+    rows = [f"{int((u + i) % 3 == 0)},u{u},{i},{rng.random():.3f}" for u, i in
+            ((rng.randint(0, 59), rng.randint(0, 19)) for _ in range(n))]
+    path.write_text("label,user,item,age\n" + "\n".join(rows) + "\n")
+
+
+def _last_json(capsys):
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_a_dynamic_feature_trains_resumes_exactly_and_predicts(tmp_path, capsys, mode):
+    data = tmp_path / "ids.csv"
+    _csv(data)
+    extra = ""
+    if mode == "stream":
+        _csv(tmp_path / "valid.csv", 100, seed=1)
+        extra = f'valid_path = "{tmp_path / "valid.csv"}"\ntest_path = "{tmp_path / "valid.csv"}"'
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(data=data, extra=extra))
+    runs = {}
+    for name, steps in (("straight", []), ("resumed", ["--max-steps", "5"])):
+        run = tmp_path / name
+        args = ["train", "--config", str(job), *TRAIN, "--run-dir", str(run)]
+        args += ["--stream"] if mode == "stream" else []
+        if steps:
+            assert main([*args, *steps]) == 0
+            capsys.readouterr()
+            args.append("--resume")
+        assert main(args) == 0
+        runs[name] = _last_json(capsys)
+        assert main(["predict", "--checkpoint", str(run / "checkpoint.pt"), "--data", str(data),
+                     "--out", str(tmp_path / f"{name}.csv")]) == 0
+    straight, resumed = runs["straight"], runs["resumed"]
+    user = straight["dynamic_tables"]["deep.tables.deep_user"]
+    assert user["rows"] <= 24 and user["evicted"] > 0 and user["default_lookups"] > 0  # capped, evicting, admitting
+    assert straight["dynamic_tables"] == resumed["dynamic_tables"]
+    assert (straight["test_logloss"], straight["test_auc"]) == (resumed["test_logloss"], resumed["test_auc"])
+    assert (tmp_path / "straight.csv").read_text() == (tmp_path / "resumed.csv").read_text()
+    scores = (tmp_path / "straight.csv").read_text().splitlines()
+    assert len(scores) == 401 and len(set(scores[1:])) > 20  # keys read their own rows, not one default row
+
+
+@pytest.mark.parametrize("line, bad, named", [("capacity = 24", "capacity = 0", "capacity"),
+                                               ("admit_after = 2", "admit_after = 0", "admit_after"),
+                                               ("ttl_steps = 6", "ttl_steps = 6\nhash_buckets = 8", "hash_buckets")])
+def test_bad_dynamic_settings_are_refused_naming_the_feature(tmp_path, capsys, line, bad, named):
+    data = tmp_path / "ids.csv"
+    _csv(data, 50)
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(data=data, extra="").replace(line, bad))
+    assert main(["train", "--config", str(job), *TRAIN, "--run-dir", str(tmp_path / "run")]) != 0
+    err = capsys.readouterr().err
+    assert "'user'" in err and named in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dynamic_features_keys_are_the_unreduced_fnv1a_hash_of_its_text():
+    import numpy as np
+    import pyarrow as pa
+
+    from hetero.data.encode import hash_rows
+
+    def fnv1a64(text: str) -> int:  # plain Python, as the schema documents it
+        h = 0xCBF29CE484222325
+        for b in text.encode():
+            h = ((h ^ b) * 0x100000001B3) % 2**64
+        return h - 2**64 if h >= 2**63 else h  # as int64
+
+    values = ["u1", "", None, "héllo", "42", "a" * 40]
+    keys = hash_rows(pa.array(values, pa.string()), 0).tolist()
+    assert keys == [fnv1a64(v) if v else 0 for v in values]
+    assert any(k < 0 for k in keys)  # the top bit wraps to a negative int64, no overflow error
+    assert hash_rows(pa.array(["42"]), 0).tolist() == hash_rows(pa.array([b"42"], pa.binary()), 0).tolist()
+    assert np.array_equal(hash_rows(pa.array(values, pa.string()), 7).numpy(),  # the bucketed mode is unchanged
+                          [1 + (fnv1a64(v) % 2**64) % 6 if v else 0 for v in values])
