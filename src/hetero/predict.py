@@ -22,38 +22,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint
+from hetero.checkpoint import CheckpointError, load_checkpoint
 from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, record_batches
 from hetero.data.stream import file_shards
-from hetero.embedding import host_tables, move_tables_to_ssd
-from hetero.models.build import ModelKind, build_model, model_config
-from hetero.record import RECORD_KEY, ModelRecord, RunRecord, reader_settings
-from hetero.storage import SsdConfig
+from hetero.record import reader_settings
+from hetero.serving.export import MANIFEST, RECORD
+from hetero.serving.model import ExportedModel
+from hetero.serving.restore import restore_model, run_record
 from hetero.train.report import binary_metrics
-from hetero.train.tier import TierCheckpoint
-
-
-def run_record(checkpoint: Path, state: dict[str, Any]) -> RunRecord:
-    """The run record a loaded checkpoint holds.
-
-    Raises:
-        CheckpointError: none there (a checkpoint of a built-in data set's run, or written
-            before hetero kept one), or no encoding in it.
-    """
-    if RECORD_KEY not in state:
-        raise CheckpointError(f"checkpoint {checkpoint} holds no run record (a run on a built-in data set, or written "
-                              f"by an older hetero): score the checkpoint of a `hetero train --config` run")
-    record = RunRecord.from_state(state[RECORD_KEY], checkpoint)
-    if record.encoding is None:
-        raise CheckpointError(f"checkpoint {checkpoint} is of a run without a schema: hetero predict scores runs "
-                              f"trained from a job file's [schema]")
-    return record
 
 
 def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: ReaderConfig | None = None,
             batch_size: int = 8192, rank: int = 0, world_size: int = 1,
             id_column: str | None = None) -> tuple[Path, dict[str, float | None]] | None:
-    """Score ``data`` with ``checkpoint`` (an integrated checkpoint of a schema run) into ``out``.
+    """Score ``data`` with ``checkpoint`` (an integrated checkpoint of a schema run, or a full
+    ``hetero export`` directory of one: :class:`~hetero.serving.ExportedModel`) into ``out``.
 
     ``reader``: ``None`` reads ``data`` with the run's own reader settings (its record); a
     config given must equal them, join paths apart (a job file that locates the side tables).
@@ -71,14 +54,15 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
             columns), or a bad value (file, line, column, value).
     """
     checkpoint, data, out = Path(checkpoint), Path(data), Path(out)
-    if checkpoint.is_dir():
+    exported = checkpoint.is_dir() and (checkpoint / MANIFEST).is_file()  # (hetero export's directory)
+    if checkpoint.is_dir() and not exported:
         raise CheckpointError(f"{checkpoint} is a sharded checkpoint: merge it into one file with `hetero checkpoint "
                               f"merge {checkpoint} merged.pt` and score that")
-    if not checkpoint.is_file():
+    if not exported and not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
     if out.suffix not in (".parquet", ".csv"):
         raise ValueError(f"--out {out}: give a .parquet or .csv file")
-    state = load_checkpoint(checkpoint)
+    state = load_checkpoint(checkpoint / RECORD if exported else checkpoint)
     record = run_record(checkpoint, state)
     reader = _reader(record.reader, reader, checkpoint)
     encoding = record.encoding
@@ -88,22 +72,13 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
     if not labelled:  # rows to score, no labels: the output has no label column
         schema = schema.unlabelled()
     encoding = dataclasses.replace(encoding, schema=schema)
+    if exported:  # its tables and program (the run record told how to read and encode the file)
+        return _score(ExportedModel(checkpoint), encoding, schema, data, reader, out, batch_size, rank, world_size,
+                      id_column, labelled)
     with tempfile.TemporaryDirectory(dir=checkpoint.parent, prefix=".hetero-predict-") as scratch:
         # tables the run kept on the SSD tier are read from its snapshots there (linked into a scratch
-        # store beside the checkpoint: the same file system), under a row cache of the tier's default size
-        entry = state.get("tier")
-        ssd = SsdConfig(Path(scratch)) if entry else None
-        model = _model(encoding.specs(), record.model, ssd)
-        saved = [name for g in (entry or {"groups": {}})["groups"].values() for name, _ in g["tables"]]
-        if entry and sorted(saved) != sorted(host_tables(model)):  # some tables on the tier (a planned run's)
-            model = _model(encoding.specs(), record.model, None)
-            move_tables_to_ssd(model, saved, ssd, write=False)
-        tier = TierCheckpoint(model, checkpoint.parent)
-        parts = tier.check(state.get("tier"), checkpoint)
-        check_model_compatible(model.state_dict(), state["model"], checkpoint)
-        tier.restore(parts)
-        model.load_state_dict(state["model"])
-        model.eval()
+        # store beside the checkpoint: the same file system)
+        model = restore_model(checkpoint, state, record, encoding.specs(), Path(scratch))
         del state
         return _score(model, encoding, schema, data, reader, out, batch_size, rank, world_size, id_column, labelled)
 
@@ -160,15 +135,6 @@ def _reader(saved: ReaderConfig, given: ReaderConfig | None, checkpoint: Path) -
                              f"recorded in {checkpoint}): hetero predict reads every file as its run did; drop --config, "
                              f"or give a job file with the run's [data] settings")
     return given
-
-
-def _model(specs: tuple, record: ModelRecord, ssd: SsdConfig | None) -> torch.nn.Module:
-    try:
-        kind = ModelKind(record.kind)
-    except ValueError:
-        raise ValueError(f"the run record's model {record.kind!r} cannot be scored here (known: "
-                         f"{[k.value for k in ModelKind]})") from None
-    return build_model(kind, model_config(kind, record.config), specs, record.num_dense, ssd)
 
 
 def _write(table, path: Path, as_csv: bool) -> None:  # noqa: ANN001 - a pyarrow Table

@@ -3,6 +3,7 @@
 ``hetero train``   the main job (:mod:`hetero.cli.train`) from a :class:`~hetero.config.job.JobConfig`
 ``hetero plan``    the job's plan (:func:`hetero.plan`) for a world size, written to a file
 ``hetero predict`` a run's checkpoint scoring a file (:mod:`hetero.cli.predict`)
+``hetero export``  a run's checkpoint for serving, or a delta since an older one (:mod:`hetero.serving`)
 ``hetero data prepare``      a job's data encoded once into a columnar cache
 ``hetero checkpoint merge``  a sharded checkpoint into one integrated file
 
@@ -31,15 +32,17 @@ from hetero.cli.train import run_train
 from hetero.config.manager import load_job
 from hetero.checkpoint import save_checkpoint
 from hetero.checkpoint.sharded import read_full, resolve
+from hetero.serving import export
 from hetero.train.checkpointing import to_integrated
 
-USAGE = """usage: hetero {train,plan,predict,data prepare,checkpoint merge} [--help] ...
+USAGE = """usage: hetero {train,plan,predict,export,data prepare,checkpoint merge} [--help] ...
 
 Host/device heterogeneous training for PyTorch.
 
   train              train a model on a job's data (--config job.toml; --section.key or --flag overrides)
   plan               plan a job (placement and parallel strategy under memory budgets): --world-size, --out
-  predict            score a file with a run's checkpoint
+  predict            score a file with a run's checkpoint (or its export)
+  export             a run's checkpoint for serving (torch.export program, Parquet tables); --since: a delta
   data prepare       encode a job file's data once into a columnar cache
   checkpoint merge   merge a sharded checkpoint into one integrated file
 
@@ -54,6 +57,19 @@ class MergeCommand:
     """The checkpoint.dcp directory."""
     output: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUTPUT")]
     """The integrated checkpoint file to write (atomically)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ExportCommand:
+    """hetero export: a run's checkpoint for serving - the dense part a torch.export program, the tables
+    Parquet files of keys and rows - or, with --since, the delta from an older checkpoint (docs/dynamic-tables.md)."""
+
+    checkpoint: Path
+    """An integrated checkpoint of a `hetero train --config` run."""
+    out: Path
+    """The export directory to write (a new one; written whole, then renamed)."""
+    since: Path | None = None
+    """An older checkpoint of the same run: write only the rows changed since, and the keys evicted since."""
 
 
 def merge(source: Path, output: Path) -> Path:
@@ -92,7 +108,7 @@ def main(argv: Sequence[str] | None = None, on_step=None) -> int:  # noqa: ANN00
             print(USAGE, file=sys.stderr)
             return 2
         command, rest = f"{command} {sub}", rest[1:]
-    if command not in ("train", "plan", "predict", "data prepare", "checkpoint merge"):
+    if command not in ("train", "plan", "predict", "export", "data prepare", "checkpoint merge"):
         print(USAGE, file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
         return 0 if command in ("-h", "--help") else 2
     prog = f"hetero {command}"
@@ -100,7 +116,7 @@ def main(argv: Sequence[str] | None = None, on_step=None) -> int:  # noqa: ANN00
         if command in ("train", "plan"):
             job = load_job(rest, prog)
         else:
-            parsed = _parse({"predict": PredictCommand, "data prepare": PrepareCommand,
+            parsed = _parse({"predict": PredictCommand, "export": ExportCommand, "data prepare": PrepareCommand,
                              "checkpoint merge": MergeCommand}[command], rest, prog)
     except (OSError, ValueError) as e:
         print(f"hetero: error: {e}", file=sys.stderr)
@@ -112,6 +128,11 @@ def main(argv: Sequence[str] | None = None, on_step=None) -> int:  # noqa: ANN00
         return _run(lambda: plan_job(job), lambda out: {"plan": str(out)})
     if command == "predict":
         return run_predict(parsed)
+    if command == "export":
+        return _run(lambda: export(parsed.checkpoint, parsed.out, parsed.since),
+                    lambda manifest: {"export": str(parsed.out), "kind": manifest["kind"],
+                                      "rows": sum(t.get("changed", t["rows"]) for t in manifest["tables"].values()),
+                                      "tombstones": sum(t.get("tombstones", 0) for t in manifest["tables"].values())})
     if command == "data prepare":
         return _run(lambda: prepare_cache(parsed), lambda out: {
             "prepared": str(out), **json.loads((out / "manifest.json").read_text())["splits"]["train"]})

@@ -1,0 +1,261 @@
+"""``hetero export``: a trained run's model for serving, and deltas between two of its checkpoints.
+
+An export directory holds:
+
+* ``manifest.json`` - the format, ``kind`` (``"full"`` or ``"delta"``), the checkpoint(s) it
+  came from, and per table (qualified name): its table and feature names, pooling, width, whether
+  it is dynamic, its row count and a dynamic table's default row;
+* ``tables/<name>.parquet`` - one row per key (a dynamic table's raw int64 keys) or id (a fixed
+  table's rows), sorted: columns ``key`` (int64) and ``embedding`` (``fixed_size_list<float32>[D]``);
+  in a delta, the rows added or changed since the older checkpoint, and
+  ``tables/<name>.tombstones.parquet`` (column ``key``) the keys evicted since;
+* ``dense.pt2`` - the rest of the model, a ``torch.export`` program whose inputs are the tables'
+  lookups (``{table name: (B, D) float32}``, pooled as the model pools) and the dense features;
+* ``record.pt`` - the run record (model, encoding, reader settings), so that a file is encoded
+  and read as training read it.
+
+:func:`apply_delta` turns an older full export and a delta into the newer full export (the
+same tables and program as exporting the newer checkpoint). Each directory is written under a
+temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hetero.checkpoint import load_checkpoint, save_checkpoint
+from hetero.embedding import HostEmbeddingCollection, host_tables
+from hetero.record import RECORD_KEY
+from hetero.serving.restore import restore_model, run_record
+
+FORMAT_VERSION = 1
+MANIFEST, DENSE, RECORD = "manifest.json", "dense.pt2", "record.pt"
+
+
+@dataclasses.dataclass
+class TableRows:
+    """One table's rows as exported: ``keys`` ``(n,)`` int64 sorted, ``rows`` ``(n, D)`` float32,
+    and a dynamic table's default row ``(D,)`` (``None`` for a fixed table, whose keys are ids)."""
+
+    keys: np.ndarray
+    rows: np.ndarray
+    default: np.ndarray | None
+
+
+def model_tables(model: nn.Module) -> dict[str, TableRows]:
+    """Every host table of ``model`` by qualified name (rows copied to float32)."""
+    out = {}
+    for name, t in host_tables(model).items():
+        w = t.weight.detach().float().numpy()
+        if t.keymap is None:
+            out[name] = TableRows(np.arange(w.shape[0], dtype=np.int64), w.copy(), None)
+            continue
+        rows, keys = t.keymap.keys()
+        order = np.argsort(keys, kind="stable")
+        out[name] = TableRows(keys[order], w[rows[order]], w[-1].copy())
+    return out
+
+
+class LookupInputs(nn.Module):
+    """Stands for a table collection in the exported program: its lookups are the program's inputs."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.names = names
+        self.tables = dict.fromkeys(names)  # (what a model asks of its collection: the tables, in order)
+
+    def forward(self, lookups: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: lookups[n] for n in self.names}
+
+
+def dense_program(model: nn.Module, num_dense: int) -> torch.export.ExportedProgram:
+    """``model`` (restored, in evaluation mode; its collections are replaced) as a ``torch.export``
+    program of its tables' lookups and dense features, the batch dimension dynamic."""
+    dims = {}
+    for parent in list(model.modules()):
+        for attr, child in list(parent.named_children()):
+            if isinstance(child, HostEmbeddingCollection):
+                dims.update({t.name: t.config.embedding_dim for t in child.tables.values()})
+                setattr(parent, attr, LookupInputs(list(child.tables)))
+    batch = torch.export.Dim("batch", min=1)
+    example = ({n: torch.zeros(4, d) for n, d in dims.items()}, torch.zeros(4, num_dense))
+    shapes = ({n: {0: batch} for n in dims}, {0: batch})
+    return torch.export.export(model, example, dynamic_shapes=shapes)
+
+
+def export(checkpoint: str | Path, out: str | Path, since: str | Path | None = None) -> dict[str, Any]:
+    """Write the export of ``checkpoint`` (an integrated checkpoint of a schema run) into the new
+    directory ``out``: full, or with ``since`` (an older checkpoint of the same model) a delta.
+    Returns the manifest.
+
+    Raises:
+        FileExistsError: ``out`` exists.
+        CheckpointError: a checkpoint that is missing, damaged or of a run without a schema, or
+            one that keeps tables on the SSD tier.
+        ValueError: ``since`` of another model (naming the first difference).
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    if out.exists():
+        raise FileExistsError(f"--out {out} exists: give a new directory (an export is written whole, never over "
+                              f"another)")
+    state = load_checkpoint(checkpoint)
+    record = run_record(checkpoint, state)
+    model = restore_model(checkpoint, state, record, record.encoding.specs(), None)
+    tables = model_tables(model)
+    older = None
+    if since is not None:
+        old_state = load_checkpoint(since)
+        old_record = run_record(Path(since), old_state)
+        older = model_tables(restore_model(Path(since), old_state, old_record, old_record.encoding.specs(), None))
+        _check_same(older, tables, Path(since), checkpoint)
+    described = {name: _describe(t, tables[name]) for name, t in host_tables(model).items()}
+    manifest = {"format_version": FORMAT_VERSION, "kind": "full" if older is None else "delta",
+                "checkpoint": str(checkpoint), "since": None if since is None else str(since),
+                "model": record.model.kind, "num_dense": record.model.num_dense, "tables": described}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        (tmp / "tables").mkdir()
+        for name, rows in tables.items():
+            if older is None:
+                write_table(tmp / "tables" / f"{name}.parquet", rows.keys, rows.rows)
+                continue
+            changed, gone = delta_of(older[name], rows)
+            write_table(tmp / "tables" / f"{name}.parquet", rows.keys[changed], rows.rows[changed])
+            write_table(tmp / "tables" / f"{name}.tombstones.parquet", gone, None)
+            described[name]["changed"], described[name]["tombstones"] = int(changed.shape[0]), int(gone.shape[0])
+        torch.export.save(dense_program(model, record.model.num_dense), str(tmp / DENSE))
+        save_checkpoint({RECORD_KEY: state[RECORD_KEY]}, tmp / RECORD)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """The complete directory ``tmp`` becomes ``out`` (one rename), with the permissions the umask
+    gives a new directory (``mkdtemp`` made it private)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)
+    os.replace(tmp, out)
+
+
+def delta_of(old: TableRows, new: TableRows) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in ``new`` of the keys added or changed since ``old``, and the keys ``old`` has
+    and ``new`` has not (tombstones)."""
+    at = np.minimum(np.searchsorted(old.keys, new.keys), max(old.keys.shape[0] - 1, 0))
+    known = (old.keys[at] == new.keys) if old.keys.shape[0] else np.zeros(new.keys.shape[0], bool)
+    same = known.copy()
+    same[known] = (old.rows[at[known]] == new.rows[known]).all(axis=1)
+    gone = old.keys[~np.isin(old.keys, new.keys, assume_unique=True)]
+    return np.flatnonzero(~same), gone
+
+
+def apply_delta(base: str | Path, delta: str | Path, out: str | Path) -> dict[str, Any]:
+    """The full export that ``delta`` (of checkpoints A -> B) makes of ``base`` (A's full export),
+    written into the new directory ``out``: equal to B's full export. Returns its manifest.
+
+    Raises:
+        FileExistsError: ``out`` exists.
+        ValueError: ``delta`` is not a delta, ``base`` not a full export, or they are of
+            other checkpoints (naming both).
+    """
+    base, delta, out = Path(base), Path(delta), Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists: give a new directory")
+    b, d = read_manifest(base), read_manifest(delta)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if b["kind"] != "full" or d["kind"] != "delta" or d["since"] != b["checkpoint"]:
+        raise ValueError(f"{delta} ({d['kind']} since {d['since']}) does not apply to {base} ({b['kind']} of "
+                         f"{b['checkpoint']}): apply a delta to the full export of the checkpoint it starts from")
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        (tmp / "tables").mkdir()
+        tables = {}
+        for name, entry in d["tables"].items():
+            keys, rows = read_table(base / "tables" / f"{name}.parquet")
+            new_keys, new_rows = read_table(delta / "tables" / f"{name}.parquet")
+            gone, _ = read_table(delta / "tables" / f"{name}.tombstones.parquet")
+            keep = ~np.isin(keys, np.concatenate([gone, new_keys]))
+            keys, rows = np.concatenate([keys[keep], new_keys]), np.concatenate([rows[keep], new_rows])
+            order = np.argsort(keys, kind="stable")
+            write_table(tmp / "tables" / f"{name}.parquet", keys[order], rows[order])
+            tables[name] = {k: v for k, v in entry.items() if k not in ("changed", "tombstones")}
+        for f in (DENSE, RECORD):
+            shutil.copy(delta / f, tmp / f)
+        manifest = {**d, "kind": "full", "since": None, "tables": tables}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """An export directory's manifest.
+
+    Raises:
+        FileNotFoundError: no manifest there (naming what writes one).
+        ValueError: another format version.
+    """
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no {MANIFEST}: give a directory `hetero export` wrote")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: export format {manifest.get('format_version')}; this hetero reads {FORMAT_VERSION}")
+    return manifest
+
+
+def write_table(path: Path, keys: np.ndarray, rows: np.ndarray | None) -> None:
+    """Keys (and rows, ``(n, D)`` float32) as a Parquet file: ``key``, ``embedding``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"key": pa.array(keys, pa.int64())}
+    if rows is not None:
+        flat = pa.array(np.ascontiguousarray(rows, np.float32).reshape(-1), pa.float32())
+        columns["embedding"] = pa.FixedSizeListArray.from_arrays(flat, rows.shape[1])
+    pq.write_table(pa.table(columns), path)
+
+
+def read_table(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """What :func:`write_table` wrote: keys ``(n,)`` int64, rows ``(n, D)`` float32 (``None``: none)."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    keys = t.column("key").to_numpy()
+    if "embedding" not in t.column_names:
+        return keys, None
+    emb = t.column("embedding").combine_chunks()
+    return keys, emb.values.to_numpy().reshape(len(keys), emb.type.list_size)
+
+
+def _describe(table: nn.Module, rows: TableRows) -> dict[str, Any]:
+    c = table.config
+    return {"table": c.name, "feature": c.feature_name, "pooling": c.pooling.value, "dim": c.embedding_dim,
+            "dynamic": rows.default is not None, "rows": int(rows.keys.shape[0]),
+            "default": None if rows.default is None else rows.default.tolist()}
+
+
+def _check_same(old: dict[str, TableRows], new: dict[str, TableRows], since: Path, checkpoint: Path) -> None:
+    if sorted(old) != sorted(new):
+        raise ValueError(f"--since {since} has tables {sorted(old)}, {checkpoint} {sorted(new)}: a delta is between "
+                         f"two checkpoints of one model")
+    for name in new:
+        a, b = old[name], new[name]
+        if (a.default is None) != (b.default is None) or a.rows.shape[1] != b.rows.shape[1]:
+            raise ValueError(f"table {name!r} is of another kind or width in --since {since} than in {checkpoint}: a "
+                             f"delta is between two checkpoints of one model")

@@ -1,0 +1,70 @@
+"""A trained run's model, rebuilt from an integrated checkpoint and its run record
+(:mod:`hetero.record`): what ``hetero predict`` scores with and ``hetero export`` writes out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetero.checkpoint import CheckpointError, check_model_compatible
+from hetero.embedding import host_tables, move_tables_to_ssd
+from hetero.models.build import ModelKind, build_model, model_config
+from hetero.record import RECORD_KEY, ModelRecord, RunRecord
+from hetero.storage import SsdConfig
+from hetero.train.tier import TierCheckpoint
+
+
+def run_record(checkpoint: Path, state: dict[str, Any]) -> RunRecord:
+    """The run record a loaded checkpoint holds.
+
+    Raises:
+        CheckpointError: none there (a checkpoint of a built-in data set's run, or written
+            before hetero kept one), or no encoding in it.
+    """
+    if RECORD_KEY not in state:
+        raise CheckpointError(f"checkpoint {checkpoint} holds no run record (a run on a built-in data set, or written "
+                              f"by an older hetero): use the checkpoint of a `hetero train --config` run")
+    record = RunRecord.from_state(state[RECORD_KEY], checkpoint)
+    if record.encoding is None:
+        raise CheckpointError(f"checkpoint {checkpoint} is of a run without a schema: only runs trained from a job "
+                              f"file's [schema] are scored or exported")
+    return record
+
+
+def restore_model(checkpoint: Path, state: dict[str, Any], record: RunRecord, specs: tuple,
+                  scratch: Path | None) -> torch.nn.Module:
+    """The checkpoint's model in evaluation mode, its state loaded. Tables the run kept on the SSD
+    tier are read from its snapshots, linked into ``scratch`` (a directory on the checkpoint's
+    file system; ``None``: such a checkpoint is refused).
+
+    Raises:
+        CheckpointError: a model that does not fit the checkpoint, or tables on the SSD tier
+            without ``scratch``.
+    """
+    entry = state.get("tier")
+    if entry and scratch is None:
+        raise CheckpointError(f"checkpoint {checkpoint} keeps tables on the SSD tier: they cannot be exported yet; "
+                              f"train them in memory ([tables] storage = \"memory\") to export")
+    ssd = SsdConfig(Path(scratch)) if entry else None  # (under a row cache of the tier's default size)
+    model = _model(specs, record.model, ssd)
+    saved = [name for g in (entry or {"groups": {}})["groups"].values() for name, _ in g["tables"]]
+    if entry and sorted(saved) != sorted(host_tables(model)):  # some tables on the tier (a planned run's)
+        model = _model(specs, record.model, None)
+        move_tables_to_ssd(model, saved, ssd, write=False)
+    tier = TierCheckpoint(model, checkpoint.parent)
+    parts = tier.check(entry, checkpoint)
+    check_model_compatible(model.state_dict(), state["model"], checkpoint)
+    tier.restore(parts)
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def _model(specs: tuple, record: ModelRecord, ssd: SsdConfig | None) -> torch.nn.Module:
+    try:
+        kind = ModelKind(record.kind)
+    except ValueError:
+        raise ValueError(f"the run record's model {record.kind!r} cannot be rebuilt here (known: "
+                         f"{[k.value for k in ModelKind]})") from None
+    return build_model(kind, model_config(kind, record.config), specs, record.num_dense, ssd)

@@ -1,0 +1,103 @@
+"""``hetero export``: a run's model as a torch.export program and Parquet tables, deltas between
+checkpoints, and an export scoring as its checkpoint does (``hetero predict``)."""
+
+import json
+import random
+
+import numpy as np
+import pyarrow.csv as pacsv
+import pytest
+
+from hetero.cli import main
+from hetero.serving import apply_delta, read_manifest
+from hetero.serving.export import read_table
+
+JOB = """[data]
+path = "{data}"
+[schema]
+label = "label"
+[[schema.categorical]]
+column = "user"
+dynamic = true
+capacity = 24
+admit_after = 2
+[[schema.categorical]]
+column = "item"
+hash_buckets = 50
+[[schema.categorical]]
+column = "genres"
+separator = "|"
+dynamic = true
+capacity = 10
+[[schema.dense]]
+column = "age"
+"""
+
+
+def _csv(path, n=400, seed=0):
+    """label, user (60 values for 24 rows), item, age, genres (bags of 0-3 of 6 values)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        u, i = rng.randint(0, 59), rng.randint(0, 19)
+        genres = "|".join(f"g{rng.randint(0, 5)}" for _ in range(rng.randint(0, 3)))
+        rows.append(f"{int((u + i) % 3 == 0)},u{u},{i},{rng.random():.3f},{genres}")
+    path.write_text("label,user,item,age,genres\n" + "\n".join(rows) + "\n")
+
+
+def _scores(path):
+    return pacsv.read_csv(path).column("score").to_numpy()
+
+
+@pytest.fixture(params=["wide_deep", "dlrm"])
+def checkpoints(tmp_path_factory, request):
+    """An older (step 5) and a newer (end of training) checkpoint of one run."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    _csv(tmp / "data.csv")
+    (tmp / "job.toml").write_text(JOB.format(data=tmp / "data.csv"))
+    args = ["train", "--config", str(tmp / "job.toml"), "--epochs", "2", "--batch-size", "32", "--no-progress",
+            "--embedding-dim", "4", "--hidden", "8", "--model", request.param, "--run-dir", str(tmp / "run")]
+    assert main([*args, "--max-steps", "5"]) == 0
+    (tmp / "old.pt").write_bytes((tmp / "run" / "checkpoint.pt").read_bytes())
+    assert main([*args, "--resume"]) == 0
+    return tmp, tmp / "old.pt", tmp / "run" / "checkpoint.pt"
+
+
+def test_an_export_scores_as_its_checkpoint_and_a_delta_makes_the_newer_export(checkpoints, capsys):
+    tmp, old, new = checkpoints
+    data = tmp / "data.csv"
+    for name, ckpt, since in (("old", old, None), ("new", new, None), ("delta", new, old)):
+        assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp / name),
+                     *(["--since", str(since)] if since else [])]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["kind"] == "delta" and got["tombstones"] > 0  # users evicted between the two checkpoints
+    full, delta = read_manifest(tmp / "new"), read_manifest(tmp / "delta")
+    user = delta["tables"]["deep.tables.deep_user"]
+    assert 0 < user["changed"] and user["rows"] == full["tables"]["deep.tables.deep_user"]["rows"] <= 24
+    apply_delta(tmp / "old", tmp / "delta", tmp / "applied")
+    for name in full["tables"]:  # the delta applied to the older export is the newer export, bit for bit
+        a, b = (read_table(tmp / d / "tables" / f"{name}.parquet") for d in ("new", "applied"))
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]), name
+    assert read_manifest(tmp / "applied")["tables"] == full["tables"]
+    # the round trip: the export scores the file as the checkpoint does
+    for source, out in ((new, "ckpt.csv"), (tmp / "new", "export.csv"), (tmp / "applied", "applied.csv")):
+        assert main(["predict", "--checkpoint", str(source), "--data", str(data), "--out", str(tmp / out)]) == 0
+    assert np.allclose(_scores(tmp / "export.csv"), _scores(tmp / "ckpt.csv"), atol=1e-6, rtol=0)
+    assert np.array_equal(_scores(tmp / "applied.csv"), _scores(tmp / "export.csv"))
+    assert np.std(_scores(tmp / "export.csv")) > 0
+
+
+def test_exports_refuse_what_they_cannot_do_naming_it(checkpoints, capsys):
+    tmp, old, new = checkpoints
+    assert main(["export", "--checkpoint", str(new), "--out", str(tmp / "e")]) == 0
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(new), "--out", str(tmp / "e")]) == 1  # an existing directory
+    assert "exists" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(new), "--out", str(tmp / "d"), "--since", str(old)]) == 0
+    capsys.readouterr()
+    assert main(["predict", "--checkpoint", str(tmp / "d"), "--data", str(tmp / "data.csv"),
+                 "--out", str(tmp / "s.csv")]) == 1
+    assert "delta" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="does not apply"):
+        apply_delta(tmp / "d", tmp / "e", tmp / "x")  # arguments swapped
+    assert not (tmp / "x").exists()
