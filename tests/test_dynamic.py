@@ -287,3 +287,15 @@ def test_admission_by_probability_admits_about_that_share_of_sightings_reproduci
         assert np.array_equal(rows == 30_000, ~np.isin(keys, new.keys))  # the others read the default row
     assert np.array_equal(runs[0], runs[1])  # the same draws for the same keys, step and seed
     assert 0.23 < runs[0].shape[0] / keys.shape[0] < 0.27  # binomial: 0.25 +- 7 standard deviations
+
+
+def test_a_new_keys_initial_row_is_normal_with_the_tables_std():
+    """The per-key draws (no torch generator: a stream seeded by the key) against N(0, std**2):
+    moments, a Kolmogorov-Smirnov test, and no correlation between a row's values."""
+    from scipy import stats
+
+    values = KeyMap("t", 10, DynamicConfig(), seed=7).init_rows(np.arange(50_000, dtype=np.int64) * 7919, 16, 0.05)
+    assert abs(values.mean()) < 1e-3 and abs(values.std() / 0.05 - 1) < 0.01
+    assert stats.kstest(values.ravel() / 0.05, "norm").pvalue > 1e-3
+    assert abs(np.corrcoef(values[:, 0], values[:, 1])[0, 1]) < 0.02
+    assert np.array_equal(values[:5], KeyMap("t", 10, DynamicConfig(), seed=7).init_rows(np.arange(5) * 7919, 16, 0.05))

@@ -80,28 +80,28 @@ def _sketch(key, sketch, add):
     return est
 
 
+PROBE_CHUNK = 4096  # keys per unit of the probe pass handed to a thread
+
+
 @njit(cache=True, parallel=True)
-def _homes(keys, slots):
-    """Each key's home slot (one vectorised pass, over every core)."""
-    out = np.empty(keys.shape[0], np.intp)
-    for i in prange(keys.shape[0]):
-        out[i] = _home(keys[i], slots)
-    return out
-
-
-@njit(cache=True)
-def _rows(keys, homes, slots, out):
-    """``out[i]``: the row of ``keys[i]``, or -1."""
+def _rows(keys, slots, out):
+    """``out[i]``: the row of ``keys[i]``, or -1 (read-only: over every core, in chunks, each
+    prefetching its keys' home slots ``AHEAD`` keys in advance)."""
     n = keys.shape[0]
-    for i in range(n):
-        if i + AHEAD < n:
-            prefetch(slots, homes[i + AHEAD])
-        out[i] = slots[_probe(keys[i], homes[i], slots), 1]
+    for c in prange((n + PROBE_CHUNK - 1) // PROBE_CHUNK):
+        lo, hi = c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK)
+        homes = np.empty(hi - lo, np.intp)
+        for i in range(lo, hi):
+            homes[i - lo] = _home(keys[i], slots)
+        for i in range(lo, hi):
+            if i + AHEAD < hi:
+                prefetch(slots, homes[i + AHEAD - lo])
+            out[i] = slots[_probe(keys[i], homes[i - lo], slots), 1]
 
 
 def lookup(keys, out, slots, default_row):
     """Rows of ``keys`` without changing anything (evaluation): a key with no row reads ``default_row``."""
-    _rows(keys, _homes(keys, slots), slots, out)
+    _rows(keys, slots, out)
     out[out < 0] = default_row
 
 
@@ -173,7 +173,7 @@ def _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_aft
                 stat[r, 0] += 1
             continue
         if by_count:
-            admit = _sketch(key, sketch, False) >= admit_after
+            admit = admit_after == 1 or _sketch(key, sketch, False) >= admit_after
         else:
             admit = mix(np.uint64(key) ^ mix(np.uint64(step) ^ np.uint64(seed))) < admit_below
         if admit and nfree[0] == 0:
@@ -222,8 +222,8 @@ def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_
 
     ``admitted`` receives ``(row, key)`` pairs from ``admitted[0, 0]`` + 1 on (sized by the caller),
     ``evicted[0]`` the count of evictions; ``stats`` += (admitted, evicted, default lookups)."""
-    _rows(keys, _homes(keys, slots), slots, out)
-    _count(keys, out, stat, sketch, step, admit_below == 0)
+    _rows(keys, slots, out)
+    _count(keys, out, stat, sketch, step, admit_below == 0 and admit_after > 1)  # (1: admitted uncounted)
     before = evicted[0]
     _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
            default_row, admitted, evicted, stats)
@@ -233,21 +233,27 @@ def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_
 @njit(cache=True, parallel=True, fastmath=True)
 def init_rows(keys, seed, std, out):
     """Initial values of the rows of ``keys``: ``N(0, std**2)`` per key (``out``: ``(len(keys), D)``
-    float32), drawn by Box-Muller (in fp32) from SplitMix64's stream seeded by the key and
-    ``seed``, so a key's first row does not depend on when, where or on which rank it is admitted."""
+    float32), drawn by Marsaglia's polar method (1964; in fp32: one log and one square root per
+    pair, no trigonometry) from SplitMix64's stream seeded by the key and ``seed``, so a key's
+    first row does not depend on when, where or on which rank it is admitted."""
     d = out.shape[1]
-    scale = np.float32(2.0**-24)
-    two_pi, sd = np.float32(2.0 * np.pi), np.float32(std)
+    scale, one, sd = np.float32(2.0**-23), np.float32(1.0), np.float32(std)
     for i in prange(keys.shape[0]):
-        base = mix(np.uint64(keys[i]) ^ np.uint64(seed))
-        for j in range(0, d, 2):
-            bits = mix(base + np.uint64(j + 1) * GOLDEN)  # (one 64-bit draw: two 24-bit uniforms)
-            u1 = (np.float32(bits >> np.uint64(40)) + np.float32(1.0)) * scale  # (0, 1]
-            u2 = np.float32((bits >> np.uint64(8)) & np.uint64(0xFFFFFF)) * scale
-            radius = sd * np.sqrt(np.float32(-2.0) * np.log(u1))
-            out[i, j] = radius * np.cos(two_pi * u2)
+        state = mix(np.uint64(keys[i]) ^ np.uint64(seed))
+        j = 0
+        while j < d:
+            state += GOLDEN
+            bits = mix(state)  # (one 64-bit draw: two 24-bit uniforms in [-1, 1))
+            u = np.float32(bits >> np.uint64(40)) * scale - one
+            v = np.float32((bits >> np.uint64(8)) & np.uint64(0xFFFFFF)) * scale - one
+            s = u * u + v * v
+            if s >= one or s == 0:  # (outside the unit disc: drawn again, about 21% of pairs)
+                continue
+            f = sd * np.sqrt(np.float32(-2.0) * np.log(s) / s)
+            out[i, j] = u * f
             if j + 1 < d:
-                out[i, j + 1] = radius * np.sin(two_pi * u2)
+                out[i, j + 1] = v * f
+            j += 2
 
 
 @njit(cache=True)

@@ -128,7 +128,8 @@ class KeyMap:
                 K.evict(room, step - c.ttl_steps, False, self.slots, self.row_key, self.stat, self.free, self.nfree,
                         evicted)
                 self.next_scan = step + c.interval()
-            admitted = np.zeros((1 + min(n, self.capacity), 2), np.int64)
+            admitted = np.empty((1 + min(n, self.capacity), 2), np.int64)
+            admitted[0, 0] = 0  # (the count; the pairs follow)
             stats = np.zeros(3, np.int64)
             below = 0 if c.admit_probability is None else min(int(c.admit_probability * 2.0**64), 2**64 - 1)
             K.translate(keys, out, self.slots, self.row_key, self.stat, self.sketch, self.free, self.nfree, np.int32(step), c.admit_after, np.uint64(below),
