@@ -108,3 +108,22 @@ def test_a_dynamic_features_keys_are_the_unreduced_fnv1a_hash_of_its_text():
     assert hash_rows(pa.array(["42"]), 0).tolist() == hash_rows(pa.array([b"42"], pa.binary()), 0).tolist()
     assert np.array_equal(hash_rows(pa.array(values, pa.string()), 7).numpy(),  # the bucketed mode is unchanged
                           [1 + (fnv1a64(v) % 2**64) % 6 if v else 0 for v in values])
+
+
+def test_a_dynamic_feature_of_float_values_is_refused_naming_the_column(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    users = [float(i % 7) for i in range(40)]
+    users[23] = 2.5
+    pq.write_table(pa.table({"label": [0, 1] * 20, "user": users, "item": list(range(40)), "age": [0.5] * 40}),
+                   tmp_path / "d.parquet")
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(data=tmp_path / "d.parquet", extra='format = "parquet"'))
+    assert main(["train", "--config", str(job), *TRAIN, "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "'user'" in err and "2.5" in err and len(err.strip().splitlines()) == 1
+    # whole numbers stored as floats (a column with nulls, as pandas writes ids) are ids
+    pq.write_table(pa.table({"label": [0, 1] * 20, "user": [float(i % 7) for i in range(40)], "item": list(range(40)),
+                             "age": [0.5] * 40}), tmp_path / "d.parquet")
+    assert main(["train", "--config", str(job), *TRAIN, "--run-dir", str(tmp_path / "run2")]) == 0

@@ -25,6 +25,11 @@ def value_rules(schema: Schema) -> tuple[ValueRule, ...]:
         rules.append(ValueRule(label.column, allowed=label.positive + label.negative,
                                fix=f"add it to the label's positive values ({list(label.positive)}) or negative "
                                    f"values ({list(label.negative)}) in the schema"))
+    for c in schema.categorical:
+        if c.dynamic:
+            rules.append(ValueRule(c.column, whole=True,
+                                   fix=f"a dynamic feature's key ({c.name!r}) is an integer or a text: give it an id "
+                                       f"column, or bucket the number (boundaries = [...]) instead of dynamic = true"))
     for d in schema.dense:
         rules.append(ValueRule(d.column, finite=True, fill=d.fill,
                                fix=f"fix the value, or say what it reads as: fill = 0.0 in the schema's dense "

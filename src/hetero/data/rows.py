@@ -116,6 +116,8 @@ class ValueRule:
             negative values; a missing value compares as ``""``); ``None``: any.
         finite: numbers must be finite: ``NaN``, ``inf`` and ``-inf`` break the rule.
         fill: with ``finite``, a non-finite number reads as this instead (a schema's fill).
+        whole: a column of floats (a Parquet file's) must hold whole numbers: ids stored as floats
+            (a dynamic feature's keys, read as their text).
         fix: the advice the error gives.
     """
 
@@ -123,6 +125,7 @@ class ValueRule:
     allowed: tuple[str, ...] | None = None
     finite: bool = False
     fill: float | None = None
+    whole: bool = False
     fix: str = ""
 
 
@@ -150,6 +153,12 @@ def typed_batch(batch: pa.RecordBatch, types: dict, wanted: list[str], path: Pat
 
     for name in wanted:
         col = batch.column(name)
+        if pa.types.is_floating(col.type) and any(r.whole and r.column == name for r in rules):
+            x = col.to_numpy(zero_copy_only=False)
+            rows = np.flatnonzero(np.isinf(x) | (np.isfinite(x) & (x != np.round(x))))
+            if rows.size:
+                fix = next(r.fix for r in rules if r.whole and r.column == name)
+                flag(name, col, rows, "is not a whole number", fix)
         if name in types and col.type != types[name]:
             col, rows = _typed(col, types[name])
             if rows:
