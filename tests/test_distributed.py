@@ -10,6 +10,7 @@ from torch import nn
 from conftest import hetero_on_ranks, make_dataset, movielens, spawn
 
 from hetero.data import BatchConfig, Batches, FeatureRole
+from hetero.dynamic import DynamicConfig
 from hetero.embedding import RowPlacement, dense_parameters, host_tables
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig
 from hetero.optim import FTRL, LazyAdam
@@ -62,10 +63,15 @@ def _mlp_run(mean: bool, scale: float):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _wide_deep_run(mean: bool, scale: float, sharded: bool = False, samples: int = STEPS * BATCH, batch_size: int = BATCH):
+def _wide_deep_run(mean: bool, scale: float, sharded: bool = False, samples: int = STEPS * BATCH, batch_size: int = BATCH,
+                   dynamic: bool = False):
     torch.manual_seed(0)
     data = make_dataset(samples)
-    slots = [FeatureSlot(f.name, f.vocab_size, f.multi_hot, deep=f.role is not FeatureRole.WIDE) for f in data.specs]
+    # dynamic: ids as raw keys, admitted at the second sighting, 40 rows a table (evicting over the steps; more
+    # than a batch's keys: which keys a full step refuses depends on their order, the ranks' or the batch's)
+    slots = [FeatureSlot(f.name, min(f.vocab_size, 40) if dynamic else f.vocab_size, f.multi_hot,
+                         deep=f.role is not FeatureRole.WIDE,
+                         dynamic=DynamicConfig(admit_after=2, evict_chunk=8) if dynamic else None) for f in data.specs]
     model = WideDeep(slots, data.num_dense, WideDeepConfig(embedding_dim=4, hidden=(8,)))
     if sharded:
         assert shard_rows(model) == (2 if world_size() > 1 else 0)  # wide (dim 1) and deep (dim 4) groups
@@ -95,14 +101,30 @@ def _wide_deep_run(mean: bool, scale: float, sharded: bool = False, samples: int
             g = t.group
             assert g.exchange.placement is RowPlacement.ROW_SHARDED and g.storage.shape[0] <= -(-g.exchange.global_rows // world_size()), name
     state = full_model_state(model)  # sharded tables gathered whole
-    return losses, {k: v.detach().clone() for k, v in state.items()}
+    return losses, _by_key({k: v.detach().clone() for k, v in state.items()})
+
+
+def _by_key(state):
+    """A dynamic table's rows (and their counts and last steps) in key order: the rows a key gets
+    depend on the order keys arrive (rank by rank, or in one batch), their values do not."""
+    for prefix in [k[: -len("keymap.row_key")] for k in state if k.endswith("keymap.row_key")]:
+        held = torch.nonzero(state[f"{prefix}keymap.row_last"] >= 0).squeeze(1)
+        at = held[torch.argsort(state[f"{prefix}keymap.row_key"][held])]
+        state[f"{prefix}weight"] = torch.cat([state[f"{prefix}weight"][at], state[f"{prefix}weight"][-1:]])
+        for name in ("row_key", "row_count", "row_last"):
+            state[f"{prefix}keymap.{name}"] = state[f"{prefix}keymap.{name}"][at]
+    return state
 
 
 RUNS = {"mlp": _mlp_run, "wide_deep": _wide_deep_run,
         "wide_deep_sharded": lambda mean, scale: _wide_deep_run(mean, scale, sharded=True),
         # 97 samples in batches of 16: the last batch has 1 sample, so at 4 ranks three shares are empty
         "wide_deep_uneven": lambda mean, scale: _wide_deep_run(mean, scale, samples=97, batch_size=16),
-        "wide_deep_sharded_uneven": lambda mean, scale: _wide_deep_run(mean, scale, sharded=True, samples=97, batch_size=16)}
+        "wide_deep_sharded_uneven": lambda mean, scale: _wide_deep_run(mean, scale, sharded=True, samples=97, batch_size=16),
+        # dynamic tables replicated: every rank admits every rank's keys (hetero.parallel.replicated_keys)
+        "wide_deep_dynamic": lambda mean, scale: _wide_deep_run(mean, scale, samples=12 * BATCH, dynamic=True),
+        "wide_deep_dynamic_uneven": lambda mean, scale: _wide_deep_run(mean, scale, samples=97, batch_size=16,
+                                                                       dynamic=True)}
 
 
 def _worker(r, n, port, kind, mean, out):
@@ -127,7 +149,8 @@ def _distributed(tmp_path, kind, n, mean):
 # the matrix of 14 spawned jobs was a minute and a half of CI for little more coverage)
 @pytest.mark.parametrize("kind,n,mean", [("mlp", 2, True), ("mlp", 2, False), ("wide_deep", 2, False), ("wide_deep", 4, True),
                                          ("wide_deep_sharded", 2, False), ("wide_deep_sharded", 4, True),
-                                         ("wide_deep_uneven", 4, False), ("wide_deep_sharded_uneven", 4, True)],
+                                         ("wide_deep_uneven", 4, False), ("wide_deep_sharded_uneven", 4, True),
+                                         ("wide_deep_dynamic", 2, False), ("wide_deep_dynamic_uneven", 4, True)],
                          ids=lambda v: {True: "mean", False: "sum"}.get(v) if isinstance(v, bool) else str(v))
 def test_n_ranks_equal_one_process(tmp_path, kind, n, mean, cpu_ranks):
     # gradients_mean=False sums the ranks' gradients: the single-process equivalent is a loss

@@ -1,8 +1,8 @@
 """Resident memory stays flat per step in every distributed mode of ``hetero train`` on a
 Criteo-shaped job with >= 100 MB of host tables: dp with replicated and row-sharded tables, tp,
 ZeRO, pp, the parameter server (its shard in memory, or on the SSD tier) and tables on the SSD
-tier (replicated, prefetched, row-sharded), 2 ranks each, and dynamic tables in one process; a
-checkpoint every few steps. A rank that
+tier (replicated, prefetched, row-sharded), 2 ranks each, and dynamic tables (one process, and
+replicated over 2 ranks); a checkpoint every few steps. A rank that
 pickled its tables per view at a checkpoint (the pipeline's gather did: 20 GB, killed) or leaked
 per step fails here. Each rank's resident set (``VmRSS``) is sampled after every step, and every
 rank's (a server's too) peak (``ru_maxrss``) is compared with its resident set after warm-up."""
@@ -74,9 +74,10 @@ def test_resident_memory_is_flat_per_step(tmp_path, mode):
     _check_flat(tmp_path, mode, 2)
 
 
-def test_resident_memory_is_flat_per_step_with_dynamic_tables(tmp_path):
-    """Dynamic tables (one process: they are not distributed yet) admitting and evicting every step."""
-    _check_flat(tmp_path, "dynamic", 1)
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one_process", "dp_replicated"])
+def test_resident_memory_is_flat_per_step_with_dynamic_tables(tmp_path, ranks):
+    """Dynamic tables admitting and evicting every step, in one process and replicated over 2 ranks."""
+    _check_flat(tmp_path, "dynamic", ranks)
 
 
 def _check_flat(tmp_path, mode, ranks):

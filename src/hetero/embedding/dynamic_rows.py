@@ -21,6 +21,9 @@ class DynamicRows:
         tables: the names of the group's dynamic tables (none: every method is a no-op).
         frozen: their default rows, group rows (``(T,)`` int64, sorted).
 
+    Replicated over data-parallel ranks, every rank admits and evicts every rank's keys (``gather``,
+    in rank order), so the replicas' maps, rows and state stay equal.
+
     Thread contract: the training thread's (lookups and the optimizer step).
     """
 
@@ -28,6 +31,9 @@ class DynamicRows:
         self.tables, self.frozen = tables, frozen
         self.steps_taken = 0  # optimizer steps of the group, with a gradient or not
         self._fresh: list[np.ndarray] = []
+        # replicated over data-parallel ranks (set by hetero.parallel.DistributedSparse): a training
+        # lookup's keys -> every replica's keys in rank order, and this rank's [lo, hi) among them
+        self.gather: Callable[[Tensor], tuple[Tensor, int, int]] | None = None
 
     def refuse(self, what: str) -> None:
         """Raise where a dynamic table cannot go yet (``what``: the mechanism).
@@ -36,9 +42,9 @@ class DynamicRows:
             ValueError: naming the dynamic tables and ``what``.
         """
         if self.tables:
-            raise ValueError(f"dynamic tables {self.tables} train in one process without prefetch for now, not with "
-                             f"{what}; drop that, or give these tables a fixed vocabulary (keys=Keys.FIXED; in a "
-                             f"job file's schema, no dynamic = true)")
+            raise ValueError(f"dynamic tables {self.tables} train in one process or replicated over data-parallel "
+                             f"ranks, without prefetch, for now; not with {what}: drop that, or give these tables a "
+                             f"fixed vocabulary (keys=Keys.FIXED; in a job file's schema, no dynamic = true)")
 
     def add_fresh(self, rows: np.ndarray) -> None:
         """Group rows ``rows`` now belong to new keys: their state is reset at the next step."""

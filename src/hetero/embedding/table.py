@@ -174,11 +174,13 @@ class HostEmbedding(nn.Module):
         (:meth:`TableGroup.reset_rows`). Any other lookup changes nothing."""
         if not (self.training and torch.is_grad_enabled()):
             return torch.from_numpy(self.keymap.lookup(keys.numpy()))
-        rows, new = self.keymap.translate(keys.numpy(), self.group.dynamic.steps_taken)
+        gather = self.group.dynamic.gather  # (replicas: every rank's keys, in rank order - the same map everywhere)
+        everyone, lo, hi = gather(keys) if gather is not None else (keys, 0, keys.numel())
+        rows, new = self.keymap.translate(everyone.numpy(), self.group.dynamic.steps_taken)
         if new.rows.shape[0]:
             values = self.keymap.init_rows(new.keys, self.config.embedding_dim, self.config.init_std)
             self.group.reset_rows(torch.from_numpy(self.group_row + new.rows), torch.from_numpy(values))
-        return torch.from_numpy(rows)
+        return torch.from_numpy(rows[lo:hi])
 
     def raise_out_of_range(self, bad: int) -> None:
         vocab = self.config.num_embeddings

@@ -15,6 +15,7 @@ skipped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import zlib
 from collections.abc import Sequence, Set
@@ -29,6 +30,7 @@ from hetero.embedding import HostEmbedding, RowPlacement, RowSpace, SparseGrad, 
 from hetero.optim import SparseOptimizer
 from hetero.parallel.comm_fusion import CommFusion, IndexFusedAllReduce, by_size
 from hetero.parallel.env import DataParallelGroup, host_group
+from hetero.parallel.replicated_keys import gather_keys
 from hetero.parallel.operator import to_dtensor
 from hetero.embedding.group import TableGroup
 from hetero.parallel.tree_comm import broadcast_tree
@@ -230,7 +232,8 @@ class DistributedSparse:
         self.optimizer, self.config, self.group = optimizer, config, group
         if group.active:
             for g in optimizer.groups:
-                g.dynamic.refuse("data parallel across ranks (each rank's key map would admit its own keys)")
+                if g.exchange.placement is RowPlacement.LOCAL:  # replicated: every rank admits every rank's keys
+                    g.dynamic.gather = functools.partial(gather_keys, group)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
