@@ -67,6 +67,15 @@ def test_a_dynamic_feature_trains_resumes_exactly_and_predicts(tmp_path, capsys,
                      "--out", str(tmp_path / f"{name}.csv")]) == 0
     straight, resumed = runs["straight"], runs["resumed"]
     user = straight["dynamic_tables"]["deep.tables.deep_user"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for name in ("straight", "resumed"):  # per step in TensorBoard: the steps add up to the run's counts
+        events = EventAccumulator(str(tmp_path / name / "tensorboard"))
+        events.Reload()
+        for key in ("admitted", "evicted", "default_lookups"):
+            per_step = events.Scalars(f"dynamic/deep.tables.deep_user/{key}")
+            assert len(per_step) == straight["steps"] and sum(e.value for e in per_step) == user[key], (name, key)
+        assert events.Scalars("dynamic/deep.tables.deep_user/rows")[-1].value == user["rows"]
     assert user["rows"] <= 24 and user["evicted"] > 0 and user["default_lookups"] > 0  # capped, evicting, admitting
     assert straight["dynamic_tables"] == resumed["dynamic_tables"]
     assert (straight["test_logloss"], straight["test_auc"]) == (resumed["test_logloss"], resumed["test_auc"])

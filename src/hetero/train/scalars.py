@@ -4,7 +4,9 @@
 Written by rank 0 alone with ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard``
 package's event-file format): per step ``train/loss``, each optimizer's ``lr/<name>`` and, once
 past warm-up, ``train/samples_per_s``; per epoch ``valid/auc`` and ``valid/logloss``; at the end
-``test/auc`` and ``test/logloss``. Steps are global steps, so a resumed run continues its curves.
+``test/auc`` and ``test/logloss``; per step, each dynamic table's keys admitted, rows evicted and
+lookups of its default row in the step, and its rows (``dynamic/<table>/...``). Steps are global
+steps, so a resumed run continues its curves.
 
 Traffic is measured on sampled steps (the first after warm-up, and each epoch's first: counting
 every op through a dispatch mode would slow every step): ``traffic/h2d_bytes`` and
@@ -19,12 +21,14 @@ Thread contract: the training thread only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from hetero.dynamic import DynamicStats
 from hetero.parallel.comm import Collective, TrafficCounter, collective_bytes
 
 
@@ -38,6 +42,7 @@ class ScalarLog:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = Path(log_dir)
         self._writer = None
+        self._dynamic: dict[str, DynamicStats] = {}  # each dynamic table's counts at the last step logged
 
     def _w(self):  # noqa: ANN202 - a SummaryWriter
         if self._writer is None:
@@ -57,6 +62,22 @@ class ScalarLog:
                 w.add_scalar(f"lr/{name}", lr, step)
         if samples_per_s is not None:
             w.add_scalar("train/samples_per_s", samples_per_s, step)
+
+    def dynamic_tables(self, step: int, stats: Mapping[str, DynamicStats]) -> None:
+        """Each dynamic table's step: ``dynamic/<table>/admitted``, ``evicted`` and
+        ``default_lookups`` since the previous call (the first: since :meth:`dynamic_start`), and
+        the ``rows`` held."""
+        w = self._w()
+        for name, now in stats.items():
+            before = self._dynamic.get(name, DynamicStats())
+            for key in ("admitted", "evicted", "default_lookups"):
+                w.add_scalar(f"dynamic/{name}/{key}", getattr(now, key) - getattr(before, key), step)
+            w.add_scalar(f"dynamic/{name}/rows", now.rows, step)
+            self._dynamic[name] = dataclasses.replace(now)
+
+    def dynamic_start(self, stats: Mapping[str, DynamicStats]) -> None:
+        """The dynamic tables' counts as this run (or its resumption) begins."""
+        self._dynamic = {name: dataclasses.replace(s) for name, s in stats.items()}
 
     @staticmethod
     def sampled(steps_this_run: int, batch: int, warmup_steps: int) -> bool:

@@ -189,6 +189,8 @@ class Trainer(TrainerCheckpoints):
 
         start = time.perf_counter()
         cfg, stop, steps_this_run = self.config, False, 0
+        if self.scalars is not None:
+            self.scalars.dynamic_start(self._dynamic_stats())  # (a resumed run's counts so far)
         while self.epoch < cfg.epochs and not stop and not self.best["stopped"]:
             total = self.train.num_samples
             done = self.batch * self.train.config.batch_size
@@ -219,6 +221,7 @@ class Trainer(TrainerCheckpoints):
                 if self.scalars is not None:
                     self.scalars.step(self.global_step, loss, {"dense": self.dense_optimizer, **self.sparse_optimizer_objects},
                                       self.train_samples / self.train_seconds if self.train_seconds else None)
+                    self.scalars.dynamic_tables(self.global_step, self._dynamic_stats())
                 if self.on_step is not None:
                     self.on_step(self)
                 if cfg.max_steps is not None and self.global_step >= cfg.max_steps:
@@ -269,6 +272,10 @@ class Trainer(TrainerCheckpoints):
             raise ValueError("the evaluation data has no samples: give a validation/test file or split with rows")
         return binary_metrics(torch.cat(labels).numpy(), torch.cat(probs).numpy())
 
+    def _dynamic_stats(self) -> dict:
+        """Each dynamic table's counts (:class:`hetero.dynamic.DynamicStats`) by qualified name."""
+        return {name: t.keymap.stats for name, t in host_tables(self.model).items() if t.keymap is not None}
+
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         best = self.config.keep_best or self.config.patience
         if best and self.best["epoch"] and self.best["epoch"] != self.epoch:
@@ -299,7 +306,7 @@ class Trainer(TrainerCheckpoints):
             "best_epoch": self.best["epoch"] or None,  # of the validation score; the test split's model with keep_best
             "stopped_early": self.best["stopped"],
             # each dynamic table's keys admitted, rows evicted, lookups of the default row, rows held
-            "dynamic_tables": {name: vars(t.keymap.stats) for name, t in host_tables(self.model).items() if t.keymap},
+            "dynamic_tables": {name: vars(stats) for name, stats in self._dynamic_stats().items()},
         }
         return write_report(self.run_dir, self.losses, metrics)
 
