@@ -31,11 +31,13 @@ column = "age"
 
 
 def _csv(path, n=400, seed=0):
-    """label, user, item, age: 60 users (more than the table holds), 20 items."""
-    rng = random.Random(seed)
-    rows = [f"{int((u + i) % 3 == 0)},u{u},{i},{rng.random():.3f}" for u, i in
-            ((rng.randint(0, 59), rng.randint(0, 19)) for _ in range(n))]
-    path.write_text("label,user,item,age\n" + "\n".join(rows) + "\n")
+    """label, user, item, age, genres: 60 users (more than the table holds), 20 items, genres bags
+    of 0-3 of 6 values (drawn apart, from their own stream; the job here leaves them unread)."""
+    rng, bags = random.Random(seed), random.Random(seed + 1000)
+    rows = [f"{int((u + i) % 3 == 0)},u{u},{i},{rng.random():.3f},"
+            + "|".join(f"g{bags.randint(0, 5)}" for _ in range(bags.randint(0, 3)))
+            for u, i in ((rng.randint(0, 59), rng.randint(0, 19)) for _ in range(n))]
+    path.write_text("label,user,item,age,genres\n" + "\n".join(rows) + "\n")
 
 
 def _last_json(capsys):

@@ -2,7 +2,6 @@
 checkpoints, and an export scoring as its checkpoint does (``hetero predict``)."""
 
 import json
-import random
 
 import numpy as np
 import pyarrow.csv as pacsv
@@ -11,6 +10,7 @@ import pytest
 from hetero.cli import main
 from hetero.serving import apply_delta, read_manifest
 from hetero.serving.export import read_table
+from test_dynamic_job import _csv  # (label, user, item, age, genres)
 
 JOB = """[data]
 path = "{data}"
@@ -32,17 +32,6 @@ capacity = 10
 [[schema.dense]]
 column = "age"
 """
-
-
-def _csv(path, n=400, seed=0):
-    """label, user (60 values for 24 rows), item, age, genres (bags of 0-3 of 6 values)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        u, i = rng.randint(0, 59), rng.randint(0, 19)
-        genres = "|".join(f"g{rng.randint(0, 5)}" for _ in range(rng.randint(0, 3)))
-        rows.append(f"{int((u + i) % 3 == 0)},u{u},{i},{rng.random():.3f},{genres}")
-    path.write_text("label,user,item,age,genres\n" + "\n".join(rows) + "\n")
 
 
 def _scores(path):
