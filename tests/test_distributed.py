@@ -64,12 +64,14 @@ def _mlp_run(mean: bool, scale: float):
 
 
 def _wide_deep_run(mean: bool, scale: float, sharded: bool = False, samples: int = STEPS * BATCH, batch_size: int = BATCH,
-                   dynamic: bool = False):
+                   dynamic: bool = False, capped: bool = True):
     torch.manual_seed(0)
     data = make_dataset(samples)
     # dynamic: ids as raw keys, admitted at the second sighting, 40 rows a table (evicting over the steps; more
     # than a batch's keys: which keys a full step refuses depends on their order, the ranks' or the batch's)
-    slots = [FeatureSlot(f.name, min(f.vocab_size, 40) if dynamic else f.vocab_size, f.multi_hot,
+    # (uncapped: rows for every key - row-sharded, each rank's span is a part of the capacity, so a capped
+    # table evicts other keys than one process would)
+    slots = [FeatureSlot(f.name, min(f.vocab_size, 40) if dynamic and capped else f.vocab_size, f.multi_hot,
                          deep=f.role is not FeatureRole.WIDE,
                          dynamic=DynamicConfig(admit_after=2, evict_chunk=8) if dynamic else None) for f in data.specs]
     model = WideDeep(slots, data.num_dense, WideDeepConfig(embedding_dim=4, hidden=(8,)))
@@ -124,7 +126,12 @@ RUNS = {"mlp": _mlp_run, "wide_deep": _wide_deep_run,
         # dynamic tables replicated: every rank admits every rank's keys (hetero.parallel.replicated_keys)
         "wide_deep_dynamic": lambda mean, scale: _wide_deep_run(mean, scale, samples=12 * BATCH, dynamic=True),
         "wide_deep_dynamic_uneven": lambda mean, scale: _wide_deep_run(mean, scale, samples=97, batch_size=16,
-                                                                       dynamic=True)}
+                                                                       dynamic=True),
+        # row-sharded: each rank admits, counts and evicts the keys it owns (hetero.parallel.sharded_keys)
+        "wide_deep_dynamic_sharded": lambda mean, scale: _wide_deep_run(mean, scale, sharded=True, samples=12 * BATCH,
+                                                                        dynamic=True, capped=False),
+        "wide_deep_dynamic_sharded_uneven": lambda mean, scale: _wide_deep_run(
+            mean, scale, sharded=True, samples=97, batch_size=16, dynamic=True, capped=False)}
 
 
 def _worker(r, n, port, kind, mean, out):
@@ -150,7 +157,8 @@ def _distributed(tmp_path, kind, n, mean):
 @pytest.mark.parametrize("kind,n,mean", [("mlp", 2, True), ("mlp", 2, False), ("wide_deep", 2, False), ("wide_deep", 4, True),
                                          ("wide_deep_sharded", 2, False), ("wide_deep_sharded", 4, True),
                                          ("wide_deep_uneven", 4, False), ("wide_deep_sharded_uneven", 4, True),
-                                         ("wide_deep_dynamic", 2, False), ("wide_deep_dynamic_uneven", 4, True)],
+                                         ("wide_deep_dynamic", 2, False), ("wide_deep_dynamic_uneven", 4, True),
+                                         ("wide_deep_dynamic_sharded", 2, True), ("wide_deep_dynamic_sharded_uneven", 4, False)],
                          ids=lambda v: {True: "mean", False: "sum"}.get(v) if isinstance(v, bool) else str(v))
 def test_n_ranks_equal_one_process(tmp_path, kind, n, mean, cpu_ranks):
     # gradients_mean=False sums the ranks' gradients: the single-process equivalent is a loss

@@ -314,7 +314,7 @@ def _dlrm():
 
 def _train_tables(plan_path, steps):
     """Losses and the whole model after ``steps`` (row-sharded tables gathered whole)."""
-    from hetero.parallel.data_parallel import full_model_state
+    from hetero.parallel.full_state import full_model_state
     from hetero.planner.apply import OptimizerConfig, apply
 
     model = _dlrm()

@@ -262,3 +262,12 @@ def insert(keys, rows, slots):
     for i in range(keys.shape[0]):
         s = _probe(keys[i], _home(keys[i], slots), slots)
         slots[s, 0], slots[s, 1] = keys[i], rows[i]
+
+
+@njit(cache=True, parallel=True)
+def home_rows(keys, capacity, out):
+    """``out[i]``: the table row that places ``keys[i]`` on a rank (a row-sharded table's owner:
+    the rank holding that row), uniform over ``[0, capacity)``. SplitMix64's next output for the
+    key, not the finalizer that picks the key's slot: the keys a rank owns spread over its map."""
+    for i in prange(keys.shape[0]):
+        out[i] = np.int64(mix(np.uint64(keys[i]) + GOLDEN) % np.uint64(capacity))

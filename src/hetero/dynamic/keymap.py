@@ -149,11 +149,13 @@ class KeyMap:
 
     STATE = ("row_key", "row_count", "row_last", "sketch", "next_scan", "stats")
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """What restores this map (:attr:`STATE`, arrays, copies): each row's key, use count and last
-        step (-1: free), the admission sketch, the next age scan and the counts."""
-        return {"row_key": self.row_key.copy(), "row_count": self.stat[:, 0].copy(), "row_last": self.stat[:, 1].copy(),
-                "sketch": self.sketch.copy(), "next_scan": np.array(self.next_scan, np.int64),
+    def state_dict(self, copy: bool = True) -> dict[str, np.ndarray]:
+        """What restores this map (:attr:`STATE`, arrays; copies, or with ``copy=False`` views that
+        later lookups change): each row's key, use count and last step (-1: free), the admission
+        sketch, the next age scan and the counts."""
+        keep = np.copy if copy else np.asarray
+        return {"row_key": keep(self.row_key), "row_count": keep(self.stat[:, 0]), "row_last": keep(self.stat[:, 1]),
+                "sketch": keep(self.sketch), "next_scan": np.array(self.next_scan, np.int64),
                 "stats": np.array(dataclasses.astuple(self.stats), np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
@@ -180,6 +182,7 @@ class KeyMap:
             self.slots[:, 1] = -1
             rows = np.flatnonzero(held)
             _kernels().insert(self.row_key[rows], rows, self.slots)
+            self.stats.rows = self.size  # (a row-sharded table's part: its own rows)
 
     def init_rows(self, keys: np.ndarray, dim: int, std: float) -> np.ndarray:
         """Initial values of new keys' rows, ``(len(keys), dim)`` float32: ``N(0, std**2)`` seeded by

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +23,9 @@ class DynamicRows:
         frozen: their default rows, group rows (``(T,)`` int64, sorted).
 
     Replicated over data-parallel ranks, every rank admits and evicts every rank's keys (``gather``,
-    in rank order), so the replicas' maps, rows and state stay equal.
+    in rank order), so the replicas' maps, rows and state stay equal. Row-sharded, each rank
+    admits and evicts the keys it owns (``route``); ``frozen`` and the new keys' rows are then
+    this rank's storage rows.
 
     Thread contract: the training thread's (lookups and the optimizer step).
     """
@@ -34,6 +37,9 @@ class DynamicRows:
         # replicated over data-parallel ranks (set by hetero.parallel.DistributedSparse): a training
         # lookup's keys -> every replica's keys in rank order, and this rank's [lo, hi) among them
         self.gather: Callable[[Tensor], tuple[Tensor, int, int]] | None = None
+        # row-sharded (set by hetero.parallel.shard_rows): a lookup's (table, keys, training) -> its rows,
+        # each key translated by the rank that owns it (hetero.parallel.sharded_keys)
+        self.route: Callable[[Any, Tensor, bool], Tensor] | None = None
 
     def refuse(self, what: str) -> None:
         """Raise where a dynamic table cannot go yet (``what``: the mechanism).
@@ -42,12 +48,12 @@ class DynamicRows:
             ValueError: naming the dynamic tables and ``what``.
         """
         if self.tables:
-            raise ValueError(f"dynamic tables {self.tables} train in one process or replicated over data-parallel "
-                             f"ranks, without prefetch, for now; not with {what}: drop that, or give these tables a "
-                             f"fixed vocabulary (keys=Keys.FIXED; in a job file's schema, no dynamic = true)")
+            raise ValueError(f"dynamic tables {self.tables} train in one process, or replicated or row-sharded over "
+                             f"data-parallel ranks, without prefetch, for now; not with {what}: drop that, or give these "
+                             f"tables a fixed vocabulary (keys=Keys.FIXED; in a job file's schema, no dynamic = true)")
 
     def add_fresh(self, rows: np.ndarray) -> None:
-        """Group rows ``rows`` now belong to new keys: their state is reset at the next step."""
+        """Storage rows ``rows`` now belong to new keys: their state is reset at the next step."""
         self._fresh.append(rows)
         if len(self._fresh) > 64:  # (lookups without a step between: keep the list short)
             self._fresh = [np.unique(np.concatenate(self._fresh))]

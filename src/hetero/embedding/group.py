@@ -377,9 +377,11 @@ class TableGroup:
     def reset_rows(self, rows: Tensor, values: Tensor) -> None:
         """Group rows ``rows`` (``(A,)`` int64) belong to new keys of a dynamic table: they take
         ``values`` (``(A, dim)`` float32) now, and their optimizer state starts afresh at the next
-        step (:meth:`DynamicRows.begin_step`)."""
-        self.storage[rows] = values.to(self.dtype)
-        self.dynamic.add_fresh(rows.numpy())
+        step (:meth:`DynamicRows.begin_step`). A row-sharded group holds them (the owner of their keys
+        gives only its own rows)."""
+        here = rows - self.first_row  # (storage rows)
+        self.storage[here] = values.to(self.dtype)
+        self.dynamic.add_fresh(here.numpy())
 
     def track_row_versions(self) -> None:
         if self.row_version is None:

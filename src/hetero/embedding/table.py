@@ -20,11 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hetero.dynamic import KeyMap, Keys
+from hetero.dynamic.sharding import KeyShard
 from hetero.embedding.config import INIT_CHUNK, Pooling, TableConfig, init_rows
 from hetero.embedding.grad import SparseGrad
 from hetero.embedding.group import TableGroup
@@ -86,6 +88,8 @@ class HostEmbedding(nn.Module):
         # KeyMap.init_rows), but for the last, the default row
         self.keymap = KeyMap(config.name, config.num_embeddings, config.dynamic, self.init_seed) \
             if config.keys is Keys.DYNAMIC else None
+        self.key_first = 0  # the table row of the key map's row 0 (a row-sharded table: its span's first)
+        self.key_shard: KeyShard | None = None  # a row-sharded table's part here (hetero.dynamic.sharding)
         if _DEFERRED[0] or config.storage is StorageTier.SSD:
             # no memory: the rows live on parameter servers, or on the SSD tier (the group lays them out)
             weight = torch.empty(shape, dtype=config.dtype, device="meta")
@@ -110,7 +114,8 @@ class HostEmbedding(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - nn.Module's signature
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.keymap is not None:  # a dynamic table's key map, and its clock: the group's optimizer steps
-            for name, value in self.keymap.state_dict().items():
+            # (row-sharded: views of this rank's part; a checkpoint holds the whole, gathered by hetero.parallel)
+            for name, value in self.keymap.state_dict(copy=self.key_shard is None).items():
                 destination[f"{prefix}keymap.{name}"] = torch.from_numpy(value)
             destination[f"{prefix}keymap.step"] = torch.tensor(self.group.dynamic.steps_taken)
         if self.group.ssd_here:  # the rows, not the meta placeholder (read whole: tables that fit)
@@ -171,16 +176,34 @@ class HostEmbedding(nn.Module):
         weight (the default row, ``num_embeddings``, for a key without one). A training lookup (the
         module in training mode, gradients enabled) admits and evicts (:meth:`KeyMap.translate`);
         a new key's row gets its initial value, and its optimizer state is reset at the next step
-        (:meth:`TableGroup.reset_rows`). Any other lookup changes nothing."""
-        if not (self.training and torch.is_grad_enabled()):
-            return torch.from_numpy(self.keymap.lookup(keys.numpy()))
-        gather = self.group.dynamic.gather  # (replicas: every rank's keys, in rank order - the same map everywhere)
+        (:meth:`TableGroup.reset_rows`). Any other lookup changes nothing.
+
+        Replicated over data-parallel ranks, a training lookup translates every rank's keys
+        (``DynamicRows.gather``); row-sharded, each key goes to the rank that owns it
+        (``DynamicRows.route``): both are collectives."""
+        training = self.training and torch.is_grad_enabled()
+        route = self.group.dynamic.route
+        if route is not None:
+            return route(self, keys, training)
+        gather = self.group.dynamic.gather if training else None  # (replicas: the same map everywhere)
         everyone, lo, hi = gather(keys) if gather is not None else (keys, 0, keys.numel())
-        rows, new = self.keymap.translate(everyone.numpy(), self.group.dynamic.steps_taken)
-        if new.rows.shape[0]:
-            values = self.keymap.init_rows(new.keys, self.config.embedding_dim, self.config.init_std)
-            self.group.reset_rows(torch.from_numpy(self.group_row + new.rows), torch.from_numpy(values))
-        return torch.from_numpy(rows[lo:hi])
+        return self.own_rows(everyone, training)[lo:hi]
+
+    def own_rows(self, keys: Tensor, training: bool) -> Tensor:
+        """:meth:`rows_of` by this process's key map alone: the keys it owns (all of them, unless
+        row-sharded), as rows of the table (``(N,)`` int64)."""
+        if not training:
+            rows = self.keymap.lookup(keys.numpy())
+        else:
+            rows, new = self.keymap.translate(keys.numpy(), self.group.dynamic.steps_taken)
+            if new.rows.shape[0]:
+                values = self.keymap.init_rows(new.keys, self.config.embedding_dim, self.config.init_std)
+                self.group.reset_rows(torch.from_numpy(self.group_row + self.key_first + new.rows),
+                                      torch.from_numpy(values))
+        capacity = self.config.num_embeddings
+        if self.keymap.capacity != capacity:  # a row-sharded table's span: its map's rows, then the default row
+            rows = np.where(rows < self.keymap.capacity, rows + self.key_first, capacity)
+        return torch.from_numpy(rows)
 
     def raise_out_of_range(self, bad: int) -> None:
         vocab = self.config.num_embeddings

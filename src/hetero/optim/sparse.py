@@ -147,7 +147,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         }
         for g in self.groups:
             if g.ssd_config is not None:  # each row's record: the row, then this optimizer's state
-                g.ssd_layout({s: (self.rowwise_state, self._state_initial(s)) for s in self.state_names})
+                g.ssd_layout({s: (self.rowwise_state, self.state_initial(s)) for s in self.state_names})
         for name, views in self._state_views().items():
             self.state[self.tables[name].weight] = views
 
@@ -161,7 +161,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             raise ValueError(f"{type(self).__name__}: learning rate must be a finite number >= 0, got {lr!r}")
 
-    def _state_initial(self, name: str) -> float:
+    def state_initial(self, name: str) -> float:
         """The value every row of state ``name`` starts from."""
         return 0.0
 
@@ -169,7 +169,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         shape = (group.num_rows,) if self.rowwise_state else (group.num_rows, group.dim)
         if group.storage.is_meta:  # the rows live on parameter servers or the SSD tier, and so does their state
             return torch.empty(shape, device="meta")
-        return host_empty(shape, torch.float32).fill_(self._state_initial(name))
+        return host_empty(shape, torch.float32).fill_(self.state_initial(name))
 
     @property
     def steps(self) -> dict[str, int]:
@@ -211,7 +211,7 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
             raise ValueError(f"{type(self).__name__}.step() takes no closure")
         self._check_lr()
         for group in self.groups:
-            grad = group.dynamic.begin_step(group.pending.take(), self.group_state[group], self._state_initial)  # (new keys)
+            grad = group.dynamic.begin_step(group.pending.take(), self.group_state[group], self.state_initial)  # (new keys)
             if grad is None or grad.ids.numel() == 0:
                 continue
             # The kernels index this process's storage: group rows only where they are the same.
@@ -350,7 +350,7 @@ class FTRL(SparseOptimizer):
     Config = FTRLConfig
     state_names = ("accumulator", "linear")  # n and z in McMahan et al.
 
-    def _state_initial(self, name):
+    def state_initial(self, name):
         return self.config.initial_accumulator if name == "accumulator" else 0.0
 
     def _update(self, w, widx, state, ids, grad, step):
@@ -362,7 +362,7 @@ class Adagrad(SparseOptimizer):
     Config = AdagradConfig
     state_names = ("sum",)
 
-    def _state_initial(self, name):
+    def state_initial(self, name):
         return self.config.initial_accumulator
 
     def _update(self, w, widx, state, ids, grad, step):

@@ -11,10 +11,12 @@ from hetero.parallel.data_parallel import (
     HostReplicaOptimizer,
     check_replicas,
     data_parallel,
+)
+from hetero.parallel.full_state import (
     full_model_state,
     full_optimizer_state,
-    load_full_optimizer_state,
     global_shapes,
+    load_full_optimizer_state,
     local_model_state,
 )
 from hetero.parallel.comm_fusion import CommFusion, FusionMode

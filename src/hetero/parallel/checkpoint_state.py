@@ -70,12 +70,14 @@ def model_state(model: nn.Module, sparse_optimizers: Mapping[str, SparseOptimize
     names = {t: q for q, t in tables.items()}  # modules hash by identity
     out_tables, layout = {}, {"groups": {}, "sparse": {}, "ps": {}}
     for key, group in table_groups(model).items():
-        layout["groups"][key] = [(names[t], t.group_row, t.config.num_embeddings) for t in group.tables]
+        layout["groups"][key] = [(names[t], t.group_row, t.config.num_rows) for t in group.tables]
         if group.exchange.placement is RowPlacement.PARAMETER_SERVER:  # the servers write these rows
             layout["ps"][key] = len(group.exchange.servers)
             if group.ssd_config is not None:  # each server's shard as the tier's snapshot (hetero.ps.server)
                 layout.setdefault("ps_tier", {})[key] = group.ssd_name
             continue
+        if group.exchange.placement is RowPlacement.ROW_SHARDED:  # (each rank's key map: a part of no DTensor)
+            group.dynamic.refuse("a sharded checkpoint of row-sharded tables (checkpoint.dcp): save the integrated one")
         entry = {"weight": _wrap(group.storage, group, mesh)}
         for opt_key, opt in sparse_optimizers.items():
             for s, x in opt.group_state.get(group, {}).items():

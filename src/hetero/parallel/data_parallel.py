@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import zlib
 from collections.abc import Sequence, Set
 from typing import Any
@@ -24,22 +23,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hetero.embedding import HostEmbedding, RowPlacement, RowSpace, SparseGrad, host_tables
 from hetero.optim import SparseOptimizer
 from hetero.parallel.comm_fusion import CommFusion, IndexFusedAllReduce, by_size
 from hetero.parallel.env import DataParallelGroup, host_group
 from hetero.parallel.replicated_keys import gather_keys
-from hetero.parallel.operator import to_dtensor
-from hetero.embedding.group import TableGroup
-from hetero.parallel.tree_comm import broadcast_tree
+from hetero.parallel.sharded_keys import rehome_state
 from hetero.parallel.row_sharded import (
     RowSharding,
     gather_rows,
     local_table_rows,
     reduce_gradients,
-    sharded_tables,
     table_rows,
 )
 
@@ -202,7 +197,7 @@ def check_replicas(model: nn.Module, group: DataParallelGroup = DataParallelGrou
 def _table_crc(table: HostEmbedding, rows_per_block: int = 1 << 16) -> int:
     """CRC-32 of a host table's rows, fed block by block from views of the table (no copy), or
     read block by block from the SSD tier."""
-    crc, rows = 0, table.config.num_embeddings
+    crc, rows = 0, table.config.num_rows
     for lo in range(0, rows, rows_per_block):
         n = min(rows_per_block, rows - lo)
         block = table.group.ssd_read(table.group_row + lo, n, ("weight",))["weight"] if table.group.ssd_config is not None \
@@ -247,6 +242,8 @@ class DistributedSparse:
             # row-sharded groups: one all-to-all of all their gradient rows (row_sharded.reduce_gradients)
             grads = reduce_gradients([g.exchange for g in sharded], [g.dim for g in sharded], self.config.gradients_mean)
             for group, grad in zip(sharded, grads):
+                if group.dynamic.frozen.shape[0]:  # (a dynamic table's default row takes no update, nor counts one)
+                    grad = grad.without(group.dynamic.frozen)
                 if grad.ids.numel() == 0 and group.exchange.touched:
                     self.optimizer.count_step(group)  # the table's other shards step: keep the count equal
                 group.pending.set(grad)
@@ -321,75 +318,9 @@ class DistributedSparse:
         local = {name: dict(tensors) for name, tensors in state["state"].items()}
         for name, t in opt.tables.items():
             if isinstance(t.group.exchange, RowSharding) and name in local:
-                local[name] = {s: local_table_rows(t, x) for s, x in local[name].items()}
+                # (a row-sharded dynamic table's keys given rows at this world size: the state moves with them)
+                local[name] = {s: local_table_rows(t, rehome_state(t, x, opt.state_initial(s)))
+                               for s, x in local[name].items()}
+                if t.key_shard is not None:
+                    t.key_shard.rehomed = None
         self.optimizer.load_state_dict({**state, "state": local})
-
-
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every row-sharded table and every DTensor (operator-parallel)
-    parameter gathered whole (collectives: every rank calls it)."""
-    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-    done: dict[TableGroup, torch.Tensor] = {}  # groups hash by identity
-    for name, t in sharded_tables(model).items():
-        g = t.group
-        if not g.rows_in_state_dict:  # (the SSD tier's snapshots hold them)
-            continue
-        if g not in done:
-            done[g] = gather_rows(g.local_weight(), g.exchange.global_rows)
-        state[f"{name}.weight"] = table_rows(t, done[g])
-    return state
-
-
-def local_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A full model state (from :func:`full_model_state`, any world size and layout) cut to this
-    rank's rows and to the shards of its DTensor parameters (local slices, no communication)."""
-    state = dict(state)
-    for key, v in model.state_dict().items():
-        if isinstance(v, DTensor) and key in state:
-            state[key] = to_dtensor(state[key], v.device_mesh, v.placements)
-    for name, t in sharded_tables(model).items():
-        key = f"{name}.weight"
-        if key in state:
-            state[key] = local_table_rows(t, state[key])
-    return state
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with the state of DTensor (operator-parallel) parameters
-    gathered whole (collectives: every rank calls it); the same on every rank."""
-    # ZeRO stage 1 (hetero.parallel.zero): its module is loaded if such an optimizer exists (importing
-    # it otherwise would load torch.distributed.optim's TorchScript machinery for nothing)
-    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):  # each rank holds its partition
-        optimizer.consolidate_state_dict(to=0)  # collective over its group
-        group = optimizer.process_group
-        # every rank gets the same whole state (tensors as tensors: pickling one writes its whole storage)
-        return broadcast_tree(optimizer.state_dict() if dist.get_rank(group) == 0 else None, 0, group)
-    sd = optimizer.state_dict()
-    sd["state"] = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()}
-                   for i, st in sd["state"].items()}
-    return sd
-
-
-def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a :func:`full_optimizer_state` (any world size and layout) into ``optimizer``: the
-    state of a DTensor parameter is cut to its shards first (a local slice); torch's own
-    ``load_state_dict`` then checks the groups and casts to the parameters' devices."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    state = {**state, "state": dict(state["state"])}
-    for i, st in state["state"].items():
-        p = params[i] if i < len(params) else None
-        if isinstance(p, DTensor):
-            state["state"][i] = {k: to_dtensor(v, p.device_mesh, p.placements) if isinstance(v, torch.Tensor)
-                                 and v.shape == p.shape else v for k, v in st.items()}
-    optimizer.load_state_dict(state)
-
-
-def global_shapes(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with sharded tables replaced by meta tensors of their full shape
-    (to check a checkpoint against the model without gathering)."""
-    state = dict(model.state_dict())
-    for name, t in sharded_tables(model).items():
-        if t.group.rows_in_state_dict:
-            state[f"{name}.weight"] = torch.empty(t.config.num_embeddings, t.config.embedding_dim, device="meta")
-    return state

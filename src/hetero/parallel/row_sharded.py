@@ -41,6 +41,7 @@ from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import copy_to, host_empty
 from hetero.storage import SsdRows
 from hetero.parallel.env import active, host_group, rank, world_size
+from hetero.parallel.sharded_keys import shard_keys
 
 
 def block_range(rows: int, r: int, n: int) -> tuple[int, int]:
@@ -57,6 +58,7 @@ class _Routed:
     send_counts: list[int]  # ids (and later gradient rows) this rank sends to each rank
     recv_counts: list[int]  # ids this rank received from each rank, as owner
     local_rows: Tensor  # (sum recv_counts,) local shard rows of the received ids
+    live: int  # unique ids that take an update (a dynamic table's default row takes none)
     grad: Tensor | None = None  # (U, D) coalesced gradient of the unique rows, once backward ran
 
 
@@ -77,6 +79,7 @@ class RowSharding(RowExchange):
         self.routes: list[_Routed] = []
         self.touched = False  # whether the last reduce_gradients saw rows of this group on any rank
         self.group = host_group()  # the rows and ids are host tensors: gloo even when NCCL is the default
+        self.frozen = torch.from_numpy(group.dynamic.frozen.copy())  # (dynamic tables' default rows: group rows)
 
     @property
     def global_rows(self) -> int:
@@ -104,7 +107,8 @@ class RowSharding(RowExchange):
         dist.all_to_all_single(got, served, send, recv, group=self.group)
         rows = torch.empty_like(got)
         rows[order] = got  # back to the order of ``unique``
-        routed = _Routed(order, send, recv, local_rows)
+        live = unique.numel() - (int(torch.isin(unique, self.frozen).sum()) if self.frozen.numel() else 0)
+        routed = _Routed(order, send, recv, local_rows, live)
         rows = copy_to(rows, anchor.device).to(anchor.dtype)  # host -> device: U rows
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
@@ -133,9 +137,9 @@ def reduce_gradients(exchanges: list[RowSharding], dims: list[int], mean: bool) 
         return []
     group = exchanges[0].group
     n = exchanges[0].world
-    # Whether any rank looked up each group: a shard that got no rows still counts the step, as
+    # Whether any rank looked up rows of each group that take an update: a shard that got none still counts the step, as
     # one process would (LazyAdam's bias correction uses the table's step count).
-    touched = torch.tensor([sum(r.order.numel() for r in ex.routes) for ex in exchanges])
+    touched = torch.tensor([sum(r.live for r in ex.routes) for ex in exchanges])
     dist.all_reduce(touched, group=group)
     parts = [(i, dim, routed) for i, (ex, dim) in enumerate(zip(exchanges, dims)) for routed in ex.routes]
     send = [[] for _ in range(n)]  # per destination rank: flat gradient rows, group by group
@@ -187,7 +191,6 @@ def shard_rows(module: nn.Module) -> int:
     for group in groups:
         if group.exchange.placement is not RowPlacement.LOCAL:
             continue
-        group.dynamic.refuse("row sharding")
         total = group.num_rows
         lo, hi = block_range(total, r, n)
         if group.ssd_config is not None:  # the SSD tier: the shard's rows laid out when first needed, from row lo
@@ -201,12 +204,14 @@ def shard_rows(module: nn.Module) -> int:
             shard.copy_(group.storage[lo:hi])
         for t in group.tables:
             start = t.group_row
-            a, b = min(max(start, lo), hi), min(max(start + t.config.num_embeddings, lo), hi)
+            a, b = min(max(start, lo), hi), min(max(start + t.config.num_rows, lo), hi)
             t.weight.data = shard[a - lo : b - lo]  # the table's rows on this rank (possibly none)
         group.storage = shard  # ids and row offsets stay global: the exchange maps them to ranks
         group.first_row = lo
         group.marker = None
         group.exchange = RowSharding(group, total)
+        if group.dynamic.tables:  # each key's rows where its owner is (hetero.parallel.sharded_keys)
+            shard_keys(group, [block_range(total, q, n) for q in range(n)])
     return len(groups)
 
 
@@ -230,7 +235,7 @@ def gather_rows(shard: Tensor, global_rows: int) -> Tensor:
 def table_rows(t: nn.Module, full_group: Tensor) -> Tensor:
     """Table ``t``'s rows within a full (gathered) group tensor."""
     start = t.group_row
-    return full_group[start : start + t.config.num_embeddings]
+    return full_group[start : start + t.config.num_rows]
 
 
 def local_table_rows(t: nn.Module, full_table: Tensor) -> Tensor:
@@ -238,5 +243,5 @@ def local_table_rows(t: nn.Module, full_table: Tensor) -> Tensor:
     g = t.group
     start = t.group_row
     lo, hi = block_range(g.exchange.global_rows, rank(), world_size())
-    a, b = min(max(start, lo), hi), min(max(start + t.config.num_embeddings, lo), hi)
+    a, b = min(max(start, lo), hi), min(max(start + t.config.num_rows, lo), hi)
     return full_table[a - start : b - start]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
-from hetero.checkpoint.io import write_text_atomic
+from hetero.checkpoint.io import release_free_memory, write_text_atomic
 from hetero.checkpoint.sharded import load_sharded, read_bytes, resolve, save_sharded
 from hetero.parallel import (
     full_model_state, full_optimizer_state, global_rank, global_shapes, load_full_optimizer_state, local_model_state,
@@ -195,6 +195,8 @@ class TrainerCheckpoints:
             save_checkpoint(state, path)
             if self.tier:
                 self.tier.clean(path, state["tier"])  # (the earlier saves' snapshots: no file names them now)
+        del state
+        release_free_memory()  # (the whole tables' copies, gathered for the file: back to the system)
         self.dp.barrier()
         return path
 

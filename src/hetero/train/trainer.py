@@ -21,7 +21,7 @@ from torch import nn
 
 from hetero import ps
 from hetero.data.tabular import Batch, EvalData, TrainingData
-from hetero.embedding import Prefetcher, dense_parameters, host_tables
+from hetero.embedding import Prefetcher, dense_parameters
 from hetero.optim import SparseOptimizer
 from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel import (
@@ -29,6 +29,7 @@ from hetero.parallel import (
     world_size,
 )
 from hetero.parallel.pipeline import Pipeline
+from hetero.parallel.sharded_keys import dynamic_stats, sharded_keymaps
 from hetero.placement import copy_to
 from hetero.train.config import CheckpointFormat, TrainConfig
 from hetero.train.report import binary_metrics, write_report
@@ -113,6 +114,10 @@ class Trainer(TrainerCheckpoints):
         if self.remote and config.checkpoint_format is not CheckpointFormat.SHARDED:
             raise ValueError("tables on parameter servers are checkpointed by the servers, each its shard: use "
                              "checkpoint_format=CheckpointFormat.SHARDED (--checkpoint-format sharded)")
+        keyed = list(sharded_keymaps(model))
+        if keyed and config.checkpoint_format is CheckpointFormat.SHARDED:
+            raise ValueError(f"row-sharded dynamic tables {keyed} are checkpointed whole, each key map gathered: use "
+                             f"checkpoint_format=CheckpointFormat.INTEGRATED (--checkpoint-format integrated)")
         self.sparse_optimizers = {k: ps.PSSparse(o) if self.remote else
                                   DistributedSparse(o, group=self.dp) if self.dp.active else o
                                   for k, o in sparse_optimizers.items()}
@@ -189,8 +194,12 @@ class Trainer(TrainerCheckpoints):
 
         start = time.perf_counter()
         cfg, stop, steps_this_run = self.config, False, 0
-        if self.scalars is not None:
-            self.scalars.dynamic_start(self._dynamic_stats())  # (a resumed run's counts so far)
+        # a row-sharded dynamic table's counts are summed over the ranks: a collective every rank runs
+        every_rank = bool(sharded_keymaps(self.model))
+        if self.scalars is not None or every_rank:
+            stats = dynamic_stats(self.model)
+            if self.scalars is not None:
+                self.scalars.dynamic_start(stats)  # (a resumed run's counts so far)
         while self.epoch < cfg.epochs and not stop and not self.best["stopped"]:
             total = self.train.num_samples
             done = self.batch * self.train.config.batch_size
@@ -221,7 +230,10 @@ class Trainer(TrainerCheckpoints):
                 if self.scalars is not None:
                     self.scalars.step(self.global_step, loss, {"dense": self.dense_optimizer, **self.sparse_optimizer_objects},
                                       self.train_samples / self.train_seconds if self.train_seconds else None)
-                    self.scalars.dynamic_tables(self.global_step, self._dynamic_stats())
+                if self.scalars is not None or every_rank:
+                    stats = dynamic_stats(self.model)
+                    if self.scalars is not None:
+                        self.scalars.dynamic_tables(self.global_step, stats)
                 if self.on_step is not None:
                     self.on_step(self)
                 if cfg.max_steps is not None and self.global_step >= cfg.max_steps:
@@ -272,10 +284,6 @@ class Trainer(TrainerCheckpoints):
             raise ValueError("the evaluation data has no samples: give a validation/test file or split with rows")
         return binary_metrics(torch.cat(labels).numpy(), torch.cat(probs).numpy())
 
-    def _dynamic_stats(self) -> dict:
-        """Each dynamic table's counts (:class:`hetero.dynamic.DynamicStats`) by qualified name."""
-        return {name: t.keymap.stats for name, t in host_tables(self.model).items() if t.keymap is not None}
-
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         best = self.config.keep_best or self.config.patience
         if best and self.best["epoch"] and self.best["epoch"] != self.epoch:
@@ -288,6 +296,7 @@ class Trainer(TrainerCheckpoints):
         if self.scalars is not None:
             self.scalars.metrics("test", self.global_step, test)
             self.scalars.close()
+        dynamic = dynamic_stats(self.model)  # (a collective where row-sharded: before the other ranks return)
         if global_rank() != 0:
             return {"test_auc": test["auc"], "test_logloss": test["logloss"]}
         metrics = {
@@ -306,7 +315,7 @@ class Trainer(TrainerCheckpoints):
             "best_epoch": self.best["epoch"] or None,  # of the validation score; the test split's model with keep_best
             "stopped_early": self.best["stopped"],
             # each dynamic table's keys admitted, rows evicted, lookups of the default row, rows held
-            "dynamic_tables": {name: vars(stats) for name, stats in self._dynamic_stats().items()},
+            "dynamic_tables": {name: vars(stats) for name, stats in dynamic.items()},
         }
         return write_report(self.run_dir, self.losses, metrics)
 

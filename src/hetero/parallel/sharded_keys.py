@@ -1,0 +1,186 @@
+"""Row-sharded dynamic tables on torch.distributed: each key is translated, admitted, counted and
+evicted by the rank that owns it (:mod:`hetero.dynamic.sharding`'s rule), whose rows and
+optimizer state it gets; checkpoints hold one table's key map whole, which any world size loads.
+
+A lookup (:func:`route_keys`) sends each key to its owner (all-to-all of counts, then keys, in
+rank order), the owner translates them with its :class:`~hetero.dynamic.KeyMap` in the order
+received - rank 0's keys, then rank 1's: what one process given the ranks' batches one after the
+other would see - and the rows go back (all-to-all). The row-sharded lookup then reads them as
+any other rows (:mod:`hetero.parallel.row_sharded`): a key's row lies in its owner's block.
+
+Checkpoints (:func:`full_keymap_state`, :func:`local_keymap_state`): the ranks' spans of a table's
+row keys, use counts and last steps are concatenated into the table's (what one process would
+hold), the admission sketches summed (a count-min sketch is linear: the sum is the sketch of all
+the keys; after a resume each rank's estimates count every rank's sightings, which only
+over-estimates) and the counts summed. A load gives each key its row at the present world size
+(:func:`~hetero.dynamic.sharding.rehome`): none moves at the world size the checkpoint was saved
+at, so that resume is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hetero.dynamic import DynamicStats, KeyMap
+from hetero.dynamic.sharding import KeyShard, KeySpans, rehome
+from hetero.embedding import HostEmbedding, host_tables
+from hetero.embedding.group import TableGroup
+from hetero.parallel.env import host_group, rank, world_size
+
+KEYMAP_ROWS = ("row_key", "row_count", "row_last")  # the key map's per-row arrays (KeyMap.STATE)
+
+
+def shard_keys(group: TableGroup, blocks: list[tuple[int, int]]) -> None:
+    """Give each dynamic table of ``group``, being row-sharded into ``blocks`` (each rank's group rows
+    ``[lo, hi)``), a key map of this rank's span of its rows, and route its lookups to the owners.
+    ``keep_floor`` is shared out over the spans in proportion; ``evict_chunk`` is capped at a span."""
+    r = rank()
+    lo, hi = blocks[r]
+    for t in group.tables:
+        if t.keymap is None:
+            continue
+        capacity, config = t.config.num_embeddings, t.config.dynamic
+        spans = KeySpans.of_blocks(capacity, t.group_row, blocks)
+        mine = int(spans.counts[r])
+        chunk = None if config.evict_chunk is None or not mine else min(config.evict_chunk, mine)
+        local = dataclasses.replace(config, keep_floor=config.keep_floor * mine // capacity, evict_chunk=chunk)
+        t.keymap = KeyMap(t.config.name, mine, local, t.init_seed)
+        t.key_first, t.key_shard = int(spans.starts[r]), KeyShard(spans)
+    frozen = group.dynamic.frozen  # (the default rows: group rows -> this rank's storage rows)
+    group.dynamic.frozen = frozen[(frozen >= lo) & (frozen < hi)] - lo
+    group.dynamic.route = functools.partial(route_keys, host_group())
+
+
+def route_keys(pg: dist.ProcessGroup | None, table: HostEmbedding, keys: Tensor, training: bool) -> Tensor:
+    """The rows of a row-sharded dynamic table's ``keys`` (``(N,)`` int64, host): each translated by
+    its owner (:meth:`HostEmbedding.own_rows`). A collective of ``pg``: every rank calls it for the
+    same lookup, with its own keys (any number, none included)."""
+    n = world_size()
+    owner = table.key_shard.spans.owner(keys.numpy())
+    order = torch.from_numpy(np.argsort(owner, kind="stable"))  # by owner, each rank's keys in lookup order
+    send_counts = torch.from_numpy(np.bincount(owner, minlength=n))
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=pg)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    asked = torch.empty(sum(recv), dtype=torch.int64)
+    dist.all_to_all_single(asked, keys[order], recv, send, group=pg)
+    rows = table.own_rows(asked, training)  # this rank's keys, rank 0's first: the order one process would see
+    got = torch.empty(keys.numel(), dtype=torch.int64)
+    dist.all_to_all_single(got, rows, send, recv, group=pg)
+    out = torch.empty_like(got)
+    out[order] = got
+    return out
+
+
+def sharded_keymaps(model: nn.Module) -> dict[str, HostEmbedding]:
+    """The row-sharded dynamic tables of ``model``, by qualified name."""
+    return {k: t for k, t in host_tables(model).items() if t.keymap is not None and t.key_shard is not None}
+
+
+def _gather_spans(table: HostEmbedding, local: np.ndarray) -> np.ndarray:
+    """The table's ``(capacity, ...)`` array from each rank's span (``local``: ``(counts[r], ...)``)."""
+    counts = table.key_shard.spans.counts
+    longest = int(counts.max())
+    padded = torch.zeros((longest, *local.shape[1:]), dtype=torch.int64)
+    padded[: local.shape[0]] = torch.from_numpy(local.astype(np.int64))
+    parts = [torch.empty_like(padded) for _ in range(world_size())]
+    dist.all_gather(parts, padded, group=host_group())
+    return torch.cat([p[: int(c)] for p, c in zip(parts, counts)]).numpy()
+
+
+SKETCH_CHUNK = 1 << 18  # sketch counters summed at once (int64: 2 MiB), to bound a checkpoint's peak
+
+
+def _summed_sketch(table: HostEmbedding) -> Tensor:
+    """Every rank's admission sketch summed (what each counted since the load's ``sketch_base``, plus
+    the base), saturated at int32's top, chunk by chunk. Collective."""
+    mine = table.keymap.sketch.reshape(-1)
+    base = table.key_shard.sketch_base
+    out = torch.empty(mine.shape[0], dtype=torch.int32)
+    for lo in range(0, mine.shape[0], SKETCH_CHUNK):
+        part = torch.from_numpy(mine[lo : lo + SKETCH_CHUNK].astype(np.int64))
+        if base is not None:
+            part -= torch.from_numpy(base.reshape(-1)[lo : lo + SKETCH_CHUNK].astype(np.int64))
+        dist.all_reduce(part, group=host_group())
+        if base is not None:
+            part += torch.from_numpy(base.reshape(-1)[lo : lo + SKETCH_CHUNK].astype(np.int64))
+        out[lo : lo + part.shape[0]] = part.clamp_(max=2**31 - 1)
+    return out.view(table.keymap.sketch.shape)
+
+
+def full_keymap_state(name: str, table: HostEmbedding) -> dict[str, Tensor]:
+    """The state dict entries (``<name>.keymap.*``) of a row-sharded dynamic table's key map, whole:
+    what one process holding every key would save. Collective."""
+    m = table.keymap
+    rows = _gather_spans(table, np.stack([m.row_key, m.stat[:, 0], m.stat[:, 1]], axis=1))
+    counts = torch.tensor(dataclasses.astuple(m.stats), dtype=torch.int64)
+    dist.all_reduce(counts, group=host_group())
+    scan = torch.tensor([m.next_scan])
+    dist.all_reduce(scan, op=dist.ReduceOp.MAX, group=host_group())
+    dtypes = {"row_key": np.int64, "row_count": np.int32, "row_last": np.int32}  # (KeyMap.state_dict's)
+    state = {k: torch.from_numpy(rows[:, i].astype(dtypes[k])) for i, k in enumerate(KEYMAP_ROWS)}
+    state.update(sketch=_summed_sketch(table), next_scan=scan[0], stats=counts)
+    out = {f"{name}.keymap.{k}": v for k, v in state.items()}
+    out[f"{name}.keymap.step"] = torch.tensor(table.group.dynamic.steps_taken)
+    return out
+
+
+def local_keymap_state(name: str, table: HostEmbedding, state: dict[str, Tensor]) -> None:
+    """Turn a whole table's entries of a model state (``<name>.weight``, ``<name>.keymap.*``; saved
+    at any world size, or by one process) into this rank's, in place: every key is given its row
+    here (:func:`~hetero.dynamic.sharding.rehome`), its value with it; the weight stays whole (the
+    caller cuts its rows). The moves are kept on the table (``key_shard.rehomed``) for the optimizer's state
+    (:func:`rehome_state`). The counts go to rank 0; the keys that found no row count as evicted."""
+    if f"{name}.keymap.row_key" not in state:
+        return
+    arrays = {k: state[f"{name}.keymap.{k}"].numpy() for k in KEYMAP_ROWS}
+    shard = table.key_shard
+    moved = rehome(shard.spans, arrays["row_key"], arrays["row_count"], arrays["row_last"])
+    shard.rehomed = None if moved.identity else moved.source
+    shard.sketch_base = state[f"{name}.keymap.sketch"].numpy().copy()  # (int32, as the sketch)
+    lo, hi = table.key_first, table.key_first + table.keymap.capacity
+    for k, x in arrays.items():
+        whole = np.full_like(x, -1 if k == "row_last" else 0)
+        held = moved.source >= 0
+        whole[held] = x[moved.source[held]]
+        state[f"{name}.keymap.{k}"] = torch.from_numpy(whole[lo:hi].copy())
+    if shard.rehomed is not None and f"{name}.weight" in state:
+        state[f"{name}.weight"] = rehome_state(table, state[f"{name}.weight"], 0.0)
+    stats = DynamicStats(*state[f"{name}.keymap.stats"].tolist())
+    stats.evicted += moved.dropped
+    mine = dataclasses.astuple(stats) if rank() == 0 else (0, 0, 0, 0)
+    state[f"{name}.keymap.stats"] = torch.tensor(mine, dtype=torch.int64)
+
+
+def rehome_state(table: HostEmbedding, whole: Tensor, initial: float) -> Tensor:
+    """A whole table's per-row tensor (``(num_embeddings + 1, ...)``: its weight or an optimizer
+    state) with each row where :func:`local_keymap_state` put its key; free rows ``initial``, the
+    default row unchanged. Unchanged when no key moved."""
+    if table.key_shard is None or table.key_shard.rehomed is None:
+        return whole
+    source = torch.from_numpy(table.key_shard.rehomed)
+    out = torch.full_like(whole, initial)
+    held = source >= 0
+    out[: source.shape[0]][held] = whole[source[held]]
+    out[source.shape[0] :] = whole[source.shape[0] :]
+    return out
+
+
+def dynamic_stats(model: nn.Module) -> dict[str, DynamicStats]:
+    """Each dynamic table's counts by qualified name; a row-sharded table's summed over the ranks
+    (a collective when ``model`` has one: every rank calls it)."""
+    tables = {k: t for k, t in host_tables(model).items() if t.keymap is not None}
+    out = {k: dataclasses.replace(t.keymap.stats) for k, t in tables.items()}
+    sharded = [k for k, t in tables.items() if t.key_shard is not None]
+    if sharded:
+        summed = torch.tensor([dataclasses.astuple(out[k]) for k in sharded], dtype=torch.int64)
+        dist.all_reduce(summed, group=host_group())
+        for k, row in zip(sharded, summed.tolist()):
+            out[k] = DynamicStats(*row)
+    return out
