@@ -51,8 +51,8 @@ def test_a_training_split_of_one_class_is_refused_before_training(tmp_path, caps
 def test_non_finite_dense_values_are_named_skipped_or_filled(tmp_path, value):
     path = _csv(tmp_path / "d.csv", "y,x", [(1, 2.0), (0, value), (1, 3.0)])
     schema = Schema(Label("y"), (), (Dense("x", Transform.STANDARDIZE),))
-    with pytest.raises(ValueError, match=rf"d.csv: line 3, column 'x': [-\w.]+ is not a finite number; fix the value, "
-                                         rf"or say what it reads as: fill = 0.0 in the schema's dense 'x'"):
+    with pytest.raises(ValueError, match=r"d.csv: line 3, column 'x': [-\w.]+ is not a finite number; fix the value, "
+                                         r"or say what it reads as: fill = 0.0 in the schema's dense 'x'"):
         read_table(path, schema)
     assert read_table(path, schema, ReaderConfig(on_bad_rows=BadRows.SKIP)).column("x").to_pylist() == [2.0, 3.0]
     filled = Schema(Label("y"), (), (Dense("x", Transform.LOG1P, fill=-1.0),))

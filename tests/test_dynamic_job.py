@@ -1,12 +1,12 @@
 """Dynamic features in a job file (``dynamic = true`` in the schema): no vocabulary, a row per
 admitted value; trained, resumed exactly and predicted by ``hetero``'s commands."""
 
-import json
 import random
 
 import pytest
 
 from hetero.cli import main
+from test_user_data import _last_json, job_file
 
 TRAIN = ["--epochs", "2", "--batch-size", "32", "--no-progress", "--embedding-dim", "4", "--hidden", "8"]
 
@@ -40,20 +40,9 @@ def _csv(path, n=400, seed=0):
     path.write_text("label,user,item,age,genres\n" + "\n".join(rows) + "\n")
 
 
-def _last_json(capsys):
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("mode", ["memory", "stream"])
 def test_a_dynamic_feature_trains_resumes_exactly_and_predicts(tmp_path, capsys, mode):
-    data = tmp_path / "ids.csv"
-    _csv(data)
-    extra = ""
-    if mode == "stream":
-        _csv(tmp_path / "valid.csv", 100, seed=1)
-        extra = f'valid_path = "{tmp_path / "valid.csv"}"\ntest_path = "{tmp_path / "valid.csv"}"'
-    job = tmp_path / "job.toml"
-    job.write_text(JOB.format(data=data, extra=extra))
+    data, job = job_file(tmp_path, JOB, _csv, stream=mode == "stream")
     runs = {}
     for name, steps in (("straight", []), ("resumed", ["--max-steps", "5"])):
         run = tmp_path / name

@@ -4,7 +4,6 @@ position and is verified on load."""
 
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,20 +41,28 @@ hash_buckets = 64
 """
 
 
+def job_file(tmp_path, template, write_csv, stream=False):
+    """``template`` (a job file with ``{data}`` and ``{extra}``) written for ``write_csv``'s
+    training data, and with ``stream`` a validation and test file of 100 rows beside it:
+    ``(data, job)`` paths."""
+    data = tmp_path / "ids.csv"
+    write_csv(data)
+    extra = ""
+    if stream:
+        write_csv(tmp_path / "valid.csv", 100, seed=1)
+        extra = f'valid_path = "{tmp_path / "valid.csv"}"\ntest_path = "{tmp_path / "valid.csv"}"'
+    job = tmp_path / "job.toml"
+    job.write_text(template.format(data=data, extra=extra))
+    return data, job
+
+
 def _last_json(capsys):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("mode", ["memory", "prepared", "stream"])
 def test_a_categorical_only_csv_trains_resumes_and_predicts(tmp_path, capsys, mode):
-    data = tmp_path / "ids.csv"
-    _ids_csv(data)
-    extra = ""
-    if mode == "stream":
-        _ids_csv(tmp_path / "valid.csv", 100, seed=1)
-        extra = f'valid_path = "{tmp_path / "valid.csv"}"\ntest_path = "{tmp_path / "valid.csv"}"'
-    job = tmp_path / "job.toml"
-    job.write_text(IDS_JOB.format(data=data, extra=extra))
+    data, job = job_file(tmp_path, IDS_JOB, _ids_csv, stream=mode == "stream")
     run = tmp_path / "run"
     args = ["train", "--config", str(job), *TRAIN, "--run-dir", str(run)]
     if mode == "prepared":

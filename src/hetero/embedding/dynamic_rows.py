@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from hetero.dynamic.sharding import KeyShard
 from hetero.embedding.grad import SparseGrad
+
+
+class KeyedTable(Protocol):
+    """What a row-sharded lookup's route reads of a dynamic table (a
+    :class:`~hetero.embedding.table.HostEmbedding`)."""
+
+    key_shard: KeyShard | None  # its spans over the ranks
+
+    def own_rows(self, keys: Tensor, training: bool) -> Tensor: ...  # the keys this rank owns -> their rows
 
 
 class DynamicRows:
@@ -39,7 +49,7 @@ class DynamicRows:
         self.gather: Callable[[Tensor], tuple[Tensor, int, int]] | None = None
         # row-sharded (set by hetero.parallel.shard_rows): a lookup's (table, keys, training) -> its rows,
         # each key translated by the rank that owns it (hetero.parallel.sharded_keys)
-        self.route: Callable[[Any, Tensor, bool], Tensor] | None = None
+        self.route: Callable[[KeyedTable, Tensor, bool], Tensor] | None = None
 
     def refuse(self, what: str) -> None:
         """Raise where a dynamic table cannot go yet (``what``: the mechanism).

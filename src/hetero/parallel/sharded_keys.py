@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from hetero.dynamic import DynamicStats, KeyMap
 from hetero.dynamic.sharding import KeyShard, KeySpans, rehome
 from hetero.embedding import HostEmbedding, host_tables
+from hetero.embedding.dynamic_rows import KeyedTable
 from hetero.embedding.group import TableGroup
 from hetero.parallel.env import host_group, rank, world_size
 
@@ -57,9 +58,9 @@ def shard_keys(group: TableGroup, blocks: list[tuple[int, int]]) -> None:
     group.dynamic.route = functools.partial(route_keys, host_group())
 
 
-def route_keys(pg: dist.ProcessGroup | None, table: HostEmbedding, keys: Tensor, training: bool) -> Tensor:
+def route_keys(pg: dist.ProcessGroup | None, table: KeyedTable, keys: Tensor, training: bool) -> Tensor:
     """The rows of a row-sharded dynamic table's ``keys`` (``(N,)`` int64, host): each translated by
-    its owner (:meth:`HostEmbedding.own_rows`). A collective of ``pg``: every rank calls it for the
+    its owner (``table.own_rows``). A collective of ``pg``: every rank calls it for the
     same lookup, with its own keys (any number, none included)."""
     n = world_size()
     owner = table.key_shard.spans.owner(keys.numpy())
