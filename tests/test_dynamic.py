@@ -299,3 +299,18 @@ def test_a_new_keys_initial_row_is_normal_with_the_tables_std():
     assert stats.kstest(values.ravel() / 0.05, "norm").pvalue > 1e-3
     assert abs(np.corrcoef(values[:, 0], values[:, 1])[0, 1]) < 0.02
     assert np.array_equal(values[:5], KeyMap("t", 10, DynamicConfig(), seed=7).init_rows(np.arange(5) * 7919, 16, 0.05))
+
+
+def test_use_counts_saturate_at_int32s_top_whatever_the_threads_order():
+    """The count pass adds on every core (atomic adds): a count near the top saturates there, as the
+    serial count did, and a sketch counter too."""
+    m = KeyMap("t", 4, DynamicConfig(admit_after=3, sketch_width=64))
+    m.translate(np.array([7], np.int64), 0)
+    m.translate(np.array([7, 7], np.int64), 0)  # admitted at the third sighting
+    row = int(m.lookup(np.array([7], np.int64))[0])
+    m.stat[row, 0] = 2**31 - 4
+    m.sketch[:] = 2**31 - 4
+    keys = np.array([7] * 20_000 + [8] * 20_000, np.int64)  # (several chunks of the parallel pass)
+    m.translate(keys, 1)
+    assert int(m.stat[row, 0]) == 2**31 - 1
+    assert int(m.sketch.max()) == 2**31 - 1 and int(m.sketch.min()) >= 0

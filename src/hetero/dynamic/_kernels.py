@@ -12,7 +12,7 @@ than the caches.
 import numpy as np
 from numba import njit, prange
 
-from hetero._intrinsics import prefetch
+from hetero._intrinsics import fetch_add, prefetch
 
 AHEAD = 16  # keys of prefetch distance
 EMPTY = np.int32(-1)  # a free slot of the map; a free row's last step
@@ -97,6 +97,49 @@ def _rows(keys, slots, out):
             if i + AHEAD < hi:
                 prefetch(slots, homes[i + AHEAD - lo])
             out[i] = slots[_probe(keys[i], homes[i - lo], slots), 1]
+
+
+@njit(cache=True, inline="always")
+def _bump(flat, i):
+    """Add one to the int32 counter ``flat[i]`` atomically, saturating at ``SATURATED``: an add
+    that finds the counter saturated (or wrapped past it by another thread's add) takes itself
+    back, so the final value is ``min(count + adds, SATURATED)`` whatever the threads' order."""
+    old = fetch_add(flat, i, np.int32(1))
+    if old >= SATURATED or old < 0:
+        fetch_add(flat, i, np.int32(-1))
+
+
+@njit(cache=True, parallel=True)
+def _rows_counted(keys, slots, out, stat, sketch, step, by_count):
+    """:func:`_rows` and the step's bookkeeping in one pass over every core: each chunk
+    probes its keys' slots, then counts and stamps its known keys' rows (their entries
+    prefetched ``AHEAD`` keys in advance) and counts its unknown keys in the sketch. The counts
+    are atomic adds (:func:`_bump`), so they equal the serial pass's in any order; the stamps
+    all write the same step."""
+    n = keys.shape[0]
+    flat, cells = stat.reshape(-1), sketch.reshape(-1)
+    mask = np.uint64(sketch.shape[1] - 1)
+    for c in prange((n + PROBE_CHUNK - 1) // PROBE_CHUNK):
+        lo, hi = c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK)
+        homes = np.empty(hi - lo, np.intp)
+        for i in range(lo, hi):
+            homes[i - lo] = _home(keys[i], slots)
+        for i in range(lo, hi):
+            if i + AHEAD < hi:
+                prefetch(slots, homes[i + AHEAD - lo])
+            out[i] = slots[_probe(keys[i], homes[i - lo], slots), 1]
+        for i in range(lo, hi):
+            if i + AHEAD < hi and out[i + AHEAD] >= 0:
+                prefetch(stat, out[i + AHEAD])
+            r = out[i]
+            if r >= 0:
+                _bump(flat, 2 * r)
+                flat[2 * r + 1] = step
+            elif by_count:  # (_sketch's four counters, each added to atomically)
+                h = mix(np.uint64(keys[i]) ^ GOLDEN)
+                h1, h2 = h & np.uint64(0xFFFFFFFF), (h >> np.uint64(32)) | np.uint64(1)
+                for d in range(sketch.shape[0]):
+                    _bump(cells, d * sketch.shape[1] + np.intp((h1 + np.uint64(d) * h2) & mask))
 
 
 def lookup(keys, out, slots, default_row):
@@ -195,23 +238,6 @@ def _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_aft
         stats[0] += 1
 
 
-@njit(cache=True)
-def _count(keys, out, stat, sketch, step, by_count):
-    """The first pass's bookkeeping: a known key's row is counted and stamped; an unknown key is
-    counted in the sketch."""
-    n = keys.shape[0]
-    for i in range(n):
-        if i + AHEAD < n and out[i + AHEAD] >= 0:
-            prefetch(stat, out[i + AHEAD])
-        r = out[i]
-        if r >= 0:
-            stat[r, 1] = step
-            if stat[r, 0] < SATURATED:
-                stat[r, 0] += 1
-        elif by_count:
-            _sketch(keys[i], sketch, True)
-
-
 def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
               default_row, admitted, evicted, stats):
     """Rows of a training step's ``keys`` into ``out``: known keys are counted and stamped with
@@ -222,8 +248,7 @@ def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_
 
     ``admitted`` receives ``(row, key)`` pairs from ``admitted[0, 0]`` + 1 on (sized by the caller),
     ``evicted[0]`` the count of evictions; ``stats`` += (admitted, evicted, default lookups)."""
-    _rows(keys, slots, out)
-    _count(keys, out, stat, sketch, step, admit_below == 0 and admit_after > 1)  # (1: admitted uncounted)
+    _rows_counted(keys, slots, out, stat, sketch, step, admit_below == 0 and admit_after > 1)  # (1: admitted uncounted)
     before = evicted[0]
     _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
            default_row, admitted, evicted, stats)
