@@ -9,13 +9,19 @@ import torch
 
 from hetero.data import Feature, FeatureRole, Jagged, TabularDataset
 
-# The CUDA runtime reads CUDA_VISIBLE_DEVICES once, when a process first asks for its devices; torch's
-# device_count() reads it again (NVML) until CUDA is initialised. Initialise now: a test that hides the
-# GPUs from the processes it spawns (cpu_ranks) must not hide them from this one, whose later tests
-# would then see CUDA "available" with no device to name ("Invalid device id").
-if torch.cuda.is_available():
-    torch.cuda.init()
-torch.cuda.device_count()
+
+def pytest_configure(config):
+    """The CUDA runtime reads CUDA_VISIBLE_DEVICES once, when a process first asks for its devices;
+    torch's device_count() reads it again (NVML) until CUDA is initialised. Initialise it in pytest's
+    processes before any test: a test that hides the GPUs from the processes it spawns (cpu_ranks)
+    must not hide them from this one, whose later tests would then see CUDA "available" with no
+    device to name ("Invalid device id"). A hook, not module code: a spawned rank imports this module
+    to unpickle its function *before* it takes the hiding environment, and initialising CUDA there
+    would show it the GPU it must not use (seen on an H100, run 9: "LOCAL_RANK=1 has no CUDA device")."""
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    torch.cuda.device_count()
+
 
 GENRES = ["Action", "Comedy", "Drama", "Sci-Fi", "Children's"]
 
@@ -169,6 +175,9 @@ def spawn(fn, args=(), nprocs=2, env=None):
 
 
 def _in_environment(rank, environ, fn, args):
+    # (this process imported the modules of fn and of this function before it took ``environ``: had one
+    # of them initialised CUDA, hiding the GPUs now would hide nothing)
+    assert not (environ.get("CUDA_VISIBLE_DEVICES") == "" and torch.cuda.is_initialized()), "CUDA started before the GPUs were hidden"
     os.environ.clear()
     os.environ.update(environ)
     if "OMP_NUM_THREADS" in environ:  # (read by OpenMP when the server loaded torch, not now)

@@ -42,8 +42,11 @@ def _run(before: str = "", run: str = POOL, cpu: bool = True) -> str:
     """The case's line, in a fresh process whose device is the CPU (GPUs hidden; ``cpu``)."""
     import os
 
+    # the thread counts are the case's own (torch.set_num_threads(2)): none inherited from the suite's
+    # environment (a GPU run's OMP_NUM_THREADS=1 capped numba's pool at 1, run 9)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")}
     done = subprocess.run([sys.executable, "-c", CASE.format(before=before, run=run)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})})
+                          timeout=300, env={**env, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})})
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]
 

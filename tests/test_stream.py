@@ -161,6 +161,23 @@ def test_bad_rows_are_named_or_skipped_and_counted(tmp_path):
     assert "a row of 2 fields, 6 expected: 'yes,Paris'" in skip.bad.first or "'x150' is not a number" in skip.bad.first
 
 
+def test_a_csv_parse_error_reads_the_same_with_any_pyarrow(tmp_path, monkeypatch):
+    # newer pyarrow numbers the row ("Row #N: ", counted in the byte range read, not the file): left out
+    import pyarrow as pa
+    import pyarrow.csv
+
+    path = _file(tmp_path, n=20)
+
+    def numbered(*args, **kwargs):
+        raise pa.ArrowInvalid("CSV parse error: Row #7: Expected 6 columns, got 2: yes,Paris\nmore")
+
+    monkeypatch.setattr(pyarrow.csv, "open_csv", numbered)
+    with pytest.raises(ValueError) as e:
+        read_table(path, SCHEMA)
+    assert str(e.value) == f"{path}: CSV parse error: Expected 6 columns, got 2: yes,Paris; fix the row, or set " \
+                           "on_bad_rows = \"skip\""
+
+
 def _job(tmp_path, n=1500):
     """A job over train/valid/test files of a generated CSV (the split a stream needs)."""
     for name, seed, size in (("train.csv", 0, n), ("valid.csv", 1, 300), ("test.csv", 2, 300)):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -322,9 +323,10 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
                 if fast and "conversion error" in str(e):
                     fast = False  # again as text from the row after the last one yielded
                     continue
-                # a row of another field count (pyarrow names it)
-                raise ValueError(f"{path}: {str(e).splitlines()[0]}; fix the row, or set on_bad_rows = \"skip\"") \
-                    from None
+                # a row of another field count (pyarrow quotes it). Newer pyarrow also numbers it
+                # ("Row #N: "), counted from the start of this byte range, not of the file: left out
+                message = re.sub(r"^(CSV parse error: )Row #\d+: ", r"\1", str(e).splitlines()[0])
+                raise ValueError(f"{path}: {message}; fix the row, or set on_bad_rows = \"skip\"") from None
 
 
 def read_table(path: str | Path | Sequence[str | Path], schema: Schema, config: ReaderConfig = ReaderConfig(),
