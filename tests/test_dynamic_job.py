@@ -224,3 +224,81 @@ def test_row_sharded_dynamic_features_resume_at_another_world_size(tmp_path, cpu
         assert pa == pb, name
         for k in a:
             assert torch.allclose(a[k].double(), b[k].double(), atol=1e-5, rtol=0), (name, k)
+
+
+def test_dynamic_features_on_the_ssd_tier_train_resume_and_predict_as_in_memory(tmp_path, capsys):
+    """The job's dynamic tables on the SSD tier under a cache of 0.004 MB (every step writes back
+    and reads again), straight and stopped at step 5 and resumed: the checkpoints (the tier's
+    snapshots read back) and the predictions equal the run in memory, tensor for tensor."""
+    import torch
+
+    from test_ssd_tier import load_whole
+
+    data = tmp_path / "ids.csv"
+    _csv(data)
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(data=data, extra=""))
+    args = ["train", "--config", str(job), *TRAIN]
+    ssd = ["--table-storage", "ssd", "--cache-mb", "0.004"]
+    for name, extra in (("memory", []), ("ssd", ssd), ("split", [*ssd, "--max-steps", "5"]),
+                        ("split", [*ssd, "--resume"])):
+        assert main([*args, "--run-dir", str(tmp_path / name), *extra]) == 0, name
+    capsys.readouterr()
+    memory = torch.load(tmp_path / "memory" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert int(memory["model"]["deep.tables.deep_user.keymap.stats"][1]) > 0  # evicting
+    tier = torch.load(tmp_path / "ssd" / "checkpoint.pt", map_location="cpu", weights_only=False)["tier"]
+    tables = dict(t for g in tier["groups"].values() for t in g["tables"])
+    assert tables["deep.tables.deep_user"] == 25 and "tier" not in memory  # (capacity and the default row, on the tier)
+    for name in ("ssd", "split"):
+        got = load_whole(tmp_path / name / "checkpoint.pt")
+        assert got["position"] == memory["position"], name
+        for k, v in memory["model"].items():
+            assert torch.equal(v, got["model"][k]), (name, k)
+        for o, state in memory["sparse_optimizers"].items():
+            for t, fields in state["state"].items():
+                for f, v in fields.items():
+                    assert torch.equal(v, got["sparse_optimizers"][o]["state"][t][f]), (name, t, f)
+    scores = {}
+    for name in ("memory", "split"):
+        out = tmp_path / f"{name}.csv"
+        assert main(["predict", "--checkpoint", str(tmp_path / name / "checkpoint.pt"), "--data", str(data),
+                     "--out", str(out)]) == 0
+        scores[name] = out.read_text()
+    assert scores["memory"] == scores["split"]
+
+
+def test_row_sharded_dynamic_features_on_the_ssd_tier_resume_at_their_world_size_only(tmp_path, cpu_ranks):
+    """Row-sharded over 2 ranks, each rank's part on its own tier: stopped at step 5 and resumed at
+    2 ranks, the run equals the same run in memory, tensor for tensor; a resume at 4 ranks (whose
+    owners would take other rows) is refused naming the world size, before anything is written; in one process it resumes as in memory."""
+    import torch
+
+    from conftest import hetero_on_ranks
+    from test_ssd_tier import load_whole
+
+    data = tmp_path / "ids.csv"
+    _csv(data)
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(data=data, extra=""))
+    args = ["train", "--config", str(job), *TRAIN, "--batch-size", "16", "--dropout", "0", "--table-sharding", "row"]
+    ssd = ["--table-storage", "ssd", "--cache-mb", "0.004"]
+    for name, extra in (("memory", []), ("ssd", [*ssd, "--max-steps", "5"]), ("ssd", [*ssd, "--resume"])):
+        run = hetero_on_ranks(tmp_path, 2, [*args, "--run-dir", str(tmp_path / name), *extra])
+        assert run.returncode == 0, run.stderr[-3000:]
+    memory, got = load_whole(tmp_path / "memory" / "checkpoint.pt"), load_whole(tmp_path / "ssd" / "checkpoint.pt")
+    assert int(memory["model"]["deep.tables.deep_user.keymap.stats"][1]) > 0 and memory["position"] == got["position"]
+    for k, v in memory["model"].items():
+        assert torch.equal(v, got["model"][k]), k
+    before = (tmp_path / "ssd" / "checkpoint.pt").read_bytes()
+    run = hetero_on_ranks(tmp_path, 4, [*args, "--run-dir", str(tmp_path / "ssd"), *ssd, "--resume", "--epochs", "3"])
+    assert run.returncode == 1 and "resume them row-sharded at 2 ranks" in run.stderr, run.stderr[-2000:]
+    assert (tmp_path / "ssd" / "checkpoint.pt").read_bytes() == before
+    ends = []  # and in one process (the keys keep their rows: the ranks' spans are the table's rows in order)
+    for name, extra in (("memory_one", []), ("ssd_one", ssd)):
+        run = hetero_on_ranks(tmp_path, 2, [*args, "--run-dir", str(tmp_path / name), *extra, "--max-steps", "5"])
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert main([*args, "--run-dir", str(tmp_path / name), *extra, "--resume"]) == 0
+        ends.append(load_whole(tmp_path / name / "checkpoint.pt"))
+    assert ends[0]["position"] == ends[1]["position"] == memory["position"]
+    for k, v in ends[0]["model"].items():
+        assert torch.equal(v, ends[1]["model"][k]), k

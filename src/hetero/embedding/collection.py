@@ -152,7 +152,7 @@ def move_tables_to_ssd(model: nn.Module, names: list[str], ssd: SsdConfig, write
         def initial(lo: int, hi: int, g: TableGroup = g) -> Tensor:  # (the tables' current rows, not their seeds')
             out = torch.empty(hi - lo, g.dim, dtype=g.dtype)
             for t in g.tables:
-                a, b = max(lo, t.group_row), min(hi, t.group_row + t.config.num_embeddings)
+                a, b = max(lo, t.group_row), min(hi, t.group_row + t.config.num_rows)  # (a dynamic table's default row too)
                 if a < b:
                     out[a - lo : b - lo] = rows[t][a - t.group_row : b - t.group_row]
             return out

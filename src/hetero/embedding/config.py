@@ -94,10 +94,6 @@ class TableConfig:
             object.__setattr__(self, "dynamic", DynamicConfig())
         if self.hashed:
             raise ValueError(f"table {self.name!r}: a dynamic table gives each key a row of its own; drop hashed=True")
-        if self.storage is not StorageTier.HOST_DRAM:
-            raise ValueError(f"table {self.name!r}: a dynamic table lives in host memory for now; drop "
-                             f"storage={self.storage.value} (StorageTier.HOST_DRAM; a job's [tables] storage = "
-                             f"\"memory\")")
         if self.num_embeddings >= (1 << 31) - 1:
             raise ValueError(f"table {self.name!r}: a dynamic table holds at most 2**31 - 2 rows, got "
                              f"num_embeddings = {self.num_embeddings}")
@@ -118,9 +114,16 @@ def init_rows(config: TableConfig, seed: int, lo: int, hi: int) -> Tensor:
 
     ``N(0, init_std**2)`` (zeros if ``init_std == 0``), drawn in fp32 per block of
     :data:`INIT_CHUNK` rows from a generator seeded by ``(seed, block)``, so a row's value does
-    not depend on which process builds it or how the rows are split.
+    not depend on which process builds it or how the rows are split. A dynamic table's rows are
+    zeros (a key's row takes its initial value on admission, ``KeyMap.init_rows``), but for its
+    last, the default row: ``dynamic.default_value``.
     """
     out = torch.empty(hi - lo, config.embedding_dim)
+    if config.keys is Keys.DYNAMIC:
+        out.zero_()
+        if lo <= config.num_embeddings < hi:
+            out[config.num_embeddings - lo] = config.dynamic.default_value
+        return out.to(config.dtype)
     if config.init_std <= 0:
         return out.zero_().to(config.dtype)
     g = torch.Generator()

@@ -375,11 +375,12 @@ class TableGroup:
             kernels().stamp_rows(self.row_version, rows.numpy(), self.version)
 
     def reset_rows(self, rows: Tensor, values: Tensor) -> None:
-        """Group rows ``rows`` (``(A,)`` int64) belong to new keys of a dynamic table: they take
-        ``values`` (``(A, dim)`` float32) now, and their optimizer state starts afresh at the next
-        step (:meth:`DynamicRows.begin_step`). A row-sharded group holds them (the owner of their keys
-        gives only its own rows)."""
+        """Group rows ``rows`` (``(A,)`` int64; row-sharded, this rank's own) belong to new keys of a
+        dynamic table: they take ``values`` (``(A, dim)`` float32) now, and their optimizer state starts
+        afresh at the next step (:meth:`DynamicRows.begin_step`; on the SSD tier now, :meth:`SsdRows.reset`)."""
         here = rows - self.first_row  # (storage rows)
+        if self.ssd_config is not None:
+            return self.ssd_rows().reset(here.numpy(), values.to(self.dtype))  # (row and fresh state, now)
         self.storage[here] = values.to(self.dtype)
         self.dynamic.add_fresh(here.numpy())
 

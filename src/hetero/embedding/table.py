@@ -93,13 +93,10 @@ class HostEmbedding(nn.Module):
         if _DEFERRED[0] or config.storage is StorageTier.SSD:
             # no memory: the rows live on parameter servers, or on the SSD tier (the group lays them out)
             weight = torch.empty(shape, dtype=config.dtype, device="meta")
-        elif self.keymap is not None:
-            weight = host_empty(shape, config.dtype).zero_()
-            weight[-1] = config.dynamic.default_value
         else:
             weight = host_empty(shape, config.dtype)
-            for lo in range(0, config.num_embeddings, INIT_CHUNK):
-                hi = min(lo + INIT_CHUNK, config.num_embeddings)
+            for lo in range(0, config.num_rows, INIT_CHUNK):
+                hi = min(lo + INIT_CHUNK, config.num_rows)
                 weight[lo:hi] = init_rows(config, self.init_seed, lo, hi)
         self.weight = nn.Parameter(weight, requires_grad=False)
         # Zero-size probe that follows .to()/.cuda()/.half(): it records where and in which dtype

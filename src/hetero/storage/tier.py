@@ -172,6 +172,21 @@ class SsdRows:
             return rows
         return SsdRows(rows.name, rows.rows, rows.dim, rows.dtype, rows.config, init=None, state=state, previous=rows)
 
+    def reset(self, rows: np.ndarray, values: torch.Tensor) -> None:
+        """Rows ``rows`` (unique int64) start afresh: their records become ``values`` (``(len(rows),
+        dim)``, the rows' dtype) and each state's initial value - a dynamic table's rows given to new
+        keys. Written in the cache (dirty: written back when given up, so a lookup that no update
+        follows keeps them too).
+
+        Raises:
+            ValueError, OSError: as :meth:`RowCache.acquire`.
+        """
+        slots = self.cache.acquire(rows, used=False)
+        at = torch.from_numpy(slots)
+        for name, field in self.cache.fields.items():
+            field[at] = values if name == "weight" else self.state[name][1]
+        self.cache.mark_dirty(slots)
+
     def read(self, lo: int, hi: int, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         """Fields ``names`` (default: every one) of rows ``[lo, hi)``, current values (copies)."""
         return self.cache.read(np.arange(lo, hi, dtype=np.int64), names)

@@ -74,7 +74,7 @@ class TierCheckpoint:
         groups = {}
         for key, g in self.groups.items():
             groups[key] = {"name": g.ssd_name, "parts": self.world if self._sharded(g) else 1,
-                           "tables": [[q, t.config.num_embeddings] for q, t in zip(key.split(","), g.tables)]}
+                           "tables": [[q, t.config.num_rows] for q, t in zip(key.split(","), g.tables)]}
             if self._sharded(g) or self.rank == 0:
                 g.ssd_checkpoint(self.run_dir / directory / f"rank{self.rank}" / g.ssd_name)
         return {"directory": directory, "groups": groups}
@@ -109,6 +109,12 @@ class TierCheckpoint:
             if key not in entry["groups"]:
                 raise CheckpointError(f"checkpoint {path} has no SSD tier snapshot of tables {key}")
             saved = entry["groups"][key]
+            if g.dynamic.tables and self._sharded(g) and saved["parts"] != self.world:
+                # (a load at another world size moves keys to other rows, rehome_state: the tier's rows stay)
+                raise CheckpointError(f"checkpoint {path} holds row-sharded dynamic tables {g.dynamic.tables} on the SSD "
+                                      f"tier from {saved['parts']} ranks: resume them row-sharded at {saved['parts']} ranks, "
+                                      f"or replicated (at another world size a key moves to another rank's rows, which "
+                                      f"the tier's snapshots do not follow yet)")
             parts = [path.parent / entry["directory"] / f"rank{r}" / saved["name"] for r in range(saved["parts"])]
             out[key] = [(p, snapshot.verify(p)) for p in parts]
         return out
