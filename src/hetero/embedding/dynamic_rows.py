@@ -18,6 +18,7 @@ class KeyedTable(Protocol):
     :class:`~hetero.embedding.table.HostEmbedding`)."""
 
     key_shard: KeyShard | None  # its spans over the ranks
+    training: bool  # (nn.Module's mode)
 
     def own_rows(self, keys: Tensor, training: bool) -> Tensor: ...  # the keys this rank owns -> their rows
 
@@ -45,11 +46,11 @@ class DynamicRows:
         self.steps_taken = 0  # optimizer steps of the group, with a gradient or not
         self._fresh: list[np.ndarray] = []
         # replicated over data-parallel ranks (set by hetero.parallel.DistributedSparse): a training
-        # lookup's keys -> every replica's keys in rank order, and this rank's [lo, hi) among them
-        self.gather: Callable[[Tensor], tuple[Tensor, int, int]] | None = None
-        # row-sharded (set by hetero.parallel.shard_rows): a lookup's (table, keys, training) -> its rows,
-        # each key translated by the rank that owns it (hetero.parallel.sharded_keys)
-        self.route: Callable[[KeyedTable, Tensor, bool], Tensor] | None = None
+        # lookup's keys, table by table -> every replica's keys in rank order, and this rank's [lo, hi)
+        self.gather: Callable[[list[Tensor]], list[tuple[Tensor, int, int]]] | None = None
+        # row-sharded (set by hetero.parallel.shard_rows): a lookup's [(table, keys)], training -> their
+        # rows, each key translated by the rank that owns it (hetero.parallel.sharded_keys: one exchange)
+        self.route: Callable[[list[tuple[KeyedTable, Tensor]], bool], list[Tensor]] | None = None
 
     def refuse(self, what: str) -> None:
         """Raise where a dynamic table cannot go yet (``what``: the mechanism).
@@ -61,6 +62,20 @@ class DynamicRows:
             raise ValueError(f"dynamic tables {self.tables} train in one process, or replicated or row-sharded over "
                              f"data-parallel ranks, without prefetch, for now; not with {what}: drop that, or give these "
                              f"tables a fixed vocabulary (keys=Keys.FIXED; in a job file's schema, no dynamic = true)")
+
+    def rows_of(self, lookups: list[tuple[KeyedTable, Tensor]]) -> list[Tensor]:
+        """The rows of several of the group's dynamic tables' keys (``(table, (N,) int64 keys)``
+        pairs, one lookup): row-sharded, one exchange for all (``route``); replicated, a training
+        lookup's keys gathered from every rank at once (``gather``); else each table's own key map."""
+        modes = {t.training for t, _ in lookups}
+        assert len(modes) == 1, "the tables of one lookup share their module's mode"
+        training = modes.pop() and torch.is_grad_enabled()
+        if self.route is not None:
+            return self.route(lookups, training)
+        if self.gather is not None and training:
+            everyone = self.gather([k for _, k in lookups])
+            return [t.own_rows(keys, True)[lo:hi] for (t, _), (keys, lo, hi) in zip(lookups, everyone)]
+        return [t.own_rows(k, training) for t, k in lookups]
 
     def add_fresh(self, rows: np.ndarray) -> None:
         """Storage rows ``rows`` now belong to new keys: their state is reset at the next step."""

@@ -28,13 +28,19 @@ class PlannedTable(Protocol):
 
     def raise_out_of_range(self, bad: int) -> None: ...
 
-    def rows_of(self, keys: Tensor) -> Tensor: ...  # a dynamic table's rows of raw keys
+
+class KeyRows(Protocol):
+    """What :func:`build_plan` asks of a group's dynamic tables: the rows of their keys, one lookup's
+    ``(table, keys)`` pairs at once."""
+
+    def rows_of(self, lookups: list[tuple[PlannedTable, Tensor]]) -> list[Tensor]: ...
 
 
 class DedupGroup(Protocol):
     """What :func:`build_plan` needs of a table group (a :class:`~hetero.embedding.group.TableGroup`)."""
 
     marker: np.ndarray | None  # the group's dedup scratch over its row space (None: no dedup here)
+    dynamic: KeyRows  # its dynamic tables' keys -> rows (hetero.embedding.dynamic_rows.DynamicRows)
 
     def dedup(self, plan: "LookupPlan") -> None: ...
 
@@ -106,12 +112,14 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True) -
     n = bags = 0
     singleton = all(r.offsets is None and r.table.config.pooling is Pooling.NONE for r in requests)
     for r in requests:
-        cfg = r.table.config
         if r.ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"table {cfg.name!r}: ids must be int64 or int32, got {r.ids.dtype}")
-        ids = r.ids.to("cpu", torch.int64).reshape(-1)  # sync point if ids live on the device
-        if cfg.keys is Keys.DYNAMIC:  # raw keys -> the table's rows (one compiled pass; training admits)
-            ids = r.table.rows_of(ids)
+            raise ValueError(f"table {r.table.config.name!r}: ids must be int64 or int32, got {r.ids.dtype}")
+    given = [r.ids.to("cpu", torch.int64).reshape(-1) for r in requests]  # sync point if ids live on the device
+    keyed = [i for i, r in enumerate(requests) if r.table.config.keys is Keys.DYNAMIC]
+    if keyed:  # raw keys -> the tables' rows (one compiled pass a table; training admits; row-sharded, one exchange)
+        for i, rows in zip(keyed, group.dynamic.rows_of([(requests[i].table, given[i]) for i in keyed])):
+            given[i] = rows
+    for r, ids in zip(requests, given):
         if singleton:  # per-id lookups: bag i is id i, no offsets needed
             ranges.append((n, n + ids.numel(), tuple(r.ids.shape)))
         else:

@@ -178,13 +178,7 @@ class HostEmbedding(nn.Module):
         Replicated over data-parallel ranks, a training lookup translates every rank's keys
         (``DynamicRows.gather``); row-sharded, each key goes to the rank that owns it
         (``DynamicRows.route``): both are collectives."""
-        training = self.training and torch.is_grad_enabled()
-        route = self.group.dynamic.route
-        if route is not None:
-            return route(self, keys, training)
-        gather = self.group.dynamic.gather if training else None  # (replicas: the same map everywhere)
-        everyone, lo, hi = gather(keys) if gather is not None else (keys, 0, keys.numel())
-        return self.own_rows(everyone, training)[lo:hi]
+        return self.group.dynamic.rows_of([(self, keys)])[0]
 
     def own_rows(self, keys: Tensor, training: bool) -> Tensor:
         """:meth:`rows_of` by this process's key map alone: the keys it owns (all of them, unless

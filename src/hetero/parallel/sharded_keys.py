@@ -3,9 +3,10 @@ evicted by the rank that owns it (:mod:`hetero.dynamic.sharding`'s rule), whose 
 optimizer state it gets; checkpoints hold one table's key map whole, which any world size loads.
 
 A lookup (:func:`route_keys`) sends each key to its owner (all-to-all of counts, then keys, in
-rank order), the owner translates them with its :class:`~hetero.dynamic.KeyMap` in the order
-received - rank 0's keys, then rank 1's: what one process given the ranks' batches one after the
-other would see - and the rows go back (all-to-all). The row-sharded lookup then reads them as
+rank order; one exchange for all the dynamic tables of a table group's lookup), the owner
+translates them with its :class:`~hetero.dynamic.KeyMap` in the order received - rank 0's keys,
+then rank 1's: what one process given the ranks' batches one after the other would see - and the
+rows go back (all-to-all). The row-sharded lookup then reads them as
 any other rows (:mod:`hetero.parallel.row_sharded`): a key's row lies in its owner's block.
 
 Checkpoints (:func:`full_keymap_state`, :func:`local_keymap_state`): the ranks' spans of a table's
@@ -58,25 +59,54 @@ def shard_keys(group: TableGroup, blocks: list[tuple[int, int]]) -> None:
     group.dynamic.route = functools.partial(route_keys, host_group())
 
 
-def route_keys(pg: dist.ProcessGroup | None, table: KeyedTable, keys: Tensor, training: bool) -> Tensor:
-    """The rows of a row-sharded dynamic table's ``keys`` (``(N,)`` int64, host): each translated by
-    its owner (``table.own_rows``). A collective of ``pg``: every rank calls it for the
-    same lookup, with its own keys (any number, none included)."""
-    n = world_size()
-    owner = table.key_shard.spans.owner(keys.numpy())
-    order = torch.from_numpy(np.argsort(owner, kind="stable"))  # by owner, each rank's keys in lookup order
-    send_counts = torch.from_numpy(np.bincount(owner, minlength=n))
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=pg)
-    send, recv = send_counts.tolist(), recv_counts.tolist()
-    asked = torch.empty(sum(recv), dtype=torch.int64)
-    dist.all_to_all_single(asked, keys[order], recv, send, group=pg)
-    rows = table.own_rows(asked, training)  # this rank's keys, rank 0's first: the order one process would see
-    got = torch.empty(keys.numel(), dtype=torch.int64)
-    dist.all_to_all_single(got, rows, send, recv, group=pg)
-    out = torch.empty_like(got)
-    out[order] = got
+def route_keys(pg: dist.ProcessGroup | None, lookups: list[tuple[KeyedTable, Tensor]], training: bool) -> list[Tensor]:
+    """The rows of row-sharded dynamic tables' keys (``lookups``: ``(table, (N,) int64 keys)`` pairs,
+    host; a table may come twice): each key translated by its owner (``table.own_rows``), three
+    all-to-alls for all the tables - counts, keys, rows. A collective of ``pg``: every rank calls it
+    for the same lookups, with its own keys (any number, none included).
+
+    Each message to a rank holds the tables' keys it owns, table after table, each in lookup order;
+    an owner translates a table's keys in one call, rank 0's first: the order one process given the
+    ranks' batches one after the other would see."""
+    n, T = world_size(), len(lookups)
+    owners = [t.key_shard.spans.owner(k.numpy()) for t, k in lookups]
+    orders = [np.argsort(o, kind="stable") for o in owners]  # by owner, each rank's keys in lookup order
+    counts = np.stack([np.bincount(o, minlength=n) for o in owners], axis=1)  # (n, T): keys of table j for rank d
+    recv_counts = torch.empty(n * T, dtype=torch.int64)
+    dist.all_to_all_single(recv_counts, torch.from_numpy(counts.reshape(-1).copy()), group=pg)
+    got_counts = recv_counts.numpy().reshape(n, T)  # keys of table j from rank s
+    send = _by_rank([k.numpy()[o] for (_, k), o in zip(lookups, orders)], counts)
+    asked = torch.empty(int(got_counts.sum()), dtype=torch.int64)
+    dist.all_to_all_single(asked, torch.from_numpy(send), got_counts.sum(1).tolist(), counts.sum(1).tolist(), group=pg)
+    # each table's keys from every rank, rank 0's first: translated at once, then back in the received layout
+    segments = _segments(got_counts)
+    rows = np.empty(asked.shape[0], np.int64)
+    for j, (table, _) in enumerate(lookups):
+        at = np.concatenate([np.arange(a, b) for a, b in segments[:, j]])
+        rows[at] = table.own_rows(asked[torch.from_numpy(at)], training).numpy()
+    got = torch.empty(int(counts.sum()), dtype=torch.int64)
+    dist.all_to_all_single(got, torch.from_numpy(rows), counts.sum(1).tolist(), got_counts.sum(1).tolist(), group=pg)
+    out, back = [], _segments(counts)
+    for j, ((_, k), o) in enumerate(zip(lookups, orders)):
+        mine = torch.empty(k.numel(), dtype=torch.int64)
+        mine[torch.from_numpy(o)] = torch.cat([got[a:b] for a, b in back[:, j]])
+        out.append(mine)
     return out
+
+
+def _segments(counts: np.ndarray) -> np.ndarray:
+    """``(n, T, 2)``: where table ``j``'s part for (or from) rank ``d`` lies in a message laid out
+    rank by rank, table by table (``counts``: ``(n, T)``)."""
+    ends = np.cumsum(counts.reshape(-1)).reshape(counts.shape)
+    return np.stack([ends - counts, ends], axis=2)
+
+
+def _by_rank(parts: list[np.ndarray], counts: np.ndarray) -> np.ndarray:
+    """One message, rank by rank, table by table, of ``parts`` (table ``j``'s values sorted by rank,
+    ``counts[d, j]`` of them for rank ``d``)."""
+    starts = [np.concatenate([[0], np.cumsum(counts[:, j])]) for j in range(counts.shape[1])]
+    pieces = [parts[j][starts[j][d] : starts[j][d + 1]] for d in range(counts.shape[0]) for j in range(counts.shape[1])]
+    return np.concatenate(pieces) if pieces else np.empty(0, np.int64)
 
 
 def sharded_keymaps(model: nn.Module) -> dict[str, HostEmbedding]:
