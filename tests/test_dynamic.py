@@ -258,12 +258,45 @@ def test_float_keys_are_refused_naming_the_table():
         table(torch.tensor([1.5, 2.0]))
 
 
-def test_prefetch_of_a_dynamic_table_is_refused_naming_it():
+def test_a_prefetcher_prepares_the_fixed_tables_and_leaves_the_dynamic_ones_to_their_step():
+    """A dynamic table (capped, evicting) beside a fixed one of another width: prefetched, the fixed
+    group's plans are built ahead on the worker, the dynamic group's at its lookup; training equals
+    training without the prefetcher, step for step."""
     from hetero.embedding import Prefetcher
+    from hetero.embedding.prefetch import looked_up_at_step
 
-    coll = HostEmbeddingCollection([TableConfig("user_id", 10, D, keys=Keys.DYNAMIC)])
-    with pytest.raises(ValueError, match=r"dynamic tables \['user_id'\].*prefetch"):
-        Prefetcher(coll, [], features=lambda b: b)
+    def build():
+        torch.manual_seed(0)
+        coll = HostEmbeddingCollection([
+            TableConfig("user", 20, D, keys=Keys.DYNAMIC, init_std=0.1,
+                        dynamic=DynamicConfig(admit_after=2, evict_chunk=3, sketch_width=1 << 10)),
+            TableConfig("item", 30, 2 * D, init_std=0.1)])
+        return coll, SparseOptimizerKind.LAZY_ADAM.optimizer(coll.tables.values())
+
+    stream = key_stream(30, 90, seed=4)
+    batches = [{"user": torch.from_numpy(k[:B]), "item": torch.from_numpy(k[B : 2 * B] % 30)} for k in stream]
+
+    def run(coll, opt, batches):
+        losses = []
+        for b in batches:
+            opt.zero_grad()
+            out = coll(b)
+            loss = (out["user"].sum(1) * out["item"].sum(1)).square().sum()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    coll, opt = build()
+    straight = run(coll, opt, batches)
+    assert coll.tables["user"].keymap.stats.evicted > 0
+    coll, opt = build()
+    prefetched = Prefetcher(coll, batches, features=lambda b: b)
+    assert looked_up_at_step(coll) == ["user"]
+    dynamic = next(i for i, g in enumerate(coll.groups) if g.dynamic.tables)
+    ahead = prefetched._prepare_batch(batches[0])[0]  # (the collection's, a plan a group)
+    assert ahead[dynamic] is None and all(p is not None for i, p in enumerate(ahead) if i != dynamic)
+    assert run(coll, opt, prefetched) == straight and coll.mismatched_plans == 0
 
 
 def test_a_state_dict_without_the_key_map_is_refused_and_a_fixed_table_has_none():

@@ -302,3 +302,34 @@ def test_row_sharded_dynamic_features_on_the_ssd_tier_resume_at_their_world_size
     assert ends[0]["position"] == ends[1]["position"] == memory["position"]
     for k, v in ends[0]["model"].items():
         assert torch.equal(v, ends[1]["model"][k]), k
+
+
+def test_dynamic_features_train_with_prefetch_as_without(tmp_path, caplog):
+    """``--prefetch``: the dynamic tables are looked up at their step (said once a run), the run equals the
+    run without prefetch tensor for tensor."""
+    import torch
+
+    data = tmp_path / "ids.csv"
+    _csv(data)
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(data=data, extra=""))
+    for name, extra in (("plain", []), ("prefetch", ["--prefetch"])):
+        with caplog.at_level("INFO", logger="hetero"):
+            assert main(["train", "--config", str(job), *TRAIN, "--run-dir", str(tmp_path / name), *extra]) == 0
+    assert caplog.text.count("are looked up at their step") == 1
+    assert "dynamic tables ['wide_user', 'wide_item', 'deep_user', 'deep_item'] are looked up at their step" in caplog.text
+    a, b = (torch.load(tmp_path / n / "checkpoint.pt", weights_only=False)["model"] for n in ("plain", "prefetch"))
+    assert int(a["deep.tables.deep_user.keymap.stats"][1]) > 0 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dynamic_features_with_parameter_servers_are_refused_naming_them(tmp_path, cpu_ranks):
+    from conftest import hetero_on_ranks
+
+    data = tmp_path / "ids.csv"
+    _csv(data)
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(data=data, extra=""))
+    run = hetero_on_ranks(tmp_path, 2, ["train", "--config", str(job), *TRAIN, "--run-dir", str(tmp_path / "ps"),
+                                        "--ps-servers", "1"])
+    assert run.returncode == 1 and "dynamic tables ['wide_user', 'wide_item']" in run.stderr, run.stderr[-2000:]
+    assert "not with parameter servers" in run.stderr and not (tmp_path / "ps" / "checkpoint.pt").exists()

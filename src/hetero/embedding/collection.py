@@ -66,8 +66,9 @@ class HostEmbeddingCollection(nn.Module):
             out.append(reqs)
         return out
 
-    def prepare(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]], plans: list[LookupPlan]) -> None:
-        """Queue plans built ahead of time (by a prefetcher) for the next lookup, of ``features``."""
+    def prepare(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]], plans: list[LookupPlan | None]) -> None:
+        """Queue plans built ahead of time (by a prefetcher) for the next lookup, of ``features``, one a
+        group (``None``: the group builds its plan at the lookup)."""
         self._prepared.append((self.requests(features), plans))
 
     def drop_prepared(self) -> None:

@@ -60,7 +60,7 @@ class DynamicRows:
         """
         if self.tables:
             raise ValueError(f"dynamic tables {self.tables} train in one process, or replicated or row-sharded over "
-                             f"data-parallel ranks, without prefetch, for now; not with {what}: drop that, or give these "
+                             f"data-parallel ranks, for now; not with {what}: drop that, or give these "
                              f"tables a fixed vocabulary (keys=Keys.FIXED; in a job file's schema, no dynamic = true)")
 
     def rows_of(self, lookups: list[tuple[KeyedTable, Tensor]]) -> list[Tensor]:

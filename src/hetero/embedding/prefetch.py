@@ -11,6 +11,10 @@ batch's rows that are not in the row cache (the disk reads, overlapped); the tra
 them into the cache when the batch is reached, each only if it is still its row's current record
 (else read again), so these rows are never stale whatever ``max_staleness`` says.
 
+Dynamic tables (:mod:`hetero.dynamic`) are not prepared ahead: translating a batch's keys admits
+and evicts, which a step early would change what the current step's update reaches. Their groups
+are looked up at their step, as without a prefetcher; the other groups are prepared ahead.
+
 Read-after-write: rows gathered for batch i+1 may be updated by batch i's optimizer step
 afterwards. Each group keeps a per-row update version; when batch i+1 is consumed, rows updated
 after their gather are gathered again (and re-sent), so a lookup never sees a stale row unless
@@ -33,6 +37,13 @@ from hetero.embedding.collection import HostEmbeddingCollection
 from hetero.embedding.exchange import RowPlacement
 from hetero.embedding.plan import LookupPlan
 from hetero.placement.threads import ThreadContext, host_worker
+
+
+def looked_up_at_step(model: nn.Module) -> list[str]:
+    """The dynamic tables of ``model``'s collections, which a :class:`Prefetcher` leaves to their step
+    (see the module docstring)."""
+    return [n for m in model.modules() if isinstance(m, HostEmbeddingCollection) for g in m.groups
+            for n in g.dynamic.tables]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +79,8 @@ class Prefetcher:
         self.collections = [m for m in model.modules() if isinstance(m, HostEmbeddingCollection)]
         for c in self.collections:
             for g in c.groups:
-                g.dynamic.refuse("prefetch (a plan built ahead would admit and evict a step early)")
+                if g.dynamic.tables:
+                    continue
                 if g.exchange.placement is not RowPlacement.LOCAL:
                     raise ValueError(f"tables {[t.name for t in g.tables]} are {g.exchange.placement.value}: their lookup "
                                      f"talks to other ranks and cannot be prefetched; prefetch replicated tables only")
@@ -81,18 +93,21 @@ class Prefetcher:
         cuda = any(c.tables and next(iter(c.tables.values())).output_device.type == "cuda" for c in self.collections)
         self.stream = torch.cuda.Stream() if cuda else None
 
-    def _prepare(self, batch: Any, context: ThreadContext) -> list[list[LookupPlan]]:
+    def _prepare(self, batch: Any, context: ThreadContext) -> list[list[LookupPlan | None]]:
         # Runs on the worker thread: only serial numba kernels (plan) and torch ops (gather) here.
         # numba's default threading layer does not allow two threads to launch parallel kernels.
         with context.applied():  # the training thread's CUDA device (the side stream is ours)
             return self._prepare_batch(batch)
 
-    def _prepare_batch(self, batch: Any) -> list[list[LookupPlan]]:
+    def _prepare_batch(self, batch: Any) -> list[list[LookupPlan | None]]:
         feats = self.features(batch)
         out = []
         for c in self.collections:
             plans = []
             for group, reqs in zip(c.groups, c.requests(feats)):
+                if group.dynamic.tables:  # (looked up at its step: its translation admits and evicts)
+                    plans.append(None)
+                    continue
                 device = reqs[0].table.output_device
                 if group.ssd is not None:
                     # The SSD tier: the cache belongs to the training thread, which gathers from it; here
@@ -142,7 +157,7 @@ class Prefetcher:
                         c.prepare(feats, p)
                     refill()  # the next batch is prepared while this one trains
                     yield batch
-                    self.refreshed_rows += sum(p.refreshed for ps in plans for p in ps)
+                    self.refreshed_rows += sum(p.refreshed for ps in plans for p in ps if p is not None)
             finally:  # stopped early (max_steps, an error): drop plans nobody will consume
                 for c in self.collections:
                     c.drop_prepared()
