@@ -96,6 +96,12 @@ class KeyMap:
         return self.capacity
 
     @property
+    def nbytes(self) -> int:
+        """Host memory the map holds for its rows, bytes: its slots, the rows' keys and counts and the
+        free list (in proportion to ``capacity``); the admission sketch's is ``sketch.nbytes``."""
+        return sum(a.nbytes for a in (self.slots, self.row_key, self.stat, self.free))
+
+    @property
     def size(self) -> int:
         """Rows held now."""
         return self.capacity - int(self.nfree[0])

@@ -195,9 +195,9 @@ def _static(name: str, module: nn.Module) -> Unit:
     first = {}  # a group's first table's name, by group (groups hash by identity)
     for qualified, t in found:
         first.setdefault(t.group, qualified)
-    tables = tuple(TableInfo(qualified, t.config.num_embeddings, t.config.embedding_dim,
+    tables = tuple(TableInfo(qualified, t.config.num_rows, t.config.embedding_dim,
                              t.config.embedding_dim * t.weight.element_size(), t.config.pooling.value != "none",
-                             first[t.group])
+                             first[t.group], *((t.keymap.nbytes, t.keymap.sketch.nbytes) if t.keymap is not None else (0, 0)))
                    for qualified, t in found)
     weights = _table_weights(module)
     params = [p for p in module.parameters() if p not in weights]

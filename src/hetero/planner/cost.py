@@ -98,7 +98,7 @@ class MeasuredCost:
         self._unit_costs: dict[tuple[int, UnitChoice, Candidate], UnitCost] = {}
         for i, u in enumerate(self.units):
             kinds = {t.name: sparse_optimizer_of(t.name, sparse) for t in u.tables}
-            movable = [t for t in u.tables if device_tables and t.row_bytes == 4 * t.dim and
+            movable = [t for t in u.tables if device_tables and t.row_bytes == 4 * t.dim and not t.dynamic and
                        kinds[t.name] in DEVICE_SPARSE_OPTIMIZERS and kinds[t.name].value in calibration.device_tables]
             self._movable[i] = sorted(movable, key=lambda t: -self.tables.ids(t) / self.tables.device_bytes(t))
 

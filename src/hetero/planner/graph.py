@@ -120,6 +120,10 @@ class TableInfo:
         pooled: bags pooled into one output row each (else one output row per id).
         group: its table group (tables of one width and dtype in a collection share one storage
             and one kernel call per pass): the first table's name.
+        map_bytes, sketch_bytes: a dynamic table's key map (:class:`hetero.dynamic.KeyMap`) in
+            host memory wherever its rows are: for its rows (a row-sharded rank holds its span's),
+            and its admission sketch (every rank one whole); 0 for a fixed table. A dynamic table
+            stays on the host.
     """
 
     name: str
@@ -128,6 +132,12 @@ class TableInfo:
     row_bytes: int
     pooled: bool
     group: str = ""
+    map_bytes: int = 0
+    sketch_bytes: int = 0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.map_bytes > 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,14 +85,16 @@ class TablePricing:
         host = 0
         groups: dict[str, list] = {}
         tier = {t.name for t in on_ssd}
+        share = c.dp if c.tables is TablePlacement.ROW_SHARDED else 1
         for t in (t for t in u.tables if t.name not in moved):
             kind = sparse_optimizer_of(t.name, self.sparse)
             groups.setdefault((t.group, kind), []).append(t)
+            host += t.map_bytes // share + t.sketch_bytes  # (a dynamic table's key map: host memory, on the tier too)
             if t.name in tier:
                 continue
             state_rows = t.rows * (1 + _TABLE_STATE[kind]) if kind is not SparseOptimizerKind.ROWWISE_ADAGRAD \
                 else t.rows + t.rows / t.dim
-            host += int(state_rows * t.row_bytes / (c.dp if c.tables is TablePlacement.ROW_SHARDED else 1))
+            host += int(state_rows * t.row_bytes / share)
         for (_, kind), tables in groups.items():  # one kernel call per group and pass
             ids = sum(self.rows(t, c)[0] for t in tables)
             rows = sum(self.updated_rows(t, c) for t in tables)
