@@ -2,7 +2,7 @@
 Criteo-shaped job with >= 100 MB of host tables: dp with replicated and row-sharded tables, tp,
 ZeRO, pp, the parameter server (its shard in memory, or on the SSD tier) and tables on the SSD
 tier (replicated, prefetched, row-sharded), 2 ranks each, and dynamic tables (one process, in memory
-and on the SSD tier, and replicated and row-sharded over 2 ranks); a checkpoint every few steps. A rank that
+on the SSD tier and prefetched, and replicated and row-sharded over 2 ranks); a checkpoint every few steps. A rank that
 pickled its tables per view at a checkpoint (the pipeline's gather did: 20 GB, killed) or leaked
 per step fails here. Each rank's resident set (``VmRSS``) is sampled after every step, and every
 rank's (a server's too) peak (``ru_maxrss``) is compared with its resident set after warm-up."""
@@ -54,7 +54,8 @@ def _rank(r, n, port, argv, out):
 
 
 DYNAMIC_MODES = {"dynamic_row_sharded": ["--table-sharding", "row"],
-                 "dynamic_ssd": ["--table-storage", "ssd", "--cache-mb", "4"]}
+                 "dynamic_ssd": ["--table-storage", "ssd", "--cache-mb", "4"],
+                 "dynamic_prefetch": ["--prefetch"]}
 MODES = {
     "dp_replicated": [],
     "dp_row_sharded": ["--table-sharding", "row"],
@@ -76,11 +77,12 @@ def test_resident_memory_is_flat_per_step(tmp_path, mode):
     _check_flat(tmp_path, mode, 2)
 
 
-@pytest.mark.parametrize("mode,ranks", [("dynamic", 1), ("dynamic", 2), ("dynamic_row_sharded", 2), ("dynamic_ssd", 1)],
-                         ids=["one_process", "dp_replicated", "dp_row_sharded", "one_process_ssd"])
+@pytest.mark.parametrize("mode,ranks", [("dynamic", 1), ("dynamic", 2), ("dynamic_row_sharded", 2), ("dynamic_ssd", 1),
+                                        ("dynamic_prefetch", 1)],
+                         ids=["one_process", "dp_replicated", "dp_row_sharded", "one_process_ssd", "one_process_prefetch"])
 def test_resident_memory_is_flat_per_step_with_dynamic_tables(tmp_path, mode, ranks):
-    """Dynamic tables admitting and evicting every step, in one process (in memory, and on the SSD
-    tier), and replicated and row-sharded over 2 ranks."""
+    """Dynamic tables admitting and evicting every step, in one process (in memory, on the SSD tier,
+    and prefetched), and replicated and row-sharded over 2 ranks."""
     _check_flat(tmp_path, mode, ranks)
 
 
