@@ -2,6 +2,7 @@
 checkpoints, and an export scoring as its checkpoint does (``hetero predict``)."""
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow.csv as pacsv
@@ -38,18 +39,22 @@ def _scores(path):
     return pacsv.read_csv(path).column("score").to_numpy()
 
 
-@pytest.fixture(params=["wide_deep", "dlrm"])
+@pytest.fixture(params=["wide_deep", "dlrm", "wide_deep_ssd"])
 def checkpoints(tmp_path_factory, request):
-    """An older (step 5) and a newer (end of training) checkpoint of one run."""
+    """An older (step 5) and a newer (end of training) checkpoint of one run (``_ssd``: its tables on
+    the SSD tier under a cache of 0.004 MB; the run directory copied at step 5 keeps the older
+    checkpoint's tier snapshots, which the newer save removes from the run's)."""
     tmp = tmp_path_factory.mktemp(request.param)
     _csv(tmp / "data.csv")
     (tmp / "job.toml").write_text(JOB.format(data=tmp / "data.csv"))
     args = ["train", "--config", str(tmp / "job.toml"), "--epochs", "2", "--batch-size", "32", "--no-progress",
-            "--embedding-dim", "4", "--hidden", "8", "--model", request.param, "--run-dir", str(tmp / "run")]
+            "--embedding-dim", "4", "--hidden", "8", "--model", request.param.removesuffix("_ssd"),
+            "--run-dir", str(tmp / "run")]
+    args += ["--table-storage", "ssd", "--cache-mb", "0.004"] if request.param.endswith("_ssd") else []
     assert main([*args, "--max-steps", "5"]) == 0
-    (tmp / "old.pt").write_bytes((tmp / "run" / "checkpoint.pt").read_bytes())
+    shutil.copytree(tmp / "run", tmp / "run_at_5")
     assert main([*args, "--resume"]) == 0
-    return tmp, tmp / "old.pt", tmp / "run" / "checkpoint.pt"
+    return tmp, tmp / "run_at_5" / "checkpoint.pt", tmp / "run" / "checkpoint.pt"
 
 
 def test_an_export_scores_as_its_checkpoint_and_a_delta_makes_the_newer_export(checkpoints, capsys):
@@ -90,3 +95,8 @@ def test_exports_refuse_what_they_cannot_do_naming_it(checkpoints, capsys):
     with pytest.raises(ValueError, match="does not apply"):
         apply_delta(tmp / "d", tmp / "e", tmp / "x")  # arguments swapped
     assert not (tmp / "x").exists()
+    if (tmp / "run" / "ssd").exists():  # an SSD run's checkpoint file without its tier snapshots (moved away alone)
+        shutil.copy(old, tmp / "alone.pt")
+        assert main(["export", "--checkpoint", str(tmp / "alone.pt"), "--out", str(tmp / "a")]) == 1
+        err = capsys.readouterr().err
+        assert "manifest.json is missing" in err and len(err.strip().splitlines()) == 1 and not (tmp / "a").exists(), err

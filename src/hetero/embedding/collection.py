@@ -38,11 +38,10 @@ class HostEmbeddingCollection(nn.Module):
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
         self.tables = nn.ModuleDict({t.name: HostEmbedding(t) for t in tables})
-        # Plans handed over by a prefetcher, in batch order, with the requests they were built for.
-        self._prepared: collections.deque[tuple[list[list[Request]], list[LookupPlan]]] = collections.deque()
+        # Plans handed over by a prefetcher, in batch order, with the requests they were built for
+        # (before regroup(), which drops them).
+        self._prepared: collections.deque[tuple[list[list[Request]], list[LookupPlan | None]]] = collections.deque()
         self.regroup()
-        # Plans handed over by a prefetcher, in batch order, with the requests they were built for.
-        self._prepared: collections.deque[tuple[list[list[Request]], list[LookupPlan]]] = collections.deque()
         self.mismatched_plans = 0  # prepared plans dropped because the lookup asked for other ids
 
     def regroup(self) -> None:

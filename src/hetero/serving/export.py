@@ -21,6 +21,7 @@ temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,8 +35,8 @@ import torch
 from torch import nn
 
 from hetero.checkpoint import load_checkpoint, save_checkpoint
-from hetero.embedding import HostEmbeddingCollection, host_tables
-from hetero.record import RECORD_KEY
+from hetero.embedding import HostEmbedding, HostEmbeddingCollection, host_tables
+from hetero.record import RECORD_KEY, RunRecord
 from hetero.serving.restore import restore_model, run_record
 
 FORMAT_VERSION = 1
@@ -56,14 +57,24 @@ def model_tables(model: nn.Module) -> dict[str, TableRows]:
     """Every host table of ``model`` by qualified name (rows copied to float32)."""
     out = {}
     for name, t in host_tables(model).items():
-        w = t.weight.detach().float().numpy()
         if t.keymap is None:
-            out[name] = TableRows(np.arange(w.shape[0], dtype=np.int64), w.copy(), None)
+            rows = np.arange(t.config.num_embeddings, dtype=np.int64)
+            out[name] = TableRows(rows, _rows_of(t, rows), None)
             continue
         rows, keys = t.keymap.keys()
         order = np.argsort(keys, kind="stable")
-        out[name] = TableRows(keys[order], w[rows[order]], w[-1].copy())
+        held = _rows_of(t, np.append(rows[order], t.config.num_embeddings))  # (and the default row, last)
+        out[name] = TableRows(keys[order], held[:-1], held[-1].copy())
     return out
+
+
+def _rows_of(t: HostEmbedding, rows: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` (int64, the table's own numbers) of ``t``, copied to float32: from memory, or
+    from the SSD tier (its cache where cached, else its file; the cache is left as it is)."""
+    g = t.group
+    if not g.ssd_here:
+        return t.weight.detach()[torch.from_numpy(rows)].float().numpy()
+    return g.ssd_rows().cache.read(rows + g.local_start(t), ("weight",))["weight"].float().numpy()
 
 
 class LookupInputs(nn.Module):
@@ -101,8 +112,11 @@ def export(checkpoint: str | Path, out: str | Path, since: str | Path | None = N
     Raises:
         FileExistsError: ``out`` exists.
         CheckpointError: a checkpoint that is missing, damaged or of a run without a schema, or
-            one that keeps tables on the SSD tier.
+            whose SSD tier snapshots are gone (an older checkpoint's, after a newer save of its run).
         ValueError: ``since`` of another model (naming the first difference).
+
+    Tables a run kept on the SSD tier are read from its snapshots (linked into a scratch directory
+    beside the checkpoint, removed after): every exported row is held in memory while written.
     """
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists():
@@ -110,14 +124,25 @@ def export(checkpoint: str | Path, out: str | Path, since: str | Path | None = N
                               f"another)")
     state = load_checkpoint(checkpoint)
     record = run_record(checkpoint, state)
-    model = restore_model(checkpoint, state, record, record.encoding.specs(), None)
-    tables = model_tables(model)
-    older = None
-    if since is not None:
-        old_state = load_checkpoint(since)
-        old_record = run_record(Path(since), old_state)
-        older = model_tables(restore_model(Path(since), old_state, old_record, old_record.encoding.specs(), None))
-        _check_same(older, tables, Path(since), checkpoint)
+    with contextlib.ExitStack() as scratch:  # (the tier's snapshots linked in, for the restored models' lifetime)
+        def beside(path: Path) -> Path:
+            return Path(scratch.enter_context(tempfile.TemporaryDirectory(dir=path.parent, prefix=".hetero-export-")))
+
+        model = restore_model(checkpoint, state, record, record.encoding.specs(), beside(checkpoint))
+        tables = model_tables(model)
+        older = None
+        if since is not None:
+            old_state = load_checkpoint(since)
+            old_record = run_record(Path(since), old_state)
+            older = model_tables(restore_model(Path(since), old_state, old_record, old_record.encoding.specs(),
+                                               beside(Path(since))))
+            _check_same(older, tables, Path(since), checkpoint)
+        return _write(out, model, record, state, tables, older, checkpoint, since)
+
+
+def _write(out: Path, model: nn.Module, record: RunRecord, state: dict[str, Any], tables: dict[str, TableRows],
+           older: dict[str, TableRows] | None, checkpoint: Path, since: str | Path | None) -> dict[str, Any]:
+    """The export directory ``out`` of ``model`` and its ``tables`` (a delta against ``older``), atomic."""
     described = {name: _describe(t, tables[name]) for name, t in host_tables(model).items()}
     manifest = {"format_version": FORMAT_VERSION, "kind": "full" if older is None else "delta",
                 "checkpoint": str(checkpoint), "since": None if since is None else str(since),
