@@ -108,7 +108,7 @@ def read_manifest(snapshot: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the SSD tier's checkpoint {snapshot} is unfinished or gone; "
-                              f"resume from a complete checkpoint") from None
+                              f"use a complete checkpoint (its tier snapshots are in its run directory)") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read ({e}): the checkpoint is damaged") from None
     if manifest.get("format") != FORMAT:
