@@ -83,20 +83,25 @@ def _sketch(key, sketch, add):
 PROBE_CHUNK = 4096  # keys per unit of the probe pass handed to a thread
 
 
+@njit(cache=True, inline="always")
+def _probe_chunk(keys, slots, out, lo, hi):
+    """``out[i]`` for ``i`` in ``[lo, hi)``: the row of ``keys[i]``, or -1; the keys' home slots
+    computed first, then each prefetched ``AHEAD`` keys in advance of its probe."""
+    homes = np.empty(hi - lo, np.intp)
+    for i in range(lo, hi):
+        homes[i - lo] = _home(keys[i], slots)
+    for i in range(lo, hi):
+        if i + AHEAD < hi:
+            prefetch(slots, homes[i + AHEAD - lo])
+        out[i] = slots[_probe(keys[i], homes[i - lo], slots), 1]
+
+
 @njit(cache=True, parallel=True)
 def _rows(keys, slots, out):
-    """``out[i]``: the row of ``keys[i]``, or -1 (read-only: over every core, in chunks, each
-    prefetching its keys' home slots ``AHEAD`` keys in advance)."""
+    """``out[i]``: the row of ``keys[i]``, or -1 (read-only: over every core, in chunks)."""
     n = keys.shape[0]
     for c in prange((n + PROBE_CHUNK - 1) // PROBE_CHUNK):
-        lo, hi = c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK)
-        homes = np.empty(hi - lo, np.intp)
-        for i in range(lo, hi):
-            homes[i - lo] = _home(keys[i], slots)
-        for i in range(lo, hi):
-            if i + AHEAD < hi:
-                prefetch(slots, homes[i + AHEAD - lo])
-            out[i] = slots[_probe(keys[i], homes[i - lo], slots), 1]
+        _probe_chunk(keys, slots, out, c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK))
 
 
 @njit(cache=True, inline="always")
@@ -121,13 +126,7 @@ def _rows_counted(keys, slots, out, stat, sketch, step, by_count):
     mask = np.uint64(sketch.shape[1] - 1)
     for c in prange((n + PROBE_CHUNK - 1) // PROBE_CHUNK):
         lo, hi = c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK)
-        homes = np.empty(hi - lo, np.intp)
-        for i in range(lo, hi):
-            homes[i - lo] = _home(keys[i], slots)
-        for i in range(lo, hi):
-            if i + AHEAD < hi:
-                prefetch(slots, homes[i + AHEAD - lo])
-            out[i] = slots[_probe(keys[i], homes[i - lo], slots), 1]
+        _probe_chunk(keys, slots, out, lo, hi)
         for i in range(lo, hi):
             if i + AHEAD < hi and out[i + AHEAD] >= 0:
                 prefetch(stat, out[i + AHEAD])
