@@ -197,9 +197,9 @@ class Trainer(TrainerCheckpoints):
         cfg, stop, steps_this_run = self.config, False, 0
         # a row-sharded dynamic table's counts are summed over the ranks: a collective every rank runs
         every_rank = bool(sharded_keymaps(self.model))
-        if cfg.prefetch and looked_up_at_step(self.model):
-            log.info("hetero: prefetch: dynamic tables %s are looked up at their step, not ahead",
-                     looked_up_at_step(self.model))
+        at_step = looked_up_at_step(self.model) if cfg.prefetch else []
+        if at_step:
+            log.info("hetero: prefetch: dynamic tables %s are looked up at their step, not ahead", at_step)
         if self.scalars is not None or every_rank:
             stats = dynamic_stats(self.model)
             if self.scalars is not None:
