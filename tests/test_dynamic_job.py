@@ -320,16 +320,3 @@ def test_dynamic_features_train_with_prefetch_as_without(tmp_path, caplog):
     assert "dynamic tables ['wide_user', 'wide_item', 'deep_user', 'deep_item'] are looked up at their step" in caplog.text
     a, b = (torch.load(tmp_path / n / "checkpoint.pt", weights_only=False)["model"] for n in ("plain", "prefetch"))
     assert int(a["deep.tables.deep_user.keymap.stats"][1]) > 0 and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_dynamic_features_with_parameter_servers_are_refused_naming_them(tmp_path, cpu_ranks):
-    from conftest import hetero_on_ranks
-
-    data = tmp_path / "ids.csv"
-    _csv(data)
-    job = tmp_path / "job.toml"
-    job.write_text(JOB.format(data=data, extra=""))
-    run = hetero_on_ranks(tmp_path, 2, ["train", "--config", str(job), *TRAIN, "--run-dir", str(tmp_path / "ps"),
-                                        "--ps-servers", "1"])
-    assert run.returncode == 1 and "dynamic tables ['wide_user', 'wide_item']" in run.stderr, run.stderr[-2000:]
-    assert "not with parameter servers" in run.stderr and not (tmp_path / "ps" / "checkpoint.pt").exists()

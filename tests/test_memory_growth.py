@@ -55,7 +55,8 @@ def _rank(r, n, port, argv, out):
 
 DYNAMIC_MODES = {"dynamic_row_sharded": ["--table-sharding", "row"],
                  "dynamic_ssd": ["--table-storage", "ssd", "--cache-mb", "4"],
-                 "dynamic_prefetch": ["--prefetch"]}
+                 "dynamic_prefetch": ["--prefetch"],
+                 "dynamic_ps": ["--ps-servers", "1", "--checkpoint-format", "sharded"]}
 MODES = {
     "dp_replicated": [],
     "dp_row_sharded": ["--table-sharding", "row"],
@@ -78,11 +79,12 @@ def test_resident_memory_is_flat_per_step(tmp_path, mode):
 
 
 @pytest.mark.parametrize("mode,ranks", [("dynamic", 1), ("dynamic", 2), ("dynamic_row_sharded", 2), ("dynamic_ssd", 1),
-                                        ("dynamic_prefetch", 1)],
-                         ids=["one_process", "dp_replicated", "dp_row_sharded", "one_process_ssd", "one_process_prefetch"])
+                                        ("dynamic_prefetch", 1), ("dynamic_ps", 2)],
+                         ids=["one_process", "dp_replicated", "dp_row_sharded", "one_process_ssd", "one_process_prefetch",
+                              "parameter_server"])
 def test_resident_memory_is_flat_per_step_with_dynamic_tables(tmp_path, mode, ranks):
     """Dynamic tables admitting and evicting every step, in one process (in memory, on the SSD tier,
-    and prefetched), and replicated and row-sharded over 2 ranks."""
+    and prefetched), replicated and row-sharded over 2 ranks, and on a parameter server (its key maps too)."""
     _check_flat(tmp_path, mode, ranks)
 
 
@@ -99,7 +101,7 @@ def _check_flat(tmp_path, mode, ranks):
         assert got["code"] == 0
         rss = [k / 1024 for k in got["rss"]]
         if not rss:  # a parameter server: no steps of its own
-            assert mode.startswith("ps") and r == 1
+            assert "ps" in mode and r == 1
             print(f"{mode} server rank {r}: peak {got['peak'] / 1024:.0f} MiB")  # (pytest -s)
             continue
         assert len(rss) == steps

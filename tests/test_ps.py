@@ -18,6 +18,7 @@ from conftest import CPU_RANKS, hetero_on_ranks, movielens, spawn, write_ml100k
 
 from hetero import ps
 from hetero.cli import main, merge
+from hetero.dynamic import DynamicConfig, Keys
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig, init_rows
 from hetero.optim import LazyAdam
 from hetero.parallel import env
@@ -258,8 +259,11 @@ def test_an_unresponsive_server_is_a_timeout_naming_its_rank(tmp_path, cpu_ranks
 @pytest.mark.parametrize("servers", [1, 2, 3])
 def test_server_shards_hold_exactly_the_rows_of_the_full_table(servers):
     torch.manual_seed(0)
-    coll = HostEmbeddingCollection([TableConfig("a", 5000, 3), TableConfig("b", 7, 3), TableConfig("c", 4100, 3)])
+    # (a dynamic table's rows: zeros, and its default row, which every server shard must lay out too)
+    dynamic = TableConfig("d", 9, 3, keys=Keys.DYNAMIC, dynamic=DynamicConfig(default_value=0.5))
+    coll = HostEmbeddingCollection([TableConfig("a", 5000, 3), TableConfig("b", 7, 3), dynamic, TableConfig("c", 4100, 3)])
     group = next(iter(coll.tables.values())).group
+    assert len(group.tables) == 4 and int((group.storage == 0.5).all(1).sum()) == 1
     whole = torch.empty_like(group.storage)
     for s in range(servers):
         whole[s::servers] = build_shard(group, s, servers)  # global row g lives at g // S on shard g % S

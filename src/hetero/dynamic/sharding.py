@@ -20,6 +20,14 @@ import numpy as np
 from hetero._numba import load
 
 
+def home_rows(keys: np.ndarray, capacity: int) -> np.ndarray:
+    """Each key's *home row* (``(K,)`` int64 of ``(K,)`` int64 keys): a hash of the key uniform over
+    ``[0, capacity)``, which places the key on the rank (or parameter server) holding that row."""
+    home = np.empty(keys.shape[0], np.int64)
+    load("hetero.dynamic._kernels").home_rows(keys, capacity, home)
+    return home
+
+
 @dataclasses.dataclass(frozen=True)
 class KeySpans:
     """The spans of one dynamic table's rows over the ranks.
@@ -44,8 +52,7 @@ class KeySpans:
 
     def owner(self, keys: np.ndarray) -> np.ndarray:
         """The rank owning each of ``keys`` (``(K,)`` int64): ``(K,)`` int64."""
-        home = np.empty(keys.shape[0], np.int64)
-        load("hetero.dynamic._kernels").home_rows(keys, self.capacity, home)
+        home = home_rows(keys, self.capacity)
         # the last rank whose span starts at or before the row: an empty span is never it
         return np.searchsorted(self.starts, home, side="right") - 1
 

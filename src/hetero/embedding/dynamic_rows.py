@@ -9,16 +9,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hetero.dynamic import DynamicStats
 from hetero.dynamic.sharding import KeyShard
+from hetero.embedding.config import TableConfig
 from hetero.embedding.grad import SparseGrad
 
 
 class KeyedTable(Protocol):
-    """What a row-sharded lookup's route reads of a dynamic table (a
+    """What a lookup's route (row-sharded, or to parameter servers) reads of a dynamic table (a
     :class:`~hetero.embedding.table.HostEmbedding`)."""
 
     key_shard: KeyShard | None  # its spans over the ranks
     training: bool  # (nn.Module's mode)
+    name: str
+    group_row: int  # its first row in the group
+    config: TableConfig
 
     def own_rows(self, keys: Tensor, training: bool) -> Tensor: ...  # the keys this rank owns -> their rows
 
@@ -49,8 +54,11 @@ class DynamicRows:
         # lookup's keys, table by table -> every replica's keys in rank order, and this rank's [lo, hi)
         self.gather: Callable[[list[Tensor]], list[tuple[Tensor, int, int]]] | None = None
         # row-sharded (set by hetero.parallel.shard_rows): a lookup's [(table, keys)], training -> their
-        # rows, each key translated by the rank that owns it (hetero.parallel.sharded_keys: one exchange)
+        # rows, each key translated by the rank that owns it (hetero.parallel.sharded_keys: one exchange);
+        # on parameter servers, by the server that owns it (hetero.ps.client.PSClient.translate)
         self.route: Callable[[list[tuple[KeyedTable, Tensor]], bool], list[Tensor]] | None = None
+        # on parameter servers: each table's counts, as the servers last reported them (summed)
+        self.remote_stats: dict[str, DynamicStats] = {}
 
     def refuse(self, what: str) -> None:
         """Raise where a dynamic table cannot go yet (``what``: the mechanism).

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from hetero.dynamic import KeyMap
+from hetero.dynamic import KeyMap, Keys
 from hetero.embedding.capture import HostPool, capture_device_grad
 from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.dynamic_rows import DynamicRows
@@ -106,7 +106,7 @@ class TableGroup:
         self.pending = PendingGrads()  # gradients of this step's lookups, until the optimizer steps
         self.version = 0  # optimizer updates applied so far
         self.row_version: np.ndarray | None = None  # per-row update version, while prefetching
-        dynamic = [t for t in tables if t.keymap is not None]
+        dynamic = [t for t in tables if t.config.keys is Keys.DYNAMIC]
         self.dynamic = DynamicRows([t.config.name for t in dynamic],  # (their default rows: the last of each)
                                    np.array(sorted(t.group_row + t.config.num_embeddings for t in dynamic), np.int64))
 

@@ -85,9 +85,9 @@ class HostEmbedding(nn.Module):
         self.init_seed = int(torch.randint(0, 1 << 62, (1,)))
         shape = (config.num_rows, config.embedding_dim)
         # a dynamic table's keys -> rows; its rows start as zeros (each is a key's from admission on:
-        # KeyMap.init_rows), but for the last, the default row
+        # KeyMap.init_rows), but for the last, the default row. Deferred: the servers hold the maps.
         self.keymap = KeyMap(config.name, config.num_embeddings, config.dynamic, self.init_seed) \
-            if config.keys is Keys.DYNAMIC else None
+            if config.keys is Keys.DYNAMIC and not _DEFERRED[0] else None
         self.key_first = 0  # the table row of the key map's row 0 (a row-sharded table: its span's first)
         self.key_shard: KeyShard | None = None  # a row-sharded table's part here (hetero.dynamic.sharding)
         if _DEFERRED[0] or config.storage is StorageTier.SSD:
@@ -253,7 +253,7 @@ class DeviceEmbedding(nn.Module):
         Raises:
             ValueError: a table on the SSD tier (it stays there: it may not fit anywhere else).
         """
-        if table.keymap is not None:
+        if table.config.keys is Keys.DYNAMIC:
             raise ValueError(f"table {table.name!r} is dynamic: its key map is the host's; keep it on the host")
         if table.config.storage is StorageTier.SSD:
             raise ValueError(f"table {table.name!r} is on the SSD tier: it stays on the host; keep it there, or put it "

@@ -130,11 +130,8 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
         self._check_lr()
         owned = set(self.tables.values())  # modules hash by identity
         self.groups: list[TableGroup] = []
-        for t in self.tables.values():
-            if any(g is t.group for g in self.groups):
-                continue
-            others = [o.name for o in t.group.tables if o not in owned]
-            if others:
+        for t in (t for t in self.tables.values() if not any(g is t.group for g in self.groups)):
+            if others := [o.name for o in t.group.tables if o not in owned]:
                 raise ValueError(
                     f"{type(self).__name__}: table {t.name!r} shares storage with tables {others} (same "
                     f"collection, dim and dtype), which this optimizer was not given; give all of them to one optimizer"
@@ -204,40 +201,43 @@ class SparseOptimizer(torch.optim.Optimizer, abc.ABC):
             group.pending.clear()
             group.exchange.clear()
 
-    @torch.no_grad()
     def step(self, closure=None) -> None:  # noqa: ANN001 - torch.optim's signature; no closure support
         """Apply the pending sparse gradient of every table group; groups without one are skipped."""
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() takes no closure")
         self._check_lr()
         for group in self.groups:
-            grad = group.dynamic.begin_step(group.pending.take(), self.group_state[group], self.state_initial)  # (new keys)
-            if grad is None or grad.ids.numel() == 0:
-                continue
-            # The kernels index this process's storage: group rows only where they are the same.
-            assert grad.space is RowSpace.LOCAL or group.exchange.placement.rows_here, (grad.space, group.exchange)
-            self._group_steps[group] += 1
-            step = self._group_steps[group]
-            ids = grad.ids.numpy()
-            K = kernels()
-            src, _, offsets, scale = grad.per_id if grad.per_id is not None else (None,) * 4
-            if grad.is_coalesced or offsets.numel() or grad.chain is None or not grad.chain[0].numel():
-                # pooled bags, or no occurrence chains (torch.unique deduped: row-sharded, SSD tier): coalesce first
-                g = (grad.rows.contiguous().numpy(), _NO_ROWS, _NO_IDX, _NO_IDX, _NO_SCALE, K.num_threads())
-            else:  # per-id gradient: the kernel sums each row's occurrences as it updates the row
-                first, nxt = (t.numpy() for t in grad.chain)
-                g = (_NO_ROWS, src.numpy(), first, nxt, scale.numpy(), K.num_threads())
-            if group.ssd_config is not None:
-                self._step_cached(group, grad.ids, g, step)
-                continue
-            state = [x.numpy() for x in self.group_state[group].values()]
-            if group.dtype == torch.float32:
-                self._update(group.storage.numpy(), ids, state, ids, g, step)
-            else:  # low-precision storage: update an fp32 copy of the rows, write back rounded
-                rows = group.storage.index_select(0, grad.ids).float()
-                self._update(rows.numpy(), np.arange(len(ids)), state, ids, g, step)
-                group.storage.index_copy_(0, grad.ids, rows.to(group.dtype))
-            group.note_update(grad.ids)
+            self.step_group(group)
+
+    @torch.no_grad()
+    def step_group(self, group: TableGroup) -> None:
+        """:meth:`step` for ``group`` alone (a parameter server applies one push at a time); without a
+        gradient too, its dynamic tables' clock advances and new rows' state is reset (``begin_step``)."""
+        grad = group.dynamic.begin_step(group.pending.take(), self.group_state[group], self.state_initial)  # (new keys)
+        if grad is None or grad.ids.numel() == 0:
+            return
+        # The kernels index this process's storage: group rows only where they are the same.
+        assert grad.space is RowSpace.LOCAL or group.exchange.placement.rows_here, (grad.space, group.exchange)
+        step = self._group_steps[group] = self._group_steps[group] + 1
+        ids = grad.ids.numpy()
+        src, _, offsets, scale = grad.per_id if grad.per_id is not None else (None,) * 4
+        if grad.is_coalesced or offsets.numel() or grad.chain is None or not grad.chain[0].numel():
+            # pooled bags, or no occurrence chains (torch.unique deduped: row-sharded, SSD tier): coalesce first
+            g = (grad.rows.contiguous().numpy(), _NO_ROWS, _NO_IDX, _NO_IDX, _NO_SCALE, kernels().num_threads())
+        else:  # per-id gradient: the kernel sums each row's occurrences as it updates the row
+            first, nxt = (t.numpy() for t in grad.chain)
+            g = (_NO_ROWS, src.numpy(), first, nxt, scale.numpy(), kernels().num_threads())
+        if group.ssd_config is not None:
+            self._step_cached(group, grad.ids, g, step)
+            return
+        state = [x.numpy() for x in self.group_state[group].values()]
+        if group.dtype == torch.float32:
+            self._update(group.storage.numpy(), ids, state, ids, g, step)
+        else:  # low-precision storage: update an fp32 copy of the rows, write back rounded
+            rows = group.storage.index_select(0, grad.ids).float()
+            self._update(rows.numpy(), np.arange(len(ids)), state, ids, g, step)
+            group.storage.index_copy_(0, grad.ids, rows.to(group.dtype))
+        group.note_update(grad.ids)
 
     def _step_cached(self, group: TableGroup, ids: Tensor, grad: tuple, step: int) -> None:
         """The update of rows ``ids`` of a group on the SSD tier, in its row cache: the same

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hetero.dynamic import DynamicStats, KeyMap
+from hetero.dynamic import DynamicStats, KeyMap, Keys
 from hetero.dynamic.sharding import KeyShard, KeySpans, rehome
 from hetero.embedding import HostEmbedding, host_tables
 from hetero.embedding.dynamic_rows import KeyedTable
@@ -205,9 +205,11 @@ def rehome_state(table: HostEmbedding, whole: Tensor, initial: float) -> Tensor:
 
 def dynamic_stats(model: nn.Module) -> dict[str, DynamicStats]:
     """Each dynamic table's counts by qualified name; a row-sharded table's summed over the ranks
-    (a collective when ``model`` has one: every rank calls it)."""
-    tables = {k: t for k, t in host_tables(model).items() if t.keymap is not None}
-    out = {k: dataclasses.replace(t.keymap.stats) for k, t in tables.items()}
+    (a collective when ``model`` has one: every rank calls it); on parameter servers, as the
+    servers last reported them to this worker."""
+    tables = {k: t for k, t in host_tables(model).items() if t.config.keys is Keys.DYNAMIC}
+    out = {k: dataclasses.replace(t.keymap.stats) if t.keymap is not None else
+           dataclasses.replace(t.group.dynamic.remote_stats.get(t.name, DynamicStats())) for k, t in tables.items()}
     sharded = [k for k, t in tables.items() if t.key_shard is not None]
     if sharded:
         summed = torch.tensor([dataclasses.astuple(out[k]) for k in sharded], dtype=torch.int64)

@@ -20,10 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hetero.dynamic import DynamicStats
 from hetero.embedding import RowExchange, RowPlacement
+from hetero.embedding.dynamic_rows import KeyedTable
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import copy_to
+from hetero.ps.keys import STATS, key_shards
 from hetero.ps.transport import Channel, Op, Status, encode
 
 
@@ -92,12 +95,16 @@ class PSClient(RowExchange):
         self._global_rows = group.num_rows
         self.name = ",".join(t.name for t in group.tables)
         self.step = 0  # pushes so far: the sequence number servers order this worker's requests by
+        self.translated = 0  # training key lookups in this step (dynamic tables: hetero.ps.keys)
+        self.key_counts: dict[tuple[str, int], Tensor] = {}  # (table, server) -> its counts there, last reported
+        if group.dynamic.tables:
+            group.dynamic.route = self.translate
         self.lookups: list[list[Any]] = []  # [unique group rows, their gradient (or None until backward)]
         self.cache = RowCache(cache_staleness) if cache_staleness is not None else None
 
     def reset(self) -> None:
         """Forget the step count and cached rows (after a checkpoint load)."""
-        self.step, self.lookups = 0, []
+        self.step, self.lookups, self.translated = 0, [], 0
         if self.cache is not None:
             self.cache = RowCache(self.cache.staleness)
 
@@ -199,7 +206,49 @@ class PSClient(RowExchange):
                 ch.raise_error(server, h, what)
             for w in works:
                 ch.wait(w, server, what)
-        self.step += 1
+        self.step, self.translated = self.step + 1, 0
+
+    # ------------------------------------------------------------------------------ keys
+    def translate(self, lookups: list[tuple[KeyedTable, Tensor]], training: bool) -> list[Tensor]:
+        """``DynamicRows.route``: the table rows (``(N,)`` int64 each) of dynamic tables' keys
+        (``(table, (N,) int64 keys)`` pairs, one lookup), each key translated by the server owning
+        it: one request to every server, all in flight (:mod:`hetero.ps.keys`). The tables' counts
+        the servers report go to ``group.dynamic.remote_stats``.
+
+        Raises:
+            ValueError: a server found keys of another shard (workers and servers disagree).
+            ServerTimeoutError / ServerLostError: a server did not answer (naming its rank).
+        """
+        n = len(self.servers)
+        index = [next(i for i, t in enumerate(self.group.tables) if t is table) for table, _ in lookups]
+        owners = [torch.from_numpy(key_shards(k.numpy(), t.group_row, t.config.num_embeddings, n)) for t, k in lookups]
+        ch, what = self.channel, f"a key lookup of table group {self.name!r}"
+        asked = []
+        for s, server in enumerate(self.servers):
+            masks = [o == s for o in owners]
+            entries = torch.tensor([[i, int(m.sum())] for i, m in zip(index, masks)], dtype=torch.int64).reshape(-1, 2)
+            keys = torch.cat([k[m] for (_, k), m in zip(lookups, masks)])
+            works = ch.request(server, Op.TRANSLATE, [entries, keys], step=self.step, group=self.index, n=keys.numel(),
+                               extra=int(training), fields=(len(lookups), self.translated))
+            asked.append((server, masks, entries[:, 1].tolist(), works))
+        out = [torch.empty(k.numel(), dtype=torch.int64) for _, k in lookups]
+        for server, masks, sizes, works in asked:
+            h = ch.reply_header(server, what)
+            if int(h[0]) != Status.OK:
+                ch.raise_error(server, h, what)
+            rows, counts = torch.empty(sum(sizes), dtype=torch.int64), torch.empty((len(lookups), STATS), dtype=torch.int64)
+            ch.wait(ch.receive(server, rows), server, what)
+            ch.wait(ch.receive(server, counts), server, what)
+            for (table, _), o, m, part, c in zip(lookups, out, masks, rows.split(sizes), counts):
+                o[m] = part
+                self.key_counts[(table.name, server)] = c
+            for w in works:
+                ch.wait(w, server, what)
+        self.translated += training
+        for table, _ in lookups:  # (each server's latest, summed)
+            total = sum(self.key_counts[(table.name, server)] for server in self.servers)
+            self.group.dynamic.remote_stats[table.name] = DynamicStats(*total.tolist())
+        return out
 
 
 def broadcast(channel: Channel, servers: list[int], op: Op, path: str) -> None:

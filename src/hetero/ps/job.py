@@ -118,7 +118,11 @@ class PSJob:
         for index, group in enumerate(groups.values()):
             if group.exchange.placement is not RowPlacement.LOCAL:
                 continue
-            group.dynamic.refuse("parameter servers")
+            if group.dynamic.tables and self.config.mode is not PSMode.SYNC:
+                # (a row evicted between a worker's pull and its push would take another key's gradient)
+                raise ValueError(f"dynamic tables {group.dynamic.tables} train on parameter servers in sync mode only: "
+                                 f"a key's row may be given to another key between a worker's pull and its push in "
+                                 f"{self.config.mode.value} mode; use --ps-mode sync (PSConfig.mode=PSMode.SYNC)")
             if self.role is Role.SERVER:
                 s = self.servers.index(dist.get_rank())
                 global_rows = group.num_rows

@@ -35,6 +35,7 @@ from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import host_empty
 from hetero.ps.config import PSMode
+from hetero.ps.keys import ServerKeys
 from hetero.storage import snapshot
 from hetero.ps.transport import HEADER, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, Op, Status, decode, encode, header
 
@@ -70,7 +71,7 @@ def shard_rows(group: TableGroup, shard: int, servers: int, lo: int, hi: int) ->
     out = torch.empty((max(hi - lo, 0), group.dim), dtype=group.dtype)
     first, last = shard + servers * lo, shard + servers * (hi - 1)  # global rows
     for t in group.tables:
-        start, vocab = t.group_row, t.config.num_embeddings
+        start, vocab = t.group_row, t.config.num_rows  # (a dynamic table's default row included)
         a = max(first, start + (shard - start) % servers)  # this shard's first row in the table
         b = min(last, start + vocab - 1)
         if a > b:
@@ -115,12 +116,15 @@ class ParameterServer:
         self.inbox: list[dict[int, dict[int, tuple]]] = [{} for _ in self.groups]  # SYNC: step -> worker -> push
         self.deferred: list[list[tuple[int, int, Tensor]]] = [[] for _ in self.groups]  # SYNC: early pulls
         self.sends: dict[int, list[tuple[Any, Tensor]]] = {}  # per worker: replies in flight, tensors kept alive
+        # dynamic tables' key maps (hetero.ps.keys), and training key lookups: (step, number) -> worker -> request
+        self.keymaps = [ServerKeys(g, shard, servers) if g.dynamic.tables else None for g in self.groups]
+        self.asked: list[dict[tuple[int, int], dict[int, tuple[Tensor, Tensor]]]] = [{} for _ in self.groups]
         self.served_rows = self.updated_rows = 0
 
     def nbytes(self) -> int:
         """Bytes of this shard in memory: table rows and optimizer state; a group on the SSD tier,
         its row cache's budget."""
-        total = sum(shard_bytes(g) for g in self.groups)
+        total = sum(shard_bytes(g) for g in self.groups) + sum(k.nbytes for k in self.keymaps if k is not None)
         for _, opt in self.optimizers.items():
             for state in opt.group_state.values():
                 total += sum(x.numel() * x.element_size() for x in state.values() if not x.is_meta)
@@ -140,6 +144,9 @@ class ParameterServer:
             elif op == Op.PUSH:
                 ids = self._recv(src, (n,), torch.int64)
                 self._push(src, step, g, ids, self._recv(src, (n, self.groups[g].dim), torch.float32), extra)
+            elif op == Op.TRANSLATE:
+                entries = self._recv(src, (int(h[5]), 2), torch.int64)
+                self._translate(src, (step, int(h[6])), g, bool(extra), entries, self._recv(src, (n,), torch.int64))
             elif op in (Op.SAVE, Op.LOAD):
                 path = decode(self._recv(src, (n,), torch.uint8))
                 voters = votes.setdefault((op, path), set())
@@ -148,7 +155,7 @@ class ParameterServer:
                     del votes[(op, path)]
                     on_checkpoint(Op(op), path)
                     if op == Op.LOAD:  # both sides count steps from the load
-                        self.applied = [0] * len(self.groups)
+                        self.applied, self.asked = [0] * len(self.groups), [{} for _ in self.groups]
             elif op == Op.STOP:
                 live.discard(src)
         for sends in self.sends.values():
@@ -224,6 +231,37 @@ class ParameterServer:
             self.deferred[g] = [d for d in self.deferred[g] if d[1] > self.applied[g]]
             for dst, _, local in ready:
                 self._send_rows(dst, g, local)
+            self._translate_ready(g)
+
+    def _translate(self, src: int, at: tuple[int, int], g: int, training: bool, entries: Tensor, keys: Tensor) -> None:
+        """A key lookup (``Op.TRANSLATE``, :mod:`hetero.ps.keys`): answered at once unless it trains;
+        a training one once every worker's lookup ``at`` (step, number) came and the step before is applied."""
+        keymaps = self.keymaps[g]
+        err = "the group has no dynamic tables" if keymaps is None else keymaps.check(entries, keys)
+        if err is not None:
+            self._error(src, Status.VALUE_ERROR, f"parameter server rank {dist.get_rank()} (shard {self.shard} of "
+                                                 f"{self.servers}): {err}")
+        elif not training:
+            self._reply(src, [header(Status.OK, keys.numel()), *keymaps.translate_all([(entries, keys)], False)[0]])
+        else:
+            self.asked[g].setdefault(at, {})[src] = (entries, keys)
+            self._translate_ready(g)
+
+    def _translate_ready(self, g: int) -> None:
+        """Translate the training key lookups every worker sent whose step may begin, in order."""
+        while self.asked[g]:
+            at = min(self.asked[g])
+            if at[0] > self.applied[g] or len(self.asked[g][at]) < len(self.workers):
+                return
+            parts = self.asked[g].pop(at)
+            try:
+                replies = self.keymaps[g].translate_all([parts[w] for w in self.workers], True)
+            except ValueError as e:
+                for w in self.workers:
+                    self._error(w, Status.VALUE_ERROR, str(e))
+                continue
+            for w, reply in zip(self.workers, replies):
+                self._reply(w, [header(Status.OK, reply[0].numel()), *reply])
 
     def _apply(self, g: int, parts: list[tuple[Tensor, Tensor, int]], scale: float) -> None:
         """One optimizer step of group ``g`` from the pushes ``parts`` (summed in the given order)."""
@@ -231,6 +269,7 @@ class ParameterServer:
         name, opt = self.owner[group]
         ids = torch.cat([p[0] for p in parts])
         if ids.numel() == 0:
+            opt.step_group(group)  # (no rows: a dynamic table's clock and new rows' state, hetero.ps.keys)
             if any(p[2] for p in parts):  # the table got rows elsewhere this step: count it here too
                 opt.count_step(group)
             return
@@ -243,7 +282,7 @@ class ParameterServer:
         if scale != 1.0:
             summed *= scale
         group.pending.set(SparseGrad(unique // self.servers, summed, RowSpace.LOCAL))
-        opt.step()  # only this group has a pending gradient
+        opt.step_group(group)
         self.updated_rows += unique.numel()
 
     # ------------------------------------------------------------------------------ state
@@ -259,7 +298,8 @@ class ParameterServer:
             for s, x in opt.group_state[group].items():
                 entry[f"{name}.{s}"] = x
             tables[key] = {f"shard{self.shard}": entry}
-        return {"ps": tables, "ps_meta": {f"shard{self.shard}": io.BytesIO()}}
+        keys = {k: {f"shard{self.shard}": m.state()} for k, m in zip(self.keys, self.keymaps) if m is not None}
+        return {"ps": tables, "ps_meta": {f"shard{self.shard}": io.BytesIO()}, **({"ps_keys": keys} if keys else {})}
 
     def save_blob(self, state: dict[str, Any]) -> None:
         counts = {name: opt.state_dict(include_state=False) for name, opt in self.optimizers.items()}
@@ -271,6 +311,9 @@ class ParameterServer:
         saved = torch.load(buf, map_location="cpu", weights_only=True)
         for name, opt in self.optimizers.items():
             opt.load_state_dict(saved["sparse_optimizers"][name])  # counts only; the rows were loaded in place
+        for key, keymaps in zip(self.keys, self.keymaps):
+            if keymaps is not None:
+                keymaps.load(state["ps_keys"][key][f"shard{self.shard}"])
 
     # ------------------------------------------------------------------------------ SSD tier
     def _tier_dir(self, directory: Path, group: TableGroup) -> Path:

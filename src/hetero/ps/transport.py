@@ -2,7 +2,7 @@
 
 No protocol of our own below that: gloo carries the bytes (TCP, ordered per pair of ranks and
 tag), torchrun's store did the rendezvous. A request is a fixed ``(8,)`` int64 header on tag
-:data:`TAG_REQUEST` - ``[op, step, group, n, extra, 0, 0, 0]`` - followed by its tensors on
+:data:`TAG_REQUEST` - ``[op, step, group, n, extra, ...]`` (zeros where an op needs no more) - followed by its tensors on
 :data:`TAG_PAYLOAD`; a server receives headers from any worker and then the payload from that
 worker. A reply is a header ``[status, n, ...]`` and its tensors on :data:`TAG_REPLY`.
 
@@ -31,6 +31,10 @@ class Op(enum.IntEnum):
     SAVE = 3  # payload: checkpoint path, utf-8 (n,) uint8; then every rank joins the DCP save
     LOAD = 4  # as SAVE, for the DCP load
     STOP = 5  # this worker is done
+    # payload: (L, 2) int64 lookup entries (group table index, key count), then the keys (n,) int64;
+    # extra: 1 for a training lookup; fields 5, 6: L and the lookup's number in the step;
+    # reply: table rows (n,) int64, then each entry's table counts here (L, 4) int64 (hetero.ps.keys)
+    TRANSLATE = 6
 
 
 class Status(enum.IntEnum):
@@ -69,9 +73,10 @@ class Channel:
         self.timeout_s, self.shard_of = timeout_s, shard_of  # server rank -> shard index (for messages)
 
     def request(self, server: int, op: Op, payload: list[Tensor], step: int = 0, group: int = 0, n: int = 0,
-                extra: int = 0) -> list:
-        """Start sending one request; returns the works :meth:`wait` must complete."""
-        works = [dist.isend(header(op, step, group, n, extra), server, group=self.group, tag=TAG_REQUEST)]
+                extra: int = 0, fields: tuple[int, ...] = ()) -> list:
+        """Start sending one request (``fields``: the header's after ``extra``); returns the works
+        :meth:`wait` must complete."""
+        works = [dist.isend(header(op, step, group, n, extra, *fields), server, group=self.group, tag=TAG_REQUEST)]
         works += [dist.isend(t, server, group=self.group, tag=TAG_PAYLOAD) for t in payload]
         return works
 

@@ -15,7 +15,8 @@ writing its part:
 * ``ps.<group>.shard<s>`` and ``ps_meta.shard<s>`` instead of ``tables.<group>`` in a
   parameter-server job (:mod:`hetero.ps`): server ``s`` writes its hash shard of the rows and
   state, and a blob with the step counts (a group on the SSD tier: its shard as the tier's
-  snapshot in ``ps-tier/``, :mod:`hetero.ps.server`); such a checkpoint resumes with the same
+  snapshot in ``ps-tier/``, :mod:`hetero.ps.server`), and ``ps_keys.<group>.shard<s>`` its
+  dynamic tables' key maps (:mod:`hetero.ps.keys`); such a checkpoint resumes with the same
   number of servers (any number of workers);
 * ``extra``: the rest as one ``torch.save`` blob (``io.BytesIO``): data position, RNG, loss
   history, dense optimizer state, sparse optimizer configs and step counts, and the layout of
@@ -39,6 +40,7 @@ from hetero.checkpoint.io import CheckpointError
 from hetero.parallel.env import DataParallelGroup
 from hetero.parallel.checkpoint_state import model_state
 from hetero.parallel.tree_comm import gather_tree
+from hetero.ps.keys import whole_keymaps
 from hetero.ps.server import PS_TIER
 from hetero.storage.snapshot import read_fields
 
@@ -118,6 +120,8 @@ def to_integrated(full: Mapping[str, Any], directory: Path | None = None) -> dic
             raise CheckpointError(f"tables {key} were on the parameter servers' SSD tier: give the checkpoint's directory")
         shards = _tier_shards(directory, key, name, servers, layout) if name is not None else full["ps"][key]
         tables[key] = _interleave(shards, servers)
+        if key in full.get("ps_keys", {}):  # the servers' key maps of its dynamic tables, whole
+            model.update(whole_keymaps(full["ps_keys"][key], servers, layout["groups"][key]))
         steps = read_extra({"extra": full["ps_meta"]["shard0"]})["sparse_optimizers"]  # the servers count the steps
     where: dict[str, tuple[str, int, int]] = {}
     for key, entries in layout["groups"].items():
