@@ -210,7 +210,7 @@ def test_keys_without_a_row_read_the_default_row_and_it_takes_no_update():
     assert table.keymap.size == 2 and not torch.equal(table.weight.detach()[0], torch.zeros(D))
 
 
-def test_a_collection_groups_dynamic_and_fixed_tables_and_a_state_dict_resumes_exactly():
+def test_a_collection_groups_dynamic_and_fixed_tables_and_a_state_dict_resumes_exactly(tmp_path):
     def build():
         torch.manual_seed(0)
         coll = HostEmbeddingCollection([
@@ -236,6 +236,15 @@ def test_a_collection_groups_dynamic_and_fixed_tables_and_a_state_dict_resumes_e
     coll, opt = build()
     coll.load_state_dict(saved)
     opt.load_state_dict(saved_opt)
+    assert first + run(coll, opt, range(15, 30)) == straight
+    # and through a sharded (DCP) checkpoint: the maps come back too (a load in place reached copies of them)
+    from hetero.parallel import load_distributed_checkpoint, save_distributed_checkpoint
+
+    coll, opt = build()
+    run(coll, opt, range(15))
+    save_distributed_checkpoint(coll, tmp_path / "dcp", {"rw": opt})
+    coll, opt = build()
+    load_distributed_checkpoint(coll, tmp_path / "dcp", sparse_optimizers={"rw": opt})
     assert first + run(coll, opt, range(15, 30)) == straight
 
 

@@ -320,3 +320,30 @@ def test_dynamic_features_train_with_prefetch_as_without(tmp_path, caplog):
     assert "dynamic tables ['wide_user', 'wide_item', 'deep_user', 'deep_item'] are looked up at their step" in caplog.text
     a, b = (torch.load(tmp_path / n / "checkpoint.pt", weights_only=False)["model"] for n in ("plain", "prefetch"))
     assert int(a["deep.tables.deep_user.keymap.stats"][1]) > 0 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_dynamic_feature_resumes_exactly_from_the_sharded_checkpoint_format(tmp_path, cpu_ranks, ranks):
+    """``--checkpoint-format sharded`` (DCP), in one process and replicated over 2 ranks: stopped at step 5
+    and resumed, the run equals the straight one tensor for tensor, key maps included (a load in place
+    once reached only copies of the maps: the resumed run started with empty ones)."""
+    import torch
+
+    from conftest import hetero_on_ranks
+    from hetero.cli import merge
+
+    data, job = job_file(tmp_path, JOB, _csv)
+    args = ["train", "--config", str(job), *TRAIN, "--dropout", "0", "--checkpoint-format", "sharded"]
+    for name, extra in (("straight", []), ("split", ["--max-steps", "5"]), ("split", ["--resume"])):
+        argv = [*args, "--run-dir", str(tmp_path / name), *extra]
+        if ranks == 1:
+            assert main(argv) == 0
+        else:
+            run = hetero_on_ranks(tmp_path, ranks, argv)
+            assert run.returncode == 0, run.stderr[-3000:]
+    a, b = (torch.load(merge(tmp_path / n / "checkpoint.dcp", tmp_path / f"{n}.pt"), weights_only=False)
+            for n in ("straight", "split"))
+    assert int(a["model"]["deep.tables.deep_user.keymap.stats"][1]) > 0  # evicting
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    assert torch.equal(a["losses"], b["losses"])

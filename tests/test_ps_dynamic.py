@@ -67,17 +67,19 @@ def test_one_sync_server_trains_capped_dynamic_tables_as_data_parallel_workers_d
     assert dp["dynamic_tables"] == ps["dynamic_tables"] and dp["test_auc"] == pytest.approx(ps["test_auc"], abs=1e-6)
 
 
-def test_two_sync_servers_train_as_one_process_key_by_key_and_resume_exactly(tmp_path, cpu_ranks):
+def test_two_sync_servers_train_as_one_process_key_by_key_and_resume_exactly_on_the_ssd_tier(tmp_path, cpu_ranks):
     """2 servers, 2 workers, tables with room for every key (admitted at the second sighting, aged
-    out after 6 steps): each key's row, use count and last step equal one process's; stopped at
-    step 5 and resumed, the run equals the straight one; the merged checkpoint predicts as one
-    process's does."""
+    out after 6 steps): each key's row, use count and last step equal one process's; the servers'
+    shards on the SSD tier under a cache of a few records, stopped at step 5 and resumed, equal
+    the straight run in memory tensor for tensor; the merged checkpoint predicts as one process's."""
     data, job = _job(tmp_path, ("capacity = 24", "capacity = 80"))
     assert main(["train", "--config", str(job), *ARGS, "--run-dir", str(tmp_path / "one")]) == 0
     ref = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
     straight = _ps(tmp_path, job, "ps", 2)
-    _ps(tmp_path, job, "split", 2, ["--max-steps", "5"])
-    split = _ps(tmp_path, job, "split", 2, ["--resume"])
+    ssd = ["--table-storage", "ssd", "--cache-mb", "0.004"]
+    _ps(tmp_path, job, "split", 2, [*ssd, "--max-steps", "5"])
+    split = _ps(tmp_path, job, "split", 2, [*ssd, "--resume"])
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoint.dcp" / "ps-tier").iterdir()) == ["shard0of2", "shard1of2"]
     for k, v in straight["model"].items():
         assert torch.equal(v, split["model"][k]), k
     assert torch.equal(straight["losses"], split["losses"])

@@ -125,7 +125,7 @@ class HostEmbedding(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):  # noqa: ANN001 - nn.Module's signature
         if self.keymap is not None:
-            self._load_keymap(state_dict, prefix, missing_keys)
+            self.load_keymap(state_dict, prefix, missing_keys)
         key = prefix + "weight"
         if self.config.storage is StorageTier.SSD and not self.group.rows_in_state_dict:
             return None  # (the rows come from the tier's snapshots)
@@ -141,9 +141,9 @@ class HostEmbedding(nn.Module):
         self.group.ssd_assign("weight", self.group.local_start(self), rows)
         return None
 
-    def _load_keymap(self, state_dict, prefix: str, missing_keys: list[str]) -> None:  # noqa: ANN001
-        """Take a dynamic table's key map out of ``state_dict`` (what :meth:`_save_to_state_dict`
-        put there) and restore it, or name its keys missing."""
+    def load_keymap(self, state_dict: dict[str, Tensor], prefix: str, missing_keys: list[str]) -> None:
+        """Take a dynamic table's key map out of ``state_dict`` (``<prefix>keymap.*``, what
+        :meth:`_save_to_state_dict` put there) and restore it, or add its keys to ``missing_keys``."""
         names = [*self.keymap.STATE, "step"]
         found = {n: state_dict.pop(f"{prefix}keymap.{n}") for n in names if f"{prefix}keymap.{n}" in state_dict}
         if len(found) < len(names):

@@ -90,6 +90,22 @@ def model_state(model: nn.Module, sparse_optimizers: Mapping[str, SparseOptimize
     return state, layout
 
 
+def restore_keymaps(model: nn.Module, entries: Mapping[str, torch.Tensor], path: str | Path) -> None:
+    """Restore ``model``'s dynamic tables' key maps from a loaded sharded checkpoint's ``model``
+    part (``<table>.keymap.*``: loaded into copies of the maps, which a load in place does not
+    reach; row-sharded tables are not saved this way, parameter-server workers hold no maps).
+
+    Raises:
+        CheckpointError: a map missing from ``entries``, naming it.
+    """
+    missing: list[str] = []
+    for name, t in host_tables(model).items():
+        if t.keymap is not None and t.key_shard is None:
+            t.load_keymap(dict(entries), f"{name}.", missing)
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks the key maps {missing}; it was saved by another model")
+
+
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -153,6 +169,7 @@ def load_distributed_checkpoint(model: nn.Module, path: str | Path, layout: dict
     if optimizer is not None:
         state["optim"] = _optimizer_state(model, optimizer)  # the template the load fills
     path = load_sharded(state, path)
+    restore_keymaps(model, state["model"], path)
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
