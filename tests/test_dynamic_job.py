@@ -185,7 +185,7 @@ def test_row_sharded_dynamic_features_resume_exactly_at_their_world_size(tmp_pat
     """Row-sharded over 2 ranks (each rank admits, counts and evicts the keys it owns: the user table
     of 24 rows for 60 users evicts, by LFU within each rank's 12), checkpointed at step 5 and
     resumed at 2 ranks: the model, the key maps (row by row) and the counts equal the straight
-    run's."""
+    run's, from the integrated and from the sharded (DCP) checkpoint format."""
     import torch
 
     data = tmp_path / "ids.csv"
@@ -197,12 +197,25 @@ def test_row_sharded_dynamic_features_resume_exactly_at_their_world_size(tmp_pat
     assert int(a["deep.tables.deep_user.keymap.stats"][1]) > 0  # evicting
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # the sharded (DCP) format: each rank writes its part of the maps; resumed at 2 ranks it equals the
+    # straight run, merged it equals the integrated checkpoint; at 4 ranks it is refused naming the fix
     from conftest import hetero_on_ranks
+    from hetero.cli import merge
 
-    run = hetero_on_ranks(tmp_path, 2, ["train", "--config", str(tmp_path / "job.toml"), *TRAIN, "--run-dir",
-                                        str(tmp_path / "dcp"), "--table-sharding", "row", "--checkpoint-format", "sharded"])
-    assert run.returncode == 1 and "--checkpoint-format integrated" in run.stderr, run.stderr[-2000:]
-    assert not (tmp_path / "dcp" / "checkpoint.dcp").exists()
+    argv = ["train", "--config", str(tmp_path / "job.toml"), *TRAIN, "--batch-size", "16", "--dropout", "0",
+            "--run-dir", str(tmp_path / "dcp"), "--table-sharding", "row", "--checkpoint-format", "sharded"]
+    for extra in (["--max-steps", "5"], ["--resume"]):
+        run = hetero_on_ranks(tmp_path, 2, [*argv, *extra])
+        assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.load(merge(tmp_path / "dcp" / "checkpoint.dcp", tmp_path / "dcp.pt"), weights_only=False)
+    assert got["position"] == pa and got["model"].keys() == a.keys()
+    for k in a:
+        assert torch.equal(a[k], got["model"][k]), k
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "dcp" / "checkpoint.dcp").iterdir())
+    run = hetero_on_ranks(tmp_path, 4, [*argv, "--resume", "--epochs", "3"])
+    assert run.returncode == 1 and "row-sharded over [2] ranks, this run shards them over [4]" in run.stderr, run.stderr[-2000:]
+    assert "hetero checkpoint merge" in run.stderr
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "dcp" / "checkpoint.dcp").iterdir()) == before
 
 
 def test_row_sharded_dynamic_features_resume_at_another_world_size(tmp_path, cpu_ranks):

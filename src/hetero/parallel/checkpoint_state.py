@@ -34,8 +34,9 @@ from torch.distributed.tensor import Placement
 from hetero.embedding import RowPlacement, host_tables, table_groups
 from hetero.embedding.group import TableGroup
 from hetero.optim import SparseOptimizer
-from hetero.parallel.env import active, host_group
+from hetero.parallel.env import active, host_group, rank, world_size
 from hetero.parallel.operator_plan import first_difference, infer_predict_layout
+from hetero.parallel.sharded_keys import load_rank_keymap, rank_keymap_state, sharded_keymaps
 from hetero.checkpoint.sharded import save_sharded, load_sharded, read_bytes
 from hetero.checkpoint.io import CheckpointError
 
@@ -68,7 +69,7 @@ def model_state(model: nn.Module, sparse_optimizers: Mapping[str, SparseOptimize
     mesh = _mesh() if active() and any(t.group.exchange.placement is RowPlacement.ROW_SHARDED
                                        for t in tables.values()) else None
     names = {t: q for q, t in tables.items()}  # modules hash by identity
-    out_tables, layout = {}, {"groups": {}, "sparse": {}, "ps": {}}
+    out_tables, keys, layout = {}, {}, {"groups": {}, "sparse": {}, "ps": {}, "keys": {}}
     for key, group in table_groups(model).items():
         layout["groups"][key] = [(names[t], t.group_row, t.config.num_rows) for t in group.tables]
         if group.exchange.placement is RowPlacement.PARAMETER_SERVER:  # the servers write these rows
@@ -76,8 +77,10 @@ def model_state(model: nn.Module, sparse_optimizers: Mapping[str, SparseOptimize
             if group.ssd_config is not None:  # each server's shard as the tier's snapshot (hetero.ps.server)
                 layout.setdefault("ps_tier", {})[key] = group.ssd_name
             continue
-        if group.exchange.placement is RowPlacement.ROW_SHARDED:  # (each rank's key map: a part of no DTensor)
-            group.dynamic.refuse("a sharded checkpoint of row-sharded tables (checkpoint.dcp): save the integrated one")
+        for t in group.tables:  # a row-sharded dynamic table's map: each rank's part (hetero.parallel.sharded_keys)
+            if t.key_shard is not None:
+                keys[names[t]] = {f"rank{rank()}": rank_keymap_state(t)}
+                layout["keys"][names[t]] = world_size()
         entry = {"weight": _wrap(group.storage, group, mesh)}
         for opt_key, opt in sparse_optimizers.items():
             for s, x in opt.group_state.get(group, {}).items():
@@ -86,22 +89,46 @@ def model_state(model: nn.Module, sparse_optimizers: Mapping[str, SparseOptimize
     for opt_key, opt in sparse_optimizers.items():
         layout["sparse"][opt_key] = {name: names[t] for name, t in opt.tables.items()}
     # tables first: a table that does not fit is the first error reported
-    state = {"tables": out_tables, "model": {k: v for k, v in model.state_dict().items() if k not in table_keys}}
-    return state, layout
+    own = tuple(f"{q}.keymap." for q in keys)  # (the ranks' parts: in "keys")
+    state = {"tables": out_tables, "model": {k: v for k, v in model.state_dict().items()
+                                             if k not in table_keys and not k.startswith(own)}}
+    return {**state, "keys": keys} if keys else state, layout
 
 
-def restore_keymaps(model: nn.Module, entries: Mapping[str, torch.Tensor], path: str | Path) -> None:
-    """Restore ``model``'s dynamic tables' key maps from a loaded sharded checkpoint's ``model``
-    part (``<table>.keymap.*``: loaded into copies of the maps, which a load in place does not
-    reach; row-sharded tables are not saved this way, parameter-server workers hold no maps).
+def check_key_ranks(model: nn.Module, layout: Mapping[str, Any], path: str | Path) -> None:
+    """Refuse a sharded checkpoint whose row-sharded dynamic tables' maps this model cannot take
+    as saved: saved at another world size, or saved row-sharded and loaded not (or the reverse).
+    Each rank's own check, before anything loads.
+
+    Raises:
+        CheckpointError: naming the tables, the world sizes and the fix.
+    """
+    saved = dict(layout.get("keys", {}))
+    here = {q: world_size() for q in sharded_keymaps(model)}
+    dynamic = {q for q, t in host_tables(model).items() if t.keymap is not None}
+    if {q: n for q, n in saved.items() if q in dynamic} != {q: n for q, n in here.items()}:
+        raise CheckpointError(
+            f"checkpoint {path} holds the key maps of dynamic tables {sorted(saved) or sorted(here)} row-sharded over "
+            f"{sorted(set(saved.values())) or 'no'} ranks, this run shards them over {sorted(set(here.values())) or 'no'}: "
+            f"resume as they were saved, or merge the checkpoint (hetero checkpoint merge CKPT checkpoint.pt) and "
+            f"resume from that integrated checkpoint (--checkpoint-format integrated), which moves keys to their owners")
+
+
+def restore_keymaps(model: nn.Module, state: Mapping[str, Any], path: str | Path) -> None:
+    """Restore ``model``'s dynamic tables' key maps from a loaded sharded checkpoint ``state``:
+    from its ``model`` part (``<table>.keymap.*``: loaded into copies of the maps, which a load in
+    place does not reach), a row-sharded table's from this rank's part of ``keys``
+    (parameter-server workers hold no maps).
 
     Raises:
         CheckpointError: a map missing from ``entries``, naming it.
     """
     missing: list[str] = []
     for name, t in host_tables(model).items():
-        if t.keymap is not None and t.key_shard is None:
-            t.load_keymap(dict(entries), f"{name}.", missing)
+        if t.key_shard is not None:  # (row-sharded: this rank's own part, check_key_ranks checked)
+            load_rank_keymap(t, state["keys"][name][f"rank{rank()}"])
+        elif t.keymap is not None:
+            t.load_keymap(dict(state["model"]), f"{name}.", missing)
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks the key maps {missing}; it was saved by another model")
 
@@ -165,11 +192,14 @@ def load_distributed_checkpoint(model: nn.Module, path: str | Path, layout: dict
                 opt.check_state_dict(saved[k])
             except ValueError as e:
                 raise CheckpointError(f"checkpoint {path}, sparse optimizer {k!r}: {e}") from e
+    blob = read_bytes(path, "extra")
+    blob.seek(0)
+    check_key_ranks(model, torch.load(blob, map_location="cpu", weights_only=True)["layout"], path)
     state, _ = model_state(model, sparse)
     if optimizer is not None:
         state["optim"] = _optimizer_state(model, optimizer)  # the template the load fills
     path = load_sharded(state, path)
-    restore_keymaps(model, state["model"], path)
+    restore_keymaps(model, state, path)
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -217,3 +218,47 @@ def dynamic_stats(model: nn.Module) -> dict[str, DynamicStats]:
         for k, row in zip(sharded, summed.tolist()):
             out[k] = DynamicStats(*row)
     return out
+
+
+# --------------------------------------------------------------------------- sharded (DCP) checkpoints
+# Each rank writes its own part of a row-sharded dynamic table's map (``keys.<table>.rank<r>``): a
+# resume at the same world size gives every rank back its own map, exactly; another world size
+# would move keys between ranks with their rows, which needs the whole table: merge the
+# checkpoint into the integrated format (whole_keymap_of_ranks) and resume from that.
+
+
+def rank_keymap_state(table: HostEmbedding) -> dict[str, Tensor]:
+    """This rank's part of a row-sharded dynamic table's key map (copies): its span's rows' keys,
+    use counts and last steps, its own admission sketch and the loaded sketch it counts on
+    (``sketch_base``, zeros and ``has_base`` 0 when none), its counts, next age scan, and the
+    table's clock (``step``)."""
+    state = {k: torch.from_numpy(v) for k, v in table.keymap.state_dict().items()}
+    base = table.key_shard.sketch_base
+    state["sketch_base"] = torch.from_numpy(base.copy() if base is not None else np.zeros_like(table.keymap.sketch))
+    state["has_base"] = torch.tensor(int(base is not None))
+    state["step"] = torch.tensor(table.group.dynamic.steps_taken)
+    return state
+
+
+def load_rank_keymap(table: HostEmbedding, state: Mapping[str, Tensor]) -> None:
+    """Restore :func:`rank_keymap_state` (saved by this rank at this world size)."""
+    table.keymap.load_state_dict({k: state[k].numpy() for k in KeyMap.STATE})
+    shard = table.key_shard
+    shard.sketch_base = state["sketch_base"].numpy().copy() if int(state["has_base"]) else None
+    shard.rehomed = None
+    table.group.dynamic.steps_taken = int(state["step"])
+
+
+def whole_keymap_of_ranks(name: str, parts: list[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The ``<name>.keymap.*`` entries of a row-sharded dynamic table's whole map from every rank's
+    :func:`rank_keymap_state` (in rank order): what :func:`full_keymap_state` gathers when it
+    saves - the spans' rows in order, the sketches summed over their common base, the counts
+    summed, the latest next age scan."""
+    state = {k: torch.cat([p[k] for p in parts]) for k in KEYMAP_ROWS}
+    sketch = torch.zeros(parts[0]["sketch"].shape, dtype=torch.int64)
+    for p in parts:
+        sketch += p["sketch"].to(torch.int64) - p["sketch_base"].to(torch.int64)
+    sketch += parts[0]["sketch_base"].to(torch.int64)  # (every rank loaded the same base, or none: zeros)
+    state.update(sketch=sketch.clamp_(max=2**31 - 1).to(parts[0]["sketch"].dtype),
+                 stats=sum(p["stats"] for p in parts), next_scan=max(p["next_scan"] for p in parts), step=parts[0]["step"])
+    return {f"{name}.keymap.{k}": v for k, v in state.items()}

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from hetero.checkpoint.io import CheckpointError
 from hetero.parallel.env import DataParallelGroup
 from hetero.parallel.checkpoint_state import model_state
+from hetero.parallel.sharded_keys import whole_keymap_of_ranks
 from hetero.parallel.tree_comm import gather_tree
 from hetero.ps.keys import whole_keymaps
 from hetero.ps.server import PS_TIER
@@ -123,6 +124,8 @@ def to_integrated(full: Mapping[str, Any], directory: Path | None = None) -> dic
         if key in full.get("ps_keys", {}):  # the servers' key maps of its dynamic tables, whole
             model.update(whole_keymaps(full["ps_keys"][key], servers, layout["groups"][key]))
         steps = read_extra({"extra": full["ps_meta"]["shard0"]})["sparse_optimizers"]  # the servers count the steps
+    for q, ranks in layout.get("keys", {}).items():  # row-sharded dynamic tables' maps: each rank's part
+        model.update(whole_keymap_of_ranks(q, [full["keys"][q][f"rank{r}"] for r in range(ranks)]))
     where: dict[str, tuple[str, int, int]] = {}
     for key, entries in layout["groups"].items():
         for q, start, rows in entries:

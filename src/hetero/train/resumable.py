@@ -23,7 +23,7 @@ from hetero.checkpoint.sharded import load_sharded, read_bytes, resolve, save_sh
 from hetero.parallel import (
     full_model_state, full_optimizer_state, global_rank, global_shapes, load_full_optimizer_state, local_model_state,
 )
-from hetero.parallel.checkpoint_state import restore_keymaps
+from hetero.parallel.checkpoint_state import check_key_ranks, restore_keymaps
 from hetero.record import RECORD_KEY, check_record
 from hetero.train.checkpointing import (
     read_extra, sharded_state, stage_optimizer_state, whole_model_shapes, whole_model_state, whole_optimizer_state,
@@ -223,12 +223,14 @@ class TrainerCheckpoints:
             # load_sharded checks shards and shapes before it writes into the model.
             # (Each rank reads the record alone: in a parameter-server job the servers are not
             # loading yet, so no collective may run here.)
-            self.check_resumable(read_extra({"extra": read_bytes(path, "extra")}), path)
+            extra = read_extra({"extra": read_bytes(path, "extra")})
+            self.check_resumable(extra, path)
+            check_key_ranks(self.model, extra["layout"], path)
             template = sharded_state(self, blob=False)
             if self.remote:
                 self.ps_job.request_checkpoint(save=False, path=path)  # the servers load their shards
             load_sharded(template, path)
-            restore_keymaps(self.model, template["model"], path)  # (the maps' arrays were loaded into copies)
+            restore_keymaps(self.model, template, path)  # (the maps' arrays were loaded into copies)
             self.load_state_dict(read_extra(template), path)
         else:
             self.load_state_dict(load_checkpoint(path), path)

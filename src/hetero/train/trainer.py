@@ -115,10 +115,6 @@ class Trainer(TrainerCheckpoints):
         if self.remote and config.checkpoint_format is not CheckpointFormat.SHARDED:
             raise ValueError("tables on parameter servers are checkpointed by the servers, each its shard: use "
                              "checkpoint_format=CheckpointFormat.SHARDED (--checkpoint-format sharded)")
-        keyed = list(sharded_keymaps(model))
-        if keyed and config.checkpoint_format is CheckpointFormat.SHARDED:
-            raise ValueError(f"row-sharded dynamic tables {keyed} are checkpointed whole, each key map gathered: use "
-                             f"checkpoint_format=CheckpointFormat.INTEGRATED (--checkpoint-format integrated)")
         self.sparse_optimizers = {k: ps.PSSparse(o) if self.remote else
                                   DistributedSparse(o, group=self.dp) if self.dp.active else o
                                   for k, o in sparse_optimizers.items()}
