@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
+from _workload import id_arrays, timed  # noqa: E402
 
 from hetero.dynamic import Keys  # noqa: E402
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig  # noqa: E402
@@ -35,28 +35,7 @@ B, F, D = 4096, 26, 16
 
 
 def id_batches(dist: str, rows: int, count: int, seed: int = 0) -> list[torch.Tensor]:
-    rng = np.random.default_rng(seed)
-    if dist == "uniform":
-        return [torch.from_numpy(rng.integers(0, rows, (B, F))) for _ in range(count)]
-    perm = rng.permutation(rows)
-    return [torch.from_numpy(perm[(rng.zipf(1.05, (B, F)) - 1) % rows]) for _ in range(count)]
-
-
-def timed(step, batches, warmup: int, block: int = 5) -> float:
-    """Seconds per step: the median over blocks of ``block`` steps of ``batches[warmup:]``.
-
-    The median of blocks resists the bursts of a shared machine better than one long mean.
-    """
-    for b in batches[:warmup]:
-        step(b)
-    times = []
-    rest = batches[warmup:]
-    for i in range(0, len(rest) - block + 1, block):
-        t0 = time.perf_counter()
-        for b in rest[i : i + block]:
-            step(b)
-        times.append((time.perf_counter() - t0) / block)
-    return float(np.median(times))
+    return [torch.from_numpy(a) for a in id_arrays(dist, rows, count, (B, F), seed)]
 
 
 def step_rate(module, opt, batches, warmup: int) -> float:

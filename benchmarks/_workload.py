@@ -1,0 +1,34 @@
+"""Id batches and step timing shared by the embedding benchmarks, numpy and the standard library
+only: the peers benchmark (``benchmarks/peers/``) runs them in environments without hetero."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def id_arrays(dist: str, rows: int, count: int, shape: tuple[int, int], seed: int = 0) -> list[np.ndarray]:
+    """``count`` int64 id batches of ``shape``: uniform over ``[0, rows)``, or Zipf(1.05) with the hot
+    ids scattered over the table by a fixed permutation. The same arrays in every process."""
+    rng = np.random.default_rng(seed)
+    if dist == "uniform":
+        return [rng.integers(0, rows, shape) for _ in range(count)]
+    perm = rng.permutation(rows)
+    return [perm[(rng.zipf(1.05, shape) - 1) % rows] for _ in range(count)]
+
+
+def timed(step: Callable, batches: Sequence, warmup: int, block: int = 5) -> float:
+    """Seconds per step: the median over blocks of ``block`` steps of ``batches[warmup:]`` (the
+    median of blocks resists the bursts of a shared machine better than one long mean)."""
+    for b in batches[:warmup]:
+        step(b)
+    times = []
+    rest = batches[warmup:]
+    for i in range(0, len(rest) - block + 1, block):
+        t0 = time.perf_counter()
+        for b in rest[i : i + block]:
+            step(b)
+        times.append((time.perf_counter() - t0) / block)
+    return float(np.median(times))
