@@ -65,7 +65,7 @@ def main() -> None:
         "ratio_b_over_a": {k: med["b"][k] / med["a"][k] for k in keys if med["a"][k]},
         "runs": runs,
     }
-    emit(f"ab_{a.bench}", result)
+    emit(f"ab_{a.bench.replace('/', '_')}", result)  # (a script in a folder: peers/systems)
 
 
 def _commit(tree: Path) -> str:

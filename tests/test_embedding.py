@@ -65,6 +65,32 @@ def test_two_dimensional_ids_pool_over_last_dim():
     torch.testing.assert_close(host(ids), w[ids].sum(1), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("pooling", [Pooling.SUM, Pooling.MEAN])
+@pytest.mark.parametrize("beside", ["per_id", "bags_of_three"])
+def test_bags_of_one_id_equal_nn_embedding_bag(pooling, beside):
+    """``(B, 1)`` ids pooled against torch's ``EmbeddingBag``, outputs and gradients, in one group
+    lookup with a per-id table (bags of one take the per-id path, no bag offsets) or with a table
+    of bags of three (the bag path)."""
+    torch.manual_seed(0)
+    other = TableConfig("b", 30, 8, init_std=1.0, pooling=Pooling.NONE if beside == "per_id" else Pooling.SUM)
+    coll = HostEmbeddingCollection([TableConfig("a", 50, 8, pooling=pooling, init_std=1.0), other])
+    ref = nn.EmbeddingBag(50, 8, mode=pooling.value)
+    ref.weight.data.copy_(coll.tables["a"].weight.detach())
+    ids = torch.randint(0, 50, (32, 1))
+    ids[:4] = 7  # repeated ids
+    upstream = torch.randn(32, 8)
+    out = coll({"a": ids, "b": torch.randint(0, 30, (32,) if beside == "per_id" else (32, 3))})
+    assert out["a"].shape == (32, 8)
+    (out["a"] * upstream).sum().backward()
+    (ref(ids) * upstream).sum().backward()
+    torch.testing.assert_close(out["a"], ref(ids), rtol=0, atol=1e-6)
+    g = coll.tables["a"].pop_sparse_grad()
+    rows = g.ids - coll.tables["a"].group_row
+    keep = (rows >= 0) & (rows < 50)
+    dense = torch.zeros(50, 8).index_put_((rows[keep],), g.rows[keep], accumulate=True)
+    torch.testing.assert_close(dense, ref.weight.grad, rtol=0, atol=1e-6)
+
+
 def test_gradient_accumulates_over_forwards_until_popped():
     host, _ = _pair()
     host(torch.tensor([1, 2])).sum().backward()

@@ -110,7 +110,8 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True) -
     K = kernels()
     flat, offsets, lengths, ranges = [], [], [], []
     n = bags = 0
-    singleton = all(r.offsets is None and r.table.config.pooling is Pooling.NONE for r in requests)
+    per_id = [_per_id_shape(r) for r in requests]
+    singleton = all(shape is not None for shape in per_id)
     for r in requests:
         if r.ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"table {r.table.config.name!r}: ids must be int64 or int32, got {r.ids.dtype}")
@@ -119,9 +120,9 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True) -
     if keyed:  # raw keys -> the tables' rows (one compiled pass a table; training admits; row-sharded, one exchange)
         for i, rows in zip(keyed, group.dynamic.rows_of([(requests[i].table, given[i]) for i in keyed])):
             given[i] = rows
-    for r, ids in zip(requests, given):
-        if singleton:  # per-id lookups: bag i is id i, no offsets needed
-            ranges.append((n, n + ids.numel(), tuple(r.ids.shape)))
+    for r, ids, shape in zip(requests, given, per_id):
+        if singleton:  # per-id lookups (or bags of one id): output row i is id i's row, no offsets needed
+            ranges.append((n, n + ids.numel(), shape))
         else:
             off, shape = _bags(r, ids.numel())
             lengths.append(off[1:] - off[:-1])
@@ -170,6 +171,17 @@ def _segment_meta(requests: list[Request]) -> tuple[np.ndarray, np.ndarray, np.n
     offset = np.array([r.table.group_row for r in requests], np.int64)
     hashed = np.array([r.table.config.hashed for r in requests], np.bool_)
     return vocab, offset, hashed
+
+
+def _per_id_shape(r: Request) -> tuple[int, ...] | None:
+    """The output shape (without ``D``) of a request each of whose output rows is one id's row:
+    per-id lookups, or pooled bags of exactly one id (``(B, 1)`` ids: a sum or a mean of one row is
+    the row, so the bag machinery is skipped); ``None`` for any other."""
+    if r.offsets is not None:
+        return None
+    if r.table.config.pooling is Pooling.NONE:
+        return tuple(r.ids.shape)
+    return (r.ids.shape[0],) if r.ids.dim() == 2 and r.ids.shape[1] == 1 else None
 
 
 def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:
