@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -125,12 +127,27 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dist", choices=["uniform", "zipf"], default="uniform")
     p.add_argument("--pooled", action="store_true")
+    p.add_argument("--both", action="store_true", help="hetero only: pooled bags of one and per-id lookups in this "
+                   "one process, alternating step by step (their ratio without the noise between processes)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
     torch.manual_seed(0)
-    step = SYSTEMS[args.system](args.optimizer, args.rows, args.pooled)
     batches = [torch.from_numpy(a) for a in id_arrays(args.dist, args.rows, args.warmup + args.steps, (B, T))]
+    if args.both:
+        steps = {"pooled": hetero_step(args.optimizer, args.rows, True), "per_id": hetero_step(args.optimizer, args.rows, False)}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for i, ids in enumerate(batches):
+            for k, step in steps.items():
+                t0 = time.perf_counter()
+                step(ids)
+                if i >= args.warmup:
+                    times[k].append(time.perf_counter() - t0)
+        rates = {k: B / statistics.median(v) for k, v in times.items()}
+        print(json.dumps({"system": "hetero", "optimizer": args.optimizer, "dist": args.dist, **{
+            f"{k}_samples_per_s": v for k, v in rates.items()}, "per_id_over_pooled": rates["per_id"] / rates["pooled"]}))
+        return
+    step = SYSTEMS[args.system](args.optimizer, args.rows, args.pooled)
     seconds = timed(step, batches, args.warmup)
     print(json.dumps({"system": args.system, "optimizer": args.optimizer, "pooled": args.pooled, "dist": args.dist,
                       "samples_per_s": B / seconds, "threads": torch.get_num_threads(), "torch": torch.__version__}))

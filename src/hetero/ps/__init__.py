@@ -5,7 +5,8 @@ ranks are servers, each holding a hash shard of every table group with its spars
 state (:mod:`hetero.ps.server`); the first ``W`` ranks are workers that train data-parallel among
 themselves (DDP over the workers' group) and pull and push table rows (:mod:`hetero.ps.client`).
 Everything travels over torch.distributed (gloo point-to-point for requests, DCP for
-checkpoints); see :mod:`hetero.ps.transport`. Every process runs the same script::
+checkpoints); see :mod:`hetero.ps.transport`. Dynamic tables keep their key maps on the servers
+beside their rows (:mod:`hetero.ps.keys`; sync mode). Every process runs the same script::
 
     job = PSJob.init(PSConfig(num_servers=2))   # after parallel.init(); tables built later are deferred
     model = build_model()                       # the same seed everywhere; no table rows allocated
