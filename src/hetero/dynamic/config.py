@@ -88,6 +88,13 @@ class DynamicConfig:
         if self.sketch_width < 64 or self.sketch_width & (self.sketch_width - 1):
             bad("sketch_width", self.sketch_width, "a power of two >= 64")
 
+    def share(self, rows: int, capacity: int) -> "DynamicConfig":
+        """The settings of a part of a table of ``capacity`` rows that holds ``rows`` of them (a
+        rank's span, a parameter server's shard): ``keep_floor`` in proportion, ``evict_chunk``
+        capped at the part."""
+        chunk = None if self.evict_chunk is None or not rows else min(self.evict_chunk, rows)
+        return dataclasses.replace(self, keep_floor=self.keep_floor * rows // capacity, evict_chunk=chunk)
+
     def check(self, table: str, capacity: int) -> None:
         """The settings that depend on the table's capacity.
 

@@ -126,3 +126,18 @@ class KeyShard:
     spans: KeySpans
     rehomed: np.ndarray | None = None
     sketch_base: np.ndarray | None = None
+
+
+def merged_counts(parts: list[dict[str, np.ndarray]], base: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The map-wide entries of a table's parts' key maps (``sketch``, ``stats``, ``next_scan`` of each
+    part's ``KeyMap.state_dict``), merged as one map of every key would hold them: the admission
+    sketches summed (a count-min sketch is linear; over their common loaded ``base``, counted once;
+    saturating at int32's top, as the counters do), the counts summed, the latest next age scan."""
+    sketch = np.zeros(parts[0]["sketch"].shape, np.int64)
+    for p in parts:
+        sketch += p["sketch"].astype(np.int64)
+    if base is not None:
+        sketch -= (len(parts) - 1) * base.astype(np.int64)
+    return {"sketch": np.minimum(sketch, 2**31 - 1).astype(parts[0]["sketch"].dtype),
+            "stats": np.sum([p["stats"] for p in parts], axis=0).astype(np.int64),
+            "next_scan": np.array(max(int(p["next_scan"]) for p in parts), np.int64)}

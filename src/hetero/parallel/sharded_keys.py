@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hetero.dynamic import DynamicStats, KeyMap, Keys
-from hetero.dynamic.sharding import KeyShard, KeySpans, rehome
+from hetero.dynamic.sharding import KeyShard, KeySpans, merged_counts, rehome
 from hetero.embedding import HostEmbedding, host_tables
 from hetero.embedding.dynamic_rows import KeyedTable
 from hetero.embedding.group import TableGroup
@@ -51,9 +51,7 @@ def shard_keys(group: TableGroup, blocks: list[tuple[int, int]]) -> None:
         capacity, config = t.config.num_embeddings, t.config.dynamic
         spans = KeySpans.of_blocks(capacity, t.group_row, blocks)
         mine = int(spans.counts[r])
-        chunk = None if config.evict_chunk is None or not mine else min(config.evict_chunk, mine)
-        local = dataclasses.replace(config, keep_floor=config.keep_floor * mine // capacity, evict_chunk=chunk)
-        t.keymap = KeyMap(t.config.name, mine, local, t.init_seed)
+        t.keymap = KeyMap(t.config.name, mine, config.share(mine, capacity), t.init_seed)
         t.key_first, t.key_shard = int(spans.starts[r]), KeyShard(spans)
     frozen = group.dynamic.frozen  # (the default rows: group rows -> this rank's storage rows)
     group.dynamic.frozen = frozen[(frozen >= lo) & (frozen < hi)] - lo
@@ -255,10 +253,7 @@ def whole_keymap_of_ranks(name: str, parts: list[Mapping[str, Tensor]]) -> dict[
     saves - the spans' rows in order, the sketches summed over their common base, the counts
     summed, the latest next age scan."""
     state = {k: torch.cat([p[k] for p in parts]) for k in KEYMAP_ROWS}
-    sketch = torch.zeros(parts[0]["sketch"].shape, dtype=torch.int64)
-    for p in parts:
-        sketch += p["sketch"].to(torch.int64) - p["sketch_base"].to(torch.int64)
-    sketch += parts[0]["sketch_base"].to(torch.int64)  # (every rank loaded the same base, or none: zeros)
-    state.update(sketch=sketch.clamp_(max=2**31 - 1).to(parts[0]["sketch"].dtype),
-                 stats=sum(p["stats"] for p in parts), next_scan=max(p["next_scan"] for p in parts), step=parts[0]["step"])
+    base = parts[0]["sketch_base"].numpy() if int(parts[0]["has_base"]) else None  # (every rank loaded the same)
+    counts = merged_counts([{k: p[k].numpy() for k in ("sketch", "stats", "next_scan")} for p in parts], base)
+    state.update({k: torch.from_numpy(v) for k, v in counts.items()}, step=parts[0]["step"])
     return {f"{name}.keymap.{k}": v for k, v in state.items()}

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from hetero.dynamic import KeyMap, Keys
-from hetero.dynamic.sharding import home_rows
+from hetero.dynamic.sharding import home_rows, merged_counts
 from hetero.embedding.group import TableGroup
 
 STATS = 4  # a table's counts in a reply: admitted, evicted, default lookups, rows held (DynamicStats)
@@ -86,13 +86,10 @@ class ServerKeys:
             if t.config.keys is not Keys.DYNAMIC:
                 continue
             span = ShardSpan.of(t.group_row, t.config.num_embeddings, shard, servers)
-            c = t.config.dynamic
-            chunk = None if c.evict_chunk is None or not span.rows else min(c.evict_chunk, span.rows)
-            local = dataclasses.replace(c, keep_floor=c.keep_floor * span.rows // span.capacity, evict_chunk=chunk)
-            self.maps[i] = (t.name, span, KeyMap(t.name, span.rows, local, t.init_seed) if span.rows else None)
+            config = t.config.dynamic.share(span.rows, span.capacity)
+            self.maps[i] = (t.name, span, KeyMap(t.name, span.rows, config, t.init_seed) if span.rows else None)
         frozen = group.dynamic.frozen  # the default rows: group rows -> this shard's storage rows
         group.dynamic.frozen = frozen[frozen % servers == shard] // servers
-        self.init = {i: (t.config.embedding_dim, t.config.init_std) for i, t in enumerate(group.tables) if i in self.maps}
 
     @property
     def nbytes(self) -> int:
@@ -109,14 +106,11 @@ class ServerKeys:
             name, span, m = self.maps[index]
             part = keys[at : at + count].numpy()
             at += count
-            if part.shape[0] and (m is None or not self._owned(index, part)):
+            owned = key_shards(part, self.group.tables[index].group_row, span.capacity, self.servers) == self.shard
+            if part.shape[0] and (m is None or not owned.all()):
                 return (f"table {name!r}: keys of another shard came to shard {self.shard} of {self.servers}; workers "
                         f"and servers disagree on the number of servers")
         return None if at == keys.numel() else f"a key request of {keys.numel()} keys announced {at}"
-
-    def _owned(self, index: int, keys: np.ndarray) -> bool:
-        group_row = self.group.tables[index].group_row
-        return bool((key_shards(keys, group_row, self.maps[index][1].capacity, self.servers) == self.shard).all())
 
     def translate(self, index: int, keys: np.ndarray, training: bool) -> np.ndarray:
         """Table rows (``(N,)`` int64; ``capacity``, the default row, for a key without one) of
@@ -128,7 +122,8 @@ class ServerKeys:
             return span.table_rows(m.lookup(keys))
         rows, new = m.translate(keys, self.group.dynamic.steps_taken)
         if new.rows.shape[0]:
-            dim, std = self.init[index]
+            config = self.group.tables[index].config
+            dim, std = config.embedding_dim, config.init_std
             self.group.reset_rows(torch.from_numpy(span.local + new.rows), torch.from_numpy(m.init_rows(new.keys, dim, std)))
         return span.table_rows(rows)
 
@@ -195,16 +190,12 @@ def whole_keymaps(shards: Mapping[str, Mapping[str, Tensor]], servers: int,
         whole = {"row_key": torch.zeros(capacity, dtype=some[f"table{i}.row_key"].dtype),
                  "row_count": torch.zeros(capacity, dtype=some[f"table{i}.row_count"].dtype),
                  "row_last": torch.full((capacity,), -1, dtype=some[f"table{i}.row_last"].dtype)}
-        sketch = torch.zeros(some[f"table{i}.sketch"].shape, dtype=torch.int64)
-        stats, scan = torch.zeros(STATS, dtype=torch.int64), 0
         for s, p in parts.items():
             span = ShardSpan.of(first_row, capacity, s, servers)
             for k, x in whole.items():
                 x[span.first :: servers] = p[f"table{i}.{k}"]
-            sketch += p[f"table{i}.sketch"].to(torch.int64)
-            stats += p[f"table{i}.stats"]
-            scan = max(scan, int(p[f"table{i}.next_scan"]))
-        whole.update(sketch=sketch.clamp_(max=2**31 - 1).to(some[f"table{i}.sketch"].dtype), stats=stats,
-                     next_scan=torch.tensor(scan), step=some["step"])
+        counts = merged_counts([{k: p[f"table{i}.{k}"].numpy() for k in ("sketch", "stats", "next_scan")}
+                                for p in parts.values()])
+        whole.update({k: torch.from_numpy(v) for k, v in counts.items()}, step=some["step"])
         out.update({f"{name}.keymap.{k}": v for k, v in whole.items()})
     return out
