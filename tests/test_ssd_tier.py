@@ -71,7 +71,7 @@ def load_whole(path):
     snapshots (hetero.storage.snapshot.read_fields), as a checkpoint of the tables in memory holds them."""
     from hetero.storage import snapshot
 
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=False)
     entry = state.pop("tier", None)
     for key, saved in (entry["groups"] if entry else {}).items():
         parts = [snapshot.read_fields(path.parent / entry["directory"] / f"rank{r}" / saved["name"])

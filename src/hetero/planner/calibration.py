@@ -49,6 +49,7 @@ from hetero.planner.timing import (
     handoff_seconds,
     host_adamw_rate,
     op_curves,
+    op_scratch,
     optimizer_rate,
     table_rates,
     time_replays,
@@ -60,7 +61,7 @@ from hetero.placement import Target, resolve_device
 from hetero.parallel.comm import Collective
 from hetero.planner.space import OptimizerKind
 
-VERSION = 15  # bump when what is measured changes: older cache files are measured again
+VERSION = 16  # bump when what is measured changes: older cache files are measured again
 
 log = logging.getLogger("hetero")
 
@@ -101,6 +102,9 @@ class Calibration:
             the device (torch's sparse optimizers: LazyAdam, Adagrad, SGD).
         disks: a disk's key (:func:`disk_key`) -> its :class:`DiskRate` (the SSD tier's; measured
             the first time a plan may put tables on it, :func:`disk`).
+        op_scratch: (bytes reduced, device bytes of scratch) of a sum over a gradient's batch
+            dimension, by size (:func:`hetero.planner.timing.op_scratch`; none without an
+            accelerator): read through :meth:`scratch_bytes`.
     """
 
     key: str
@@ -119,10 +123,23 @@ class Calibration:
     seconds: float = 0.0
     device_tables: dict[str, TableRate] = dataclasses.field(default_factory=dict)
     disks: dict[str, DiskRate] = dataclasses.field(default_factory=dict)
+    op_scratch: tuple[tuple[int, int], ...] = ()
 
     def optimizer_rate(self, kind: OptimizerKind, on: Target = Target.DEVICE) -> LinearRate:
         """torch's dense optimizer ``kind`` stepping on ``on``'s cores (the device's or the host's)."""
         return self.optimizers[kind.calibrated if on is Target.DEVICE else f"{kind.calibrated}{_ON_HOST}"]
+
+    def scratch_bytes(self, nbytes: int) -> int:
+        """Device scratch bytes of summing an ``nbytes`` gradient over its batch dimension: the
+        measured size's of the smallest measured input at least as large, in proportion beyond
+        the largest; 0 where none was measured (no accelerator)."""
+        for reduced, scratch in self.op_scratch:
+            if nbytes <= reduced:
+                return scratch
+        if not self.op_scratch:
+            return 0
+        reduced, scratch = self.op_scratch[-1]
+        return int(scratch * nbytes / reduced)
 
     @property
     def host_adamw(self) -> LinearRate:
@@ -173,7 +190,8 @@ class Calibration:
             doc["shapes"],
             {k: {c: curve(v) for c, v in coll.items()} for k, coll in doc.get("collectives", {}).items()},
             doc.get("seconds", 0.0), {k: TableRate(**v) for k, v in doc.get("device_tables", {}).items()},
-            {k: DiskRate(**v) for k, v in doc.get("disks", {}).items()})
+            {k: DiskRate(**v) for k, v in doc.get("disks", {}).items()},
+            tuple((int(b), int(n)) for b, n in doc.get("op_scratch", ())))
 
 
 def machine_key() -> tuple[str, str]:
@@ -311,7 +329,7 @@ def measure() -> Calibration:
     overhead = max(0.0, eager_seconds_per_op(device) - small)
     return Calibration(key, text, "cpu" if host_is_device else torch.cuda.get_device_name(device), host_is_device, ops,
                        h2d, d2h, optimizers, tables, overhead, handoff_seconds(), {}, {}, time.perf_counter() - start,
-                       device_tables)
+                       device_tables, {}, op_scratch(device))
 
 
 def time_shapes(calibration: Calibration, graph: ModelGraph, targets: tuple[str, ...] = ("device",),

@@ -198,6 +198,7 @@ class MeasuredCost:
             return UnitCost(compute + update, host_bytes=2 * u.param_bytes + state + activations + int(u.input_bytes * s),
                             update_seconds=update)
         during = activations + int((u.input_bytes + u.output_bytes) * s)  # its activations + gradient workspace
+        during += self.cal.scratch_bytes(int(u.output_bytes * s))  # its bias gradient's reduction scratch (CUDA)
         if choice.weights is Target.HOST:
             return self._streamed(u, c, compute, activations, during)
         kept = 0 if choice.recompute else activations

@@ -17,6 +17,7 @@ value (its runner-up): the plan and every runner-up are those of searching every
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,7 +31,7 @@ from hetero.parallel.operator_plan import ShardingPlan
 from hetero.placement import PlacementSpec, Target
 from hetero.placement.capture import capture_failure
 from hetero.planner.applied import split_batch
-from hetero.planner.calibration import calibrate, collectives, disk, time_shapes
+from hetero.planner.calibration import cache_path, calibrate, collectives, disk, time_shapes
 from hetero.planner.capture import capture, streamable_units
 from hetero.planner.cost import MeasuredCost
 from hetero.planner.cost_types import CostModel
@@ -198,6 +199,10 @@ class Planner:
 
             raise NoPlanError(no_plan_message(self.cost, flat or self.settings, searched_at, device_budget, host_budget,
                                        self.config.memory_margin))
+        broken = [c for c, a in feasible if not math.isfinite(a.seconds)]
+        if broken:  # (a NaN would drop every plan from the ties below; seen once on an H200, cause not found)
+            raise RuntimeError(f"the cost model priced {broken[0]} at {searched[broken[0]].seconds} seconds: "
+                               f"delete {cache_path(self.config.cache_dir)} to calibrate this machine again")
         fastest = min(a.seconds for _, a in feasible)
         ties = [(c, a) for c, a in feasible if a.seconds <= fastest * tolerance]
         best_c, best = min(ties, key=lambda ca: (_changes(self.cost, ca[0], ca[1]), ca[1].seconds))
