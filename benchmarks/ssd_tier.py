@@ -5,8 +5,10 @@ Zipf(1.05) ids and on uniform ids; the cache's two policies on the skewed ids; a
 4 KiB random-read rate at queue depth 1 and 32 (``disk_rate.py``'s plain read loop), beside the
 tier's miss reads per second.
 
-Each case runs in a fresh process (its peak resident memory, ``ru_maxrss``, is its own); the tier
-is timed once its cache is full (it has given up rows), after the warm-up steps. The step
+Each case runs in a fresh process (its peak resident memory, ``ru_maxrss``, is its own). The
+headline ratios (``ssd_over_memory_*``) come from one more process that holds both and times a
+step of each in turn (``interleaved``): this VM's speed moves by up to half between processes.
+The tier is timed once its cache is full (it has given up rows), after the warm-up steps. The step
 is forward + backward (a fixed upstream gradient) + the optimizer step: the part of a training
 step the tier changes. What the page cache holds is reported beside the rates: a row file smaller
 than free memory is served from it after its first pass (the tier then measures its own cost, not
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
 B, F = 4096, 26
+BLOCK = 5  # steps a block of the interleaved ratio
 
 
 def batches(dist: str, rows: int, count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -46,9 +50,9 @@ def batches(dist: str, rows: int, count: int, seed: int = 0) -> list[dict[str, t
     return out
 
 
-def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int,
-        directory: str, mapped_gib: float = 1.0) -> dict:
-    """One case in this process: samples/s and the tier's counts."""
+def build(storage: str, policy: str, rows: int, dim: int, cache: float, directory: str, mapped_gib: float = 1.0):
+    """The 26 tables in memory or on the SSD tier and their optimizer: ``step(batch)`` trains one
+    batch (``step.coll``: the tables); :func:`row_cache` is the tier's cache once a batch ran."""
     from hetero.embedding import HostEmbeddingCollection, TableConfig
     from hetero.optim import SparseOptimizerKind
     from hetero.placement import StorageTier
@@ -56,18 +60,14 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
     from hetero.storage.config import SsdConfig
 
     torch.manual_seed(0)
-    record = dim * 4 + 4  # the row and row-wise Adagrad's one value
+    record = record_bytes(dim)
     kw = {}
-    prefetch = storage == "ssd_prefetch"  # the next batch's misses read ahead on the prefetch worker
     if storage.startswith("ssd"):
         kw = dict(storage=StorageTier.SSD, ssd=SsdConfig(directory, cache_bytes=int(cache * rows * F * record),
                                                            policy=CachePolicy(policy),
                                                            mapped_bytes=int(mapped_gib * (1 << 30))))
-    t0 = time.perf_counter()
     coll = HostEmbeddingCollection([TableConfig(f"C{i}", rows, dim, **kw) for i in range(F)])
     opt = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(coll.tables.values())
-    built = time.perf_counter() - t0
-    work = batches(dist, rows, warmup + steps)
     upstream = torch.randn(B, dim)
 
     def step(feats):
@@ -76,20 +76,46 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
         torch.autograd.backward(list(out.values()), [upstream] * F)
         opt.step()
 
-    for b in work[:warmup]:
-        step(b)
-    cache_obj = coll.groups[0].ssd.cache if storage.startswith("ssd") else None
+    step.coll = coll
+    return step
+
+
+def row_cache(step):
+    """The tier's row cache (made at the first lookup), ``None`` in memory."""
+    ssd = step.coll.groups[0].ssd
+    return ssd.cache if ssd is not None else None
+
+
+def fill(step, cache_obj, dist: str, rows: int) -> int:
+    """Steps to the tier's steady state: a full cache, and a store at its size whose cleaner has
+    emptied as many segments as the store holds (one turnover: the first segments it cleans are
+    nearly empty, and a store just at its size cleans fewer a step than a long run's)."""
     filled = 0
-    # to the steady state: a full cache, and a store at its size (the log's cleaner at work)
-    while cache_obj is not None and (cache_obj.stats.evictions == 0 or cache_obj.file.cleaned == 0) and filled < 500:
+    while cache_obj is not None and (cache_obj.stats.evictions == 0 or cache_obj.file.cleaned < cache_obj.file.live.shape[0]) \
+            and filled < 2000:
         for b in batches(dist, rows, 10, seed=1 + filled):
             step(b)
         filled += 10
+    return filled
+
+
+def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int,
+        directory: str, mapped_gib: float = 1.0) -> dict:
+    """One case in this process: samples/s and the tier's counts."""
+    t0 = time.perf_counter()
+    step = build(storage, policy, rows, dim, cache, directory, mapped_gib)
+    built = time.perf_counter() - t0
+    prefetch = storage == "ssd_prefetch"  # the next batch's misses read ahead on the prefetch worker
+    work = batches(dist, rows, warmup + steps)
+    for b in work[:warmup]:
+        step(b)
+    cache_obj = row_cache(step)
+    filled = fill(step, cache_obj, dist, rows)
     before = dataclass_counts(cache_obj)
     t0 = time.perf_counter()
     from hetero.embedding import Prefetcher
 
-    for b in (Prefetcher(coll, work[warmup:], features=lambda b: b) if prefetch else work[warmup:]):
+    for b in (Prefetcher(step.coll, work[warmup:], features=lambda b: b) if prefetch else work[warmup:]):
         step(b)
     seconds = time.perf_counter() - t0
     after = dataclass_counts(cache_obj)
@@ -101,8 +127,41 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
         out.update(hit_rate=hits / max(1, hits + misses), miss_reads_per_s=misses / seconds,
                    write_backs_per_s=(after[3] - before[3]) / seconds, cache_rows=cache_obj.capacity,
                    cache_bytes=cache_obj.nbytes, file_bytes=cache_obj.file.nbytes, segments_cleaned=cache_obj.file.cleaned,
-                   logical_bytes=rows * F * record)
+                   logical_bytes=rows * F * record_bytes(dim))
     return out
+
+
+def interleaved(dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int,
+                directory: str, mapped_gib: float = 1.0) -> dict:
+    """The same-process ratio: the tables in memory and on the tier side by side in this process,
+    trained on the same batches in blocks of ``BLOCK`` steps, one block of each in turn (which one
+    first alternates): this VM's speed moves by up to half between processes, and here each block
+    sees the machine the other saw. A tier's block ends when its writer thread has written all
+    it was handed (its background work is its own, not the next block's)."""
+    memory = build("memory", policy, rows, dim, cache, directory, mapped_gib)
+    tier = build("ssd", policy, rows, dim, cache, directory, mapped_gib)
+    work = batches(dist, rows, warmup + steps)
+    for b in work[:warmup]:
+        memory(b)
+        tier(b)
+    fill(tier, row_cache(tier), dist, rows)
+    row_cache(tier).file.writer.drain()
+    seconds = {"memory": [], "ssd": []}
+    for i, lo in enumerate(range(warmup, warmup + steps, BLOCK)):
+        for name, step in ((("memory", memory), ("ssd", tier)) if i % 2 == 0 else (("ssd", tier), ("memory", memory))):
+            t0 = time.perf_counter()
+            for b in work[lo : lo + BLOCK]:
+                step(b)
+            if name == "ssd":
+                row_cache(tier).file.writer.drain()
+            seconds[name].append((time.perf_counter() - t0) / len(work[lo : lo + BLOCK]))
+    rate = {k: B / statistics.median(v) for k, v in seconds.items()}
+    return {"memory_samples_per_s": rate["memory"], "ssd_samples_per_s": rate["ssd"],
+            "ssd_over_memory": rate["ssd"] / rate["memory"], "steps": steps, "block": BLOCK}
+
+
+def record_bytes(dim: int) -> int:
+    return dim * 4 + 4  # the row and row-wise Adagrad's one value
 
 
 def dataclass_counts(cache) -> tuple[int, int, int, int, int]:
@@ -150,6 +209,10 @@ def main() -> None:
                    help="the same-run ratios alone (memory and SSD tier, both distributions): no LRU, prefetch or disk rate")
     p.add_argument("--one", nargs=3, metavar=("STORAGE", "DIST", "POLICY"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.one and args.one[0] == "interleaved":
+        print(json.dumps(interleaved(*args.one[1:], args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir,
+                                     args.mapped_gib)))
+        return
     if args.one:
         print(json.dumps(one(*args.one, args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir,
                              args.mapped_gib)))
@@ -160,8 +223,10 @@ def main() -> None:
     for dist in ("zipf", "uniform"):
         mem, ssd = case(args, "memory", dist), case(args, "ssd", dist)
         result[dist] = {"memory": mem, "ssd": ssd, "ssd_over_memory": ssd["samples_per_s"] / mem["samples_per_s"]}
-    result["ssd_over_memory_zipf"] = result["zipf"]["ssd_over_memory"]
-    result["ssd_over_memory_uniform"] = result["uniform"]["ssd_over_memory"]
+    for dist in ("zipf", "uniform"):  # the headline ratios: both in one process, step by step in turn
+        result[dist]["interleaved"] = case(args, "interleaved", dist)
+    result["ssd_over_memory_zipf"] = result["zipf"]["interleaved"]["ssd_over_memory"]
+    result["ssd_over_memory_uniform"] = result["uniform"]["interleaved"]["ssd_over_memory"]
     result["hit_rate_zipf_lfu"] = result["zipf"]["ssd"]["hit_rate"]
     if not args.ratio_only:
         result["zipf_lru"] = case(args, "ssd", "zipf", "lru")

@@ -188,3 +188,24 @@ def test_cuda_table_never_reaches_the_device():
     ref = nn.EmbeddingBag(1000, 16, mode="mean", include_last_offset=True)
     ref.weight.data.copy_(model.emb.weight)
     torch.testing.assert_close(out.cpu(), model.mlp.cpu()(ref(ids, offsets)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pooling, ids, offsets", [
+    (Pooling.NONE, [3, 4, 5], None),
+    (Pooling.NONE, [[1, 2], [3, 4], [5, 6]], None),  # (B, L) ids looked up each: (B, L, D)
+    (Pooling.SUM, [[1, 2], [3, 4], [5, 6]], None),  # (B, L) bags: (B, D)
+    (Pooling.MEAN, [[1], [3], [5]], None),  # bags of one: the per-id path
+    (Pooling.SUM, [1, 2, 3, 4, 5], [0, 2, 2, 5]),  # offsets: a row per bag
+])
+def test_a_fake_lookup_has_the_shape_of_the_real_one(pooling, ids, offsets):
+    """The planner captures a model on fake tensors: a table's fake output must have the real
+    output's shape (it prices the ops after it by their shapes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    coll = HostEmbeddingCollection([TableConfig("t", 10, 4, pooling=pooling)])
+    ids = torch.tensor(ids)
+    real = coll({"t": (ids, torch.tensor(offsets)) if offsets else ids})["t"]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_ids = mode.from_tensor(ids)
+        fake = coll({"t": (fake_ids, mode.from_tensor(torch.tensor(offsets))) if offsets else fake_ids})["t"]
+    assert tuple(fake.shape) == tuple(real.shape)

@@ -30,12 +30,12 @@ from torch._subclasses.fake_tensor import is_fake
 
 from hetero.dynamic import KeyMap, Keys
 from hetero.embedding.capture import HostPool, capture_device_grad
-from hetero.embedding.config import Pooling, TableConfig
+from hetero.embedding.config import TableConfig
 from hetero.embedding.dynamic_rows import DynamicRows
 from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import kernels
-from hetero.embedding.plan import LookupPlan, Request, build_plan
+from hetero.embedding.plan import LookupPlan, Request, build_plan, fake_output
 from hetero.embedding.config import init_rows
 from hetero.placement import StorageTier, copy_to, host_empty
 from hetero.storage.tier import SsdRows
@@ -223,7 +223,7 @@ class TableGroup:
         Fake ids (``torch._subclasses.FakeTensorMode``: :mod:`hetero.planner` capturing a model's
         costs) give outputs of the right shape that read no row."""
         if is_fake(requests[0].ids):
-            return [_shape_only(r) for r in requests]
+            return [fake_output(r) for r in requests]
         return self.exchange.lookup(self, requests, plan)
 
     def _dedup_scratch(self, n: int) -> tuple[int, np.ndarray]:
@@ -387,13 +387,3 @@ class TableGroup:
     def track_row_versions(self) -> None:
         if self.row_version is None:
             self.row_version = np.zeros(self.num_rows, np.int64)
-
-
-def _shape_only(request: Request) -> Tensor:
-    """A fake lookup's output: one row per bag (pooled) or per id, on the anchor's device, as a
-    leaf that takes a gradient (what the backward would send to the host)."""
-    table, anchor = request.table, request.table._device_anchor
-    pooled = request.offsets is not None and table.config.pooling is not Pooling.NONE
-    rows = request.offsets.numel() - 1 if pooled else request.ids.numel()
-    return torch.zeros(rows, table.config.embedding_dim, dtype=anchor.dtype, device=anchor.device,
-                       requires_grad=torch.is_grad_enabled())

@@ -173,6 +173,24 @@ def _segment_meta(requests: list[Request]) -> tuple[np.ndarray, np.ndarray, np.n
     return vocab, offset, hashed
 
 
+def fake_output(request: Request) -> Tensor:
+    """A fake lookup's output, of the shape the real one has: a row per bag (pooled: offsets'
+    bags, or the rows of ``(B, L)`` ids), else ``ids.shape`` rows (per id); on the anchor's
+    device, as a leaf that takes a gradient (what the backward would send to the host)."""
+    table, anchor, ids = request.table, request.table._device_anchor, request.ids
+    if table.config.pooling is Pooling.NONE:
+        shape = tuple(ids.shape)
+    elif request.offsets is not None:
+        shape = (request.offsets.numel() - 1,)
+    elif ids.dim() == 2:
+        shape = (ids.shape[0],)
+    else:
+        raise ValueError(f"table {table.config.name!r}: pooled lookup without offsets needs 2-D ids (B, L), "
+                         f"got {tuple(ids.shape)}")
+    return torch.zeros(*shape, table.config.embedding_dim, dtype=anchor.dtype, device=anchor.device,
+                       requires_grad=torch.is_grad_enabled())
+
+
 def _per_id_shape(r: Request) -> tuple[int, ...] | None:
     """The output shape (without ``D``) of a request each of whose output rows is one id's row:
     per-id lookups, or pooled bags of exactly one id (``(B, 1)`` ids: a sum or a mean of one row is

@@ -162,27 +162,33 @@ def pack(records, slots, fields, offsets):
 
 
 @njit(nogil=True, cache=True)
-def relocate(rows, positions, live, segment, first):
+def relocate(rows, positions, live, live_bits, segment, first):
     """The rows ``rows`` now in store slots ``first, first + 1, ...``: each one's previous slot
-    (``positions[row]``, -1: none) leaves its segment's ``live`` count, and ``positions`` points
-    at the new slot."""
+    (``positions[row]``, -1: none) leaves its segment's ``live`` count and the live slots' bits
+    (``live_bits``, bit ``slot % 8`` of byte ``slot // 8``), and ``positions`` points at the new
+    slot, whose bit is set."""
     for i in range(rows.shape[0]):
         r = rows[i]
         old = positions[r]
         if old >= 0:
             live[old // segment] -= 1
-        positions[r] = first + i
+            live_bits[old >> 3] &= np.uint8(255 ^ (1 << (old & 7)))
+        new = first + i
+        positions[r] = new
+        live_bits[new >> 3] |= np.uint8(1 << (new & 7))
 
 
 @njit(nogil=True, cache=True)
-def live_slots(segment, first, positions):
-    """Positions in ``segment`` (file slots ``first ...``, each a row (int64 in its first 8 bytes)
-    and a record) of the live slots: those their row's position points at."""
-    keep = np.empty(segment.shape[0], np.int64)
+def live_slots(live_bits, first, count):
+    """Positions ``i`` in ``[0, count)`` of the live slots ``first + i`` (their bits set): a
+    sequential scan of ``count / 8`` bytes. (Reading each slot's row and checking where its
+    position points - a random access into the row index per slot - took 7 ms a segment of
+    6,250 slots, a quarter of the tier's step at 26 x 200k rows, session 30.)"""
+    keep = np.empty(count, np.int64)
     n = 0
-    for i in range(segment.shape[0]):
-        row = segment[i, :8].view(np.int64)[0]
-        if row >= 0 and row < positions.shape[0] and positions[row] == first + i:
+    for i in range(count):
+        s = first + i
+        if live_bits[s >> 3] & (1 << (s & 7)):
             keep[n] = i
             n += 1
     return keep[:n]

@@ -2,13 +2,10 @@
 record per row, so that one read brings a row together with its state (the layout of FBGEMM's SSD
 tables and OneFlow's OneEmbedding: ``[weight | state...]`` per row).
 
-A :class:`RowFile` is a log-structured store of those records in a directory of segment files
-(see its docstring): written-back records are appended, a cleaner reclaims the space of the
-records they replace, and a sealed segment is never written again, so a checkpoint can share it
-(:mod:`hetero.storage.snapshot`). Reads of a batch of records copy them out of the mapped segment
-files (:mod:`hetero.storage.mapping`) on a pool of threads, compiled loops with the GIL released
-(:mod:`hetero.storage._kernels`): no system call, no Python per record, and a read in flight a
-thread where pages come from the disk. Appends go to a thread of their own (:mod:`hetero.storage.writer`).
+A :class:`RowFile` is a log-structured store of those records in segment files (see its
+docstring). Reads copy records out of the mapped segments (:mod:`hetero.storage.mapping`) on a pool
+of threads in compiled loops (:mod:`hetero.storage._kernels`); appends go to a writer thread
+(:mod:`hetero.storage.writer`).
 """
 
 from __future__ import annotations
@@ -48,9 +45,8 @@ class RowFile:
     segment number reused by a new file (greedy cleaning of a log-structured file system,
     Rosenblum & Ousterhout 1992). The store stays under ``GC_RATIO`` times its live slots (plus
     one segment), and the cleaner copies few records: a segment of cold rows never written back
-    stays full and is never cleaned. Writing records in place instead dirties a 4 KiB page per
-    132-byte record: measured on the benchmark machine with 26 tables of 1M rows, the kernel's
-    write-back of those pages throttled training to 7k samples/s (``docs/ssd-tier.md``).
+    stays full and is never cleaned. (Writing records in place was measured first: 7k samples/s,
+    ``docs/ssd-tier.md``.) A bit a slot tells the live ones (the cleaner's scan).
 
     A segment file is only ever appended to, and only while it is the current segment; after
     :meth:`seal` no file of the store changes again (the cleaner deletes and creates files, it
@@ -81,6 +77,7 @@ class RowFile:
         self.threads = threads
         self.positions = np.full(rows, -1, np.int64)  # row -> its slot (8 bytes a row of host memory)
         self.live = np.zeros(0, np.int64)  # live slots per segment
+        self.live_bits = np.zeros(0, np.uint8)  # a bit a slot: set where a row's position points at it
         self.generation = np.zeros(0, np.int64)  # times each segment was freed (staged records check it)
         self.fds = np.zeros(0, np.int32)  # each segment's open file (-1: none)
         self.sizes = np.zeros(0, np.int64)  # bytes appended to each segment's file (handed to the writer)
@@ -127,6 +124,7 @@ class RowFile:
         self.maps.grow()
         self.writer.grow()
         self.live = np.append(self.live, 0)
+        self.live_bits = np.append(self.live_bits, np.zeros(self.segment // 8 + 1, np.uint8))  # (>= a bit a slot)
         return self.live.shape[0] - 1
 
     def _open(self, s: int) -> None:
@@ -154,6 +152,13 @@ class RowFile:
         self.maps.map(s, int(self.fds[s]), self.segment_path(s))
         self.sizes[s] = size
         self.writer.reset(s, size, crc)
+
+    def index(self, positions: np.ndarray) -> None:
+        """Each row's slot as ``positions`` (``(rows,)`` int64 >= 0: a snapshot's index) says."""
+        self.positions[:] = positions
+        self.live[:] = np.bincount(positions // self.segment, minlength=self.live.shape[0])
+        live = np.bincount(positions, minlength=self.live_bits.shape[0] * 8) > 0  # (unique: a slot a row)
+        self.live_bits[:] = np.packbits(live, bitorder="little")
 
     def _staging(self, rows: np.ndarray) -> np.ndarray:
         """A staging buffer from the writer's pool (:meth:`SegmentWriter.buffer`), its first
@@ -187,7 +192,8 @@ class RowFile:
                 self._write(tail, slots[done : done + k], rows[done : done + k], buffer if last else None)
                 handed = handed or last
                 # their previous records become garbage; the rows point at the new slots (one compiled pass)
-                io_kernels().relocate(rows[done : done + k], self.positions, self.live, self.segment, first)
+                io_kernels().relocate(rows[done : done + k], self.positions, self.live, self.live_bits, self.segment,
+                                      first)
                 self.live[tail] += k
                 self._tail_used[stream] += k
                 done += k
@@ -224,7 +230,7 @@ class RowFile:
             got = os.preadv(int(self.fds[victim]), [buf], 0)
         except OSError as e:
             raise self._error(e, "reading", -1, victim) from None
-        keep = io_kernels().live_slots(buf[: got // self.slot_bytes], victim * self.segment, self.positions)
+        keep = io_kernels().live_slots(self.live_bits, victim * self.segment, got // self.slot_bytes)
         assert keep.shape[0] == self.live[victim], (victim, keep.shape[0], self.live[victim])
         # free before the move: its records are in memory now, and the move may need its space
         self.generation[victim] += 1  # (before it is reused: records staged from it are then refused)
@@ -254,8 +260,7 @@ class RowFile:
         self._unsynced.discard(s)
 
     def _write(self, s: int, slots: np.ndarray, rows: np.ndarray, buffer: np.ndarray | None) -> None:
-        """Append ``slots`` to segment ``s``'s file: handed to the writer thread (the positions
-        point at them from now on; a read waits for the bytes where they are not written yet)."""
+        """Append ``slots`` to segment ``s``'s file on the writer thread (a read waits for its bytes)."""
         at = int(self.sizes[s])
         self.sizes[s] = at + slots.shape[0] * self.slot_bytes
         self._unsynced.add(s)

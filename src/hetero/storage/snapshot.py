@@ -194,7 +194,6 @@ def restore(snapshot: str | os.PathLike, path: str | os.PathLike, threads: int =
         s = int(name.split(".")[0])
         _link(snapshot / name, file.segment_path(s))
         file.attach(s, size, crc)  # (sealed: only read, then deleted by the cleaner)
-    file.positions[:] = np.fromfile(snapshot / manifest["index"][0], np.int64)
-    file.live[:] = np.bincount(file.positions // file.segment, minlength=file.live.shape[0])
+    file.index(np.fromfile(snapshot / manifest["index"][0], np.int64))
     file._free = [s for s in range(file.live.shape[0]) if file.fds[s] < 0]
     return file
