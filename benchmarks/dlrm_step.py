@@ -1,0 +1,139 @@
+"""The DLRM training step against its dense part alone (issue #39, target 2: >= 0.95), with and
+without the next batch's embedding work prepared on the prefetch worker.
+
+A Criteo-shaped DLRM (``hetero.models.dlrm``): 26 tables of ``--rows`` x 16 (row-wise Adagrad),
+13 dense features, bottom MLP 512-256-64-16, dot interaction, top MLP 512-256-1 (the reference
+implementation's Criteo Kaggle shape, facebookresearch/dlrm), Adam; batches of
+4096 on Zipf(1.05) or uniform ids. Three steps, in one process, in blocks of ``--block`` steps,
+one block of each in turn (this VM's speed moves by up to half between processes):
+
+* ``dense``: the same model whose embeddings are fixed tensors (they take a gradient, nothing
+  is looked up or updated): the bottom MLP, the interaction, the top MLP and Adam;
+* ``full``: the whole step, lookups and sparse updates on the training thread;
+* ``prefetch``: the whole step under :class:`hetero.embedding.Prefetcher` (the next batch's
+  dedup and row gather on the worker thread while this batch trains; exact, as tested).
+
+On a host without an accelerator the dense part runs on the same cores as the embedding work:
+what the worker can hide is bounded by the cores the dense step leaves idle.
+
+    python benchmarks/dlrm_step.py --rows 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit  # noqa: E402
+from _workload import id_arrays  # noqa: E402
+
+from hetero.embedding import Prefetcher  # noqa: E402
+from hetero.models.dlrm import DLRM, DLRMConfig  # noqa: E402
+from hetero.models.wide_deep import FeatureSlot  # noqa: E402
+from hetero.optim import SparseOptimizerKind  # noqa: E402
+from hetero.placement import Target, resolve_device  # noqa: E402
+
+B, F, K, D = 4096, 26, 13, 16
+CONFIG = DLRMConfig(embedding_dim=D, bottom=(512, 256, 64), top=(512, 256))
+
+
+class FixedVectors(nn.Module):
+    """Stands in for the tables: the same ``(B, D)`` values every step, as fresh leaves that take a
+    gradient (the dense part's backward computes the embeddings' gradients, nothing receives them)."""
+
+    def __init__(self, names: list[str], device: torch.device) -> None:
+        super().__init__()
+        self.vectors = {n: torch.randn(B, D, device=device) for n in names}
+        self.tables = {"fixed": None}  # (DLRM's forward asks whether it has tables)
+
+    def forward(self, features) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        return {n: v.detach().requires_grad_() for n, v in self.vectors.items()}
+
+
+def build(rows: int, dense_only: bool):
+    """A DLRM and its step ``step(batch)``; ``dense_only``: the tables replaced by fixed vectors."""
+    torch.manual_seed(0)
+    device = resolve_device(Target.DEVICE)
+    model = DLRM([FeatureSlot(f"C{i}", rows) for i in range(F)], K, CONFIG).to(device)
+    sparse = None
+    if dense_only:
+        model.deep = FixedVectors([f"C{i}" for i in range(F)], device)
+    else:
+        sparse = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(model.deep.tables.values())
+    dense = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("deep.")], lr=1e-3)
+
+    def step(batch) -> float:  # noqa: ANN001
+        features, x, y = batch
+        dense.zero_grad()
+        if sparse is not None:
+            sparse.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(model(features, x), y.to(device))
+        loss.backward()
+        dense.step()
+        if sparse is not None:
+            sparse.step()
+        return loss.item()  # sync point: a step ends when the host has its loss
+
+    return model, step
+
+
+def batches(dist: str, rows: int, count: int) -> list:
+    ids = id_arrays(dist, rows, count, (B, F))
+    g = torch.Generator().manual_seed(1)
+    return [({f"C{i}": torch.from_numpy(a[:, i].copy()) for i in range(F)}, torch.randn(B, K, generator=g),
+             torch.randint(0, 2, (B,), generator=g).float()) for a in ids]
+
+
+def measure(dist: str, rows: int, blocks: int, block: int) -> dict:
+    dense_model, dense = build(rows, True)
+    model, full = build(rows, False)
+    work = batches(dist, rows, block * blocks + block)
+    for b in work[:block]:  # warm-up (numba's kernels compile, the allocator settles)
+        dense(b), full(b)
+
+    def prefetched(part: list) -> None:
+        for b in Prefetcher(model, part, features=lambda b: b[0]):
+            full(b)
+
+    runs = {"dense": lambda part: [dense(b) for b in part], "full": lambda part: [full(b) for b in part],
+            "prefetch": prefetched}
+    seconds: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    for i in range(blocks):
+        part = work[block * (i + 1) : block * (i + 2)]
+        for name in order[i % 3:] + order[: i % 3]:  # (which one first rotates)
+            t0 = time.perf_counter()
+            runs[name](part)
+            seconds[name].append((time.perf_counter() - t0) / len(part))
+    rate = {k: B / statistics.median(v) for k, v in seconds.items()}
+    return {"samples_per_s": rate, "full_over_dense": rate["full"] / rate["dense"],
+            "prefetch_over_dense": rate["prefetch"] / rate["dense"], "prefetch_over_full": rate["prefetch"] / rate["full"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    p.add_argument("--blocks", type=int, default=8, help="blocks of each step")
+    p.add_argument("--block", type=int, default=10, help="steps a block")
+    p.add_argument("--name", default="dlrm_step")
+    args = p.parse_args()
+    result = {"rows_per_table": args.rows, "tables": F, "dim": D, "batch_size": B, "bottom": list(CONFIG.bottom),
+              "top": list(CONFIG.top), "optimizer": "adam + rowwise_adagrad", "block": args.block,
+              "threads": torch.get_num_threads()}
+    for dist in ("zipf", "uniform"):
+        result[dist] = measure(dist, args.rows, args.blocks, args.block)
+        print(dist, result[dist], file=sys.stderr)
+    result["full_over_dense_zipf"] = result["zipf"]["full_over_dense"]
+    result["prefetch_over_dense_zipf"] = result["zipf"]["prefetch_over_dense"]
+    emit(args.name, result)
+
+
+if __name__ == "__main__":
+    main()
