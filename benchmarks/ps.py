@@ -5,7 +5,8 @@ per step). One worker process; a step is: dedup the ids, pull the unique rows fr
 push one gradient row per unique row (the servers apply LazyAdam with the fused kernel) and wait
 for the receipts. ``ps_rows_per_s[S]`` is unique rows per second through that round trip with
 ``S`` servers (each row pulled and pushed once); ``local_rows_per_s`` is the same work in one
-process - gather the rows, apply LazyAdam - with no transport, using all cores. The job's
+process - gather the rows, apply LazyAdam - with no transport, using all cores, and
+``local_one_thread_rows_per_s`` with one thread, as a server process runs (issue #39's measure). The job's
 processes run one thread each (as under torchrun) and share this machine's cores: on the 2-core
 CI machine 2 and 4 servers + 1 worker oversubscribe it, so more servers add no throughput here.
 """
@@ -54,7 +55,23 @@ def median_rate(step, work: list[torch.Tensor], warmup: int) -> float:
     return float(np.median(rates))
 
 
-def local_rate(steps: int, warmup: int) -> float:
+def local_rate(steps: int, warmup: int, threads: int | None = None) -> float:
+    """The same rows gathered and updated in this process; ``threads``: the kernels' and torch's
+    thread count (``None``: all cores)."""
+    from hetero.embedding import set_num_threads
+
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+        set_num_threads(threads)
+    try:
+        return _local_rate(steps, warmup)
+    finally:
+        torch.set_num_threads(saved)
+        set_num_threads(None)
+
+
+def _local_rate(steps: int, warmup: int) -> float:
     torch.manual_seed(0)
     table = HostEmbedding(TableConfig("t", ROWS, D))
     opt = LazyAdam([table])
@@ -120,14 +137,18 @@ def main() -> None:
     p.add_argument("--servers", default="1,2,4")
     args = p.parse_args()
     local = local_rate(args.steps, args.warmup)
-    print(f"local: {local / 1e6:.2f} M rows/s", file=sys.stderr)
+    # issue #39's measure: in process with the thread count of a server process (one)
+    local_one = local_rate(args.steps, args.warmup, threads=1)
+    print(f"local: {local / 1e6:.2f} M rows/s, one thread {local_one / 1e6:.2f}", file=sys.stderr)
     rates = {}
     for s in (int(x) for x in args.servers.split(",")):
         rates[str(s)] = ps_rate(s, args.steps, args.warmup)
         print(f"{s} servers: {rates[str(s)] / 1e6:.2f} M rows/s", file=sys.stderr)
     emit("ps", {"ps_rows_per_s": rates, "local_rows_per_s": local, "table": [ROWS, D], "ids_per_step": B * F,
                 "unique_rows_per_step": int(batches(1)[0].numel()), "optimizer": "lazy_adam", "workers": 1,
-                "ratio_to_local": {k: v / local for k, v in rates.items()}})
+                "local_one_thread_rows_per_s": local_one,
+                "ratio_to_local": {k: v / local for k, v in rates.items()},
+                "ratio_to_local_one_thread": {k: v / local_one for k, v in rates.items()}})
 
 
 if __name__ == "__main__":
