@@ -5,11 +5,14 @@ tier (replicated, prefetched, row-sharded), 2 ranks each, and dynamic tables (on
 on the SSD tier and prefetched, and replicated and row-sharded over 2 ranks); a checkpoint every few steps. A rank that
 pickled its tables per view at a checkpoint (the pipeline's gather did: 20 GB, killed) or leaked
 per step fails here. Each rank's resident set (``VmRSS``) is sampled after every step, and every
-rank's (a server's too) peak (``ru_maxrss``) is compared with its resident set after warm-up."""
+rank's peak (``ru_maxrss``) is compared with its resident set after warm-up; a parameter server,
+which has no steps of its own, is sampled by the clock and read at the times its worker's steps ended."""
 
 import json
 import os
 import resource
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,12 +48,33 @@ def _rank(r, n, port, argv, out):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n))
-    samples = []
-    code = main(argv, on_step=lambda trainer: samples.append(_rss_kib()))
+    samples, times, trace, stop = [], [], [], threading.Event()
+
+    def on_step(trainer):
+        samples.append(_rss_kib())
+        times.append(time.time())
+
+    def sample():  # (a parameter server has no steps of its own: its resident set by the clock)
+        while not stop.wait(0.02):
+            trace.append((time.time(), _rss_kib()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        code = main(argv, on_step=on_step)
+    finally:
+        stop.set()
+        sampler.join()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    Path(out, f"{r}.json").write_text(json.dumps({"code": code, "rss": samples, "peak": peak}))
+    Path(out, f"{r}.json").write_text(json.dumps({"code": code, "rss": samples, "times": times, "trace": trace,
+                                                  "peak": peak}))
     if code != 0:
         raise SystemExit(code)
+
+
+def _at(trace, when):
+    """The resident set (KiB) a clock-sampled ``trace`` last saw at or before ``when``."""
+    return max((t, kib) for t, kib in trace if t <= when)[1]
 
 
 DYNAMIC_MODES = {"dynamic_row_sharded": ["--table-sharding", "row"],
@@ -100,9 +124,14 @@ def _check_flat(tmp_path, mode, ranks):
         got = json.loads((tmp_path / f"{r}.json").read_text())
         assert got["code"] == 0
         rss = [k / 1024 for k in got["rss"]]
-        if not rss:  # a parameter server: no steps of its own
+        if not rss:  # a parameter server: no steps of its own - its resident set when the worker's steps ended
             assert "ps" in mode and r == 1
-            print(f"{mode} server rank {r}: peak {got['peak'] / 1024:.0f} MiB")  # (pytest -s)
+            worker = json.loads((tmp_path / "0.json").read_text())["times"]
+            warm_mib, end_mib = _at(got["trace"], worker[warm - 1]) / 1024, _at(got["trace"], worker[-1]) / 1024
+            print(f"{mode} server rank {r}: warm {warm_mib:.0f} MiB, grew {end_mib - warm_mib:.1f} MiB, "
+                  f"peak {got['peak'] / 1024:.0f} MiB")  # (pytest -s)
+            assert end_mib - warm_mib < 2 * (steps - warm), \
+                f"{mode} server rank {r}: resident memory grew {end_mib - warm_mib:.0f} MiB after the workers' warm-up"
             continue
         assert len(rss) == steps
         grown = rss[-1] - rss[warm - 1]
