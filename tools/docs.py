@@ -196,6 +196,11 @@ def benchmarks() -> str:
         "commits alternately). `make bench` runs the main ones. The table lists every results file with its headline "
         "numbers; the file holds the rest.",
         "",
+        "On the 2-core VM the same code's memory-bound rates move by up to half from one process to the next (the "
+        "in-memory SSD-tier baseline: 221k to 380k samples/s on 2026-11-27; the VM runs DAMON's proactive reclaim, "
+        "`kdamond` with a `pageout` scheme, and shares its host), so where a benchmark can, its headline ratio comes "
+        "from one process running both sides in turn (`ssd_tier`, `dlrm_step`, `embedding_step --dynamic`).",
+        "",
         *rows,
         "",
     ])
