@@ -361,29 +361,6 @@ def test_the_calibration_is_read_from_its_cache_and_never_from_another_machines(
     assert measured == [1]  # another machine's file: measured here instead
 
 
-def test_a_device_units_backward_holds_its_reductions_scratch_as_calibrated(cache):
-    """CUDA's reductions take a scratch buffer beyond their output (2 MiB for a (2048, 256) bias
-    gradient on an H200): a device unit's backward peak adds the calibrated scratch of summing its
-    output, the smallest measured size at least as large, in proportion beyond; host units none."""
-    import dataclasses
-
-    from hetero.planner.cost import MeasuredCost
-
-    x, y = _batch(2048)
-    planner = Planner(MLP(), (x,), loss_fn=lambda o: F.cross_entropy(o, y), config=PlannerConfig(cache_dir=cache))
-    cal = planner.cost.cal
-    points = ((1 << 20, 3 << 20), (4 << 20, 5 << 20))  # (bytes reduced, scratch): a made-up device
-    base, scratched = (MeasuredCost(planner.cost.graph, dataclasses.replace(cal, op_scratch=p), OptimizerKind.ADAMW)
-                       for p in ((), points))
-    assert calibration_module.Calibration.from_json(json.loads(json.dumps(scratched.cal.to_json()))).op_scratch == points
-    for i, name in enumerate(base.names()):
-        output = base.units[i].output_bytes  # (the whole batch in one pass)
-        want = 3 << 20 if output <= 1 << 20 else 5 << 20 if output <= 4 << 20 else (5 << 20) * output // (4 << 20)
-        device = scratched.unit(i, UnitChoice(), Candidate()).device_during - base.unit(i, UnitChoice(), Candidate()).device_during
-        host = scratched.unit(i, UnitChoice(target=Target.HOST), Candidate()).device_during
-        assert (device, host) == (want, 0), name
-
-
 def test_hetero_plan_writes_a_plan_that_hetero_train_applies_without_changing_the_training(ml_dir, tmp_path, capsys,
                                                                                             cache, monkeypatch):
     from hetero.cli import main

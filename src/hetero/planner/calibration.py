@@ -130,9 +130,9 @@ class Calibration:
         return self.optimizers[kind.calibrated if on is Target.DEVICE else f"{kind.calibrated}{_ON_HOST}"]
 
     def scratch_bytes(self, nbytes: int) -> int:
-        """Device scratch bytes of summing an ``nbytes`` gradient over its batch dimension: the
-        measured size's of the smallest measured input at least as large, in proportion beyond
-        the largest; 0 where none was measured (no accelerator)."""
+        """Device scratch bytes of summing an ``nbytes`` gradient over its batch dimension: what
+        was measured for the smallest measured input at least as large (in proportion beyond the
+        largest); 0 where nothing was measured (no accelerator)."""
         for reduced, scratch in self.op_scratch:
             if nbytes <= reduced:
                 return scratch
