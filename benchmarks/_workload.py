@@ -32,3 +32,18 @@ def timed(step: Callable, batches: Sequence, warmup: int, block: int = 5) -> flo
             step(b)
         times.append((time.perf_counter() - t0) / block)
     return float(np.median(times))
+
+
+def in_turn(runs: dict[str, Callable[[Sequence], object]], parts: Sequence[Sequence]) -> dict[str, float]:
+    """Seconds per item of each of ``runs`` (``run(part)`` handles every item of ``part``), all
+    in one process: each part handed to every run in turn, which one first rotating part by part,
+    the median over the parts. The sides of a ratio see the same machine (a VM's speed can move
+    by half between processes)."""
+    seconds: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    for i, part in enumerate(parts):
+        for name in order[i % len(order):] + order[: i % len(order)]:
+            t0 = time.perf_counter()
+            runs[name](part)
+            seconds[name].append((time.perf_counter() - t0) / len(part))
+    return {k: float(np.median(v)) for k, v in seconds.items()}

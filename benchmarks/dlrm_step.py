@@ -22,9 +22,7 @@ what the worker can hide is bounded by the cores the dense step leaves idle.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
-from _workload import id_arrays  # noqa: E402
+from _workload import id_arrays, in_turn  # noqa: E402
 
 from hetero.embedding import Prefetcher  # noqa: E402
 from hetero.models.dlrm import DLRM, DLRMConfig  # noqa: E402
@@ -104,15 +102,9 @@ def measure(dist: str, rows: int, blocks: int, block: int) -> dict:
 
     runs = {"dense": lambda part: [dense(b) for b in part], "full": lambda part: [full(b) for b in part],
             "prefetch": prefetched}
-    seconds: dict[str, list[float]] = {k: [] for k in runs}
-    order = list(runs)
-    for i in range(blocks):
-        part = work[block * (i + 1) : block * (i + 2)]
-        for name in order[i % 3:] + order[: i % 3]:  # (which one first rotates)
-            t0 = time.perf_counter()
-            runs[name](part)
-            seconds[name].append((time.perf_counter() - t0) / len(part))
-    rate = {k: B / statistics.median(v) for k, v in seconds.items()}
+    parts = [work[block * (i + 1) : block * (i + 2)] for i in range(blocks)]
+    seconds = in_turn(runs, parts)
+    rate = {k: B / v for k, v in seconds.items()}
     return {"samples_per_s": rate, "full_over_dense": rate["full"] / rate["dense"],
             "prefetch_over_dense": rate["prefetch"] / rate["dense"], "prefetch_over_full": rate["prefetch"] / rate["full"]}
 

@@ -20,21 +20,23 @@ the disk's); the disk-bound case is a file larger than memory (``--rows`` large 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
+from _workload import in_turn  # noqa: E402
 
 B, F = 4096, 26
 BLOCK = 5  # steps a block of the interleaved ratio
@@ -50,9 +52,29 @@ def batches(dist: str, rows: int, count: int, seed: int = 0) -> list[dict[str, t
     return out
 
 
-def build(storage: str, policy: str, rows: int, dim: int, cache: float, directory: str, mapped_gib: float = 1.0):
-    """The 26 tables in memory or on the SSD tier and their optimizer: ``step(batch)`` trains one
-    batch (``step.coll``: the tables); :func:`row_cache` is the tier's cache once a batch ran."""
+@dataclasses.dataclass
+class Tables:
+    """The 26 tables (``coll``) and their optimizer; calling it trains one batch."""
+
+    coll: Any
+    opt: Any
+    upstream: torch.Tensor
+
+    def __call__(self, feats: dict[str, torch.Tensor]) -> None:
+        self.opt.zero_grad()
+        out = self.coll(feats)
+        torch.autograd.backward(list(out.values()), [self.upstream] * F)
+        self.opt.step()
+
+    @property
+    def row_cache(self):  # noqa: ANN201 - the tier's RowCache
+        """The tier's row cache (made at the first lookup), ``None`` in memory."""
+        ssd = self.coll.groups[0].ssd
+        return ssd.cache if ssd is not None else None
+
+
+def build(storage: str, policy: str, rows: int, dim: int, cache: float, directory: str, mapped_gib: float = 1.0) -> Tables:
+    """The 26 tables in memory or on the SSD tier, and their optimizer."""
     from hetero.embedding import HostEmbeddingCollection, TableConfig
     from hetero.optim import SparseOptimizerKind
     from hetero.placement import StorageTier
@@ -68,22 +90,7 @@ def build(storage: str, policy: str, rows: int, dim: int, cache: float, director
                                                            mapped_bytes=int(mapped_gib * (1 << 30))))
     coll = HostEmbeddingCollection([TableConfig(f"C{i}", rows, dim, **kw) for i in range(F)])
     opt = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(coll.tables.values())
-    upstream = torch.randn(B, dim)
-
-    def step(feats):
-        opt.zero_grad()
-        out = coll(feats)
-        torch.autograd.backward(list(out.values()), [upstream] * F)
-        opt.step()
-
-    step.coll = coll
-    return step
-
-
-def row_cache(step):
-    """The tier's row cache (made at the first lookup), ``None`` in memory."""
-    ssd = step.coll.groups[0].ssd
-    return ssd.cache if ssd is not None else None
+    return Tables(coll, opt, torch.randn(B, dim))
 
 
 def fill(step, cache_obj, dist: str, rows: int) -> int:
@@ -109,7 +116,7 @@ def one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float,
     work = batches(dist, rows, warmup + steps)
     for b in work[:warmup]:
         step(b)
-    cache_obj = row_cache(step)
+    cache_obj = step.row_cache
     filled = fill(step, cache_obj, dist, rows)
     before = dataclass_counts(cache_obj)
     t0 = time.perf_counter()
@@ -144,18 +151,18 @@ def interleaved(dist: str, policy: str, rows: int, dim: int, cache: float, steps
     for b in work[:warmup]:
         memory(b)
         tier(b)
-    fill(tier, row_cache(tier), dist, rows)
-    row_cache(tier).file.writer.drain()
-    seconds = {"memory": [], "ssd": []}
-    for i, lo in enumerate(range(warmup, warmup + steps, BLOCK)):
-        for name, step in ((("memory", memory), ("ssd", tier)) if i % 2 == 0 else (("ssd", tier), ("memory", memory))):
-            t0 = time.perf_counter()
-            for b in work[lo : lo + BLOCK]:
-                step(b)
-            if name == "ssd":
-                row_cache(tier).file.writer.drain()
-            seconds[name].append((time.perf_counter() - t0) / len(work[lo : lo + BLOCK]))
-    rate = {k: B / statistics.median(v) for k, v in seconds.items()}
+    fill(tier, tier.row_cache, dist, rows)
+    writer = tier.row_cache.file.writer
+    writer.drain()
+
+    def on_tier(part: list) -> None:
+        for b in part:
+            tier(b)
+        writer.drain()  # (the tier's background work is its block's own)
+
+    parts = [work[lo : lo + BLOCK] for lo in range(warmup, warmup + steps, BLOCK)]
+    seconds = in_turn({"memory": lambda part: [memory(b) for b in part], "ssd": on_tier}, parts)
+    rate = {k: B / v for k, v in seconds.items()}
     return {"memory_samples_per_s": rate["memory"], "ssd_samples_per_s": rate["ssd"],
             "ssd_over_memory": rate["ssd"] / rate["memory"], "steps": steps, "block": BLOCK}
 
