@@ -10,8 +10,11 @@ one block of each in turn (this VM's speed moves by up to half between processes
 * ``dense``: the same model whose embeddings are fixed tensors (they take a gradient, nothing
   is looked up or updated): the bottom MLP, the interaction, the top MLP and Adam;
 * ``full``: the whole step, lookups and sparse updates on the training thread;
-* ``prefetch``: the whole step under :class:`hetero.embedding.Prefetcher` (the next batch's
-  dedup and row gather on the worker thread while this batch trains; exact, as tested).
+* ``prefetch``: the whole step under :class:`hetero.embedding.Prefetcher` (the next batch's ids
+  checked and deduplicated on the worker thread while this batch trains, with a GPU its inverse map
+  sent; exact, as tested);
+* ``prefetch_rows`` (with a GPU): the same, gathering and sending the rows ahead too
+  (``PrefetchConfig(gather_rows=True)``): the rows this batch's update overtakes are gathered again.
 
 On a host without an accelerator the dense part runs on the same cores as the embedding work:
 what the worker can hide is bounded by the cores the dense step leaves idle.
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 from _workload import id_arrays, in_turn  # noqa: E402
 
-from hetero.embedding import Prefetcher  # noqa: E402
+from hetero.embedding import PrefetchConfig, Prefetcher  # noqa: E402
 from hetero.models.dlrm import DLRM, DLRMConfig  # noqa: E402
 from hetero.models.wide_deep import FeatureSlot  # noqa: E402
 from hetero.optim import SparseOptimizerKind  # noqa: E402
@@ -96,17 +99,20 @@ def measure(dist: str, rows: int, blocks: int, block: int) -> dict:
     for b in work[:block]:  # warm-up (numba's kernels compile, the allocator settles)
         dense(b), full(b)
 
-    def prefetched(part: list) -> None:
-        for b in Prefetcher(model, part, features=lambda b: b[0]):
+    def prefetched(part: list, config: PrefetchConfig = PrefetchConfig()) -> None:
+        for b in Prefetcher(model, part, config, features=lambda b: b[0]):
             full(b)
 
     runs = {"dense": lambda part: [dense(b) for b in part], "full": lambda part: [full(b) for b in part],
             "prefetch": prefetched}
+    if torch.cuda.is_available():  # (on a host without one, rows are read in place: nothing to gather ahead)
+        runs["prefetch_rows"] = lambda part: prefetched(part, PrefetchConfig(gather_rows=True))
     parts = [work[block * (i + 1) : block * (i + 2)] for i in range(blocks)]
     seconds = in_turn(runs, parts)
     rate = {k: B / v for k, v in seconds.items()}
     return {"samples_per_s": rate, "full_over_dense": rate["full"] / rate["dense"],
-            "prefetch_over_dense": rate["prefetch"] / rate["dense"], "prefetch_over_full": rate["prefetch"] / rate["full"]}
+            "prefetch_over_dense": rate["prefetch"] / rate["dense"], "prefetch_over_full": rate["prefetch"] / rate["full"],
+            **({"prefetch_rows_over_dense": rate["prefetch_rows"] / rate["dense"]} if "prefetch_rows" in rate else {})}
 
 
 def main() -> None:

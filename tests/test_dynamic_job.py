@@ -2,6 +2,7 @@
 admitted value; trained, resumed exactly and predicted by ``hetero``'s commands."""
 
 import random
+import shutil
 
 import pytest
 
@@ -158,7 +159,8 @@ def test_dynamic_features_train_data_parallel_and_resume_at_another_world_size(t
 
 def _runs_on_ranks(tmp_path, job_text, plan):
     """``hetero train`` of ``job_text`` row-sharded, run by run: ``plan`` is ``(name, ranks, extra args)``
-    (ranks 1: in this process, replicated); the runs' checkpoints by name, tables in key order."""
+    (ranks 1: in this process, replicated; ranks 0: a copy of the run directory named by the one
+    extra arg, as it is then); the runs' checkpoints by name, tables in key order."""
     import torch
 
     from conftest import hetero_on_ranks
@@ -169,7 +171,9 @@ def _runs_on_ranks(tmp_path, job_text, plan):
     args = ["train", "--config", str(job), *TRAIN, "--batch-size", "16", "--dropout", "0"]
     for name, ranks, extra in plan:
         argv = [*args, "--run-dir", str(tmp_path / name), *extra]
-        if ranks == 1:
+        if ranks == 0:  # (the same first half again would be the same files: copied, not rerun)
+            shutil.copytree(tmp_path / extra[0], tmp_path / name)
+        elif ranks == 1:
             assert main(argv) == 0
         else:
             run = hetero_on_ranks(tmp_path, ranks, [*argv, "--table-sharding", "row"])
@@ -228,8 +232,8 @@ def test_row_sharded_dynamic_features_resume_at_another_world_size(tmp_path, cpu
     data = tmp_path / "ids.csv"
     _csv(data)
     text = JOB.format(data=data, extra="").replace("capacity = 24", "capacity = 64")
-    runs = _runs_on_ranks(tmp_path, text, [("two", 2, []), ("one", 2, ["--max-steps", "5"]), ("one", 1, ["--resume"]),
-                                           ("four", 2, ["--max-steps", "5"]), ("four", 4, ["--resume"])])
+    runs = _runs_on_ranks(tmp_path, text, [("two", 2, []), ("one", 2, ["--max-steps", "5"]), ("four", 0, ["one"]),
+                                           ("one", 1, ["--resume"]), ("four", 4, ["--resume"])])
     pa, _, a = runs["two"]
     assert int(runs["two"][1]["deep.tables.deep_user.keymap.stats"][1]) > 0  # evicting by age
     for name in ("one", "four"):
@@ -296,6 +300,8 @@ def test_row_sharded_dynamic_features_on_the_ssd_tier_resume_at_their_world_size
     args = ["train", "--config", str(job), *TRAIN, "--batch-size", "16", "--dropout", "0", "--table-sharding", "row"]
     ssd = ["--table-storage", "ssd", "--cache-mb", "0.004"]
     for name, extra in (("memory", []), ("ssd", [*ssd, "--max-steps", "5"]), ("ssd", [*ssd, "--resume"])):
+        if extra[-1:] == ["--resume"]:
+            shutil.copytree(tmp_path / name, tmp_path / "ssd_half")  # (for the resume in one process, below)
         run = hetero_on_ranks(tmp_path, 2, [*args, "--run-dir", str(tmp_path / name), *extra])
         assert run.returncode == 0, run.stderr[-3000:]
     memory, got = load_whole(tmp_path / "memory" / "checkpoint.pt"), load_whole(tmp_path / "ssd" / "checkpoint.pt")
@@ -308,8 +314,11 @@ def test_row_sharded_dynamic_features_on_the_ssd_tier_resume_at_their_world_size
     assert (tmp_path / "ssd" / "checkpoint.pt").read_bytes() == before
     ends = []  # and in one process (the keys keep their rows: the ranks' spans are the table's rows in order)
     for name, extra in (("memory_one", []), ("ssd_one", ssd)):
-        run = hetero_on_ranks(tmp_path, 2, [*args, "--run-dir", str(tmp_path / name), *extra, "--max-steps", "5"])
-        assert run.returncode == 0, run.stderr[-3000:]
+        if name == "ssd_one":  # (its first half is the "ssd" run's, stopped at step 5: copied, not rerun)
+            shutil.copytree(tmp_path / "ssd_half", tmp_path / name)
+        else:
+            run = hetero_on_ranks(tmp_path, 2, [*args, "--run-dir", str(tmp_path / name), *extra, "--max-steps", "5"])
+            assert run.returncode == 0, run.stderr[-3000:]
         assert main([*args, "--run-dir", str(tmp_path / name), *extra, "--resume"]) == 0
         ends.append(load_whole(tmp_path / name / "checkpoint.pt"))
     assert ends[0]["position"] == ends[1]["position"] == memory["position"]
@@ -349,7 +358,9 @@ def test_a_dynamic_feature_resumes_exactly_from_the_sharded_checkpoint_format(tm
     args = ["train", "--config", str(job), *TRAIN, "--dropout", "0", "--checkpoint-format", "sharded"]
     for name, extra in (("straight", []), ("split", ["--max-steps", "5"]), ("split", ["--resume"])):
         argv = [*args, "--run-dir", str(tmp_path / name), *extra]
-        if ranks == 1:
+        if ranks == 0:  # (the same first half again would be the same files: copied, not rerun)
+            shutil.copytree(tmp_path / extra[0], tmp_path / name)
+        elif ranks == 1:
             assert main(argv) == 0
         else:
             run = hetero_on_ranks(tmp_path, ranks, argv)

@@ -103,7 +103,7 @@ def test_a_server_whose_shard_a_step_missed_still_counts_the_step(tmp_path, cpu_
     (the tables' age, ``ttl_steps = 6``) must still advance; each key's use count, last step and
     the keys aged out equal one process's."""
     data, job = _job(tmp_path, ("capacity = 24", "capacity = 80"))
-    small = ["--batch-size", "2", "--epochs", "1"]
+    small = ["--batch-size", "2", "--epochs", "1", "--max-steps", "60"]  # (60 of the epoch's 200 steps: keys age out)
     assert main(["train", "--config", str(job), *ARGS, *small, "--run-dir", str(tmp_path / "one")]) == 0
     ref = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
     got = _ps(tmp_path, job, "ps", 3, small)["model"]

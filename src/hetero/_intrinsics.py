@@ -1,5 +1,5 @@
 """numba intrinsics the host kernels share (:mod:`hetero.embedding._numba_kernels`,
-:mod:`hetero.dynamic._kernels`): a software prefetch and an atomic add. Imported by kernel modules
+:mod:`hetero.dynamic._kernels`): a software prefetch, an atomic add and an atomic max. Imported by kernel modules
 only (it imports numba).
 
 The prefetch brings the line into L2, not L1 (``prefetcht1``): a core has only about 16 L1 fill
@@ -48,5 +48,22 @@ def fetch_add(typingctx, arr, index, value):
             cgutils.unpack_tuple(builder, ary.strides), aryty.layout, [args[1]], wraparound=False, boundscheck=False,
         )
         return builder.atomic_rmw("add", ptr, args[2], "monotonic")
+
+    return arr.dtype(arr, types.intp, arr.dtype), codegen
+
+
+@intrinsic
+def fetch_max(typingctx, arr, index, value):
+    """Atomically ``arr[index] = max(arr[index], value)`` (1-D signed integer array); returns the
+    old value."""
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer2(
+            context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
+            cgutils.unpack_tuple(builder, ary.strides), aryty.layout, [args[1]], wraparound=False, boundscheck=False,
+        )
+        return builder.atomic_rmw("max", ptr, args[2], "monotonic")
 
     return arr.dtype(arr, types.intp, arr.dtype), codegen

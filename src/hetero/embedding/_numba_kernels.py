@@ -17,11 +17,9 @@ import numpy as np
 from numba import njit, prange
 
 from hetero._intrinsics import fetch_add, prefetch
+from hetero.embedding._numba_dedup import _dedup_into
 
 AHEAD = 12  # rows of prefetch distance; 8..32 measured equally good
-# dedup does less work per id than a row update, so its marker prefetch runs further ahead:
-# 106k uniform ids over 1M rows with the marker out of cache, 2.15 ms at 12 -> 1.82 ms at 32.
-DEDUP_AHEAD = 32
 POOL_CHUNK = 1024  # bags per unit of pooling work handed to a thread
 
 
@@ -60,57 +58,6 @@ def first_out_of_range(ids, vocab):
         if ids[i] < 0 or ids[i] >= vocab:
             return i
     return -1
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dedup_into(ids, marker, stamp, last, unique, inverse, first, nxt):
-    """The body of :func:`dedup`, writing into caller-provided arrays; returns ``U``."""
-    n = ids.shape[0]
-    tag = np.int64(stamp) << 32
-    u = 0
-    for i in range(n):
-        if i + DEDUP_AHEAD < n:
-            prefetch(marker, ids[i + DEDUP_AHEAD])
-        r = ids[i]
-        mk = marker[r]
-        nxt[i] = -1
-        if (mk >> 32) == stamp:
-            k = mk & 0xFFFFFFFF
-            inverse[i] = k
-            nxt[last[k]] = i
-            last[k] = i
-        else:
-            marker[r] = tag | u
-            unique[u] = r
-            first[u] = i
-            last[u] = i
-            inverse[i] = u
-            u += 1
-    return u
-
-
-@njit(cache=True, nogil=True)
-def dedup(ids, marker, stamp, last):
-    """Unique ids in first-occurrence order, the inverse map and the occurrence chains.
-
-    ``marker`` has one int64 per row of the group: ``stamp << 32 | position`` for rows seen in the
-    current call. One random access per id, no hashing and no sort; ``stamp`` must differ between
-    calls (the caller increments it), so the marker never needs clearing. ``last`` is int64
-    scratch of at least ``N`` elements that the caller keeps between calls (a fresh array costs a
-    page fault per 4 KiB on first touch).
-
-    Returns ``unique (U,)``, ``inverse (N,)``, ``first (U,)`` (position of each unique id's first
-    occurrence, increasing) and ``nxt (N,)`` (position of the next occurrence of the same id, -1
-    at the last): the optimizer kernels sum a row's gradient by walking its chain, in occurrence
-    order, reading the per-id gradient almost sequentially and with no scratch buffer.
-    """
-    n = ids.shape[0]
-    unique = np.empty(n, np.int64)
-    inverse = np.empty(n, np.int64)
-    first = np.empty(n, np.int64)
-    nxt = np.empty(n, np.int64)
-    u = _dedup_into(ids, marker, stamp, last, unique, inverse, first, nxt)
-    return unique[:u], inverse, first[:u], nxt  # views: copying U elements costs more than the slack
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -375,25 +322,3 @@ def sgd(w, widx, ids, grad, src, first, nxt, scale, nthreads, lr):
             q = widx[k]
             for j in range(d):
                 w[q, j] -= lr * acc[j]
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def stamp_rows(row_version, ids, version):
-    """Record that rows ``ids`` were updated at ``version`` (for the prefetch read-after-write check)."""
-    n = ids.shape[0]
-    for k in prange(n):
-        if k + AHEAD < n:
-            prefetch(row_version, ids[k + AHEAD])
-        row_version[ids[k]] = version
-
-
-@njit(cache=True, nogil=True)
-def stale_positions(row_version, unique, version):
-    """Positions ``k`` of ``unique`` whose rows were updated after ``version``."""
-    out = np.empty(unique.shape[0], np.int64)
-    c = 0
-    for k in range(unique.shape[0]):
-        if row_version[unique[k]] > version:
-            out[c] = k
-            c += 1
-    return out[:c].copy()

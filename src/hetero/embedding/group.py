@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
@@ -34,12 +33,15 @@ from hetero.embedding.config import TableConfig
 from hetero.embedding.dynamic_rows import DynamicRows
 from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement
 from hetero.embedding.grad import PendingGrads, SparseGrad
-from hetero.embedding.kernels import kernels
+from hetero.embedding.kernels import dedup_kernels, kernels, num_threads
 from hetero.embedding.plan import LookupPlan, Request, build_plan, fake_output
 from hetero.embedding.config import init_rows
 from hetero.placement import StorageTier, copy_to, host_empty
 from hetero.storage.tier import SsdRows
 
+# Kernel threads from which a lookup without occurrence chains dedups in parallel: its three passes
+# over the ids beat the serial dedup's one only with several threads to share them (measured below).
+PARALLEL_DEDUP_THREADS = 4
 
 class GroupedTable(Protocol):
     """What a group holds of each of its tables (a :class:`~hetero.embedding.table.HostEmbedding`):
@@ -212,9 +214,9 @@ class TableGroup:
         else:
             self.ssd.restore(parts, self.first_row)
 
-    def plan(self, requests: list[Request], dedup: bool = True) -> LookupPlan:
+    def plan(self, requests: list[Request], dedup: bool = True, chains: bool = True) -> LookupPlan:
         """:func:`~hetero.embedding.plan.build_plan` for this group (reads no table rows)."""
-        return build_plan(self, requests, dedup)
+        return build_plan(self, requests, dedup, chains)
 
     def lookup(self, requests: list[Request], plan: LookupPlan | None = None) -> list[Tensor]:
         """Outputs of ``requests`` on the device of the first table's anchor (autograd-aware),
@@ -236,11 +238,21 @@ class TableGroup:
             self._last = np.empty(max(n, 2 * self._last.shape[0]), np.int64)
         return self.stamp, self._last
 
-    def dedup(self, plan: LookupPlan) -> None:
-        """Fill ``unique``, ``inverse``, ``first`` and ``next`` of a plan built with ``dedup=False``."""
+    def dedup(self, plan: LookupPlan, chains: bool = True) -> None:
+        """Fill ``unique`` and ``inverse`` of a plan built with ``dedup=False``, and with ``chains``
+        its ``first`` and ``next`` (the occurrence chains the host pooling's backward needs).
+
+        Without chains and with :data:`PARALLEL_DEDUP_THREADS` or more kernel threads, the dedup
+        runs in parallel (:func:`~hetero.embedding._numba_dedup.dedup_unique`: the same result)."""
+        index = plan.index.numpy()
+        K, threads = dedup_kernels(), num_threads()
         with self.lock:
-            found = kernels().dedup(plan.index.numpy(), self.marker, *self._dedup_scratch(plan.index.numel()))
-        plan.unique, plan.inverse, plan.first, plan.next = map(torch.from_numpy, found)
+            if chains or threads < PARALLEL_DEDUP_THREADS:
+                found = K.dedup(index, self.marker, *self._dedup_scratch(index.shape[0]))
+                plan.first, plan.next = torch.from_numpy(found[2]), torch.from_numpy(found[3])
+            else:
+                found = K.dedup_unique(index, self.marker, self._dedup_scratch(0)[0], threads)
+        plan.unique, plan.inverse = torch.from_numpy(found[0]), torch.from_numpy(found[1])
 
     def pool_and_dedup(self, plan: LookupPlan, out: Tensor) -> None:
         """Pool the table's rows at ``plan.index`` into ``out`` and dedup ``plan.index`` at the
@@ -281,15 +293,10 @@ class TableGroup:
 
         The prefetch read-after-write fix: returns how many rows were refreshed.
         """
-        if plan.copy_done is not None:
-            torch.cuda.current_stream().wait_event(plan.copy_done)  # device waits for the prefetch copy, not the host
-            # Allocated on the side stream, used on this one: keep the allocator from handing the
-            # memory to the side stream again before this stream's kernels that read it have run.
-            plan.rows_device.record_stream(torch.cuda.current_stream())
-            plan.copy_done = None
+        plan.await_device_copy()
         if self.row_version is None or self.version - plan.version <= plan.max_staleness:
             return 0
-        stale = torch.from_numpy(kernels().stale_positions(self.row_version, plan.unique.numpy(), plan.version))
+        stale = torch.from_numpy(dedup_kernels().stale_positions(self.row_version, plan.unique.numpy(), plan.version, num_threads()))
         if stale.numel():
             fresh = self.storage.index_select(0, plan.unique[stale])
             plan.rows[stale] = fresh
@@ -308,10 +315,12 @@ class TableGroup:
         # The device is the host and the table fp32: the pooling reads the table at the ids and
         # does not need the dedup, so the kernel runs both at once (the dedup is serial).
         fused = plan is None and device.type == "cpu" and self.dtype == torch.float32 and self.marker is not None
+        # Occurrence chains: only the host pooling's backward uses them (the device's arrives coalesced).
+        chains = device.type == "cpu"
         if plan is None:
-            plan = self.plan(requests, dedup=not fused)
+            plan = self.plan(requests, dedup=not fused, chains=chains)
         elif plan.unique is None and not (device.type == "cpu" and self.dtype == torch.float32):
-            self.dedup(plan)  # a plan built with dedup=False, used where the pooling cannot do it
+            self.dedup(plan, chains)  # a plan built with dedup=False, used where the pooling cannot do it
         if device.type == "cpu":
             # The backward of _HostPool hands the gradient (per id; the optimizer coalesces it as
             # it updates) to this group itself; the zero-size sink only puts the op on the tape.
@@ -331,8 +340,9 @@ class TableGroup:
                 self.refresh_stale(plan)
             pooled = HostPool.apply(rows, index, plan.offsets, plan.scale, sink, self, plan).to(dtype)
         else:
+            plan.await_device_copy()
             if plan.rows is None:
-                self.gather(plan, pin=True)
+                self.gather(plan, pin=True)  # (a plan prefetched without its rows: read now, after the update)
             else:
                 self.refresh_stale(plan)
             rows = plan.rows_device if plan.rows_device is not None else copy_to(plan.rows, device)  # host -> device: U rows
@@ -340,28 +350,8 @@ class TableGroup:
             if torch.is_grad_enabled():
                 rows.requires_grad_(True)
                 rows.register_hook(lambda grad, unique=plan.unique: capture_device_grad(self, unique, grad))
-            return self.pool(rows, plan)
-        return self.split_outputs(pooled, plan)
-
-    def pool(self, rows: Tensor, plan: LookupPlan) -> list[Tensor]:
-        """The per-request outputs of ``plan`` from its unique rows ``rows`` (``(U, D)``, on the
-        output device and dtype): ``F.embedding_bag``, whose backward coalesces the gradient of
-        repeated ids into one row per unique id."""
-        dev = rows.device
-        offsets = plan.offsets if plan.offsets.numel() else torch.arange(plan.inverse.numel() + 1)
-        pooled = F.embedding_bag(
-            copy_to(plan.inverse, dev), rows, copy_to(offsets, dev), mode="sum",
-            per_sample_weights=None if plan.scale is None else copy_to(plan.scale, dev).to(rows.dtype),
-            include_last_offset=True,
-        )
-        return self.split_outputs(pooled, plan)
-
-    def split_outputs(self, pooled: Tensor, plan: LookupPlan) -> list[Tensor]:
-        """The per-request outputs of the pooled ``(bags, D)`` result of ``plan``."""
-        if len(plan.bag_ranges) == 1:  # no slicing: its backward would zero-fill and copy the gradient
-            return [pooled.reshape(*plan.bag_ranges[0][2], self.dim)]
-        parts = pooled.split([b - a for a, b, _ in plan.bag_ranges])
-        return [p.reshape(*shape, self.dim) for p, (_, _, shape) in zip(parts, plan.bag_ranges)]
+            return plan.pool(rows)
+        return plan.split(pooled)
 
     # ------------------------------------------------------------------------------ grads
     def pop_sparse_grad(self) -> SparseGrad | None:
@@ -372,7 +362,7 @@ class TableGroup:
         """Called by optimizers after updating ``rows``: advances the version for prefetch checks."""
         self.version += 1
         if self.row_version is not None:
-            kernels().stamp_rows(self.row_version, rows.numpy(), self.version)
+            dedup_kernels().stamp_rows(self.row_version, rows.numpy(), self.version)
 
     def reset_rows(self, rows: Tensor, values: Tensor) -> None:
         """Group rows ``rows`` (``(A,)`` int64; row-sharded, this rank's own) belong to new keys of a

@@ -12,11 +12,13 @@ from typing import Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from hetero.dynamic import Keys
 from hetero.embedding.config import Pooling, TableConfig
 from hetero.embedding.kernels import kernels
+from hetero.placement import copy_to
 from hetero.storage.layout import StagedRecords
 
 
@@ -42,7 +44,7 @@ class DedupGroup(Protocol):
     marker: np.ndarray | None  # the group's dedup scratch over its row space (None: no dedup here)
     dynamic: KeyRows  # its dynamic tables' keys -> rows (hetero.embedding.dynamic_rows.DynamicRows)
 
-    def dedup(self, plan: "LookupPlan") -> None: ...
+    def dedup(self, plan: "LookupPlan", chains: bool = True) -> None: ...
 
 
 @dataclasses.dataclass
@@ -89,18 +91,58 @@ class LookupPlan:
     version: int = -1
     rows: Tensor | None = None  # gathered rows (host, pinned on CUDA) once gather() ran
     rows_device: Tensor | None = None  # their device copy, when prefetched
+    inverse_device: Tensor | None = None  # the inverse map's device copy, when prefetched
     copy_done: "torch.cuda.Event | None" = None  # end of the prefetch host->device copy
     max_staleness: int = 0  # optimizer steps the gathered rows may lag behind
     refreshed: int = 0  # rows gathered again because an update overtook the prefetch
     staged: StagedRecords | None = None  # SSD tier: records read ahead (checked when used)
 
+    def await_device_copy(self) -> None:
+        """Order the current CUDA stream after the prefetcher's host->device copies (if any)."""
+        if self.copy_done is None:
+            return
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.copy_done)  # the device waits for the prefetch copy, not the host
+        # Allocated on the side stream, used on this one: keep the allocator from handing the
+        # memory to the side stream again before this stream's kernels that read it have run.
+        for t in (self.rows_device, self.inverse_device):
+            if t is not None:
+                t.record_stream(stream)
+        self.copy_done = None
+
+    def pool(self, rows: Tensor) -> list[Tensor]:
+        """The per-request outputs from the unique rows ``rows`` (``(U, D)``, on the output device
+        and dtype): ``F.embedding_bag`` (``F.embedding`` when every id is its own bag), whose
+        backward coalesces the gradient of repeated ids into one row per unique id."""
+        dev = rows.device
+        inverse = self.inverse_device if self.inverse_device is not None else copy_to(self.inverse, dev)
+        if not self.offsets.numel() and self.scale is None:  # (no offsets to build and copy)
+            return self.split(F.embedding(inverse, rows))
+        offsets = self.offsets if self.offsets.numel() else torch.arange(self.inverse.numel() + 1)
+        pooled = F.embedding_bag(
+            inverse, rows, copy_to(offsets, dev), mode="sum",
+            per_sample_weights=None if self.scale is None else copy_to(self.scale, dev).to(rows.dtype),
+            include_last_offset=True,
+        )
+        return self.split(pooled)
+
+    def split(self, pooled: Tensor) -> list[Tensor]:
+        """The per-request outputs of the pooled ``(bags, D)`` result."""
+        dim = pooled.shape[-1]
+        if len(self.bag_ranges) == 1:  # no slicing: its backward would zero-fill and copy the gradient
+            return [pooled.reshape(*self.bag_ranges[0][2], dim)]
+        parts = pooled.split([b - a for a, b, _ in self.bag_ranges])
+        return [p.reshape(*shape, dim) for p, (_, _, shape) in zip(parts, self.bag_ranges)]
 
 
-def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True) -> LookupPlan:
+
+def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True, chains: bool = True) -> LookupPlan:
     """Check, globalize and dedup the ids of ``requests``; build bags. Reads no table rows.
 
     ``dedup=False`` leaves the dedup to the lookup, which then runs it beside the pooling
     (only where the device is the host and the table fp32, see :meth:`TableGroup.lookup_local`).
+    ``chains=False``: no occurrence chains (``first``, ``next``), which only the host pooling's
+    backward uses; the dedup may then run in parallel.
 
     Raises:
         IndexError: an out-of-range id of a table that is not ``hashed``, naming the table,
@@ -162,7 +204,7 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True) -
             scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
     plan = LookupPlan(*dedup_out, torch.from_numpy(rows), all_offsets, scale, ranges)
     if dedup and group.marker is not None:
-        group.dedup(plan)
+        group.dedup(plan, chains)
     return plan
 
 

@@ -20,6 +20,13 @@ afterwards. Each group keeps a per-row update version; when batch i+1 is consume
 after their gather are gathered again (and re-sent), so a lookup never sees a stale row unless
 ``max_staleness`` allows it. On a CPU-only machine fp32 tables are read in place at compute time
 and cannot be stale; there only the id checks are prefetched (the dedup runs beside the pooling).
+
+What is prepared ahead by default: the ids' checks and dedup and, with a GPU, the inverse map's
+host->device copy; the rows themselves only where ``max_staleness`` lets them be stale. Gathering
+them ahead as well (``gather_rows=True``) made the exact DLRM step slower on an H200 host (0.57
+and 0.80 of its dense part, Zipf and uniform ids, against 0.67 and 0.86 without; the plain step
+0.73 and 0.84): the rows the previous update overtook must be found and sent again on the
+training thread (``benchmarks/dlrm_step.py``; docs/embedding.md).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from torch import nn
 from hetero.embedding.collection import HostEmbeddingCollection
 from hetero.embedding.exchange import RowPlacement
 from hetero.embedding.plan import LookupPlan
+from hetero.placement import copy_to
 from hetero.placement.threads import ThreadContext, host_worker
 
 
@@ -50,7 +58,7 @@ def looked_up_at_step(model: nn.Module) -> list[str]:
 class PrefetchConfig:
     depth: int = 1  # batches prepared ahead of the one being trained
     max_staleness: int = 0  # optimizer steps a prefetched row may lag behind; 0 = never stale
-    gather_rows: bool | None = None  # gather rows ahead; None = when they must travel or be converted
+    gather_rows: bool | None = None  # gather rows ahead; None = when they must travel and may be stale
     worker: bool = True  # False: prepare the next batch on the calling thread (same look-ahead, no overlap)
 
 
@@ -94,8 +102,8 @@ class Prefetcher:
         self.stream = torch.cuda.Stream() if cuda else None
 
     def _prepare(self, batch: Any, context: ThreadContext) -> list[list[LookupPlan | None]]:
-        # Runs on the worker thread: only serial numba kernels (plan) and torch ops (gather) here.
-        # numba's default threading layer does not allow two threads to launch parallel kernels.
+        # Runs on the worker thread: numba kernels (plan; parallel ones too: hetero selects numba's
+        # threadsafe layer, hetero._numba) and torch ops (gather).
         with context.applied():  # the training thread's CUDA device (the side stream is ours)
             return self._prepare_batch(batch)
 
@@ -112,25 +120,27 @@ class Prefetcher:
                 if group.ssd is not None:
                     # The SSD tier: the cache belongs to the training thread, which gathers from it; here
                     # the uncached rows' records are read ahead (checked when used: never stale).
-                    plan = group.plan(reqs)
+                    plan = group.plan(reqs, chains=device.type == "cpu")
                     plan.staged = group.ssd.cache.stage(plan.unique.numpy())
                     plans.append(plan)
                     continue
                 in_place = device.type == "cpu" and group.dtype == torch.float32  # pooled from the table itself
                 gather = self.config.gather_rows
-                if gather is None:
-                    gather = not in_place
+                if gather is None:  # (exact: the rows are read at their step, after the update; see above)
+                    gather = not in_place and self.config.max_staleness > 0
                 # Rows read in place are deduplicated beside their pooling, on the training thread
                 # (no extra pass there); a dedup here would only compete with it for the cores.
-                plan = group.plan(reqs, dedup=gather or not in_place)
+                plan = group.plan(reqs, dedup=gather or not in_place, chains=device.type == "cpu")
                 plan.max_staleness = self.config.max_staleness
                 if gather:
                     group.gather(plan, pin=device.type == "cuda")
-                    if self.stream is not None and device.type == "cuda":
-                        with torch.cuda.stream(self.stream):
-                            plan.rows_device = plan.rows.to(device, non_blocking=True)  # host -> device, side stream
-                            plan.copy_done = torch.cuda.Event()
-                            plan.copy_done.record(self.stream)
+                if self.stream is not None and device.type == "cuda":
+                    with torch.cuda.stream(self.stream):  # host -> device on the side stream
+                        if gather:
+                            plan.rows_device = plan.rows.to(device, non_blocking=True)
+                        plan.inverse_device = copy_to(plan.inverse, device)  # (pinned, then host -> device)
+                        plan.copy_done = torch.cuda.Event()
+                        plan.copy_done.record(self.stream)
                 plans.append(plan)
             out.append(plans)
         return out

@@ -114,7 +114,7 @@ class RowSharding(RowExchange):
             rows.requires_grad_(True)
             rows.register_hook(lambda grad, routed=routed: self._capture(routed, grad))
             self.routes.append(routed)
-        return group.pool(rows, plan)
+        return plan.pool(rows)
 
     @staticmethod
     def _capture(routed: _Routed, grad: Tensor) -> None:

@@ -129,7 +129,7 @@ class PSClient(RowExchange):
             # device -> host copy (a sync point on CUDA)
             rows.register_hook(lambda grad, entry=entry: entry.__setitem__(1, grad.detach().to("cpu", torch.float32)))
             self.lookups.append(entry)
-        return group.pool(rows, plan)
+        return plan.pool(rows)
 
     def fetch(self, unique: Tensor, pin: bool = False) -> Tensor:
         """Rows ``(U, D)`` (storage dtype, host; pinned with ``pin``) of the sorted unique group rows ``unique``."""

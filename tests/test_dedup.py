@@ -1,0 +1,118 @@
+"""The dedup kernels against plain Python: the parallel dedup without chains and the prefetch's
+read-after-write check, at several thread counts, and a device lookup's plan built with either dedup."""
+
+import numpy as np
+import pytest
+import torch
+
+from hetero.embedding import HostEmbedding, TableConfig
+from hetero.embedding.kernels import dedup_kernels
+
+
+def reference(ids):
+    """unique ids in first-occurrence order and each id's position among them (plain Python)."""
+    seen: dict[int, int] = {}
+    inverse = [seen.setdefault(int(x), len(seen)) for x in ids]
+    return np.array(list(seen), np.int64), np.array(inverse, np.int64)
+
+
+@pytest.mark.parametrize("case", ["uniform", "skewed", "repeated", "one", "empty"])
+def test_parallel_dedup_equals_first_occurrence_order_at_any_thread_count(case):
+    K = dedup_kernels()
+    rng = np.random.default_rng(0)
+    n = {"empty": 0, "one": 1, "repeated": 5_000}.get(case, 20_000)
+    rows = 3_000
+    ids = {"uniform": lambda: rng.integers(0, rows, n), "skewed": lambda: np.minimum(rng.zipf(1.2, n), rows) - 1,
+           "repeated": lambda: np.full(n, 7), "one": lambda: np.array([5]), "empty": lambda: np.empty(0, np.int64)}[case]()
+    ids = ids.astype(np.int64)
+    want_u, want_inv = reference(ids)
+    marker = np.zeros(rows, np.int64)
+    stamp = 1
+    for threads in (1, 2, 3, 7, 64):
+        for _ in range(2):  # the marker holds the previous call's values: a new stamp must see past them
+            stamp += 1
+            unique, inverse = K.dedup_unique(ids, marker, stamp, threads)
+            np.testing.assert_array_equal(unique, want_u, err_msg=f"unique, {threads} threads")
+            np.testing.assert_array_equal(inverse, want_inv, err_msg=f"inverse, {threads} threads")
+        # the serial dedup runs after it on the same marker and stamps (a group uses both)
+        stamp += 1
+        serial = K.dedup(ids, marker, stamp, np.empty(n, np.int64))
+        np.testing.assert_array_equal(serial[0], want_u)
+        np.testing.assert_array_equal(serial[1], want_inv)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_stale_positions_are_the_rows_updated_after_the_version(threads):
+    rng = np.random.default_rng(1)
+    row_version = rng.integers(0, 10, 5_000).astype(np.int64)
+    unique = rng.permutation(5_000)[:1_234].astype(np.int64)
+    want = [k for k, r in enumerate(unique) if row_version[r] > 6]
+    got = dedup_kernels().stale_positions(row_version, unique, 6, threads)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_plan_without_chains_dedups_in_parallel_to_the_same_plan(monkeypatch):
+    from hetero.embedding import group as group_module
+    from hetero.embedding.group import Request
+
+    table = HostEmbedding(TableConfig("t", 1_000, 4))
+    ids = torch.randint(0, 1_000, (512, 3), generator=torch.Generator().manual_seed(2))
+    with_chains = table.group.plan([Request(table, ids)])
+    calls = []
+    original = dedup_kernels().dedup_unique
+    monkeypatch.setattr(group_module, "PARALLEL_DEDUP_THREADS", 1)
+    monkeypatch.setattr(dedup_kernels(), "dedup_unique", lambda *a: calls.append(a) or original(*a))
+    without = table.group.plan([Request(table, ids)], chains=False)
+    assert calls, "the parallel dedup did not run"
+    assert without.first is None and without.next is None
+    torch.testing.assert_close(without.unique, with_chains.unique, rtol=0, atol=0)
+    torch.testing.assert_close(without.inverse, with_chains.inverse, rtol=0, atol=0)
+
+
+def _device_training(prefetch, threads=4, steps=8):
+    """A two-table collection whose lookups go to the GPU, trained ``steps`` steps (row-wise Adagrad);
+    consecutive batches share rows, so a row gathered ahead is overtaken by the update every step."""
+    from hetero.embedding import HostEmbeddingCollection, Prefetcher, set_num_threads
+    from hetero.optim import RowWiseAdagrad, RowWiseAdagradConfig
+
+    set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        coll = HostEmbeddingCollection([TableConfig("a", 500, 8), TableConfig("b", 300, 8)]).cuda()
+        opt = RowWiseAdagrad(coll.tables.values(), RowWiseAdagradConfig(lr=0.1))
+        g = torch.Generator().manual_seed(3)
+        batches = [{"a": torch.cat([torch.arange(20), torch.randint(0, 500, (4_000,), generator=g)]),
+                    "b": torch.randint(0, 300, (4_020,), generator=g)} for _ in range(steps)]
+        outs = []
+        for feats in (batches if prefetch is None else Prefetcher(coll, batches, prefetch, features=lambda b: b)):
+            out = coll(feats)
+            outs.append({n: o.detach().cpu() for n, o in out.items()})
+            sum((o * (k + 1)).square().sum() for k, o in enumerate(out.values())).backward()
+            opt.step()
+        return coll, outs
+    finally:
+        set_num_threads(None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_lookups_train_the_same_with_either_dedup_and_any_prefetch(monkeypatch):
+    from hetero.embedding import PrefetchConfig
+    from hetero.embedding import group as group_module
+
+    monkeypatch.setattr(group_module, "PARALLEL_DEDUP_THREADS", 1_000)  # the serial dedup: the reference
+    ref, ref_outs = _device_training(None)
+    monkeypatch.undo()
+    calls = []
+    original = dedup_kernels().dedup_unique
+    monkeypatch.setattr(dedup_kernels(), "dedup_unique", lambda *a: calls.append(a) or original(*a))
+    for config in (None, PrefetchConfig(gather_rows=True), PrefetchConfig(gather_rows=False),
+                   PrefetchConfig(gather_rows=True, worker=False)):
+        calls.clear()
+        got, outs = _device_training(config)
+        assert calls, f"{config}: the parallel dedup did not run"
+        for a, b in zip(ref_outs, outs):
+            for n in a:
+                assert torch.equal(a[n], b[n]), (config, n)
+        for n in ref.tables:
+            assert torch.equal(ref.tables[n].weight, got.tables[n].weight), (config, n)
