@@ -1,15 +1,17 @@
 """hetero's embedding step against its peers, same run: FBGEMM's table-batched embedding
-(fbgemm-gpu-cpu), TorchRec's fused embedding bag collection and torch's SparseAdam (issue #39).
+(fbgemm-gpu-cpu), TorchRec's fused embedding bag collection and torch's SparseAdam (issue #39);
+with ``--model dlrm``, the DLRM training step against TorchRec's DLRM and its own dense part.
 
 Each measurement is a process of its own (``systems.py``), hetero's and torch's in hetero's
 environment, FBGEMM's and TorchRec's in the peers' (``requirements.txt``: not a dependency of
 hetero), interleaved in rounds (each round starts one measurement later, so no system always
-runs first); medians over the rounds and their ratios go to ``benchmarks/results/peers_cpu.json``
-with the CPU's model and vector ISA, and the last line printed. Set up the peers' environment once::
+runs first); medians over the rounds and their ratios go to ``benchmarks/results/peers_<isa>_cpu.json``
+(``avx512``, ``avx2``) with the CPU's model, and the last line printed. Set up the peers' environment once::
 
     python3 -m venv /tmp/peers && /tmp/peers/bin/pip install -r benchmarks/peers/requirements.txt
     /tmp/peers/bin/pip install --no-deps torchrec==1.8.0
     .venv/bin/python benchmarks/peers/run.py --peers-python /tmp/peers/bin/python
+    .venv/bin/python benchmarks/peers/run.py --peers-python /tmp/peers/bin/python --model dlrm --dist zipf
 
 Targets (#39): row-wise Adagrad and SGD >= 1.5x FBGEMM, Adagrad >= 3x, LazyAdam >= 6x torch's
 SparseAdam; per-id lookups no slower than pooled ones (hetero's per-id against its pooled bags of
@@ -76,8 +78,37 @@ def measure(python: str, system: str, optimizer: str, pooled: bool, args: argpar
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def dlrm(args: argparse.Namespace) -> None:
+    """``--model dlrm``: hetero's DLRM step against TorchRec's and against its own dense part, each a
+    process of its own, interleaved in rounds; medians and ratios to ``peers_dlrm_<dist>_cpu.json``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    systems = ["hetero", "torchrec", "dense"]
+    runs: dict[str, list[float]] = {s: [] for s in systems}
+    for r in range(args.rounds):
+        for s in systems[r % len(systems):] + systems[: r % len(systems)]:
+            argv = [args.peers_python if s == "torchrec" else args.hetero_python, str(HERE / "dlrm_systems.py"),
+                    "--system", s, "--rows", str(args.rows), "--dist", args.dist, "--steps", str(args.steps),
+                    "--warmup", str(args.warmup)]
+            run = subprocess.run(argv, capture_output=True, text=True, env=env)
+            if run.returncode != 0:
+                raise RuntimeError(f"dlrm {s}: {run.stderr[-2000:]}")
+            runs[s].append(json.loads(run.stdout.strip().splitlines()[-1])["samples_per_s"])
+            print(f"round {r}: dlrm {s:8s} {runs[s][-1]:10.0f} samples/s", file=sys.stderr)
+    medians = {s: statistics.median(v) for s, v in runs.items()}
+    emit(f"peers_dlrm_{args.dist}", {
+        "workload": {"model": "dlrm", "tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": 4096,
+                     "bottom": [512, 256, 64, 16], "top": [512, 256, 1], "dist": args.dist, "steps": args.steps,
+                     "rounds": args.rounds},
+        "cpu": cpu(), "samples_per_s": medians, "rounds_samples_per_s": runs,
+        "ratios": {"hetero_vs_torchrec": medians["hetero"] / medians["torchrec"],
+                   "hetero_vs_dense_part": medians["hetero"] / medians["dense"],
+                   "torchrec_vs_dense_part": medians["torchrec"] / medians["dense"]}})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=["embedding", "dlrm"], default="embedding",
+                   help="the embedding step alone (systems.py), or the DLRM training step (dlrm_systems.py)")
     p.add_argument("--peers-python", required=True, help="the interpreter of the peers' environment (requirements.txt)")
     p.add_argument("--hetero-python", default=sys.executable, help="hetero's interpreter (default: this one)")
     p.add_argument("--rows", type=int, default=1_000_000, help="rows per table (26 tables x 16 fp32)")
@@ -86,6 +117,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
+    if args.model == "dlrm":
+        return dlrm(args)
     runs: dict[tuple, list[float]] = {m: [] for m in MEASUREMENTS}
     both: list[float] = []
     for r in range(args.rounds):
@@ -105,9 +138,10 @@ def main() -> None:
     value = statistics.median(both)
     ratios["per_id_vs_pooled"] = {"ratio": value, "target": 1.0, "met": value >= 0.95, "same_process": True,
                                   "rounds": both}  # (met: within 5%, the noise of one process)
-    emit("peers", {"workload": {"tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": 4096, "ids_per_table": 1,
+    machine = cpu()
+    emit(f"peers_{machine['isa']}", {"workload": {"tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": 4096, "ids_per_table": 1,
                                 "dist": args.dist, "steps": args.steps, "rounds": args.rounds},
-                   "cpu": cpu(), "samples_per_s": medians, "ratios": ratios,
+                   "cpu": machine, "samples_per_s": medians, "ratios": ratios,
                    "rounds_samples_per_s": {f"{s}/{o}/{'pooled' if pooled else 'per_id'}": v for (s, o, pooled), v in runs.items()}})
 
 
