@@ -36,9 +36,8 @@ def prefetch(typingctx, arr, row):
     return types.void(arr, types.intp), codegen
 
 
-@intrinsic
-def fetch_add(typingctx, arr, index, value):
-    """Atomically add ``value`` to ``arr[index]`` (1-D integer array); returns the old value."""
+def _atomic(op: str):  # noqa: ANN202 - a codegen function
+    """The codegen of an atomic read-modify-write ``op`` (LLVM's ``atomicrmw``) of ``arr[index]``."""
 
     def codegen(context, builder, sig, args):
         aryty = sig.args[0]
@@ -47,23 +46,19 @@ def fetch_add(typingctx, arr, index, value):
             context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
             cgutils.unpack_tuple(builder, ary.strides), aryty.layout, [args[1]], wraparound=False, boundscheck=False,
         )
-        return builder.atomic_rmw("add", ptr, args[2], "monotonic")
+        return builder.atomic_rmw(op, ptr, args[2], "monotonic")
 
-    return arr.dtype(arr, types.intp, arr.dtype), codegen
+    return codegen
+
+
+@intrinsic
+def fetch_add(typingctx, arr, index, value):
+    """Atomically add ``value`` to ``arr[index]`` (1-D integer array); returns the old value."""
+    return arr.dtype(arr, types.intp, arr.dtype), _atomic("add")
 
 
 @intrinsic
 def fetch_max(typingctx, arr, index, value):
     """Atomically ``arr[index] = max(arr[index], value)`` (1-D signed integer array); returns the
     old value."""
-
-    def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer2(
-            context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
-            cgutils.unpack_tuple(builder, ary.strides), aryty.layout, [args[1]], wraparound=False, boundscheck=False,
-        )
-        return builder.atomic_rmw("max", ptr, args[2], "monotonic")
-
-    return arr.dtype(arr, types.intp, arr.dtype), codegen
+    return arr.dtype(arr, types.intp, arr.dtype), _atomic("max")
