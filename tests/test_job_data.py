@@ -15,7 +15,8 @@ from hetero.cli import main
 from hetero.data.encode import CROSS_JOIN, fit
 from hetero.data.readers import Join, ReaderConfig, column_names, read_table, record_batches
 from hetero.data.schema import Categorical, Cross, Dense, Label, Schema
-from hetero.data.stream import StreamConfig, byte_shards, encoded_blocks
+from hetero.data.shards import byte_shards
+from hetero.data.stream import StreamConfig, encoded_blocks
 from hetero.data.tabular import Jagged
 from hetero.config import read_job_file
 from hetero.config.manager import locate

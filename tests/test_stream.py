@@ -16,7 +16,8 @@ from hetero.data.readers import FileFormat, ReaderConfig, read_table
 from hetero.data.split import Split
 from hetero.data.rows import BadRows
 from hetero.data.schema import Categorical, Dense, Label, Schema, Transform
-from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, byte_shards, file_shards, fit_stream
+from hetero.data.shards import byte_shards, file_shards
+from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, fit_stream
 from hetero.data.tabular import BatchConfig
 from tests.conftest import run_ranks
 from tests.test_jobfile import JOB, _clicks

@@ -173,7 +173,7 @@ def test_inputs_as_users_have_them_parts_globs_lists_and_compressed_files(tmp_pa
         assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run"), "--stream", "--overwrite",
                      "--no-progress", "--epochs", "1"]) == 0
     # ranks cut each file into byte ranges: a compressed one cannot be cut
-    from hetero.data.stream import file_shards
+    from hetero.data.shards import file_shards
 
     with pytest.raises(ValueError, match="a read sharded over ranks cuts one uncompressed file into byte ranges"):
         file_shards(tmp_path / "ids.csv.gz", ReaderConfig(), 2)

@@ -4,7 +4,7 @@ Everything scoring needs comes from the checkpoint's run record (:mod:`hetero.re
 model, the fitted encoding and the reader settings the run read its files with - so a file is
 read and encoded exactly as training read it, wherever the checkpoint lies (a merged
 ``model.pt`` too). Prediction streams the file in blocks (memory bounded as in training); under
-torchrun each rank scores its shard (:func:`hetero.data.stream.file_shards`) and rank 0 joins the
+torchrun each rank scores its shard (:func:`hetero.data.shards.file_shards`) and rank 0 joins the
 parts in file order. The output (Parquet, or CSV by the suffix) has one row per input row: the
 ``id_column``'s value if one is named, ``score`` (the predicted probability, float64) and, when
 the file has the label column, ``label`` (0/1 by the schema's rule); the returned metrics then
@@ -24,7 +24,7 @@ import torch
 
 from hetero.checkpoint import CheckpointError, load_checkpoint
 from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, record_batches
-from hetero.data.stream import file_shards
+from hetero.data.shards import file_shards
 from hetero.record import reader_settings
 from hetero.serving.export import MANIFEST, RECORD
 from hetero.serving.model import ExportedModel

@@ -2,9 +2,9 @@
 on a reader thread, shuffled within windows, sharded over ranks by bytes, resumable at a sample.
 
 * **Shards:** rank ``r`` of ``W`` reads the rows that start in bytes ``[c_r, c_{r+1})`` of a
-  line-format file, the cuts ``c`` spread evenly and moved to line starts (:func:`byte_shards`),
+  line-format file, the cuts ``c`` spread evenly and moved to line starts (:func:`~hetero.data.shards.byte_shards`),
   or row groups ``[c_r, c_{r+1})`` of a Parquet file, cut where the rows before are closest to
-  ``r / W`` of them (:func:`file_shards`): disjoint, covering, and each rank decodes only its
+  ``r / W`` of them (:func:`~hetero.data.shards.file_shards`): disjoint, covering, and each rank decodes only its
   part. Fields may not hold newlines (pyarrow's default).
 * **Order:** a shard's rows are cut into windows of ``shuffle_window`` rows; window ``k`` of epoch
   ``e`` is permuted by a generator seeded by ``(seed, e, rank, k)``, and local batches of
@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from hetero.data.encode import Encoding, Fitter
-from hetero.data.files import single_file, source_files
-from hetero.data.readers import FileFormat, ReaderConfig, column_names, empty_batch, file_columns, record_batches
+from hetero.data.files import source_files
+from hetero.data.readers import FileFormat, ReaderConfig, empty_batch, file_columns, record_batches
 from hetero.data.rows import BadRowCount
+from hetero.data.shards import ends_crc, file_shards
 from hetero.data.schema import Schema
 from hetero.data.tabular import Batch, BatchConfig, Jagged, TabularDataset
 from hetero.placement.threads import host_thread
@@ -68,51 +69,6 @@ class StreamConfig:
     def __post_init__(self) -> None:
         if self.block_bytes < 1 << 12 or self.shuffle_window < 1 or self.read_ahead < 1:
             raise ValueError(f"stream config {self}: block_bytes >= 4096, shuffle_window >= 1 and read_ahead >= 1")
-
-
-def file_shards(path: str | Path, reader: ReaderConfig, world_size: int) -> list[tuple[int, int]]:
-    """Each rank's shard of ``path`` (see the module docstring): bytes of a line format
-    (:func:`byte_shards`, after a header), row groups of a Parquet file.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: several files or a compressed one (:func:`~hetero.data.files.single_file`).
-    """
-    path = single_file(path, "a read sharded over ranks")
-    if reader.format is not FileFormat.PARQUET:
-        return byte_shards(path, world_size, column_names(path, reader)[1])
-    import pyarrow.parquet as pq
-
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    meta = pq.ParquetFile(path).metadata
-    before = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-    cuts = [int(np.abs(before - before[-1] * r / world_size).argmin()) for r in range(world_size + 1)]
-    cuts = np.maximum.accumulate(cuts)  # (increasing: a group holds a run of rows)
-    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
-
-
-def byte_shards(path: str | Path, world_size: int, data_start: int = 0) -> list[tuple[int, int]]:
-    """Rank ``r``'s bytes ``[start, end)`` of ``path``'s rows (from ``data_start``, after a header):
-    even cuts moved forward to the next line start; disjoint and covering (an empty range when a
-    rank's cut falls after the last line start)."""
-    path = Path(path)
-    size = path.stat().st_size
-    cuts = [data_start]
-    with open(path, "rb") as f:
-        for r in range(1, world_size):
-            pos = max(data_start + (size - data_start) * r // world_size, cuts[-1])
-            if pos > data_start:  # a line start: the byte before it is a newline
-                f.seek(pos - 1)
-                while True:
-                    chunk = f.read(1 << 16)
-                    at = chunk.find(b"\n")
-                    if at >= 0 or not chunk:
-                        pos = f.tell() - len(chunk) + at + 1 if at >= 0 else size
-                        break
-            cuts.append(min(pos, size))
-    cuts.append(size)
-    return list(zip(cuts[:-1], cuts[1:]))
 
 
 class StreamBatches:
@@ -167,7 +123,7 @@ class StreamBatches:
         c = self.config
         crc = 0
         for f in self.files:
-            crc = zlib.crc32(_ends_crc(f).to_bytes(4, "little"), crc)
+            crc = zlib.crc32(ends_crc(f).to_bytes(4, "little"), crc)
         return {"batch_size": c.batch_size, "seed": c.seed, "shuffle": c.shuffle, "drop_last": c.drop_last,
                 "stream": [str(f) for f in self.files] if len(self.files) > 1 else str(self.files[0]),
                 "stream_bytes": sum(f.stat().st_size for f in self.files), "stream_crc": crc,
@@ -268,7 +224,7 @@ class StreamBatches:
 def encoded_blocks(path: str | Path, encoding: Encoding, reader: ReaderConfig, shard: tuple[int, int] | None = None,
                    config: StreamConfig = StreamConfig(), skip: int = 0,
                    bad: BadRowCount | None = None) -> Generator[TabularDataset, None, None]:
-    """The rows of ``path`` (or of its ``shard``, :func:`file_shards`) from row ``skip`` on, encoded, a block at a
+    """The rows of ``path`` (or of its ``shard``, :func:`~hetero.data.shards.file_shards`) from row ``skip`` on, encoded, a block at a
     time; the rows before ``skip`` are decoded to be counted, not encoded. Decoding runs on a
     thread of its own (pyarrow's decoder releases the GIL), so it overlaps the encoding here.
 
@@ -419,10 +375,3 @@ class _Background(Iterator):
 
 def _copy(batch: Batch) -> Batch:
     return Batch(dict(batch.features), batch.dense, batch.label)
-
-
-def _ends_crc(path: Path, size: int = 1 << 20) -> int:
-    with open(path, "rb") as f:
-        crc = zlib.crc32(f.read(size))
-        f.seek(max(0, path.stat().st_size - size))
-        return zlib.crc32(f.read(size), crc)

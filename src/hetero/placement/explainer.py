@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from hetero.placement.annotate import PlacementSpec
-from hetero.placement.partitioner import HeteroModule, Subgraph, _host_resident, _recorder, partition
+from hetero.placement.assign import host_resident
+from hetero.placement.partitioner import HeteroModule, Subgraph, _recorder, partition
 from hetero.placement.target import Target
 
 
@@ -101,7 +102,7 @@ def _copy_sharing_host_state(model: nn.Module) -> nn.Module:
     cannot be copied. Their buffers are copied, so the partition of the copy moves only its own."""
     memo: dict[int, object] = {}
     for m in model.modules():
-        if _host_resident(m):
+        if host_resident(m):
             for p in m.parameters(recurse=False):
                 memo[id(p)] = p  # deepcopy's memo protocol: keyed by id, maps an object to its copy
             for key, value in vars(m).items():

@@ -35,6 +35,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils import _pytree as pytree
 
 from hetero.placement.annotate import PlacementSpec, module_target
+from hetero.placement.assign import assign_targets, check_names, check_pins_honoured, host_resident
 from hetero.placement.capture import PlacementTracer, module_path, modules_on_path, op_type
 from hetero.placement.tagging import TARGET, tag_between
 from hetero.placement.target import Target, copy_to, resolve_device
@@ -233,73 +234,6 @@ def _run(sub: nn.Module, args, kwargs, env, context: ThreadContext):
         return out
 
 
-def _check_names(model: nn.Module, spec: PlacementSpec, graph: fx.Graph) -> None:
-    modules = dict(model.named_modules())
-    params = dict(model.named_parameters())
-    for name in spec.modules:
-        if name not in modules:
-            raise ValueError(f"placement names module {name!r}, which {type(model).__name__} does not have; "
-                             f"its modules are {sorted(m for m in modules if m)}")
-    for name, t in spec.params.items():
-        if name not in params:
-            raise ValueError(f"placement pins parameter {name!r}, which {type(model).__name__} does not have; "
-                             f"its parameters are {sorted(params)}")
-        owner = modules[name.rsplit(".", 1)[0]] if "." in name else model
-        if getattr(type(owner), "hetero_target", None) is Target.HOST and t is not Target.HOST:
-            raise ValueError(f"conflicting pin: parameter {name!r} belongs to a host-resident "
-                             f"{type(owner).__name__}; it cannot be placed on {t.value}")
-    for rule in spec.ops:
-        if rule.module and rule.module not in modules:
-            raise ValueError(f"placement names module {rule.module!r}, which {type(model).__name__} does not have; "
-                             f"its modules are {sorted(m for m in modules if m)}")
-        found = {op_type(n, model) for n in graph.nodes if n.op.startswith("call")
-                 and rule.module in modules_on_path(module_path(n))}
-        if rule.op not in found:
-            raise ValueError(f"placement names op type {rule.op!r} in module {rule.module or '(whole model)'!r}, "
-                             f"which runs no such op; its op types are {sorted(found)}")
-
-
-def _assign(model: nn.Module, spec: PlacementSpec, graph: fx.Graph) -> dict[fx.Node, Target]:
-    placed = {name: t for name, m in model.named_modules() if (t := module_target(m)) is not None}
-    placed.update(spec.modules)  # the spec's entries win over marks and class defaults
-    targets: dict[fx.Node, Target] = {}
-    for node in graph.nodes:
-        if not node.op.startswith("call"):
-            continue
-        path = module_path(node)
-        kind = op_type(node, model)
-        rules = [r for r in spec.ops if r.op == kind and r.module in modules_on_path(path)]
-        if node.meta.get("hetero_region") is not None:
-            targets[node] = node.meta["hetero_region"]
-        elif rules:
-            targets[node] = max(rules, key=lambda r: len(r.module)).target
-        else:
-            owners = [m for m in modules_on_path(path) if m in placed]
-            targets[node] = placed[owners[-1]] if owners else spec.default
-    for node in graph.nodes:  # parameters and buffers: pinned, else with their first consumer
-        if node.op == "get_attr":
-            pinned = spec.params.get(str(node.target))
-            consumers = [u for u in node.users if u in targets]
-            targets[node] = pinned or (targets[consumers[0]] if consumers else spec.default)
-    return targets
-
-
-def _check_pins_honoured(model: nn.Module, spec: PlacementSpec, graph: fx.Graph, targets: dict[fx.Node, Target]) -> None:
-    """A pinned parameter of a module that still runs as one op (it has a placement of its own)
-    cannot live apart from that op: refuse a pin that differs, rather than ignore it."""
-    for node in graph.nodes:
-        if node.op != "call_module":
-            continue
-        prefix = str(node.target)
-        for name, _ in model.get_submodule(prefix).named_parameters(prefix=prefix):
-            pin = spec.params.get(name)
-            if pin is not None and pin is not targets[node] and not _host_resident(model.get_submodule(name.rpartition(".")[0])):
-                raise ValueError(f"placement pins parameter {name!r} to {pin.value}, but module {prefix!r} "
-                                 f"({type(model.get_submodule(prefix)).__name__}) runs as one op on {targets[node].value} "
-                                 f"(it has a placement of its own); place the module instead "
-                                 f"(PlacementSpec().module({prefix!r}, {pin.value!r})) or drop the pin")
-
-
 def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: bool = True) -> HeteroModule:
     """Split ``model`` into host and device subgraphs per ``spec`` and the marks in the model.
 
@@ -316,10 +250,10 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - any failure of symbolic tracing means: no graph
         return _fallback(model, spec, f"{type(e).__name__}: {e}")
-    _check_names(model, spec, graph)
+    check_names(model, spec, graph)
     gm = fx.GraphModule(model, graph)
-    targets = _assign(model, spec, gm.graph)
-    _check_pins_honoured(model, spec, gm.graph, targets)
+    targets = assign_targets(model, spec, gm.graph)
+    check_pins_honoured(model, spec, gm.graph, targets)
 
     # (2) transfers on every edge whose ends differ in target
     for node in list(gm.graph.nodes):
@@ -365,7 +299,7 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
             for name, m in model.get_submodule(prefix).named_modules(prefix=prefix):
                 _move_own(m, resolve_device(targets[node]))
                 for n, _ in m.named_parameters(recurse=False):
-                    param_targets[f"{name}.{n}"] = Target.HOST if _host_resident(m) else targets[node]
+                    param_targets[f"{name}.{n}"] = Target.HOST if host_resident(m) else targets[node]
 
     subgraphs = []
     for name, _ in split.named_children():
@@ -383,16 +317,11 @@ def partition(model: nn.Module, spec: PlacementSpec | None = None, concurrent: b
     return hm
 
 
-def _host_resident(m: nn.Module) -> bool:
-    """Whether ``m``'s class keeps its parameters in host memory (``HostEmbedding``'s table)."""
-    return getattr(type(m), "hetero_target", None) is Target.HOST
-
-
 def _move_own(m: nn.Module, device: torch.device, parameters: bool = True) -> None:
     """Move ``m``'s own parameters and buffers to ``device`` (one copy each, once, at partition
     time). A host-resident module keeps its parameters on the host; its buffers move, so a
     ``HostEmbedding`` placed on the device delivers its lookups there (its anchor buffer)."""
-    if parameters and not _host_resident(m):
+    if parameters and not host_resident(m):
         for p in m.parameters(recurse=False):
             p.data = p.data.to(device)
     for name, b in m.named_buffers(recurse=False):
@@ -422,7 +351,7 @@ def _fallback(model: nn.Module, spec: PlacementSpec, reason: str) -> HeteroModul
         t = placed[owners[-1]] if owners else spec.default
         for p_name, p in m.named_parameters(recurse=False):
             full = f"{name}.{p_name}" if name else p_name
-            if not _host_resident(m):
+            if not host_resident(m):
                 p.data = p.data.to(resolve_device(spec.params.get(full, t)))
         _move_own(m, resolve_device(t), parameters=False)
         if (name in placed or not name) and not _on_the_worker(spec, name, m):
@@ -438,7 +367,7 @@ def _fallback(model: nn.Module, spec: PlacementSpec, reason: str) -> HeteroModul
 
 def _on_the_worker(spec: PlacementSpec, name: str, module: nn.Module) -> bool:
     """A module the spec places on the host, which does not manage its own residency (a table)."""
-    return spec.modules.get(name) is Target.HOST and not _host_resident(module)
+    return spec.modules.get(name) is Target.HOST and not host_resident(module)
 
 
 def _on_worker(hm: HeteroModule, forward: Any) -> Any:  # noqa: ANN401 - a module's bound forward
