@@ -39,9 +39,12 @@ from hetero.embedding.config import init_rows
 from hetero.placement import StorageTier, copy_to, host_empty
 from hetero.storage.tier import SsdRows
 
-# Kernel threads from which a lookup without occurrence chains dedups in parallel: its three passes
-# over the ids beat the serial dedup's one only with several threads to share them (measured below).
+# Kernel threads from which a lookup without occurrence chains dedups in parallel: its passes over
+# the ids beat the serial dedup's one only with several threads to share them (106k ids: 1.2 ms at
+# 2 threads against 0.8 ms serial on the 2-core VM; 2.0-2.9 ms serial on the H200 host's 16 cores,
+# where the parallel one took the step from 0.67 to 0.75 of its dense part; docs/embedding.md).
 PARALLEL_DEDUP_THREADS = 4
+
 
 class GroupedTable(Protocol):
     """What a group holds of each of its tables (a :class:`~hetero.embedding.table.HostEmbedding`):
