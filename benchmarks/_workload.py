@@ -47,3 +47,24 @@ def in_turn(runs: dict[str, Callable[[Sequence], object]], parts: Sequence[Seque
             runs[name](part)
             seconds[name].append((time.perf_counter() - t0) / len(part))
     return {k: float(np.median(v)) for k, v in seconds.items()}
+
+
+def serve(step: Callable, batches: Sequence, warmup: int) -> None:
+    """Time blocks of steps on request, for a coordinator that interleaves several processes
+    (``benchmarks/peers/run.py``): after the warm-up, print ``ready``; then for every line ``n`` read
+    from stdin, run ``n`` steps over ``batches[warmup:]`` (cycling) and print their seconds per
+    step. Returns at end of input. Each system keeps a process (and an environment) of its own, yet
+    the systems take turns every few steps, so both sides of a ratio see the same machine."""
+    import sys
+
+    for b in batches[:warmup]:
+        step(b)
+    rest, i = batches[warmup:], 0
+    print("ready", flush=True)
+    for line in sys.stdin:
+        n = int(line)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step(rest[i % len(rest)])
+            i += 1
+        print((time.perf_counter() - t0) / n, flush=True)

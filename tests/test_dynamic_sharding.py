@@ -4,6 +4,10 @@ world size (:mod:`hetero.dynamic.sharding`), against plain Python."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
+
+from conftest import run_ranks
 
 from hetero.dynamic.sharding import KeySpans, rehome
 
@@ -78,3 +82,53 @@ def test_an_owner_short_of_rows_drops_the_least_used_keys_moving_in():
     moved = rehome(two, row_key, count, last)
     # rank 1's 3 rows go to the most used (counts 7, 5, 3), in the order of their old rows
     assert moved.dropped == 2 and moved.source.tolist() == [-1, -1, -1, -1, -1, 0, 2, 4]
+
+
+def _sketches(case: str, ranks: int):
+    """Each rank's admission sketch (4 x 4096 int32) and the loaded base, for ``case``: a few
+    counters changed since the load (sent sparse; ``sparse_top``: some near int32's top, the sum
+    saturating), most of them (all-reduced as int32), or counters near int32's top (all-reduced as
+    int64, the sum saturating)."""
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 50, (4, 4096)).astype(np.int32)
+    if case == "sparse_top":
+        base[0, :100] = 2**31 - 10
+    mine = []
+    for _ in range(ranks):
+        s = base.copy()
+        if case.startswith("sparse"):
+            cells = rng.choice(200, 40, replace=False)  # (ranks change some of the same counters)
+            s.reshape(-1)[cells] += rng.integers(1, 9, 40).astype(np.int32)
+        else:
+            s += rng.integers(0, 9, s.shape).astype(np.int32)
+            if case == "wide":
+                s.reshape(-1)[:100] = 2**31 - 10
+        mine.append(s)
+    return base, mine
+
+
+def _summed_on_ranks(case: str, ranks: int):
+    from types import SimpleNamespace
+
+    from hetero.parallel.env import rank
+    from hetero.parallel.sharded_keys import _summed_sketch
+
+    base, mine = _sketches(case, ranks)
+    table = SimpleNamespace(keymap=SimpleNamespace(sketch=mine[rank()]), key_shard=SimpleNamespace(sketch_base=base))
+    before = mine[rank()].copy()
+    out = _summed_sketch(table)
+    assert np.array_equal(mine[rank()], before)  # the live sketch is not written
+    return out
+
+
+@pytest.mark.parametrize("case", ["sparse", "sparse_top", "dense", "wide"])
+def test_a_checkpoint_sums_every_ranks_sketch_counts_as_plain_python_does(tmp_path, case):
+    """The whole sketch a row-sharded checkpoint holds: the base plus every rank's counts since the
+    load, saturated at int32's top once (plain Python integers as the reference), whichever way
+    the counters travel."""
+    base, mine = _sketches(case, 2)
+    want = [min(int(b) + sum(int(m.reshape(-1)[i]) - int(b) for m in mine), 2**31 - 1)
+            for i, b in enumerate(base.reshape(-1))]
+    got = run_ranks(tmp_path, 2, _summed_on_ranks, case, 2)
+    assert got.dtype == torch.int32 and got.shape == base.shape
+    assert got.reshape(-1).tolist() == want

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _workload import id_arrays, timed  # noqa: E402
+from _workload import id_arrays, serve, timed  # noqa: E402
 
 T, B, D, K = 26, 4096, 16, 13
 BOTTOM, TOP = [512, 256, 64, D], [512, 256, 1]
@@ -86,8 +86,11 @@ def main() -> None:
     p.add_argument("--dist", choices=["uniform", "zipf"], default="uniform")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--serve", action="store_true", help="time blocks of steps as stdin asks (_workload.serve)")
     args = p.parse_args()
     step = SYSTEMS[args.system](args.rows)
+    if args.serve:
+        return serve(step, batches(args.dist, args.rows, args.warmup + args.steps), args.warmup)
     seconds = timed(step, batches(args.dist, args.rows, args.warmup + args.steps), args.warmup)
     print(json.dumps({"system": args.system, "model": "dlrm", "dist": args.dist, "samples_per_s": B / seconds,
                       "threads": torch.get_num_threads(), "torch": torch.__version__}))

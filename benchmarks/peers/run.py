@@ -2,11 +2,17 @@
 (fbgemm-gpu-cpu), TorchRec's fused embedding bag collection and torch's SparseAdam (issue #39);
 with ``--model dlrm``, the DLRM training step against TorchRec's DLRM and its own dense part.
 
-Each measurement is a process of its own (``systems.py``), hetero's and torch's in hetero's
+Each system is a process of its own (``systems.py``), hetero's and torch's in hetero's
 environment, FBGEMM's and TorchRec's in the peers' (``requirements.txt``: not a dependency of
-hetero), interleaved in rounds (each round starts one measurement later, so no system always
-runs first); medians over the rounds and their ratios go to ``benchmarks/results/peers_<isa>_cpu.json``
-(``avx512``, ``avx2``) with the CPU's model, and the last line printed. Set up the peers' environment once::
+hetero). The two sides of a ratio run at once but take turns: each process sets up, then times
+``--block`` steps whenever the coordinator asks (``--serve``), alternating for ``--blocks`` turns;
+a round's ratio is the median over turns of the two rates of the same turn, and the ratio the
+median over ``--rounds`` rounds, each with fresh processes. A shared VM's speed
+moves by half and more between processes a minute apart (2026-11-27: hetero's row-wise Adagrad
+step ran at 256k-628k samples/s in five processes of one run, FBGEMM's at 275k-379k); turns a
+fraction of a second apart see the same machine. The rates, ratios, targets and the CPU's model
+and vector ISA go to ``benchmarks/results/peers_<isa>_cpu.json`` (``avx512``, ``avx2``), and the last
+line printed. Set up the peers' environment once::
 
     python3 -m venv /tmp/peers && /tmp/peers/bin/pip install -r benchmarks/peers/requirements.txt
     /tmp/peers/bin/pip install --no-deps torchrec==1.8.0
@@ -27,17 +33,15 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from _common import emit  # noqa: E402
 
-# (system, optimizer, pooled): pooled bags of one id, or per-id lookups
-MEASUREMENTS = [("hetero", "rowwise_adagrad", True), ("fbgemm", "rowwise_adagrad", True),
-                ("torchrec", "rowwise_adagrad", True), ("hetero", "sgd", True), ("fbgemm", "sgd", True),
-                ("hetero", "adagrad", True), ("fbgemm", "adagrad", True), ("hetero", "lazy_adam", True),
-                ("torch", "lazy_adam", True), ("hetero", "rowwise_adagrad", False), ("fbgemm", "rowwise_adagrad", False)]
+B = 4096  # samples per step (systems.py, dlrm_systems.py)
 # (name, numerator, denominator, target): ratios of the medians
 RATIOS = [("rowwise_adagrad_vs_fbgemm", ("hetero", "rowwise_adagrad", True), ("fbgemm", "rowwise_adagrad", True), 1.5),
           ("rowwise_adagrad_vs_torchrec", ("hetero", "rowwise_adagrad", True), ("torchrec", "rowwise_adagrad", True), None),
@@ -63,46 +67,139 @@ def cpu() -> dict:
     return {"model": model, "isa": isa, "cores": os.cpu_count()}
 
 
-def measure(python: str, system: str, optimizer: str, pooled: bool, args: argparse.Namespace, *extra: str) -> dict:
-    """The JSON line of one measurement in a process of its own (``samples_per_s``, ...).
+class Served:
+    """A system in a process of its own, timing blocks of steps when asked (``--serve``:
+    ``_workload.serve``). Its stderr goes to a file, so a chatty library cannot block it.
 
     Raises:
-        RuntimeError: the process failed (its stderr's end)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
-    argv = [python, str(HERE / "systems.py"), "--system", system, "--optimizer", optimizer, "--rows", str(args.rows),
-            "--dist", args.dist, "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--pooled"] if pooled else []),
-            *extra]
-    run = subprocess.run(argv, capture_output=True, text=True, env=env)
+        RuntimeError: the process exited before it was ready or while timing (its stderr's end)."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+        self.name, self.err = name, tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([*argv, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, text=True, env=env)
+        while self._line() != "ready":  # (a library's own prints come before it)
+            pass
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.err.seek(0)
+            raise RuntimeError(f"{self.name} exited: {self.err.read()[-2000:]}")
+        return line.strip()
+
+    def block(self, steps: int) -> float:
+        """Seconds per step over ``steps`` more steps."""
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        return float(self._line())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.err.close()
+
+
+def interleaved(argvs: dict[str, list[str]], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per step of each system, ``args.blocks`` blocks of ``args.block`` steps each: every
+    system a process of its own, set up one after another, then taking turns block by block (which
+    one first rotating), so block ``k`` of every system ran within a second of the others'. Between
+    turns the coordinator waits ``args.pause`` seconds: a library's idle worker threads spin for a
+    while after their last parallel region (OpenMP's wait policy), and would take the cores from
+    the next system's turn."""
+    served: dict[str, Served] = {}
+    try:
+        for name, argv in argvs.items():
+            served[name] = Served(name, argv)
+        seconds: dict[str, list[float]] = {name: [] for name in argvs}
+        order = list(argvs)
+        for k in range(args.blocks):
+            for name in order[k % len(order):] + order[: k % len(order)]:
+                time.sleep(args.pause)
+                seconds[name].append(served[name].block(args.block))
+        return seconds
+    finally:
+        for s in served.values():
+            s.close()
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """The median over blocks of ``b[k] / a[k]``: ``a``'s rate over ``b``'s, block by block (what the
+    machine did to both in the same second cancels)."""
+    return statistics.median(y / x for x, y in zip(a, b))
+
+
+def _argv(python: str, script: str, args: argparse.Namespace, *extra: str) -> list[str]:
+    return [python, str(HERE / script), "--rows", str(args.rows), "--dist", args.dist, "--steps", str(args.steps),
+            "--warmup", str(args.warmup), *extra]
+
+
+def _key(m: tuple) -> str:
+    return f"{m[0]}/{m[1]}/{'pooled' if m[2] else 'per_id'}"
+
+
+def embedding(args: argparse.Namespace) -> None:
+    """Every ratio of ``RATIOS`` from a pair of served processes; the per-id/pooled ratio of hetero
+    in one process (``--both``); medians and ratios to ``peers_<isa>_cpu.json``."""
+    ratios, rates = {}, {}
+    for name, a, b, target in RATIOS:
+        argvs = {_key(m): _argv(args.peers_python if m[0] in ("fbgemm", "torchrec") else args.hetero_python,
+                                "systems.py", args, "--system", m[0], "--optimizer", m[1], *(["--pooled"] if m[2] else []))
+                 for m in (a, b)}
+        # a fresh pair of processes a round: where in the machine's memory a process's tables land moves
+        # its speed as much as the time does (hetero's LazyAdam: 120k and 270k samples/s in two halves of
+        # one process's turns, 470k in the next process)
+        per_round, sec = [], {k: [] for k in argvs}
+        for _ in range(args.rounds):
+            got = interleaved(argvs, args)
+            per_round.append(paired_ratio(got[_key(a)], got[_key(b)]))
+            for k, v in got.items():
+                sec[k] += v
+        value = statistics.median(per_round)
+        ratios[name] = {"ratio": value, "target": target, "met": None if target is None else value >= target,
+                        "rounds": per_round, **{f"{k}_samples_per_s": B / statistics.median(v) for k, v in sec.items()}}
+        for k, v in sec.items():
+            rates.setdefault(k, []).extend(v)
+        print(f"{name}: {value:.2f} (rounds {', '.join(f'{r:.2f}' for r in per_round)})", file=sys.stderr)
+    rates = {k: B / statistics.median(v) for k, v in rates.items()}
+    # per-id against pooled bags of one: in one process, alternating step by step
+    run = subprocess.run(_argv(args.hetero_python, "systems.py", args, "--system", "hetero", "--optimizer",
+                               "rowwise_adagrad", "--both"), capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(HERE.parents[1] / "src")})
     if run.returncode != 0:
-        raise RuntimeError(f"{system} {optimizer}: {run.stderr[-2000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"hetero --both: {run.stderr[-2000:]}")
+    value = json.loads(run.stdout.strip().splitlines()[-1])["per_id_over_pooled"]
+    ratios["per_id_vs_pooled"] = {"ratio": value, "target": 1.0, "met": value >= 0.95, "same_process": True}
+    # (met: within 5%, the noise of one process)
+    machine = cpu()
+    emit(f"peers_{machine['isa']}", {
+        "workload": {"tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": B, "ids_per_table": 1,
+                     "dist": args.dist, "rounds": args.rounds, "blocks": args.blocks, "steps_per_block": args.block},
+        "cpu": machine, "samples_per_s": rates, "ratios": ratios})
 
 
 def dlrm(args: argparse.Namespace) -> None:
-    """``--model dlrm``: hetero's DLRM step against TorchRec's and against its own dense part, each a
-    process of its own, interleaved in rounds; medians and ratios to ``peers_dlrm_<dist>_cpu.json``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
-    systems = ["hetero", "torchrec", "dense"]
-    runs: dict[str, list[float]] = {s: [] for s in systems}
-    for r in range(args.rounds):
-        for s in systems[r % len(systems):] + systems[: r % len(systems)]:
-            argv = [args.peers_python if s == "torchrec" else args.hetero_python, str(HERE / "dlrm_systems.py"),
-                    "--system", s, "--rows", str(args.rows), "--dist", args.dist, "--steps", str(args.steps),
-                    "--warmup", str(args.warmup)]
-            run = subprocess.run(argv, capture_output=True, text=True, env=env)
-            if run.returncode != 0:
-                raise RuntimeError(f"dlrm {s}: {run.stderr[-2000:]}")
-            runs[s].append(json.loads(run.stdout.strip().splitlines()[-1])["samples_per_s"])
-            print(f"round {r}: dlrm {s:8s} {runs[s][-1]:10.0f} samples/s", file=sys.stderr)
-    medians = {s: statistics.median(v) for s, v in runs.items()}
+    """``--model dlrm``: hetero's DLRM step against TorchRec's and against its own dense part, three
+    served processes taking turns; medians and paired ratios to ``peers_dlrm_<dist>_cpu.json``."""
+    argvs = {s: _argv(args.peers_python if s == "torchrec" else args.hetero_python, "dlrm_systems.py", args,
+                      "--system", s) for s in ("hetero", "torchrec", "dense")}
+    pairs = {"hetero_vs_torchrec": ("hetero", "torchrec"), "hetero_vs_dense_part": ("hetero", "dense"),
+             "torchrec_vs_dense_part": ("torchrec", "dense")}
+    per_round: dict[str, list[float]] = {k: [] for k in pairs}
+    sec: dict[str, list[float]] = {k: [] for k in argvs}
+    for _ in range(args.rounds):  # (fresh processes a round, as for the embedding step)
+        got = interleaved(argvs, args)
+        for k, (a, b) in pairs.items():
+            per_round[k].append(paired_ratio(got[a], got[b]))
+        for k, v in got.items():
+            sec[k] += v
     emit(f"peers_dlrm_{args.dist}", {
-        "workload": {"model": "dlrm", "tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": 4096,
-                     "bottom": [512, 256, 64, 16], "top": [512, 256, 1], "dist": args.dist, "steps": args.steps,
-                     "rounds": args.rounds},
-        "cpu": cpu(), "samples_per_s": medians, "rounds_samples_per_s": runs,
-        "ratios": {"hetero_vs_torchrec": medians["hetero"] / medians["torchrec"],
-                   "hetero_vs_dense_part": medians["hetero"] / medians["dense"],
-                   "torchrec_vs_dense_part": medians["torchrec"] / medians["dense"]}})
+        "workload": {"model": "dlrm", "tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": B,
+                     "bottom": [512, 256, 64, 16], "top": [512, 256, 1], "dist": args.dist, "rounds": args.rounds,
+                     "blocks": args.blocks, "steps_per_block": args.block},
+        "cpu": cpu(), "samples_per_s": {s: B / statistics.median(v) for s, v in sec.items()},
+        "ratios": {k: statistics.median(v) for k, v in per_round.items()}, "rounds": per_round})
 
 
 def main() -> None:
@@ -113,36 +210,14 @@ def main() -> None:
     p.add_argument("--hetero-python", default=sys.executable, help="hetero's interpreter (default: this one)")
     p.add_argument("--rows", type=int, default=1_000_000, help="rows per table (26 tables x 16 fp32)")
     p.add_argument("--dist", choices=["uniform", "zipf"], default="uniform")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="fresh processes per ratio (the median of their ratios)")
+    p.add_argument("--blocks", type=int, default=15, help="turns each system takes in a round")
+    p.add_argument("--block", type=int, default=10, help="steps per turn")
+    p.add_argument("--pause", type=float, default=0.3, help="seconds between turns (idle threads stop spinning)")
+    p.add_argument("--steps", type=int, default=20, help="distinct batches each system cycles through")
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
-    if args.model == "dlrm":
-        return dlrm(args)
-    runs: dict[tuple, list[float]] = {m: [] for m in MEASUREMENTS}
-    both: list[float] = []
-    for r in range(args.rounds):
-        for m in MEASUREMENTS[r % len(MEASUREMENTS):] + MEASUREMENTS[: r % len(MEASUREMENTS)]:
-            python = args.peers_python if m[0] in ("fbgemm", "torchrec") else args.hetero_python
-            runs[m].append(measure(python, *m, args)["samples_per_s"])
-            print(f"round {r}: {m[0]:8s} {m[1]:16s} {'pooled' if m[2] else 'per-id':7s} {runs[m][-1]:10.0f} samples/s",
-                  file=sys.stderr)
-        # per-id against pooled bags of one: in one process, alternating step by step (the gap between
-        # processes on a shared VM is larger than the one measured)
-        both.append(measure(args.hetero_python, "hetero", "rowwise_adagrad", False, args, "--both")["per_id_over_pooled"])
-    medians = {f"{s}/{o}/{'pooled' if pooled else 'per_id'}": statistics.median(v) for (s, o, pooled), v in runs.items()}
-    ratios = {}
-    for name, a, b, target in RATIOS:
-        value = statistics.median(runs[a]) / statistics.median(runs[b])
-        ratios[name] = {"ratio": value, "target": target, "met": None if target is None else value >= target}
-    value = statistics.median(both)
-    ratios["per_id_vs_pooled"] = {"ratio": value, "target": 1.0, "met": value >= 0.95, "same_process": True,
-                                  "rounds": both}  # (met: within 5%, the noise of one process)
-    machine = cpu()
-    emit(f"peers_{machine['isa']}", {"workload": {"tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": 4096, "ids_per_table": 1,
-                                "dist": args.dist, "steps": args.steps, "rounds": args.rounds},
-                   "cpu": machine, "samples_per_s": medians, "ratios": ratios,
-                   "rounds_samples_per_s": {f"{s}/{o}/{'pooled' if pooled else 'per_id'}": v for (s, o, pooled), v in runs.items()}})
+    (dlrm if args.model == "dlrm" else embedding)(args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _workload import id_arrays, timed  # noqa: E402
+from _workload import id_arrays, serve, timed  # noqa: E402
 
 T, B, D = 26, 4096, 16
 LR, EPS = 0.01, 1e-8
@@ -131,6 +131,7 @@ def main() -> None:
                    "one process, alternating step by step (their ratio without the noise between processes)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--serve", action="store_true", help="time blocks of steps as stdin asks (_workload.serve)")
     args = p.parse_args()
     torch.manual_seed(0)
     batches = [torch.from_numpy(a) for a in id_arrays(args.dist, args.rows, args.warmup + args.steps, (B, T))]
@@ -148,6 +149,8 @@ def main() -> None:
             f"{k}_samples_per_s": v for k, v in rates.items()}, "per_id_over_pooled": rates["per_id"] / rates["pooled"]}))
         return
     step = SYSTEMS[args.system](args.optimizer, args.rows, args.pooled)
+    if args.serve:
+        return serve(step, batches, args.warmup)
     seconds = timed(step, batches, args.warmup)
     print(json.dumps({"system": args.system, "optimizer": args.optimizer, "pooled": args.pooled, "dist": args.dist,
                       "samples_per_s": B / seconds, "threads": torch.get_num_threads(), "torch": torch.__version__}))

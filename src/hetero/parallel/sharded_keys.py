@@ -124,24 +124,67 @@ def _gather_spans(table: HostEmbedding, local: np.ndarray) -> np.ndarray:
     return torch.cat([p[: int(c)] for p, c in zip(parts, counts)]).numpy()
 
 
-SKETCH_CHUNK = 1 << 18  # sketch counters summed at once (int64: 2 MiB), to bound a checkpoint's peak
+SKETCH_BYTES = 2 << 20  # bytes of sketch counters summed at once, to bound a checkpoint's peak
+INT32_TOP = 2**31 - 1
 
 
 def _summed_sketch(table: HostEmbedding) -> Tensor:
     """Every rank's admission sketch summed (what each counted since the load's ``sketch_base``, plus
-    the base), saturated at int32's top, chunk by chunk. Collective."""
+    the base), saturated at int32's top. Collective.
+
+    Most counters of a sketch are untouched between two checkpoints, so each rank sends only the
+    counters it changed (position and delta, all-gathered) when all ranks' changes together take
+    fewer bytes than the sketch; otherwise the whole sketch is all-reduced chunk by chunk, as int32
+    where no sum can leave int32's range, else as int64. (A checkpoint of 26 row-sharded dynamic
+    tables of 4M-counter sketches at 2 ranks spent 1.7 s of its 4.8 s all-reducing them as int64.)"""
     mine = table.keymap.sketch.reshape(-1)
     base = table.key_shard.sketch_base
-    out = torch.empty(mine.shape[0], dtype=torch.int32)
-    for lo in range(0, mine.shape[0], SKETCH_CHUNK):
-        part = torch.from_numpy(mine[lo : lo + SKETCH_CHUNK].astype(np.int64))
-        if base is not None:
-            part -= torch.from_numpy(base.reshape(-1)[lo : lo + SKETCH_CHUNK].astype(np.int64))
+    flat_base = None if base is None else base.reshape(-1)
+    chunk = SKETCH_BYTES // 4
+    where, delta = [], []
+    for lo in range(0, mine.shape[0], chunk):  # (chunks: no sketch-sized temporaries)
+        m = mine[lo : lo + chunk]
+        nz = np.flatnonzero(m if flat_base is None else m != flat_base[lo : lo + chunk])
+        where.append(nz + lo)
+        d = m[nz].astype(np.int64)
+        if flat_base is not None:
+            d -= flat_base[lo : lo + chunk][nz]
+        delta.append(d)
+    where, delta = np.concatenate(where), np.concatenate(delta)
+    sizes = torch.tensor([where.shape[0], max(int(mine.max(initial=0)), 0 if flat_base is None else
+                                              int(flat_base.max(initial=0)))], dtype=torch.int64)
+    every = [torch.empty_like(sizes) for _ in range(world_size())]
+    dist.all_gather(every, sizes, group=host_group())
+    changed = sum(int(x[0]) for x in every)
+    out = np.zeros(mine.shape, mine.dtype) if flat_base is None else flat_base.copy()  # (zeros: pages mapped lazily)
+    if changed * 16 < mine.nbytes:
+        longest = max(int(x[0]) for x in every)
+        pairs = torch.zeros((2, longest), dtype=torch.int64)
+        pairs[0, : where.shape[0]] = torch.from_numpy(where)
+        pairs[1, : where.shape[0]] = torch.from_numpy(delta)
+        parts = [torch.empty_like(pairs) for _ in range(world_size())]
+        dist.all_gather(parts, pairs, group=host_group())
+        where = np.concatenate([p[0, : int(x[0])].numpy() for p, x in zip(parts, every)])
+        delta = np.concatenate([p[1, : int(x[0])].numpy() for p, x in zip(parts, every)])
+        cells, inverse = np.unique(where, return_inverse=True)
+        total = out[cells].astype(np.int64)
+        np.add.at(total, inverse, delta)  # (exact in int64; saturated once, after every rank's delta)
+        out[cells] = np.minimum(total, INT32_TOP)
+        return torch.from_numpy(out).view(table.keymap.sketch.shape)
+    # dense: each delta is within [-bound, bound] and the base added back at most bound more
+    wide = 2 * sum(int(x[1]) for x in every) > INT32_TOP  # (every rank decides alike)
+    dtype = torch.int64 if wide else torch.int32
+    chunk = SKETCH_BYTES // dtype.itemsize
+    result = torch.from_numpy(out)
+    for lo in range(0, mine.shape[0], chunk):
+        part = torch.from_numpy(mine[lo : lo + chunk]).to(dtype, copy=True)  # (the reduction writes into it)
+        if flat_base is not None:
+            part -= torch.from_numpy(flat_base[lo : lo + chunk]).to(dtype)
         dist.all_reduce(part, group=host_group())
-        if base is not None:
-            part += torch.from_numpy(base.reshape(-1)[lo : lo + SKETCH_CHUNK].astype(np.int64))
-        out[lo : lo + part.shape[0]] = part.clamp_(max=2**31 - 1)
-    return out.view(table.keymap.sketch.shape)
+        if flat_base is not None:
+            part += torch.from_numpy(flat_base[lo : lo + chunk]).to(dtype)
+        result[lo : lo + part.shape[0]] = part.clamp_(max=INT32_TOP)
+    return result.view(table.keymap.sketch.shape)
 
 
 def full_keymap_state(name: str, table: HostEmbedding) -> dict[str, Tensor]:
