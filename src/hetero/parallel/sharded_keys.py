@@ -141,27 +141,31 @@ def _summed_sketch(table: HostEmbedding) -> Tensor:
     base = table.key_shard.sketch_base
     flat_base = None if base is None else base.reshape(-1)
     chunk = SKETCH_BYTES // 4
-    where, delta = [], []
-    for lo in range(0, mine.shape[0], chunk):  # (chunks: no sketch-sized temporaries)
+
+    def changes(lo: int) -> np.ndarray:  # (chunks: no sketch-sized temporaries)
         m = mine[lo : lo + chunk]
-        nz = np.flatnonzero(m if flat_base is None else m != flat_base[lo : lo + chunk])
-        where.append(nz + lo)
-        d = m[nz].astype(np.int64)
-        if flat_base is not None:
-            d -= flat_base[lo : lo + chunk][nz]
-        delta.append(d)
-    where, delta = np.concatenate(where), np.concatenate(delta)
-    sizes = torch.tensor([where.shape[0], max(int(mine.max(initial=0)), 0 if flat_base is None else
-                                              int(flat_base.max(initial=0)))], dtype=torch.int64)
+        return m if flat_base is None else m != flat_base[lo : lo + chunk]
+
+    # first how many counters each rank changed (and its largest counter), then the changes
+    # themselves, only where they are few: a dense sketch never makes 16 bytes of them a counter
+    here = sum(int(np.count_nonzero(changes(lo))) for lo in range(0, mine.shape[0], chunk))
+    sizes = torch.tensor([here, max(int(mine.max(initial=0)), 0 if flat_base is None else
+                                    int(flat_base.max(initial=0)))], dtype=torch.int64)
     every = [torch.empty_like(sizes) for _ in range(world_size())]
     dist.all_gather(every, sizes, group=host_group())
     changed = sum(int(x[0]) for x in every)
     out = np.zeros(mine.shape, mine.dtype) if flat_base is None else flat_base.copy()  # (zeros: pages mapped lazily)
     if changed * 16 < mine.nbytes:
-        longest = max(int(x[0]) for x in every)
-        pairs = torch.zeros((2, longest), dtype=torch.int64)
-        pairs[0, : where.shape[0]] = torch.from_numpy(where)
-        pairs[1, : where.shape[0]] = torch.from_numpy(delta)
+        pairs = torch.zeros((2, max(int(x[0]) for x in every)), dtype=torch.int64)
+        at = 0
+        for lo in range(0, mine.shape[0], chunk):
+            nz = np.flatnonzero(changes(lo))
+            d = mine[lo + nz].astype(np.int64)
+            if flat_base is not None:
+                d -= flat_base[lo + nz]
+            pairs[0, at : at + nz.shape[0]] = torch.from_numpy(nz + lo)
+            pairs[1, at : at + nz.shape[0]] = torch.from_numpy(d)
+            at += nz.shape[0]
         parts = [torch.empty_like(pairs) for _ in range(world_size())]
         dist.all_gather(parts, pairs, group=host_group())
         where = np.concatenate([p[0, : int(x[0])].numpy() for p, x in zip(parts, every)])
@@ -174,15 +178,15 @@ def _summed_sketch(table: HostEmbedding) -> Tensor:
     # dense: each delta is within [-bound, bound] and the base added back at most bound more
     wide = 2 * sum(int(x[1]) for x in every) > INT32_TOP  # (every rank decides alike)
     dtype = torch.int64 if wide else torch.int32
-    chunk = SKETCH_BYTES // dtype.itemsize
+    span = SKETCH_BYTES // dtype.itemsize
     result = torch.from_numpy(out)
-    for lo in range(0, mine.shape[0], chunk):
-        part = torch.from_numpy(mine[lo : lo + chunk]).to(dtype, copy=True)  # (the reduction writes into it)
+    for lo in range(0, mine.shape[0], span):
+        part = torch.from_numpy(mine[lo : lo + span]).to(dtype, copy=True)  # (the reduction writes into it)
         if flat_base is not None:
-            part -= torch.from_numpy(flat_base[lo : lo + chunk]).to(dtype)
+            part -= torch.from_numpy(flat_base[lo : lo + span]).to(dtype)
         dist.all_reduce(part, group=host_group())
         if flat_base is not None:
-            part += torch.from_numpy(flat_base[lo : lo + chunk]).to(dtype)
+            part += torch.from_numpy(flat_base[lo : lo + span]).to(dtype)
         result[lo : lo + part.shape[0]] = part.clamp_(max=INT32_TOP)
     return result.view(table.keymap.sketch.shape)
 
