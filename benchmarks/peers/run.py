@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 from _common import emit  # noqa: E402
 
 B = 4096  # samples per step (systems.py, dlrm_systems.py)
-# (name, numerator, denominator, target): ratios of the medians
+# (name, numerator, denominator, target): ratios of rates measured in turns (paired_ratio)
 RATIOS = [("rowwise_adagrad_vs_fbgemm", ("hetero", "rowwise_adagrad", True), ("fbgemm", "rowwise_adagrad", True), 1.5),
           ("rowwise_adagrad_vs_torchrec", ("hetero", "rowwise_adagrad", True), ("torchrec", "rowwise_adagrad", True), None),
           ("sgd_vs_fbgemm", ("hetero", "sgd", True), ("fbgemm", "sgd", True), 1.5),
@@ -67,6 +67,11 @@ def cpu() -> dict:
     return {"model": model, "isa": isa, "cores": os.cpu_count()}
 
 
+def _env() -> dict[str, str]:
+    """A system's environment: this one, with hetero's sources first on the path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
 class Served:
     """A system in a process of its own, timing blocks of steps when asked (``--serve``:
     ``_workload.serve``). Its stderr goes to a file, so a chatty library cannot block it.
@@ -75,12 +80,16 @@ class Served:
         RuntimeError: the process exited before it was ready or while timing (its stderr's end)."""
 
     def __init__(self, name: str, argv: list[str]) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
         self.name, self.err = name, tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([*argv, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, text=True, env=env)
-        while self._line() != "ready":  # (a library's own prints come before it)
-            pass
+                                     stderr=self.err, text=True, env=_env())
+        try:
+            while self._line() != "ready":  # (a library's own prints come before it)
+                pass
+        except BaseException:  # (not ready: nothing will close it)
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def _line(self) -> str:
         line = self.proc.stdout.readline()
@@ -166,7 +175,7 @@ def embedding(args: argparse.Namespace) -> None:
     # per-id against pooled bags of one: in one process, alternating step by step
     run = subprocess.run(_argv(args.hetero_python, "systems.py", args, "--system", "hetero", "--optimizer",
                                "rowwise_adagrad", "--both"), capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(HERE.parents[1] / "src")})
+                         env=_env())
     if run.returncode != 0:
         raise RuntimeError(f"hetero --both: {run.stderr[-2000:]}")
     value = json.loads(run.stdout.strip().splitlines()[-1])["per_id_over_pooled"]
