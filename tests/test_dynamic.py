@@ -346,6 +346,9 @@ def test_a_new_keys_initial_row_is_normal_with_the_tables_std():
     assert abs(values.mean()) < 1e-3 and abs(values.std() / 0.05 - 1) < 0.01
     assert stats.kstest(values.ravel() / 0.05, "norm").pvalue > 1e-3
     assert abs(np.corrcoef(values[:, 0], values[:, 1])[0, 1]) < 0.02
+    # the tail past 3.5 std (the ziggurat's base strip ends at 3.65): 2 * sf(3.5) of the draws, +- 6 sd
+    expected = 2 * stats.norm.sf(3.5) * values.size
+    assert abs((np.abs(values) > 3.5 * 0.05).sum() - expected) < 6 * np.sqrt(expected)
     assert np.array_equal(values[:5], KeyMap("t", 10, DynamicConfig(), seed=7).init_rows(np.arange(5) * 7919, 16, 0.05))
 
 
