@@ -6,7 +6,9 @@ over the table by a fixed permutation), fresh ids every step. A step is the forw
 Same run: the torch baseline (``nn.Embedding(sparse=True)`` + ``SparseAdam`` / ``Adagrad`` /
 ``SGD``), raw ``index_select`` rows/s on fresh ids (the memory limit: the best of three
 measurements spread over the run), and a 26-table collection
-(26 x 1M x 16, one table per field, one kernel call per step) with LazyAdam.
+(26 x 1M x 16, one table per field, one kernel call per step) with LazyAdam. Against the machine:
+each optimizer's random accesses per lookup (:func:`accesses_per_lookup`) times its lookups/s, over
+``index_select``'s rows/s (issue #39's target 1: >= 0.6).
 
 ``--dynamic``: dynamic tables (raw int64 keys, :mod:`hetero.dynamic`) against the fixed-row table
 on the same draws (the fixed table's ids are the keys' indices), at ``--rows`` and ten times as
@@ -33,6 +35,21 @@ from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig
 from hetero.optim import SparseOptimizerKind  # noqa: E402
 
 B, F, D = 4096, 26, 16
+
+
+# Each optimizer's state arrays, read-modified-written beside the row for every distinct row of a step.
+STATE_ARRAYS = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.FTRL: 2, SparseOptimizerKind.ADAGRAD: 1,
+                SparseOptimizerKind.ROWWISE_ADAGRAD: 1, SparseOptimizerKind.SGD: 0}
+
+
+def accesses_per_lookup(kind: SparseOptimizerKind, unique_fraction: float) -> float:
+    """The random accesses a step makes per id looked up (issue #39, target 1): the id's dedup
+    marker and its row's read for the lookup, then for each distinct row (``unique_fraction`` of
+    the ids) the read-modify-write of the row and of each of the optimizer's state arrays. Each is
+    one cache line or more at a random place in an array larger than the caches, as a row of a
+    bare ``index_select`` is: the step's accesses/s over ``index_select``'s rows/s is the share of
+    the machine's random-access rate the step reaches."""
+    return 2 + unique_fraction * (1 + STATE_ARRAYS[kind])
 
 
 def id_batches(dist: str, rows: int, count: int, seed: int = 0) -> list[torch.Tensor]:
@@ -176,10 +193,18 @@ def main() -> None:
                 print(f"{dist:8s} torch  {name:16s} {base / 1e6:7.2f} M lookups/s", file=sys.stderr)
         result[f"index_select_rows_per_s{sfx}"] = max(selects)
         result[f"index_select_measurements{sfx}"] = selects
+        for kind in SparseOptimizerKind:
+            per = accesses_per_lookup(kind, result[f"unique_fraction{sfx}"])
+            fraction = result[f"{kind.value}_lookups_per_s{sfx}"] * per / max(selects)
+            result[f"{kind.value}_accesses_per_lookup{sfx}"] = per
+            result[f"{kind.value}_access_fraction{sfx}"] = fraction
+            print(f"{dist:8s} hetero {kind.value:16s} {per:.2f} accesses a lookup: {fraction:.0%} of index_select's "
+                  f"rate", file=sys.stderr)
         if dist == "uniform" and not args.no_multi_table:
             result["multi_table_lazy_adam_lookups_per_s"] = multi_table_rate(batches, args.rows, args.warmup)
     result["lazy_adam_speedup_vs_torch"] = result["lazy_adam_lookups_per_s"] / result["torch_sparse_adam_lookups_per_s"]
     result["lazy_adam_fraction_of_index_select"] = result["lazy_adam_lookups_per_s"] / result["index_select_rows_per_s"]
+    result["access_fraction_min"] = min(v for k, v in result.items() if "_access_fraction" in k)  # (target: 0.6)
     emit("embedding_step", result)
 
 

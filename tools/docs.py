@@ -118,8 +118,8 @@ def architecture() -> str:
 
 # benchmark -> the result keys shown (a dotted path into the JSON), in order; others: top-level numbers
 _HEADLINES = {
-    "embedding_step": ["lazy_adam_lookups_per_s", "torch_sparse_adam_lookups_per_s", "ftrl_lookups_per_s",
-                       "sgd_lookups_per_s"],
+    "embedding_step": ["lazy_adam_lookups_per_s", "torch_sparse_adam_lookups_per_s", "sgd_lookups_per_s",
+                       "access_fraction_min"],
     "train_step": ["samples_per_s", "lookups_per_s", "step_ms", "device_part_on"],
     "host_adam": ["host_adamw_params_per_s", "torch_fused_adamw_params_per_s", "bandwidth_bound_params_per_s"],
     "data_pipeline": ["tsv_rows_per_s", "prepared_rows_per_s", "streaming_over_memory"],
