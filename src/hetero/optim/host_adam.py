@@ -5,36 +5,9 @@ The reference design's optimizer heterogeneity (fp16 device weights, fp32 Adam s
 "a third of the device memory"); anchors: DeepSpeed ZeRO-Offload (``DeepSpeedCPUAdam``), FSDP2's
 ``CPUOffloadPolicy``, torchao's CPU offload optimizer.
 
-Data flow per step, per bucket of parameters (in the order backward produces their gradients):
-
-1. a post-accumulate-grad hook copies each gradient device->host into a pinned buffer (async on
-   CUDA; an event marks its end) and frees the device gradient at once. With bf16 device weights
-   the buffer is bf16, as the gradient is: half the PCIe bytes and 2 fewer bytes per parameter
-   for the host update to read; the kernel widens it to fp32 exactly. Otherwise it is fp32;
-2. a worker thread takes the buckets in order: it waits until a bucket's last gradient has
-   arrived (or, for a bucket with a parameter that got no gradient, until ``step()``), waits for
-   the copies, averages the bucket's host gradients over the data-parallel ranks (an all-reduce
-   on a gloo group of its own; nothing at world size 1) and runs the
-   fused kernel (:mod:`hetero.optim._adam_kernels`) over the bucket: the fp32 master and moments
-   are updated and, in the same pass, the new device weight is written over the gradient it came
-   from (no extra buffer, no extra memory traffic); that buffer is uploaded on a side stream
-   (CUDA), or, when the device is the host, becomes the parameter's storage while the old one
-   receives the next gradient (a swap, no copy). fp16 weights go through an fp16 staging copy;
-3. ``step()`` waits for all of it.
-
-Backward of the remaining layers runs meanwhile. A parameter that got no gradient on any rank is
-skipped, as torch's optimizers skip a ``None`` gradient; one that got a gradient on some rank is
-updated everywhere (the others contribute zeros), as one process on the global batch would. Global gradient-norm clipping and fp16 dynamic
-loss scaling need every gradient before any update (the clip factor; a skipped step must touch
-nothing): with either, the copies still overlap backward, and the updates run in ``step()``.
-Gradient accumulation over several backward passes is not supported with streaming (one backward
-per ``step()``): a second gradient for a parameter before ``step()`` raises.
-
-Data parallel: every rank streams its local gradient and the worker all-reduces it, so N ranks with
-B/N samples each equal one process with B. Do not also wrap these parameters in DDP: its
-post-backward hooks run after HostAdamW has taken the gradient, so they would reduce nothing but
-zeros (a warning says so once).
-"""
+Per bucket of parameters, as backward produces their gradients: a hook streams each gradient to a
+host buffer, a worker thread all-reduces the bucket and runs the fused update; ``step()`` waits.
+The whole data flow, what is skipped, clipping, loss scaling, DDP: docs/host-optimizers.md."""
 
 from __future__ import annotations
 
@@ -52,8 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hetero.optim.host_state import (
-    HostOffloadConfig, _chunks, _host_buffer, _kernels, _np, host_all_reduce_group,
-    _buckets, _call_weakly, _remove_all, _Slot, _sum_over, f32, storage_bytes,
+    HostOffloadConfig, _chunks, _kernels, _np, agree_arrivals, all_reduce_bucket, host_all_reduce_group, load_slots,
+    new_slot, _buckets, _call_weakly, _remove_all, _Slot, _sum_over, f32, slots_device_bytes, slots_state,
 )
 from hetero.placement.threads import host_worker
 
@@ -118,18 +91,8 @@ class HostAdamW(torch.optim.Optimizer):
         on_grad, hooks = weakref.WeakMethod(self._on_grad), []
         for group in self.param_groups:
             for p in group["params"]:
-                own = self._owned(p.numel())  # the elements this rank keeps state for (all, unsharded)
-                master = _host_buffer(own.stop - own.start, torch.float32, cuda)
-                master.copy_(p.detach().reshape(-1)[own])
-                host = lambda n, dtype=torch.float32: _host_buffer(n, dtype, cuda).zero_()  # noqa: E731
-                on_host = p.device.type == "cpu"
-                p.data = p.data.to(config.device_dtype)  # the device keeps only the low-precision weights
-                grad_dtype = torch.bfloat16 if config.device_dtype == torch.bfloat16 else torch.float32
-                fp16_upload = config.device_dtype == torch.float16 and not on_host
-                staging = torch.empty(master.numel(), dtype=torch.float16, pin_memory=cuda) if fp16_upload else None
-                slot = _Slot(names[p], p, group, master, host(master.numel()), host(master.numel()),
-                             host(self._grad_elements(p.numel()), grad_dtype), staging)
-                self._slots[p] = slot
+                self._slots[p] = new_slot(names[p], p, group, self._owned(p.numel()), self._grad_elements(p.numel()),
+                                          config.device_dtype, cuda)
                 hooks.append(p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, on_grad)))
         # the hooks hold the optimizer weakly and go with it: holding it, they kept it, its host state and
         # worker alive as long as the parameters (torch's collector cannot see a cycle through a tensor's hooks)
@@ -219,42 +182,14 @@ class HostAdamW(torch.optim.Optimizer):
 
         A parameter that got no gradient here contributes zeros; it counts as arrived when it got
         one on any rank (one process on the global batch would have seen that gradient)."""
-        self._agree_arrivals(self._buckets[bucket])
+        agree_arrivals(self._buckets[bucket], self._group, self._world)
         self._exchange(bucket)
-
-    def _agree_arrivals(self, slots: list[_Slot]) -> None:
-        """Wait for the slots' gradient copies; zero the buffers of those that got none here; make
-        every rank agree which arrived (on any rank), so the exchanges pair up."""
-        for s in slots:
-            if s.copied is not None:
-                s.copied.synchronize()  # sync point: the host reads the streamed gradient
-                s.copied = None
-        if self._world == 1:
-            return
-        arrived = torch.tensor([s.arrived for s in slots], dtype=torch.int32)
-        for s in slots:
-            if not s.arrived:
-                s.grad.zero_()  # holds the last step's gradient or (host-only, sharded) old weights
-        dist.all_reduce(arrived, group=self._group)
-        for s, n in zip(slots, arrived.tolist()):
-            s.arrived = n > 0
 
     def _exchange(self, bucket: int) -> None:
         """Sum the bucket's gradients over the data-parallel ranks (whole, on every rank): one
         all-reduce per bucket (the comm fusion), on the optimizer's own gloo group."""
-        if self._world == 1:
-            return
-        slots = self._buckets[bucket]
-        if len(slots) == 1:
-            dist.all_reduce(slots[0].grad, group=self._group)
-            return
-        # A copy in and out of one flat buffer: each slot's buffer stays its own (on the CPU it
-        # swaps with the parameter's storage), and a host memcpy costs less than a collective's latency.
-        flat = self._fused[bucket]
-        torch.cat([sl.grad for sl in slots], out=flat)
-        dist.all_reduce(flat, group=self._group)
-        for sl, part in zip(slots, flat.split([sl.grad.numel() for sl in slots])):
-            sl.grad.copy_(part)
+        if self._world > 1:
+            all_reduce_bucket(self._buckets[bucket], self._fused[bucket], self._group)
 
     @property
     def loss_scale(self) -> float:
@@ -326,6 +261,11 @@ class HostAdamW(torch.optim.Optimizer):
             if slot.accumulated:  # fewer passes than ``accumulate`` reached it (unused in some): apply what came
                 self._stream(slot, slot.param)
         self._check_no_late_gradients()
+        self._finish_step()
+        return loss
+
+    def _finish_step(self) -> None:
+        """Wait for (or run) every bucket's update, then begin the next step."""
         if self._can_overlap():
             for ready in self._ready:
                 ready.set()  # backward is over: buckets with an unused parameter are complete too
@@ -338,7 +278,6 @@ class HostAdamW(torch.optim.Optimizer):
         self._new_step()
         if self._upload_stream is not None:
             torch.cuda.current_stream().wait_stream(self._upload_stream)  # device waits, not the host
-        return loss
 
     def _new_step(self) -> None:
         for slot in self._slots.values():
@@ -391,15 +330,7 @@ class HostAdamW(torch.optim.Optimizer):
         host step alone."""
         for slot in self._slots.values():
             slot.arrived = True
-        if self._can_overlap():
-            for ready in self._ready:
-                ready.set()
-            self._run_buckets()
-        else:
-            self._finish_global()
-        self._new_step()
-        if self._upload_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._upload_stream)
+        self._finish_step()  # (no hook ran: the buckets' updates run here)
 
     def grad_buffer(self, param: Tensor) -> Tensor:
         """The host buffer ``param``'s next gradient streams into (flat; bf16 with bf16 device
@@ -433,10 +364,8 @@ class HostAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self._slots[p].name for p in g["params"]]}
                   for g in self.param_groups]
-        state = {s.name: {"step": s.step, "master": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
-                 for s in self._slots.values()}
         scaler = self.loss_scaler.state_dict() if self.loss_scaler is not None else None
-        return {"state": state, "param_groups": groups, "loss_scaler": scaler}
+        return {"state": slots_state(self._slots.values()), "param_groups": groups, "loss_scaler": scaler}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (whole tensors; a sharded optimizer keeps its elements);
@@ -445,22 +374,7 @@ class HostAdamW(torch.optim.Optimizer):
         Raises:
             ValueError: a parameter name or size that differs from this optimizer's.
         """
-        by_name = {s.name: s for s in self._slots.values()}
-        if set(by_name) != set(state_dict["state"]):
-            raise ValueError(f"{type(self).__name__} state names {sorted(state_dict['state'])[:5]}... differ from "
-                             f"this optimizer's {sorted(by_name)[:5]}...")
-        for name, st in state_dict["state"].items():
-            slot = by_name[name]
-            if st["master"].numel() != slot.param.numel():
-                raise ValueError(f"parameter {name!r} has {st['master'].numel()} elements in the checkpoint and "
-                                 f"{slot.param.numel()} here")
-        for name, st in state_dict["state"].items():
-            slot = by_name[name]
-            own = self._owned(slot.param.numel())
-            slot.step = int(st["step"])
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(slot, key).copy_(st[key].reshape(-1)[own])
-            slot.param.data.copy_(st["master"].view(slot.param.shape))  # rounds to the device dtype
+        load_slots(type(self).__name__, self._slots.values(), state_dict["state"], self._owned)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         if self.loss_scaler is not None and state_dict.get("loss_scaler") is not None:
@@ -468,18 +382,9 @@ class HostAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- accounting
     def device_bytes(self) -> dict[str, int]:
-        """Bytes this optimizer's parameters hold on their device, counted from the live tensors
-        (each storage once): weights; gradients (the largest gradient alive at once: each is
-        freed by its hook as it streams away); optimizer state: every buffer of this optimizer
-        (masters, moments, gradient and staging buffers) that is on the parameters' device - none
-        on a machine with an accelerator (they are in host memory), all of them on a host-only
-        machine, where the host is the device."""
-        weights = storage_bytes(s.param for s in self._slots.values())
-        buffers = [t for s in self._slots.values() for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.staging)
-                   if t is not None and t.device == s.param.device]
-        params = {s.param.untyped_storage().data_ptr() for s in self._slots.values()}
-        state = storage_bytes(t for t in buffers if t.untyped_storage().data_ptr() not in params)
-        return {"params": weights, "grads": self.peak_device_grad_bytes, "optimizer_state": state}
+        """Bytes this optimizer's parameters hold on their device (:func:`slots_device_bytes`): the
+        gradients are the largest one alive at once (each is freed by its hook as it streams away)."""
+        return slots_device_bytes(self._slots.values(), self.peak_device_grad_bytes)
 
 
 class HostAdam(HostAdamW):

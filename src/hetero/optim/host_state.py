@@ -179,3 +179,103 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
         st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
         seen[(t.device, st.data_ptr())] = st.nbytes()
     return sum(seen.values())
+
+
+def agree_arrivals(slots: list[_Slot], group: dist.ProcessGroup | None, world: int) -> None:
+    """Wait for the slots' gradient copies; zero the buffers of those that got none here; make
+    every rank of ``group`` agree which arrived (on any rank), so the exchanges pair up.
+    Collective over ``group`` (``world`` ranks; nothing to agree at 1)."""
+    for s in slots:
+        if s.copied is not None:
+            s.copied.synchronize()  # sync point: the host reads the streamed gradient
+            s.copied = None
+    if world == 1:
+        return
+    arrived = torch.tensor([s.arrived for s in slots], dtype=torch.int32)
+    for s in slots:
+        if not s.arrived:
+            s.grad.zero_()  # holds the last step's gradient or (host-only, sharded) old weights
+    dist.all_reduce(arrived, group=group)
+    for s, n in zip(slots, arrived.tolist()):
+        s.arrived = n > 0
+
+
+def slots_state(slots: Iterable[_Slot]) -> dict[str, dict[str, Any]]:
+    """The optimizer state of ``slots`` by parameter name: step, master and moments (this rank's
+    elements, flat host tensors; not copies)."""
+    return {s.name: {"step": s.step, "master": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
+            for s in slots}
+
+
+def load_slots(owner: str, slots: Iterable[_Slot], state: dict[str, dict[str, Any]],
+               owned: typing.Callable[[int], slice]) -> None:
+    """Restore ``state`` (:func:`slots_state` of whole tensors) into ``slots``: each keeps the
+    elements ``owned(numel)``, and its device weight is rewritten from the whole master. Every
+    name and size is checked before anything is written.
+
+    Raises:
+        ValueError: a parameter name or size that differs from ``slots``' (``owner``: the optimizer's class).
+    """
+    by_name = {s.name: s for s in slots}
+    if set(by_name) != set(state):
+        raise ValueError(f"{owner} state names {sorted(state)[:5]}... differ from this optimizer's "
+                         f"{sorted(by_name)[:5]}...")
+    for name, st in state.items():
+        if st["master"].numel() != by_name[name].param.numel():
+            raise ValueError(f"parameter {name!r} has {st['master'].numel()} elements in the checkpoint and "
+                             f"{by_name[name].param.numel()} here")
+    for name, st in state.items():
+        slot = by_name[name]
+        own = owned(slot.param.numel())
+        slot.step = int(st["step"])
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(slot, key).copy_(st[key].reshape(-1)[own])
+        slot.param.data.copy_(st["master"].view(slot.param.shape))  # rounds to the device dtype
+
+
+def slots_device_bytes(slots: Iterable[_Slot], peak_grad_bytes: int) -> dict[str, int]:
+    """Bytes the parameters of ``slots`` hold on their device, counted from the live tensors (each
+    storage once): weights; gradients (``peak_grad_bytes``, the largest alive at once); optimizer
+    state: every buffer of the slots (masters, moments, gradient and staging buffers) that is on
+    its parameter's device - none on a machine with an accelerator, all on a host-only machine."""
+    slots = list(slots)
+    weights = storage_bytes(s.param for s in slots)
+    buffers = [t for s in slots for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.staging)
+               if t is not None and t.device == s.param.device]
+    params = {s.param.untyped_storage().data_ptr() for s in slots}
+    state = storage_bytes(t for t in buffers if t.untyped_storage().data_ptr() not in params)
+    return {"params": weights, "grads": peak_grad_bytes, "optimizer_state": state}
+
+
+def new_slot(name: str, param: Tensor, group: dict, own: slice, grad_elements: int, device_dtype: torch.dtype,
+             pin: bool) -> _Slot:
+    """The host buffers of ``param`` (``pin``: pinned, for a machine with an accelerator): its
+    fp32 master (the elements ``own`` of its current values: this rank's, all of them unsharded)
+    and zeroed moments, the buffer its gradient streams into (``grad_elements``; bf16 with bf16
+    device weights, else fp32) and, for fp16 weights on an accelerator, an fp16 staging copy for
+    the upload. Casts ``param`` in place to ``device_dtype``: the device keeps only the
+    low-precision weights."""
+    master = _host_buffer(own.stop - own.start, torch.float32, pin)
+    master.copy_(param.detach().reshape(-1)[own])
+    on_host = param.device.type == "cpu"
+    param.data = param.data.to(device_dtype)
+    grad_dtype = torch.bfloat16 if device_dtype == torch.bfloat16 else torch.float32
+    fp16_upload = device_dtype == torch.float16 and not on_host
+    staging = torch.empty(master.numel(), dtype=torch.float16, pin_memory=pin) if fp16_upload else None
+    zeros = lambda n, dtype=torch.float32: _host_buffer(n, dtype, pin).zero_()  # noqa: E731
+    return _Slot(name, param, group, master, zeros(master.numel()), zeros(master.numel()),
+                 zeros(grad_elements, grad_dtype), staging)
+
+
+def all_reduce_bucket(slots: list[_Slot], flat: Tensor | None, group: dist.ProcessGroup | None) -> None:
+    """Sum the slots' streamed gradients over ``group`` (whole, on every rank): one all-reduce for
+    the bucket, through ``flat`` (their total size) when there are several. Collective."""
+    if len(slots) == 1:
+        dist.all_reduce(slots[0].grad, group=group)
+        return
+    # A copy in and out of one flat buffer: each slot's buffer stays its own (on the CPU it
+    # swaps with the parameter's storage), and a host memcpy costs less than a collective's latency.
+    torch.cat([sl.grad for sl in slots], out=flat)
+    dist.all_reduce(flat, group=group)
+    for sl, part in zip(slots, flat.split([sl.grad.numel() for sl in slots])):
+        sl.grad.copy_(part)
