@@ -255,10 +255,12 @@ def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_
 
 
 def _ziggurat(layers=256, r=3.6541528853610088, area=4.92867323399e-3):
-    """Marsaglia & Tsang's (2000) tables for N(0, 1)'s right half (``r`` and ``area`` for 256 strips:
-    their paper's constants for 128, recomputed), ``layers`` strips of equal
-    ``area``: ``x[i]``, strip i's right edge (``x[0]``: the base strip's width ``area / f(r)``, so
-    a draw past ``x[1] = r`` falls in the tail), ``x[layers] = 0``; ``f[i] = exp(-x[i]**2 / 2)``."""
+    """Marsaglia & Tsang's (2000) tables for N(0, 1)'s right half in ``layers`` strips of equal
+    ``area`` (``r`` and ``area``: the 256-strip constants of Doornik's ZIGNOR, 2005; the top strip
+    closes on them to 1e-12): ``x[i]``, strip i's right edge (``x[0]``: the base strip's width
+    ``area / f(r)``, so a draw past ``x[1] = r`` falls in the tail), ``x[layers] = 0``;
+    ``f[i] = exp(-x[i]**2 / 2)``. A draw takes its strip, sign and uniform from disjoint bits
+    (Doornik's point: the original reused the strip's bits in the uniform)."""
     x = np.zeros(layers + 1)
     x[0], x[1] = area / np.exp(-0.5 * r * r), r
     for i in range(1, layers - 1):
