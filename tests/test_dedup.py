@@ -51,6 +51,16 @@ def test_stale_positions_are_the_rows_updated_after_the_version(threads):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("n, top", [(0, 10), (1, 10), (500, 1), (1000, 3), (106_496, 5_200_000), (20_000, 2**62)])
+def test_the_sorted_dedup_equals_torch_unique(n, top):
+    """The radix-sort dedup of groups without a marker (row-sharded, SSD tier) against
+    ``torch.unique``: one digit, several (ids up to 2**62: six passes), digits every id shares."""
+    ids = np.random.default_rng(n).integers(0, top, n)
+    unique, inverse = dedup_kernels().sorted_unique(ids)
+    want = torch.unique(torch.from_numpy(ids), return_inverse=True)
+    assert np.array_equal(unique, want[0].numpy()) and np.array_equal(inverse, want[1].numpy())
+
+
 def test_a_plan_without_chains_dedups_in_parallel_to_the_same_plan(monkeypatch):
     from hetero.embedding import group as group_module
     from hetero.embedding.group import Request

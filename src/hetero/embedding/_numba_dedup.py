@@ -11,6 +11,9 @@ Two dedups give the same ``unique`` (first-occurrence order) and ``inverse``:
   threads: on a host that feeds a GPU the serial dedup was most of the training thread's lookup
   (2.0-2.9 ms of 106k ids on the H200 host's 16 cores, against 0.3 ms for the rows' gather).
 
+Groups without a marker (row-sharded, SSD tier) dedup by :func:`sorted_unique` (a radix sort: the
+unique rows ascending, as ``torch.unique``).
+
 All kernels release the GIL (``nogil``) and issue software prefetches ahead of their random
 accesses, as in :mod:`hetero.embedding._numba_kernels`.
 """
@@ -159,3 +162,48 @@ def stale_positions(row_version, unique, version, nthreads):
                 prefetch(row_version, unique[k + AHEAD])
             stale[k] = row_version[unique[k]] > version
     return np.nonzero(stale)[0]
+
+
+RADIX_BITS = 11  # a digit of sorted_unique's radix sort: 2048 counters, in L1
+
+
+@njit(cache=True, nogil=True)
+def sorted_unique(ids):
+    """``(unique, inverse)`` of ``ids`` (int64, >= 0) as ``torch.unique(ids, return_inverse=True)``
+    gives them: the distinct ids ascending, and each id's index among them. For a group without a
+    dedup marker (row-sharded; on the SSD tier, where a marker over every row would not fit):
+    a least-significant-digit radix sort of (id, position) pairs, ``RADIX_BITS`` bits a pass, as
+    many passes as the largest id has digits, a digit every id shares skipped. Measured on 2
+    cores, 106k Zipf ids below 5.2M: 1.2 ms against 2.3 ms for ``torch.unique`` alone, 1.8 against
+    3.2 ms inside the SSD tier's step."""
+    n = ids.shape[0]
+    key, pos = ids.copy(), np.arange(n)
+    key2, pos2 = np.empty(n, np.int64), np.empty(n, np.int64)
+    top = 0
+    for i in range(n):
+        top = max(top, key[i])
+    radix = 1 << RADIX_BITS
+    count = np.empty(radix, np.int64)
+    shift = 0
+    while (top >> shift) > 0:
+        count[:] = 0
+        for i in range(n):
+            count[(key[i] >> shift) & (radix - 1)] += 1
+        if count.max() < n:  # (else every id has this digit: the order stays)
+            total = 0
+            for d in range(radix):
+                total, count[d] = total + count[d], total
+            for i in range(n):  # (stable: equal digits keep their order)
+                d = (key[i] >> shift) & (radix - 1)
+                key2[count[d]], pos2[count[d]] = key[i], pos[i]
+                count[d] += 1
+            key, key2, pos, pos2 = key2, key, pos2, pos
+        shift += RADIX_BITS
+    unique, inverse = np.empty(n, np.int64), np.empty(n, np.int64)
+    u = -1
+    for j in range(n):
+        if u < 0 or key[j] != unique[u]:
+            u += 1
+            unique[u] = key[j]
+        inverse[pos[j]] = u
+    return unique[: u + 1], inverse

@@ -136,9 +136,9 @@ class TableGroup:
         read from disk)."""
         if self.ssd_config is None:
             return self.storage.index_select(0, rows)
-        unique, inverse = torch.unique(rows, return_inverse=True)  # (the cache takes each row once)
-        slots = torch.from_numpy(self.ssd_rows().cache.acquire(unique.numpy()))
-        return self.ssd.cache.fields["weight"].index_select(0, slots[inverse])
+        unique, inverse = dedup_kernels().sorted_unique(rows.numpy())  # (the cache takes each row once)
+        slots = torch.from_numpy(self.ssd_rows().cache.acquire(unique))
+        return self.ssd.cache.fields["weight"].index_select(0, slots[torch.from_numpy(inverse)])
 
     # ------------------------------------------------------------------------------ SSD tier
     @property

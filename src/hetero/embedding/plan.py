@@ -17,7 +17,7 @@ from torch import Tensor
 
 from hetero.dynamic import Keys
 from hetero.embedding.config import Pooling, TableConfig
-from hetero.embedding.kernels import kernels
+from hetero.embedding.kernels import dedup_kernels, kernels
 from hetero.placement import copy_to
 from hetero.storage.layout import StagedRecords
 
@@ -190,7 +190,7 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True, c
         requests[s].table.raise_out_of_range(int(ids[bad]))
     dedup_out = (None,) * 4
     if group.marker is None:
-        unique_t, inverse_t = torch.unique(torch.from_numpy(rows), return_inverse=True)
+        unique_t, inverse_t = map(torch.from_numpy, dedup_kernels().sorted_unique(rows))  # (as torch.unique: sorted)
         no_chain = torch.empty(0, dtype=torch.int64)  # no occurrence chains: the gradient arrives coalesced
         dedup_out = (unique_t, inverse_t, no_chain, no_chain)
     scale = None
