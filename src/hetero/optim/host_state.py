@@ -1,6 +1,7 @@
-"""The host side of HostAdamW: its configuration, the per-parameter slot of host buffers, and
-the helpers that allocate and read them (pinned or huge-page memory, numpy views for the fused
-kernels, the optimizer's own gloo group)."""
+"""The host side of HostAdamW: its configuration, the per-parameter slot of host buffers, the
+helpers that allocate and read them (pinned or huge-page memory, numpy views for the fused
+kernels, the optimizer's own gloo group), and what the plain and the sharded optimizer do alike
+slot by slot (a bucket's arrival agreement and fused all-reduce, the state dict, the device bytes)."""
 
 from __future__ import annotations
 
