@@ -185,7 +185,7 @@ def sorted_unique(ids):
     radix = 1 << RADIX_BITS
     count = np.empty(radix, np.int64)
     shift = 0
-    while (top >> shift) > 0:
+    while shift < 64 and (top >> shift) > 0:  # (a shift of 64 or more is undefined)
         count[:] = 0
         for i in range(n):
             count[(key[i] >> shift) & (radix - 1)] += 1
