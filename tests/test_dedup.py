@@ -51,7 +51,8 @@ def test_stale_positions_are_the_rows_updated_after_the_version(threads):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("n, top", [(0, 10), (1, 10), (500, 1), (1000, 3), (106_496, 5_200_000), (20_000, 2**62), (5_000, 2**63 - 1)])
+@pytest.mark.parametrize("n, top", [(0, 10), (1, 10), (500, 1), (1000, 3), (106_496, 5_200_000), (20_000, 2**62),
+                                    (5_000, 2**63 - 1)])
 def test_the_sorted_dedup_equals_torch_unique(n, top):
     """The radix-sort dedup of groups without a marker (row-sharded, SSD tier) against
     ``torch.unique``: one digit, several (ids up to 2**62: six passes), digits every id shares."""
