@@ -185,7 +185,9 @@ class PSJob:
             self.server.serve(self._server_checkpoint)
 
     def _server_checkpoint(self, op: Op, path: str) -> None:
-        state = self.server.state()
+        # a save reads the key maps in place (the server answers nothing while it saves); a load
+        # needs copies to write into, which the maps then validate and take
+        state = self.server.state(live=op is Op.SAVE)
         if op is Op.SAVE:
             self.server.save_blob(state)
             save_sharded(state, path, self.server)  # (with the shard's SSD tier snapshots)

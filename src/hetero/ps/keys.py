@@ -157,12 +157,13 @@ class ServerKeys:
         return [(torch.from_numpy(o), counts) for o in outs]
 
     # ------------------------------------------------------------------------------ checkpoints
-    def state(self) -> dict[str, Tensor]:
-        """The maps (``table<i>.<KeyMap.STATE>``, copies) and the tables' clock (``step``)."""
+    def state(self, live: bool = False) -> dict[str, Tensor]:
+        """The maps (``table<i>.<KeyMap.STATE>``: copies, or with ``live`` views that later lookups
+        change) and the tables' clock (``step``)."""
         out = {"step": torch.tensor(self.group.dynamic.steps_taken)}
         for i, (_, _, m) in self.maps.items():
             if m is not None:
-                out.update({f"table{i}.{k}": torch.from_numpy(v) for k, v in m.state_dict().items()})
+                out.update({f"table{i}.{k}": torch.from_numpy(v) for k, v in m.state_dict(copy=not live).items()})
         return out
 
     def load(self, state: Mapping[str, Tensor]) -> None:

@@ -286,9 +286,10 @@ class ParameterServer:
         self.updated_rows += unique.numel()
 
     # ------------------------------------------------------------------------------ state
-    def state(self) -> dict[str, Any]:
+    def state(self, live: bool = False) -> dict[str, Any]:
         """This shard's part of the job's DCP checkpoint: the rows and optimizer state of every
-        group (live tensors: a load writes into them) and one blob with the step counts."""
+        group (live tensors: a load writes into them), one blob with the step counts, and the dynamic
+        tables' key maps (copies, or with ``live`` views that the next lookups change: for a save)."""
         tables = {}
         for key, group in zip(self.keys, self.groups):
             if group.ssd_config is not None:  # (the tier's snapshot: OwnFiles)
@@ -298,7 +299,7 @@ class ParameterServer:
             for s, x in opt.group_state[group].items():
                 entry[f"{name}.{s}"] = x
             tables[key] = {f"shard{self.shard}": entry}
-        keys = {k: {f"shard{self.shard}": m.state()} for k, m in zip(self.keys, self.keymaps) if m is not None}
+        keys = {k: {f"shard{self.shard}": m.state(live)} for k, m in zip(self.keys, self.keymaps) if m is not None}
         return {"ps": tables, "ps_meta": {f"shard{self.shard}": io.BytesIO()}, **({"ps_keys": keys} if keys else {})}
 
     def save_blob(self, state: dict[str, Any]) -> None:
