@@ -3,10 +3,10 @@
 The map is open addressing with linear probing over a power-of-two table of ``(key, row)``
 slots (one 16-byte entry: a probe is one cache line), at most half full, with backward-shift
 deletion (Knuth, TAOCP vol. 3, 6.4, algorithm R), so no tombstones accumulate however many
-keys come and go. Keys are mixed by SplitMix64's finalizer (Steele, Lea & Flood 2014) before they index anything. A row's use count and last
-step share one 8-byte entry too. The passes over a batch's keys prefetch the entries ``AHEAD`` keys
-in advance (as the embedding kernels do): a batch's keys are random accesses into tables larger
-than the caches.
+keys come and go. Keys are mixed by SplitMix64's finalizer (Steele, Lea & Flood 2014) before
+they index anything. A row's use count and last step share one 8-byte entry too. The passes
+over a batch's keys prefetch the entries ``AHEAD`` keys in advance (as the embedding kernels
+do): a batch's keys are random accesses into tables larger than the caches.
 """
 
 import numpy as np
