@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(PY) -m hetero train --config examples/movielens.toml --run-dir runs/demo --overwrite $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 bench: $(STAMP)
 	$(PY) benchmarks/embedding_step.py
