@@ -296,6 +296,27 @@ def test_deferred_tables_hold_no_rows_and_leave_the_random_stream_unchanged():
         defer_tables(False)
 
 
+@pytest.mark.parametrize("tier", ["memory", "ssd"])
+def test_a_servers_pull_reads_its_rows_into_the_last_pulls_buffer(tmp_path, tier):
+    # a server answers a worker's pull in the memory of that worker's previous reply (no fresh pages
+    # a pull): the same rows as a fresh read, repeats and a larger pull included
+    from hetero.placement import StorageTier
+    from hetero.storage.config import SsdConfig
+
+    torch.manual_seed(0)
+    on_ssd = {"storage": StorageTier.SSD, "ssd": SsdConfig(tmp_path, cache_bytes=4096)} if tier == "ssd" else {}
+    group = HostEmbeddingCollection([TableConfig("a", 300, 4, **on_ssd)]).tables["a"].group
+    buf = None
+    for rows in ([5, 1, 5, 299], [7, 3], list(range(0, 300, 7)), [0]):
+        rows = torch.tensor(rows)
+        expected = torch.stack([group.read_rows(torch.tensor([r]))[0] for r in rows.tolist()])
+        before = None if buf is None else (buf.untyped_storage().data_ptr(), buf.untyped_storage().nbytes())
+        buf = group.read_rows(rows, buf)
+        assert torch.equal(buf, expected) and buf.shape == (len(rows), 4)
+        if before is not None and before[1] >= buf.numel() * 4:
+            assert buf.untyped_storage().data_ptr() == before[0]  # (its memory, not a new tensor's)
+
+
 def test_a_workers_tables_on_the_ssd_tier_hold_no_rows_and_reading_them_raises(tmp_path):
     # A parameter-server worker holds none of the rows: its state dicts keep meta placeholders (as in
     # memory), never a tier of initial rows that would pass for the servers'

@@ -130,15 +130,18 @@ class TableGroup:
         tier (tables that fit in memory)."""
         return self.ssd_read(0, self.num_rows, ("weight",))["weight"] if self.ssd_config is not None else self.storage
 
-    def read_rows(self, rows: Tensor) -> Tensor:
+    def read_rows(self, rows: Tensor, out: Tensor | None = None) -> Tensor:
         """Copies of storage rows ``rows`` (int64, repeats allowed: a row-sharded owner serving the
         lookups of several ranks): from the storage, or through the SSD tier's row cache (misses
-        read from disk)."""
+        read from disk). ``out``: a tensor of an earlier call to hold them (resized to
+        ``(N, dim)``; its memory is reused where large enough), else a new one."""
+        if out is not None:
+            out.resize_(rows.numel(), self.dim)
         if self.ssd_config is None:
-            return self.storage.index_select(0, rows)
+            return torch.index_select(self.storage, 0, rows, out=out)
         unique, inverse = dedup_kernels().sorted_unique(rows.numpy())  # (the cache takes each row once)
         slots = torch.from_numpy(self.ssd_rows().cache.acquire(unique))
-        return self.ssd.cache.fields["weight"].index_select(0, slots[torch.from_numpy(inverse)])
+        return torch.index_select(self.ssd.cache.fields["weight"], 0, slots[torch.from_numpy(inverse)], out=out)
 
     # ------------------------------------------------------------------------------ SSD tier
     @property
