@@ -296,6 +296,27 @@ def test_deferred_tables_hold_no_rows_and_leave_the_random_stream_unchanged():
         defer_tables(False)
 
 
+def test_a_server_checks_each_id_for_its_range_and_its_shard(monkeypatch):
+    from hetero.ps.config import PSMode
+    from hetero.ps.server import ParameterServer
+    from hetero.ps.transport import Status
+
+    class Remote:
+        global_rows = 100
+
+    torch.manual_seed(0)
+    group = HostEmbeddingCollection([TableConfig("a", 100, 4)]).tables["a"].group
+    group.exchange = Remote()
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 2)
+    server = ParameterServer({"g": group}, {}, 1, 2, [0], None, PSMode.SYNC, True)  # shard 1 of 2: the odd rows
+    assert server._check(0, torch.tensor([1, 3, 99])) is None and server._check(0, torch.tensor([], dtype=torch.int64)) is None
+    kind, message = server._check(0, torch.tensor([1, 3, 4, 7]))
+    assert kind is Status.VALUE_ERROR and "id 4 (group row 4) belongs to shard 0, not this one" in message
+    for ids, bad in (([1, 101], 101), ([-1, 3], -1)):
+        kind, message = server._check(0, torch.tensor(ids))
+        assert kind is Status.INDEX_ERROR and f"table 'a': id {bad} is out of range for vocab size 100" in message
+
+
 @pytest.mark.parametrize("tier", ["memory", "ssd"])
 def test_a_servers_pull_reads_its_rows_into_the_last_pulls_buffer(tmp_path, tier):
     # a server answers a worker's pull in the memory of that worker's previous reply (no fresh pages

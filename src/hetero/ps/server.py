@@ -188,9 +188,15 @@ class ParameterServer:
     def _check(self, g: int, ids: Tensor) -> tuple[Status, str] | None:
         """An id outside the group or not on this shard: the message names the table."""
         group = self.groups[g]
-        bad = (ids < 0) | (ids >= group.exchange.global_rows) | (ids % self.servers != self.shard)
-        if not bool(bad.any()):
+        if ids.numel() == 0:
             return None
+        # one pass for the range (a third of three passes' time: 0.1 of 0.3 ms at 100k ids, twice a
+        # step), and the shard's only where there are several servers
+        lo, hi = torch.aminmax(ids)
+        if int(lo) >= 0 and int(hi) < group.exchange.global_rows and (
+                self.servers == 1 or not bool((ids % self.servers != self.shard).any())):
+            return None
+        bad = (ids < 0) | (ids >= group.exchange.global_rows) | (ids % self.servers != self.shard)
         row = int(ids[int(bad.nonzero()[0])])
         starts = [t.group_row for t in group.tables]
         t = group.tables[max(0, int(np.searchsorted(starts, row, side="right")) - 1)]
@@ -208,7 +214,7 @@ class ParameterServer:
         if err is not None:
             self._error(src, *err)
             return
-        local = ids // self.servers
+        local = ids if self.servers == 1 else ids // self.servers  # (one server: the rows are the ids)
         if self.mode is PSMode.SYNC and step > self.applied[g]:
             self.deferred[g].append((src, step, local))  # answered once step - 1 is applied
             return
@@ -290,7 +296,7 @@ class ParameterServer:
             summed = torch.zeros(unique.numel(), group.dim).index_add_(0, inverse, torch.cat([p[1] for p in parts]))
         if scale != 1.0:
             summed *= scale
-        group.pending.set(SparseGrad(unique // self.servers, summed, RowSpace.LOCAL))
+        group.pending.set(SparseGrad(unique if self.servers == 1 else unique // self.servers, summed, RowSpace.LOCAL))
         opt.step_group(group)
         self.updated_rows += unique.numel()
 
