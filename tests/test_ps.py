@@ -309,7 +309,8 @@ def test_a_server_checks_each_id_for_its_range_and_its_shard(monkeypatch):
     group.exchange = Remote()
     monkeypatch.setattr(dist, "get_rank", lambda *a: 2)
     server = ParameterServer({"g": group}, {}, 1, 2, [0], None, PSMode.SYNC, True)  # shard 1 of 2: the odd rows
-    assert server._check(0, torch.tensor([1, 3, 99])) is None and server._check(0, torch.tensor([], dtype=torch.int64)) is None
+    assert server._check(0, torch.tensor([1, 3, 99])) is None
+    assert server._check(0, torch.tensor([], dtype=torch.int64)) is None
     kind, message = server._check(0, torch.tensor([1, 3, 4, 7]))
     assert kind is Status.VALUE_ERROR and "id 4 (group row 4) belongs to shard 0, not this one" in message
     for ids, bad in (([1, 101], 101), ([-1, 3], -1)):
