@@ -298,6 +298,21 @@ def test_prefetch_without_early_gather_is_exact_and_cleans_up():
     pre, pre_outs, _, _ = _train(2, PrefetchConfig())
     assert all(torch.equal(a[n], b[n]) for a, b in zip(ref_outs, pre_outs) for n in a)
     assert len(pre._prepared) == 0
+    # rows read at their step cannot be stale: no update versions are kept (a random write per
+    # updated row into a table-sized array, every step)
+    assert all(g.row_version is None for g in pre.groups)
+    gathered, _, _, _ = _train(2, PrefetchConfig(gather_rows=True))
+    assert all(g.row_version is not None for g in gathered.groups)
+
+
+def test_a_prefetcher_refuses_to_gather_rows_whose_updates_it_does_not_track():
+    # (tables moved to a device after the prefetcher was built would gather ahead untracked)
+    coll = _collection()
+    prefetcher = Prefetcher(coll, [_features(torch.Generator().manual_seed(0))], PrefetchConfig(worker=False),
+                            features=lambda b: b)
+    prefetcher.config = PrefetchConfig(gather_rows=True, worker=False)
+    with pytest.raises(RuntimeError, match=r"moved to cpu after the Prefetcher was built; build it after placing"):
+        next(iter(prefetcher))
 
 
 def test_prefetch_plans_match_a_feature_mapping_rebuilt_per_batch():

@@ -42,6 +42,7 @@ from torch import nn
 
 from hetero.embedding.collection import HostEmbeddingCollection
 from hetero.embedding.exchange import RowPlacement
+from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan
 from hetero.placement import copy_to
 from hetero.placement.threads import ThreadContext, host_worker
@@ -94,12 +95,23 @@ class Prefetcher:
                                      f"talks to other ranks and cannot be prefetched; prefetch replicated tables only")
                 if g.ssd_config is not None:
                     g.ssd_rows()  # laid out here, on the training thread: the worker only reads ahead
-                else:
+                elif self._gathers_ahead(g):
+                    # (only then: stamping each step's updated rows is a random write a row into a
+                    # table-sized array, 15 ms a step of the CPU DLRM benchmark's 26 x 1M rows)
                     g.track_row_versions()
         self.batches = batches
         self.refreshed_rows = 0  # rows re-gathered because an update overtook their prefetch
         cuda = any(c.tables and next(iter(c.tables.values())).output_device.type == "cuda" for c in self.collections)
         self.stream = torch.cuda.Stream() if cuda else None
+
+    def _gathers_ahead(self, group: TableGroup) -> bool:
+        """Whether the worker gathers ``group``'s rows ahead (then an update may overtake them, and
+        the group tracks its rows' update versions): ``gather_rows``, or by default where the rows
+        are not read in place (fp32 tables pooled on the CPU are) and may be stale."""
+        if self.config.gather_rows is not None:
+            return self.config.gather_rows
+        in_place = group.tables[0].output_device.type == "cpu" and group.dtype == torch.float32
+        return not in_place and self.config.max_staleness > 0
 
     def _prepare(self, batch: Any, context: ThreadContext) -> list[list[LookupPlan | None]]:
         # Runs on the worker thread: numba kernels (plan; parallel ones too: hetero selects numba's
@@ -125,9 +137,10 @@ class Prefetcher:
                     plans.append(plan)
                     continue
                 in_place = device.type == "cpu" and group.dtype == torch.float32  # pooled from the table itself
-                gather = self.config.gather_rows
-                if gather is None:  # (exact: the rows are read at their step, after the update; see above)
-                    gather = not in_place and self.config.max_staleness > 0
+                gather = self._gathers_ahead(group)  # (else exact: the rows are read at their step, after the update)
+                if gather and group.row_version is None:  # (an update could overtake them unseen: refused)
+                    raise RuntimeError(f"tables {[t.name for t in group.tables]} moved to {device} after the "
+                                       f"Prefetcher was built; build it after placing the model")
                 # Rows read in place are deduplicated beside their pooling, on the training thread
                 # (no extra pass there); a dedup here would only compete with it for the cores.
                 plan = group.plan(reqs, dedup=gather or not in_place, chains=device.type == "cpu")
