@@ -16,7 +16,8 @@ and evicts, which a step early would change what the current step's update reach
 are looked up at their step, as without a prefetcher; the other groups are prepared ahead.
 
 Read-after-write: rows gathered for batch i+1 may be updated by batch i's optimizer step
-afterwards. Each group keeps a per-row update version; when batch i+1 is consumed, rows updated
+afterwards. Each group whose rows are gathered ahead keeps a per-row update version (only those:
+it costs a random write per updated row); when batch i+1 is consumed, rows updated
 after their gather are gathered again (and re-sent), so a lookup never sees a stale row unless
 ``max_staleness`` allows it. On a CPU-only machine fp32 tables are read in place at compute time
 and cannot be stale; there only the id checks are prefetched (the dedup runs beside the pooling).
