@@ -56,6 +56,12 @@ def looked_up_at_step(model: nn.Module) -> list[str]:
             for n in g.dynamic.tables]
 
 
+def _read_in_place(group: TableGroup, device: torch.device) -> bool:
+    """Whether ``group``'s lookups for ``device`` pool straight from the table (fp32 rows for the
+    CPU): no rows are gathered, so none can be stale."""
+    return device.type == "cpu" and group.dtype == torch.float32
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefetchConfig:
     depth: int = 1  # batches prepared ahead of the one being trained
@@ -96,7 +102,7 @@ class Prefetcher:
                                      f"talks to other ranks and cannot be prefetched; prefetch replicated tables only")
                 if g.ssd_config is not None:
                     g.ssd_rows()  # laid out here, on the training thread: the worker only reads ahead
-                elif self._gathers_ahead(g):
+                elif self._gathers_ahead(g, g.tables[0].output_device):
                     # (only then: stamping each step's updated rows is a random write a row into a
                     # table-sized array, 15 ms a step of the CPU DLRM benchmark's 26 x 1M rows)
                     g.track_row_versions()
@@ -105,14 +111,13 @@ class Prefetcher:
         cuda = any(c.tables and next(iter(c.tables.values())).output_device.type == "cuda" for c in self.collections)
         self.stream = torch.cuda.Stream() if cuda else None
 
-    def _gathers_ahead(self, group: TableGroup) -> bool:
+    def _gathers_ahead(self, group: TableGroup, device: torch.device) -> bool:
         """Whether the worker gathers ``group``'s rows ahead (then an update may overtake them, and
         the group tracks its rows' update versions): ``gather_rows``, or by default where the rows
-        are not read in place (fp32 tables pooled on the CPU are) and may be stale."""
+        are not read in place for ``device`` (fp32 tables pooled on the CPU are) and may be stale."""
         if self.config.gather_rows is not None:
             return self.config.gather_rows
-        in_place = group.tables[0].output_device.type == "cpu" and group.dtype == torch.float32
-        return not in_place and self.config.max_staleness > 0
+        return not _read_in_place(group, device) and self.config.max_staleness > 0
 
     def _prepare(self, batch: Any, context: ThreadContext) -> list[list[LookupPlan | None]]:
         # Runs on the worker thread: numba kernels (plan; parallel ones too: hetero selects numba's
@@ -137,8 +142,9 @@ class Prefetcher:
                     plan.staged = group.ssd.cache.stage(plan.unique.numpy())
                     plans.append(plan)
                     continue
-                in_place = device.type == "cpu" and group.dtype == torch.float32  # pooled from the table itself
-                gather = self._gathers_ahead(group)  # (else exact: the rows are read at their step, after the update)
+                in_place = _read_in_place(group, device)
+                # (not gathered: exact, the rows are read at their step, after the update)
+                gather = self._gathers_ahead(group, device)
                 if gather and group.row_version is None:  # (an update could overtake them unseen: refused)
                     raise RuntimeError(f"tables {[t.name for t in group.tables]} moved to {device} after the "
                                        f"Prefetcher was built; build it after placing the model")

@@ -209,12 +209,17 @@ class ParameterServer:
                                     f"{row % self.servers}, not this one; workers and servers disagree on the number "
                                     f"of servers")
 
+    def _local(self, ids: Tensor) -> Tensor:
+        """This shard's storage rows of group rows ``ids`` (row ``g`` lives at ``g // S`` on shard
+        ``g % S``); one server's are the ids themselves, not a copy."""
+        return ids if self.servers == 1 else ids // self.servers
+
     def _pull(self, src: int, step: int, g: int, ids: Tensor) -> None:
         err = self._check(g, ids)
         if err is not None:
             self._error(src, *err)
             return
-        local = ids if self.servers == 1 else ids // self.servers  # (one server: the rows are the ids)
+        local = self._local(ids)
         if self.mode is PSMode.SYNC and step > self.applied[g]:
             self.deferred[g].append((src, step, local))  # answered once step - 1 is applied
             return
@@ -296,7 +301,7 @@ class ParameterServer:
             summed = torch.zeros(unique.numel(), group.dim).index_add_(0, inverse, torch.cat([p[1] for p in parts]))
         if scale != 1.0:
             summed *= scale
-        group.pending.set(SparseGrad(unique if self.servers == 1 else unique // self.servers, summed, RowSpace.LOCAL))
+        group.pending.set(SparseGrad(self._local(unique), summed, RowSpace.LOCAL))
         opt.step_group(group)
         self.updated_rows += unique.numel()
 
