@@ -114,6 +114,8 @@ def test_device_lookups_train_the_same_with_either_dedup_and_any_prefetch(monkey
     monkeypatch.setattr(group_module, "PARALLEL_DEDUP_THREADS", 1_000)  # the serial dedup: the reference
     ref, ref_outs = _device_training(None)
     monkeypatch.undo()
+    # the parallel dedup at any thread count (under OMP_NUM_THREADS=1 numba's pool holds one thread)
+    monkeypatch.setattr(group_module, "PARALLEL_DEDUP_THREADS", 1)
     calls = []
     original = dedup_kernels().dedup_unique
     monkeypatch.setattr(dedup_kernels(), "dedup_unique", lambda *a: calls.append(a) or original(*a))

@@ -256,6 +256,12 @@ def test_results_do_not_depend_on_the_thread_count():
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: there is no second thread count to compare")
+    set_num_threads(2)
+    try:
+        if num_threads() < 2:  # numba's pool was sized to one thread (OMP_NUM_THREADS=1, as under pytest -n on a GPU host)
+            pytest.skip("numba's thread pool holds one thread: there is no second thread count to compare")
+    finally:
+        set_num_threads(None)
     counts = []
     one = _train(1, on_step=lambda: counts.append(num_threads()))[0]
     two = _train(2, on_step=lambda: counts.append(num_threads()))[0]
