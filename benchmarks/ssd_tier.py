@@ -176,14 +176,15 @@ def dataclass_counts(cache) -> tuple[int, int, int, int, int]:
     return (s.hits, s.misses, s.evictions, s.write_backs, s.staged) if s else (0, 0, 0, 0, 0)
 
 
-def case(args, storage: str, dist: str, policy: str = "lfu") -> dict:
+def case(args, storage: str, dist: str, policy: str = "lfu", env: dict[str, str] | None = None) -> dict:
+    """One case in a fresh process; ``env``: variables set for it (both sides of an interleaved case)."""
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         cmd = [sys.executable, __file__, "--one", storage, dist, policy, "--rows", str(args.rows), "--dim", str(args.dim),
                "--cache", str(args.cache), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", d,
                "--mapped-gib", str(args.mapped_gib)]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, **(env or {})})
         result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(storage, dist, policy, result, file=sys.stderr)
+    print(storage, dist, policy, env or "", result, file=sys.stderr)
     return result
 
 
@@ -234,6 +235,10 @@ def main() -> None:
         result[dist]["interleaved"] = case(args, "interleaved", dist)
     result["ssd_over_memory_zipf"] = result["zipf"]["interleaved"]["ssd_over_memory"]
     result["ssd_over_memory_uniform"] = result["uniform"]["interleaved"]["ssd_over_memory"]
+    # the same with OpenMP's idle threads asleep rather than spinning (torch's and numba's pools spin after each
+    # parallel region and take the cores the tier's writer and I/O threads need: docs/ssd-tier.md)
+    result["zipf"]["interleaved_passive"] = case(args, "interleaved", "zipf", env={"OMP_WAIT_POLICY": "PASSIVE"})
+    result["ssd_over_memory_zipf_passive"] = result["zipf"]["interleaved_passive"]["ssd_over_memory"]
     result["hit_rate_zipf_lfu"] = result["zipf"]["ssd"]["hit_rate"]
     if not args.ratio_only:
         result["zipf_lru"] = case(args, "ssd", "zipf", "lru")

@@ -15,6 +15,8 @@ import ctypes
 import numpy as np
 from numba import njit, prange
 
+from hetero._intrinsics import prefetch
+
 _libc = ctypes.CDLL(None)
 _memcpy = _libc.memcpy
 _memcpy.restype = ctypes.c_void_p
@@ -24,6 +26,7 @@ _pread.restype = ctypes.c_ssize_t
 _pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
 
 EMPTY = -1  # a free key of the map, a free slot's row
+AHEAD = 8  # rows a pass prefetches ahead
 
 
 @njit(nogil=True, cache=False)
@@ -161,21 +164,41 @@ def pack(records, slots, fields, offsets):
             records[i, offsets[k] : offsets[k] + f.shape[1]] = f[s, :]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, parallel=True)
 def relocate(rows, positions, live, live_bits, segment, first):
-    """The rows ``rows`` now in store slots ``first, first + 1, ...``: each one's previous slot
+    """The unique rows ``rows`` now in store slots ``first, first + 1, ...``: each one's previous slot
     (``positions[row]``, -1: none) leaves its segment's ``live`` count and the live slots' bits
     (``live_bits``, bit ``slot % 8`` of byte ``slot // 8``), and ``positions`` points at the new
-    slot, whose bit is set."""
-    for i in range(rows.shape[0]):
+    slot, whose bit is set.
+
+    The row index (8 bytes a row: a random access a row into the largest array) over the cores,
+    prefetched; the counts and bits (a bit a slot, small enough for the caches) in one serial pass
+    after it, since two old slots may share a byte: 1.0-1.1 ms for 48k rows of 5.2M on 2 cores, against
+    3.5-3.9 ms in one serial pass (session 35, alternating in one process)."""
+    n = rows.shape[0]
+    old = np.empty(n, np.int64)
+    for i in prange(n):  # (distinct rows: no two iterations touch one position)
+        if i + AHEAD < n:
+            prefetch(positions, rows[i + AHEAD])
         r = rows[i]
-        old = positions[r]
-        if old >= 0:
-            live[old // segment] -= 1
-            live_bits[old >> 3] &= np.uint8(255 ^ (1 << (old & 7)))
+        old[i] = positions[r]
+        positions[r] = first + i
+    for i in range(n):
+        o = old[i]
+        if o >= 0:
+            live[o // segment] -= 1
+            live_bits[o >> 3] &= np.uint8(255 ^ (1 << (o & 7)))
         new = first + i
-        positions[r] = new
         live_bits[new >> 3] |= np.uint8(1 << (new & 7))
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def take_slots(slots, keep, out):
+    """``out[i] = slots[keep[i]]`` for each ``i`` (whole slots: ``(n, slot_bytes)`` uint8), over the cores:
+    the live slots the cleaner moves (0.3-0.7 ms for 32k slots of 140 bytes on 2 cores, against 1.7 ms
+    with ``np.take``, session 35)."""
+    for i in prange(keep.shape[0]):
+        out[i, :] = slots[keep[i], :]
 
 
 @njit(nogil=True, cache=True)

@@ -82,6 +82,15 @@ class SegmentMaps:
             self.bases[s] = addr
             self.mapped += self.length
 
+    def slots(self, s: int, count: int, slot_bytes: int) -> np.ndarray | None:
+        """The first ``count`` slots of segment ``s`` as a read-only ``(count, slot_bytes)`` uint8 view of
+        its mapping (valid until it is let go), ``None`` where it is not mapped."""
+        if not self.bases[s]:
+            return None
+        view = np.frombuffer((ctypes.c_uint8 * (count * slot_bytes)).from_address(int(self.bases[s])), np.uint8)
+        view.flags.writeable = False  # (PROT_READ: a write would fault)
+        return view.reshape(count, slot_bytes)
+
     def unmap(self, s: int) -> None:
         with self.lock:
             self.unmap_locked(s)

@@ -29,37 +29,32 @@ APPEND_CHUNK = 1 << 16  # records appended per piece (bounds the staging buffer 
 
 
 class RowFile:
-    """``rows`` records of ``layout`` in a log-structured store: the directory ``path`` (created; a
-    directory there is replaced: it is scratch space of one run) of segment files; the initial
-    records ``init(lo, hi)`` (``(hi - lo, record_bytes)`` uint8; default zeros), or none
-    (``empty``: :func:`hetero.storage.snapshot.restore` fills the store); ``segment``: slots per
-    segment (default: from ``rows``).
+    """``rows`` records of ``layout`` in a log-structured store: the directory ``path`` (created; a directory there is
+    replaced: it is scratch space of one run) of segment files; the initial records ``init(lo, hi)`` (``(hi - lo,
+    record_bytes)`` uint8; default zeros), or none (``empty``: :func:`hetero.storage.snapshot.restore` fills the
+    store); ``segment``: slots per segment (default: from ``rows``).
 
-    The store is a sequence of segments of ``segment`` slots, each segment a file of its own; a
-    slot holds a record and, before it, its row (int64). ``positions[r]`` is the slot (segment *
-    ``segment`` + index) of row ``r``'s current record. Writes append (:meth:`write`,
-    :meth:`store`): sequential writes into the current segment, whatever rows they hold; the
-    record a row had before becomes garbage. When a new segment is needed and the store already
-    holds ``GC_RATIO`` times as many slots as rows, the segment with the fewest live records is
-    cleaned first - read in one piece, its live records appended, its file deleted and the
-    segment number reused by a new file (greedy cleaning of a log-structured file system,
-    Rosenblum & Ousterhout 1992). The store stays under ``GC_RATIO`` times its live slots (plus
-    one segment), and the cleaner copies few records: a segment of cold rows never written back
-    stays full and is never cleaned. (Writing records in place was measured first: 7k samples/s,
-    ``docs/ssd-tier.md``.) A bit a slot tells the live ones (the cleaner's scan).
+    The store is a sequence of segments of ``segment`` slots, each segment a file of its own; a slot holds a record
+    and, before it, its row (int64). ``positions[r]`` is the slot (segment * ``segment`` + index) of row ``r``'s
+    current record. Writes append (:meth:`write`, :meth:`store`): sequential writes into the current segment,
+    whatever rows they hold; the record a row had before becomes garbage. When a new segment is needed and the store
+    already holds ``GC_RATIO`` times as many slots as rows, the segment with the fewest live records is cleaned
+    first - its live slots (a bit a slot tells them) read from its mapping, else from its file read whole, and
+    appended, its file deleted and the segment number reused by a new file (greedy cleaning of a log-structured
+    file system, Rosenblum & Ousterhout 1992). The store stays under ``GC_RATIO`` times its live slots (plus one
+    segment), and the cleaner copies few records: a segment of cold rows never written back stays full and is never
+    cleaned. (Writing records in place was measured first: 7k samples/s, ``docs/ssd-tier.md``.)
 
-    A segment file is only ever appended to, and only while it is the current segment; after
-    :meth:`seal` no file of the store changes again (the cleaner deletes and creates files, it
-    never rewrites one): a checkpoint hard-links them (:mod:`hetero.storage.snapshot`). Each
-    segment's CRC-32 is kept as it is written.
+    A segment file is only ever appended to, and only while it is the current segment; after :meth:`seal` no file of
+    the store changes again (the cleaner deletes and creates files, it never rewrites one): a checkpoint hard-links
+    them (:mod:`hetero.storage.snapshot`). Each segment's CRC-32 is kept as it is written.
 
-    Thread contract: one thread at a time (the cache's owner), except :meth:`stage`, which a
-    prefetch worker may call at the same time (it reads only, and its records are checked when
-    used); the calls wait for their I/O threads.
+    Thread contract: one thread at a time (the cache's owner), except :meth:`stage`, which a prefetch worker may
+    call meanwhile (it reads only; its records are checked when used); calls wait for their I/O threads.
 
     Raises:
-        OSError: a failed read or write, naming the file, the record and the system's reason
-            (``ENOSPC``, ``EIO``, ``EFBIG``) and the fix.
+        OSError: a failed read or write, naming the file, the record, the system's reason (``ENOSPC``, ``EIO``,
+            ``EFBIG``) and the fix.
     """
 
     HEADER = 8  # the row of a slot, int64
@@ -225,30 +220,35 @@ class RowFile:
             return False
         if self.writer.written[victim] < self.sizes[victim]:
             self.writer.drain()  # (its records are read back from its file)
-        buf = np.empty((int(self.sizes[victim]) // self.slot_bytes, self.slot_bytes), np.uint8)
-        try:
-            got = os.preadv(int(self.fds[victim]), [buf], 0)
-        except OSError as e:
-            raise self._error(e, "reading", -1, victim) from None
-        keep = io_kernels().live_slots(self.live_bits, victim * self.segment, got // self.slot_bytes)
+        count = int(self.sizes[victim]) // self.slot_bytes
+        keep = io_kernels().live_slots(self.live_bits, victim * self.segment, count)
         assert keep.shape[0] == self.live[victim], (victim, keep.shape[0], self.live[victim])
-        # free before the move: its records are in memory now, and the move may need its space
+        slots = self.maps.slots(victim, count, self.slot_bytes)  # (a view of its mapping; else read whole)
+        if slots is None:
+            slots = np.empty((count, self.slot_bytes), np.uint8)
+            try:
+                got = os.preadv(int(self.fds[victim]), [slots], 0)
+            except OSError as e:
+                raise self._error(e, "reading", -1, victim) from None
+            if got < slots.nbytes:
+                raise OSError(f"{self.segment_path(victim)} is shorter than its {count} slots (the store is damaged)")
+        n, moved = keep.shape[0], self.writer.buffer(keep.shape[0])  # (pooled: no fresh pages a cleaning)
+        io_kernels().take_slots(slots, keep, moved[:n])  # then free it before the move, which may need its space
         self.generation[victim] += 1  # (before it is reused: records staged from it are then refused)
         self._drop(victim)
         self._free.append(victim)
         self._cleaning = True
         try:  # (the live slots as they are, headers and records)
-            self._append_slots(np.ascontiguousarray(buf[keep, : self.HEADER]).view(np.int64).reshape(-1), buf[keep],
-                               stream=1)
+            self._append_slots(np.ascontiguousarray(moved[:n, : self.HEADER]).view(np.int64).reshape(-1), moved[:n],
+                               moved, stream=1)
         finally:
             self._cleaning = False
         self.cleaned += 1
         return True
 
     def _drop(self, s: int) -> None:
-        """Let segment ``s``'s file go: kept open to be written again (:meth:`_open`) where this
-        store made it and no snapshot links it; else closed and deleted (a checkpoint's link to it
-        keeps its bytes, which are never written again)."""
+        """Let segment ``s``'s file go: kept open to be written again (:meth:`_open`) where this store made it and no
+        snapshot links it; else closed and deleted (a checkpoint's link to it keeps its bytes, never written again)."""
         if self._owned[s] and os.fstat(int(self.fds[s])).st_nlink == 1:
             return
         self.maps.unmap(s)
