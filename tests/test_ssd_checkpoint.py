@@ -72,6 +72,24 @@ def test_a_flipped_byte_in_a_segment_or_the_index_is_named_on_load(tmp_path):
         snapshot.verify(tmp_path / "ckpt")
 
 
+def test_a_snapshots_checksums_are_zlibs_crc32_of_its_files(tmp_path):
+    # the writer keeps each segment's CRC-32 as it appends (computed by zlib-ng): the checkpoint format's
+    # checksum is zlib's CRC-32, checked here against the standard library's over the files' bytes
+    import json
+    import zlib
+
+    ssd, opt = _ssd(tmp_path, "run")
+    _train(ssd, opt, _batches(10))
+    manifest = _group(ssd).ssd_checkpoint(tmp_path / "ckpt")
+    assert manifest["segments"]
+    for name, (size, crc) in manifest["segments"].items():
+        data = (tmp_path / "ckpt" / name).read_bytes()
+        assert (len(data), zlib.crc32(data)) == (size, crc), name
+    on_disk = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    index, size, crc = on_disk["index"]
+    assert zlib.crc32((tmp_path / "ckpt" / index).read_bytes()) == crc
+
+
 def test_snapshots_of_two_shards_restore_into_one_store_and_back(tmp_path):
     # another world size: one store's rows cut into the two halves of two ranks, and those two
     # snapshots read back into one store

@@ -25,12 +25,12 @@ import errno
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from zlib_ng import zlib_ng
 
 from hetero.checkpoint.io import CheckpointError, fsync_path
 from hetero.storage.layout import Field, RecordLayout
@@ -78,8 +78,8 @@ def write(file: RowFile, dest: str | os.PathLike, extra: dict[str, Any] | None =
         segments[name] = [int(file.sizes[s]), file.crcs[s]]
     index = file.positions.view(np.uint8)
     manifest = {"format": FORMAT, "fields": _layout_to_json(file.layout), "rows": file.rows, "segment": file.segment,
-                "slot_bytes": file.slot_bytes, "segments": segments, "index": [INDEX, index.nbytes, zlib.crc32(index)],
-                "extra": extra or {}}
+                "slot_bytes": file.slot_bytes, "segments": segments,
+                "index": [INDEX, index.nbytes, zlib_ng.crc32(index)], "extra": extra or {}}
     try:
         with open(dest / INDEX, "wb") as f:
             f.write(memoryview(index))
@@ -121,7 +121,7 @@ def _crc(path: Path) -> tuple[int, int]:
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
             size += len(chunk)
-            crc = zlib.crc32(chunk, crc)
+            crc = zlib_ng.crc32(chunk, crc)
     return size, crc
 
 
