@@ -258,7 +258,7 @@ def test_results_do_not_depend_on_the_thread_count():
         pytest.skip("one core: there is no second thread count to compare")
     set_num_threads(2)
     try:
-        if num_threads() < 2:  # numba's pool was sized to one thread (OMP_NUM_THREADS=1, as under pytest -n on a GPU host)
+        if num_threads() < 2:  # numba's pool was sized to one thread (OMP_NUM_THREADS=1, as under pytest -n)
             pytest.skip("numba's thread pool holds one thread: there is no second thread count to compare")
     finally:
         set_num_threads(None)

@@ -363,9 +363,8 @@ def test_row_sharded_ssd_tables_at_2_ranks_stopped_and_resumed_train_as_in_memor
 
     ends = []
     for name, extra, half in (("mem_one", (), "mem_resumed_half"), ("ssd_one", ssd_args, "ssd_half")):
-        common = [*args, "--run-dir", str(tmp_path / name), *extra]
         shutil.copytree(tmp_path / half, tmp_path / name)  # (the 2-rank first half above: copied, not rerun)
-        assert main([*common, "--resume"]) == 0
+        assert main([*args, "--run-dir", str(tmp_path / name), *extra, "--resume"]) == 0
         ends.append(load_whole(tmp_path / name / "checkpoint.pt"))
     assert ends[0]["position"] == ends[1]["position"] == reference["position"]
     for k in ends[0]["model"]:
