@@ -39,6 +39,12 @@ def in_turn(runs: dict[str, Callable[[Sequence], object]], parts: Sequence[Seque
     in one process: each part handed to every run in turn, which one first rotating part by part,
     the median over the parts. The sides of a ratio see the same machine (a VM's speed can move
     by half between processes)."""
+    return {k: float(np.median(v)) for k, v in in_turn_seconds(runs, parts).items()}
+
+
+def in_turn_seconds(runs: dict[str, Callable[[Sequence], object]], parts: Sequence[Sequence]) -> dict[str, list[float]]:
+    """:func:`in_turn`'s seconds per item of every part, in the parts' order: a ratio of two runs
+    is best the median of their ratios part by part, each pair timed within moments."""
     seconds: dict[str, list[float]] = {k: [] for k in runs}
     order = list(runs)
     for i, part in enumerate(parts):
@@ -46,7 +52,7 @@ def in_turn(runs: dict[str, Callable[[Sequence], object]], parts: Sequence[Seque
             t0 = time.perf_counter()
             runs[name](part)
             seconds[name].append((time.perf_counter() - t0) / len(part))
-    return {k: float(np.median(v)) for k, v in seconds.items()}
+    return seconds
 
 
 def serve(step: Callable, batches: Sequence, warmup: int) -> None:

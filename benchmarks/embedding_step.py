@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
-from _workload import id_arrays, in_turn, timed  # noqa: E402
+from _workload import id_arrays, in_turn_seconds, timed  # noqa: E402
 
 from hetero.dynamic import Keys  # noqa: E402
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig  # noqa: E402
@@ -106,7 +106,8 @@ def dynamic_rates(rows: int, steps: int, warmup: int, block: int = 5) -> dict:
     """Fixed against dynamic at ``rows`` distinct keys, per optimizer: lookups/s of the fixed table,
     a dynamic table that holds every key (``held``: lookup + update at ``rows`` keys) and one that
     admits them as they come (``arriving``: at 10M keys, two thirds of a step's distinct keys are
-    new), all three in one process taking turns of ``block`` steps (:func:`_workload.in_turn`)."""
+    new), all three in one process taking turns of ``block`` steps (:func:`_workload.in_turn_seconds`); a
+    ratio is the median over the turns of the two tables' ratio in one turn."""
     rng = np.random.default_rng(1)
     keys = rng.integers(-(2**62), 2**62, rows)  # the raw keys; the fixed table's id of keys[i] is i
     index = id_batches("zipf", rows, warmup + steps)
@@ -131,13 +132,15 @@ def dynamic_rates(rows: int, steps: int, warmup: int, block: int = 5) -> dict:
             run(range(warmup))
             runs[mode] = run
         parts = [range(i, i + block) for i in range(warmup, warmup + steps - block + 1, block)]
-        rate = {k: B * F / v for k, v in in_turn(runs, parts).items()}
+        seconds = {k: np.array(v) for k, v in in_turn_seconds(runs, parts).items()}
+        rate = {k: B * F / float(np.median(v)) for k, v in seconds.items()}
+        # each ratio: the median over the turns of the fixed table's seconds over the other's, in one turn
+        ratio = {k: float(np.median(seconds["fixed"] / seconds[k])) for k in ("held", "arriving")}
         out[kind.value] = {f"{k}_lookups_per_s": v for k, v in rate.items()}
-        out[kind.value].update(held_over_fixed=rate["held"] / rate["fixed"],
-                               arriving_over_fixed=rate["arriving"] / rate["fixed"])
+        out[kind.value].update(held_over_fixed=ratio["held"], arriving_over_fixed=ratio["arriving"])
         print(f"{rows:>9d} keys {kind.value:16s} fixed {rate['fixed'] / 1e6:6.2f} M/s held {rate['held'] / 1e6:6.2f} "
-              f"({rate['held'] / rate['fixed']:.2f}) arriving {rate['arriving'] / 1e6:6.2f} "
-              f"({rate['arriving'] / rate['fixed']:.2f})", file=sys.stderr)
+              f"({ratio['held']:.2f}) arriving {rate['arriving'] / 1e6:6.2f} ({ratio['arriving']:.2f})",
+              file=sys.stderr)
         del runs
     return out
 

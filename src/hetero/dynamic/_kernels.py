@@ -9,6 +9,7 @@ over a batch's keys prefetch the entries ``AHEAD`` keys in advance (as the embed
 do): a batch's keys are random accesses into tables larger than the caches.
 """
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -83,70 +84,96 @@ def _sketch(key, sketch, add):
 PROBE_CHUNK = 4096  # keys per unit of the probe pass handed to a thread
 
 
-@njit(cache=True, inline="always")
-def _probe_chunk(keys, slots, out, lo, hi, stat, warm):
-    """``out[i]`` for ``i`` in ``[lo, hi)``: the row of ``keys[i]``, or -1; the keys' home slots
-    computed first, then each prefetched ``AHEAD`` keys in advance of its probe. With ``warm``, a
-    found row's ``stat`` entry is prefetched too, for :func:`_count` on one core to find in the
-    shared cache. Both passes over 106k Zipf keys, the caches flushed between batches as a step's
-    other work does, A/B in one process: 1.8-1.9 -> 1.5-1.65 ms at 1M keys in six runs; at 10M,
-    1.8-2.0 -> 1.5-1.7 in three runs of four, 2.0 -> 2.2 in the fourth."""
-    homes = np.empty(hi - lo, np.intp)
-    for i in range(lo, hi):
-        homes[i - lo] = _home(keys[i], slots)
-    for i in range(lo, hi):
-        if i + AHEAD < hi:
-            prefetch(slots, homes[i + AHEAD - lo])
-        r = slots[_probe(keys[i], homes[i - lo], slots), 1]
-        out[i] = r
-        if warm and r >= 0:
-            prefetch(stat, r)
+@njit(cache=True, parallel=True)
+def _rows(keys, slots, out):
+    """``out[i]``: the row of ``keys[i]``, or -1 (read-only: over every core, in chunks of
+    ``PROBE_CHUNK`` keys whose home slots are computed first, then each prefetched ``AHEAD`` keys
+    in advance of its probe)."""
+    n = keys.shape[0]
+    for c in prange((n + PROBE_CHUNK - 1) // PROBE_CHUNK):
+        lo, hi = c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK)
+        homes = np.empty(hi - lo, np.intp)
+        for i in range(lo, hi):
+            homes[i - lo] = _home(keys[i], slots)
+        for i in range(lo, hi):
+            if i + AHEAD < hi:
+                prefetch(slots, homes[i + AHEAD - lo])
+            out[i] = slots[_probe(keys[i], homes[i - lo], slots), 1]
+
+
+SLOT_LINE = 2  # log2 of the map's slots a cache line holds: the unit by which _found splits keys over threads
 
 
 @njit(cache=True, parallel=True)
-def _rows(keys, slots, out, stat, warm):
-    """``out[i]``: the row of ``keys[i]``, or -1 (read-only: over every core, in chunks); ``warm``:
-    prefetch the found rows' ``stat`` entries (a training lookup, which counts them next)."""
+def _found(keys, out, slots, stat, step, parts):
+    """A training lookup's probe and count in one pass: ``out[i]``, the row of ``keys[i]`` or -1;
+    each found row's use count incremented (saturating at ``SATURATED``) and its last step set to
+    ``step``. Returns how many keys have no row.
+
+    The keys are split over ``parts`` threads (a power of two) by the cache line of their home
+    slot, so every occurrence of a key, and so every count of its row, falls to one thread: no
+    atomic adds, and a Zipf batch's hot rows stay in one core's cache (two cores counting them
+    with atomic adds passed their lines back and forth: 0.80 against 0.55 ms on one core, 106k
+    keys of a 1M-key map). Each thread picks its keys out of the batch without a branch, then
+    probes them with the slots prefetched ``AHEAD`` keys in advance and counts each ``AHEAD``
+    keys after its probe, once its row's entry, prefetched at the probe, has arrived (two misses
+    a key in flight, where a probe pass and then a count pass waited on the second in turn).
+    Against that pair of passes (the probe on both cores, the count on one), alternating in one
+    process, 106k Zipf keys of a held map, the caches flushed between batches (medians): 2.15 ->
+    1.78 and 2.30 -> 1.93 ms at 1M keys, 2.00 -> 1.76 ms at 10M."""
     n = keys.shape[0]
+    homes = np.empty(n, np.intp)
     for c in prange((n + PROBE_CHUNK - 1) // PROBE_CHUNK):
-        _probe_chunk(keys, slots, out, c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK), stat, warm)
+        for i in range(c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK)):
+            homes[i] = _home(keys[i], slots)
+    low = parts - 1
+    missing = 0
+    for p in prange(parts):
+        own = np.empty(n, np.int64)  # this thread's keys, in the batch's order (picked without a branch)
+        m = 0
+        for i in range(n):
+            own[m] = i
+            m += ((homes[i] >> SLOT_LINE) & low) == p
+        miss = 0
+        for j in range(m + AHEAD):
+            if j < m:
+                if j + AHEAD < m:
+                    prefetch(slots, homes[own[j + AHEAD]])
+                i = own[j]
+                r = slots[_probe(keys[i], homes[i], slots), 1]
+                out[i] = r
+                if r >= 0:
+                    prefetch(stat, r)
+            if j >= AHEAD:
+                r = out[own[j - AHEAD]]
+                if r >= 0:
+                    if stat[r, 0] < SATURATED:
+                        stat[r, 0] += 1
+                    stat[r, 1] = step
+                else:
+                    miss += 1
+        missing += miss
+    return missing
 
 
 @njit(cache=True)
-def _count(keys, out, stat, sketch, step, by_count):
-    """Count and stamp the rows of the keys :func:`_rows` found (``out[i] >= 0``; their entries
-    prefetched ``AHEAD`` keys in advance) and, with ``by_count``, count the others in the sketch
-    (their four counters prefetched likewise), saturating at ``SATURATED``.
-
-    One core, not every core: a Zipf batch's hot rows are counted many times a batch, so two
-    cores counting them with atomic adds pass their cache lines back and forth; the probe in
-    parallel and then this pass took 0.55 ms against 0.80 ms for 106k keys of a 1M-key map
-    (0.73 against 1.0-1.1 at 10M), in one process on the 2-core benchmark machine."""
+def _count_unknown(keys, out, sketch):
+    """Count the keys without a row (``out[i] < 0``) in the admission sketch, on one core."""
     n = keys.shape[0]
-    width = sketch.shape[1]
-    mask = np.uint64(width - 1)
+    mask = np.uint64(sketch.shape[1] - 1)
     for i in range(n):
-        if i + AHEAD < n:
-            ahead = out[i + AHEAD]
-            if ahead >= 0:
-                prefetch(stat, ahead)
-            elif by_count:
-                h = mix(np.uint64(keys[i + AHEAD]) ^ GOLDEN)
-                h1, h2 = h & np.uint64(0xFFFFFFFF), (h >> np.uint64(32)) | np.uint64(1)
-                for d in range(sketch.shape[0]):
-                    prefetch(sketch[d], np.intp((h1 + np.uint64(d) * h2) & mask))
-        r = out[i]
-        if r >= 0:
-            if stat[r, 0] < SATURATED:
-                stat[r, 0] += 1
-            stat[r, 1] = step
-        elif by_count:
+        if i + AHEAD < n and out[i + AHEAD] < 0:
+            h = mix(np.uint64(keys[i + AHEAD]) ^ GOLDEN)
+            h1, h2 = h & np.uint64(0xFFFFFFFF), (h >> np.uint64(32)) | np.uint64(1)
+            for d in range(sketch.shape[0]):
+                prefetch(sketch[d], np.intp((h1 + np.uint64(d) * h2) & mask))
+        if out[i] < 0:
             _sketch(keys[i], sketch, True)
 
 
 def lookup(keys, out, slots, default_row):
     """Rows of ``keys`` without changing anything (evaluation): a key with no row reads ``default_row``."""
-    _rows(keys, slots, out, np.empty((0, 2), np.int32), False)
+    _rows(keys, slots, out)
     out[out < 0] = default_row
 
 
@@ -250,8 +277,13 @@ def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_
 
     ``admitted`` receives ``(row, key)`` pairs from ``admitted[0, 0]`` + 1 on (sized by the caller),
     ``evicted[0]`` the count of evictions; ``stats`` += (admitted, evicted, default lookups)."""
-    _rows(keys, slots, out, stat, True)
-    _count(keys, out, stat, sketch, step, admit_below == 0 and admit_after > 1)  # (admit_after 1: admitted uncounted)
+    parts = 1  # threads of the pass, a power of two (a thread's keys by a mask, not a division a key)
+    while parts * 2 <= numba.get_num_threads():
+        parts *= 2
+    if not _found(keys, out, slots, stat, step, parts):
+        return  # every key has a row
+    if admit_below == 0 and admit_after > 1:  # (admit_after 1: keys admitted uncounted)
+        _count_unknown(keys, out, sketch)
     before = evicted[0]
     _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
            default_row, admitted, evicted, stats)
