@@ -40,6 +40,7 @@ from hetero.models.dlrm import DLRM, DLRMConfig  # noqa: E402
 from hetero.models.wide_deep import FeatureSlot  # noqa: E402
 from hetero.optim import SparseOptimizerKind  # noqa: E402
 from hetero.placement import Target, resolve_device  # noqa: E402
+from hetero.placement.memory import retain_freed_memory  # noqa: E402
 
 B, F, K, D = 4096, 26, 13, 16
 CONFIG = DLRMConfig(embedding_dim=D, bottom=(512, 256, 64), top=(512, 256))
@@ -122,6 +123,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=10, help="steps a block")
     p.add_argument("--name", default="dlrm_step")
     args = p.parse_args()
+    retain_freed_memory()  # (as the hetero command does: a step's freed buffers are not faulted in again)
     result = {"rows_per_table": args.rows, "tables": F, "dim": D, "batch_size": B, "bottom": list(CONFIG.bottom),
               "top": list(CONFIG.top), "optimizer": "adam + rowwise_adagrad", "block": args.block,
               "threads": torch.get_num_threads()}

@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 from _workload import in_turn  # noqa: E402
 
+from hetero.placement.memory import retain_freed_memory  # noqa: E402
+
 B, F = 4096, 26
 BLOCK = 5  # steps a block of the interleaved ratio
 
@@ -217,6 +219,7 @@ def main() -> None:
                    help="the same-run ratios alone (memory and SSD tier, both distributions): no LRU, prefetch or disk rate")
     p.add_argument("--one", nargs=3, metavar=("STORAGE", "DIST", "POLICY"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    retain_freed_memory()  # (as the hetero command does: a step's freed buffers are not faulted in again)
     if args.one and args.one[0] == "interleaved":
         print(json.dumps(interleaved(*args.one[1:], args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir,
                                      args.mapped_gib)))

@@ -134,6 +134,7 @@ _HEADLINES = {
     "dlrm_step_serial_dedup": ["full_over_dense_zipf", "prefetch_over_dense_zipf", "zipf.samples_per_s.dense"],
     "ps_transport": ["gloo_bytes_per_s.4194304", "copy_bytes_per_s.4194304", "gloo_over_copy_4mib"],
     "ssd_tier_200k": ["ssd_over_memory_zipf", "ssd_over_memory_uniform", "hit_rate_zipf_lfu"],
+    "ssd_tier_200k_retained": ["ssd_over_memory_zipf", "ssd_over_memory_uniform", "ssd_over_memory_zipf_passive"],
     "peers_avx512": ["cpu.isa", "ratios.rowwise_adagrad_vs_fbgemm.ratio", "ratios.sgd_vs_fbgemm.ratio",
               "ratios.adagrad_vs_fbgemm.ratio", "ratios.lazy_adam_vs_torch_sparse_adam.ratio",
               "ratios.per_id_vs_pooled.ratio"],
@@ -205,7 +206,10 @@ def benchmarks() -> str:
         "On the 2-core VM the same code's memory-bound rates move by up to half from one process to the next (the "
         "in-memory SSD-tier baseline: 221k to 380k samples/s on 2026-11-27; the VM runs DAMON's proactive reclaim, "
         "`kdamond` with a `pageout` scheme, and shares its host), so where a benchmark can, its headline ratio comes "
-        "from one process running both sides in turn (`ssd_tier`, `dlrm_step`, `embedding_step --dynamic`).",
+        "from one process running both sides in turn (`ssd_tier`, `dlrm_step`, `embedding_step --dynamic`). Part of "
+        "that spread was glibc returning a step's freed buffers to the kernel in some processes and not others (up "
+        "to 6,624 page faults a step); since 2026-11-28 those benchmarks keep freed memory, as `hetero` does "
+        "([placement.md](placement.md#host-memory)), and the spread remains.",
         "",
         *rows,
         "",

@@ -30,6 +30,7 @@ from hetero.cli.plan import plan_job
 from hetero.cli.predict import PredictCommand, run_predict
 from hetero.cli.train import run_train
 from hetero.config.manager import load_job
+from hetero.placement.memory import retain_freed_memory
 from hetero.checkpoint import save_checkpoint
 from hetero.checkpoint.sharded import read_full, resolve
 from hetero.serving import export
@@ -122,6 +123,7 @@ def main(argv: Sequence[str] | None = None, on_step=None) -> int:  # noqa: ANN00
         print(f"hetero: error: {e}", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    retain_freed_memory()  # (this process is the command's: a step's freed buffers stay mapped for the next)
     if command == "train":
         return run_train(job, on_step)
     if command == "plan":

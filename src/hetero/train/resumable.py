@@ -24,6 +24,7 @@ from hetero.parallel import (
     full_model_state, full_optimizer_state, global_rank, global_shapes, load_full_optimizer_state, local_model_state,
 )
 from hetero.parallel.checkpoint_state import check_key_ranks, restore_keymaps
+from hetero.placement.memory import returning_freed_memory
 from hetero.record import RECORD_KEY, check_record
 from hetero.train.checkpointing import (
     read_extra, sharded_state, stage_optimizer_state, whole_model_shapes, whole_model_state, whole_optimizer_state,
@@ -183,20 +184,23 @@ class TrainerCheckpoints:
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
             if self.remote:
                 self.ps_job.request_checkpoint(save=True, path=path)  # the servers write their shards
-            return save_sharded(sharded_state(self), path)
+            with returning_freed_memory():
+                return save_sharded(sharded_state(self), path)
         # Every rank builds the state (it gathers row-sharded tables: a collective; a pipeline's
         # stages gather on rank 0 alone); rank 0 writes and the others wait until the file is complete.
-        state = self.state_dict()
-        if self.tier:  # the SSD tier's rows: snapshots in a directory every rank names alike before any writes
-            directory = self.tier.new_directory(path, self.global_step)
-            self.dp.barrier()
-            state["tier"] = self.tier.save(directory)
-            self.dp.barrier()  # every rank's snapshots complete before the file names them
-        if global_rank() == 0:
-            save_checkpoint(state, path)
-            if self.tier:
-                self.tier.clean(path, state["tier"])  # (the earlier saves' snapshots: no file names them now)
-        del state
+        release_free_memory()  # (what the steps kept: the copies below would come on top of it)
+        with returning_freed_memory():  # (the copies below: one-off, back to the system when freed)
+            state = self.state_dict()
+            if self.tier:  # the SSD tier's rows: snapshots in a directory every rank names alike before any writes
+                directory = self.tier.new_directory(path, self.global_step)
+                self.dp.barrier()
+                state["tier"] = self.tier.save(directory)
+                self.dp.barrier()  # every rank's snapshots complete before the file names them
+            if global_rank() == 0:
+                save_checkpoint(state, path)
+                if self.tier:
+                    self.tier.clean(path, state["tier"])  # (the earlier saves' snapshots: no file names them now)
+            del state
         release_free_memory()  # (the whole tables' copies, gathered for the file: back to the system)
         self.dp.barrier()
         return path
