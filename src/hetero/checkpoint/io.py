@@ -7,8 +7,6 @@ crash at any point leaves either the previous checkpoint or the new one, never a
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 
 import os
 import zipfile
@@ -118,17 +116,3 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
-
-
-def release_free_memory() -> None:
-    """Hand the allocator's free memory back to the system (glibc's ``malloc_trim(0)``; nothing
-    elsewhere). A checkpoint's whole-table copies are large, short-lived allocations that glibc
-    keeps in its heaps once its dynamic mmap threshold has grown past them: without this the
-    resident set stays up by the last checkpoint's size (measured: +250 MiB a rank with row-sharded
-    dynamic tables, ``tests/test_memory_growth.py``)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # (not glibc: musl, macOS)
-        return
-    trim(0)

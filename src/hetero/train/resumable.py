@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
-from hetero.checkpoint.io import release_free_memory, write_text_atomic
+from hetero.checkpoint.io import write_text_atomic
 from hetero.checkpoint.sharded import load_sharded, read_bytes, resolve, save_sharded
 from hetero.parallel import (
     full_model_state, full_optimizer_state, global_rank, global_shapes, load_full_optimizer_state, local_model_state,
@@ -188,7 +188,6 @@ class TrainerCheckpoints:
                 return save_sharded(sharded_state(self), path)
         # Every rank builds the state (it gathers row-sharded tables: a collective; a pipeline's
         # stages gather on rank 0 alone); rank 0 writes and the others wait until the file is complete.
-        release_free_memory()  # (what the steps kept: the copies below would come on top of it)
         with returning_freed_memory():  # (the copies below: one-off, back to the system when freed)
             state = self.state_dict()
             if self.tier:  # the SSD tier's rows: snapshots in a directory every rank names alike before any writes
@@ -201,7 +200,6 @@ class TrainerCheckpoints:
                 if self.tier:
                     self.tier.clean(path, state["tier"])  # (the earlier saves' snapshots: no file names them now)
             del state
-        release_free_memory()  # (the whole tables' copies, gathered for the file: back to the system)
         self.dp.barrier()
         return path
 
