@@ -159,9 +159,17 @@ def _rank_main(r, n, port, fn, args, out):
 # session: each rank then starts in milliseconds, not the seconds of a fresh interpreter's
 # `import torch` (with 2 ranks a test, most of the suite's multi-rank time). The server is a
 # fresh interpreter, not pytest's process: no threads, no CUDA, no test state are forked.
+# The modules a run imports when it first needs them are preloaded too: numba and the kernels,
+# scikit-learn's metrics, matplotlib, TensorBoard's writer, torch's compiler stack (torch.optim's
+# first optimizer imports it), pyarrow - 5 s a rank a run when each rank imported them itself. Only
+# imports: nothing here starts a thread (numba's pool starts at a kernel's first parallel call).
 _FORKSERVER = multiprocessing.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint", "hetero",
-                                    "hetero.parallel", "hetero.planner.apply", "hetero.cli"])
+_FORKSERVER.set_forkserver_preload([
+    "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.pipelining",
+    "torch.distributed.fsdp", "torch._dynamo", "torch.utils.tensorboard", "numba", "pyarrow", "pyarrow.compute",
+    "pyarrow.csv", "pyarrow.parquet", "sklearn.metrics", "matplotlib.pyplot", "tqdm.auto", "filelock",
+    "hetero", "hetero.parallel", "hetero.planner.apply", "hetero.cli", "hetero.embedding._numba_kernels",
+    "hetero.dynamic._kernels", "hetero.storage._kernels", "hetero.data._hash_kernels", "hetero.optim._adam_kernels"])
 
 
 def spawn(fn, args=(), nprocs=2, env=None):

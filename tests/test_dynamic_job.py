@@ -22,6 +22,7 @@ dynamic = true
 capacity = 24
 admit_after = 2
 ttl_steps = 6
+sketch_width = 1024
 [[schema.categorical]]
 column = "item"
 dynamic = true
@@ -74,10 +75,15 @@ def test_a_dynamic_feature_trains_resumes_exactly_and_predicts(tmp_path, capsys,
     assert (tmp_path / "straight.csv").read_text() == (tmp_path / "resumed.csv").read_text()
     scores = (tmp_path / "straight.csv").read_text().splitlines()
     assert len(scores) == 401 and len(set(scores[1:])) > 20  # keys read their own rows, not one default row
+    import torch  # the job file's sketch width (16 KiB a table, not the default 16 MiB), kept in the checkpoint
+
+    model = torch.load(tmp_path / "straight" / "checkpoint.pt", map_location="cpu")["model"]
+    assert model["deep.tables.deep_user.keymap.sketch"].shape == (4, 1024)
 
 
 @pytest.mark.parametrize("line, bad, named", [("capacity = 24", "capacity = 0", "capacity"),
                                                ("admit_after = 2", "admit_after = 0", "admit_after"),
+                                               ("sketch_width = 1024", "sketch_width = 1000", "sketch_width"),
                                                ("ttl_steps = 6", "ttl_steps = 6\nhash_buckets = 8", "hash_buckets")])
 def test_bad_dynamic_settings_are_refused_naming_the_feature(tmp_path, capsys, line, bad, named):
     data = tmp_path / "ids.csv"

@@ -113,6 +113,8 @@ class Categorical:
         admit_after: a dynamic feature's sightings before a value gets a row (>= 1).
         ttl_steps: a dynamic feature's rows unseen for more than this many steps are evicted.
         eviction: which rows a full dynamic table gives up first.
+        sketch_width: a dynamic feature's admission-sketch counters per row (a power of two >= 64;
+            ``16 * sketch_width`` bytes, kept in the checkpoint; ``None``: the default, 2**20).
     """
 
     column: str
@@ -128,6 +130,7 @@ class Categorical:
     admit_after: int = 1
     ttl_steps: int | None = None
     eviction: Eviction = Eviction.LFU
+    sketch_width: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", self.name or self.column)
@@ -153,7 +156,7 @@ class Categorical:
     def _check_dynamic(self) -> None:
         name = f"categorical {self.name!r}"
         if not self.dynamic:
-            given = [k for k in ("capacity", "ttl_steps") if getattr(self, k) is not None]
+            given = [k for k in ("capacity", "ttl_steps", "sketch_width") if getattr(self, k) is not None]
             given += ["admit_after"] if self.admit_after != 1 else []
             if given:
                 raise ValueError(f"{name}: {given[0]} is a dynamic feature's setting; add dynamic = true or drop it")
@@ -171,7 +174,8 @@ class Categorical:
             ValueError: a setting out of range, naming the feature and the setting.
         """
         try:
-            return DynamicConfig(admit_after=self.admit_after, ttl_steps=self.ttl_steps, eviction=self.eviction)
+            width = {} if self.sketch_width is None else {"sketch_width": self.sketch_width}
+            return DynamicConfig(admit_after=self.admit_after, ttl_steps=self.ttl_steps, eviction=self.eviction, **width)
         except ValueError as e:
             raise ValueError(f"categorical {self.name!r}: {e}") from None
 
