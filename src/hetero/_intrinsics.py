@@ -36,6 +36,21 @@ def prefetch(typingctx, arr, row):
     return types.void(arr, types.intp), codegen
 
 
+@intrinsic
+def prefetch_address(typingctx, address):
+    """Prefetch the cache line at byte ``address`` (an int64, as a ctypes or numpy data pointer)
+    into L2 (``prefetcht1``); an address not mapped is dropped, never a fault."""
+
+    def codegen(context, builder, sig, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch")
+        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(2), i32(1)])  # read, locality 2, data
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
+
+
 def _atomic(op: str):  # noqa: ANN202 - a codegen function
     """The codegen of an atomic read-modify-write ``op`` (LLVM's ``atomicrmw``) of ``arr[index]``."""
 

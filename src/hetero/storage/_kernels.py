@@ -15,7 +15,7 @@ import ctypes
 import numpy as np
 from numba import njit, prange
 
-from hetero._intrinsics import prefetch
+from hetero._intrinsics import prefetch, prefetch_address
 
 _libc = ctypes.CDLL(None)
 _memcpy = _libc.memcpy
@@ -27,6 +27,7 @@ _pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int6
 
 EMPTY = -1  # a free key of the map, a free slot's row
 AHEAD = 8  # rows a pass prefetches ahead
+GATHER_AHEAD = 16  # records the gather prefetches ahead (each two random accesses of ~140 bytes)
 
 
 @njit(nogil=True, cache=False)
@@ -37,10 +38,27 @@ def gather(bases, fds, written, segment, slot_bytes, header, at, rows, dst, stri
     ``offsets[k]`` to address ``dst[k] + rows[i] * strides[k]``. A segment mapped at ``bases``
     is copied from; one not mapped (0) is read with ``pread`` from ``fds`` into ``scratch`` (a
     record's bytes) first. Returns the first position whose slot is not a written one or whose
-    read failed (nothing copied for it), else ``hi``."""
+    read failed (nothing copied for it), else ``hi``.
+
+    A mapped record and its destination rows are prefetched ``GATHER_AHEAD`` positions ahead: each
+    copy is a random access into the store (a page-cache page) and one into the destination (a row
+    cache far larger than the CPU's caches), so copies one after the other wait for memory in turn."""
     nbytes = slot_bytes - header
     buf = np.int64(scratch.ctypes.data)
     for i in range(lo, hi):
+        j = i + GATHER_AHEAD
+        if j < hi:
+            a = at[j]
+            s = a // segment
+            if 0 <= a and s < bases.shape[0] and bases[s] != 0:
+                src = bases[s] + (a - s * segment) * slot_bytes + header
+                for line in range(0, nbytes, 64):
+                    prefetch_address(src + line)
+                prefetch_address(src + nbytes - 1)
+            r = rows[j]
+            for k in range(dst.shape[0]):
+                prefetch_address(dst[k] + r * strides[k])
+                prefetch_address(dst[k] + r * strides[k] + widths[k] - 1)
         a = at[i]
         s = a // segment
         start = (a - s * segment) * slot_bytes
@@ -146,8 +164,12 @@ def acquire(ids, index, slot_row, meta, dirty, stamp, new_count, hand, slots, mi
 @njit(nogil=True, cache=True, parallel=True)
 def unpack(records, slots, fields, offsets):
     """Record ``i`` into slot ``slots[i]`` of the cache's fields (each ``(capacity, bytes)``
-    uint8; field ``k`` at record byte ``offsets[k]``)."""
-    for i in prange(slots.shape[0]):
+    uint8; field ``k`` at record byte ``offsets[k]``); the slots prefetched ``AHEAD`` ahead."""
+    n = slots.shape[0]
+    for i in prange(n):
+        if i + AHEAD < n:
+            for k in range(len(fields)):
+                prefetch(fields[k], slots[i + AHEAD])
         s = slots[i]
         for k in range(len(fields)):
             f = fields[k]
@@ -156,8 +178,13 @@ def unpack(records, slots, fields, offsets):
 
 @njit(nogil=True, cache=True, parallel=True)
 def pack(records, slots, fields, offsets):
-    """The reverse of :func:`unpack`, over the cores."""
-    for i in prange(slots.shape[0]):
+    """The reverse of :func:`unpack`, over the cores (the write-back of evicted rows: a random read
+    of the cache a row, prefetched ``AHEAD`` ahead)."""
+    n = slots.shape[0]
+    for i in prange(n):
+        if i + AHEAD < n:
+            for k in range(len(fields)):
+                prefetch(fields[k], slots[i + AHEAD])
         s = slots[i]
         for k in range(len(fields)):
             f = fields[k]
