@@ -32,8 +32,8 @@ def _job(tmp_path, dynamic=False):
     dense = "".join(f'[[schema.dense]]\ncolumn = "I{i}"\ntransform = "log1p"\n' for i in range(1, 14))
     # dynamic: a row per admitted value, at most BUCKETS, evicting by age as values come and go
     # (admission sketches of 1 MiB a table, the capacity's width: the default's 16 MiB made a checkpoint 790 MB)
-    rows = f"dynamic = true\ncapacity = {BUCKETS}\nadmit_after = 2\nttl_steps = 2\nsketch_width = {BUCKETS}" if dynamic else \
-        f"hash_buckets = {BUCKETS}"
+    rows = f"dynamic = true\ncapacity = {BUCKETS}\nadmit_after = 2\nttl_steps = 2\nsketch_width = {BUCKETS}" \
+        if dynamic else f"hash_buckets = {BUCKETS}"
     cats = "".join(f'[[schema.categorical]]\ncolumn = "C{i}"\n{rows}\nrole = "deep"\n' for i in range(1, 27))
     job = tmp_path / "job.toml"
     job.write_text(f'[data]\ndelimiter = "\\t"\nheader = false\ncolumn_names = {json.dumps(names)}\n'

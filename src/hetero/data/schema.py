@@ -175,7 +175,8 @@ class Categorical:
         """
         try:
             width = {} if self.sketch_width is None else {"sketch_width": self.sketch_width}
-            return DynamicConfig(admit_after=self.admit_after, ttl_steps=self.ttl_steps, eviction=self.eviction, **width)
+            return DynamicConfig(admit_after=self.admit_after, ttl_steps=self.ttl_steps, eviction=self.eviction,
+                                 **width)
         except ValueError as e:
             raise ValueError(f"categorical {self.name!r}: {e}") from None
 
