@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -125,6 +126,7 @@ def returning_freed_memory() -> Iterator[None]:
         _trim()
 
 
+@functools.cache  # (opened once: a checkpoint calls it twice)
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(None)

@@ -358,14 +358,15 @@ class RowFile:
                 (self.generation[at // self.segment] == staged.generations[i])
             if fresh.any():
                 io_kernels().unpack(staged.records[i[fresh]], slots[fresh], fields, offsets)
-        rest = np.flatnonzero(~fresh)
-        if rest.shape[0]:  # straight from the mapped files into the cache's slots: one copy a field
-            rest_rows = rows[rest]
+        staged_here = int(np.count_nonzero(fresh))
+        if staged_here < rows.shape[0]:  # straight from the mapped files into the cache's slots: one copy a field
+            if staged_here:  # (else every row: no index arrays to build, 65k rows a step on the tier)
+                rest = np.flatnonzero(~fresh)
+                rows, slots = rows[rest], slots[rest]
             widths = np.array([f.shape[1] for f in fields], np.int64)
-            self._gather(rest_rows, self.positions[rest_rows], slots[rest],
-                         np.array([f.ctypes.data for f in fields], np.int64),
+            self._gather(rows, self.positions[rows], slots, np.array([f.ctypes.data for f in fields], np.int64),
                          np.array([f.strides[0] for f in fields], np.int64), widths, offsets.astype(np.int64))
-        return rows.shape[0] - rest.shape[0]
+        return staged_here
 
     def store(self, rows: np.ndarray, slots: np.ndarray, fields: tuple[np.ndarray, ...], offsets: np.ndarray) -> None:
         """The reverse of :meth:`load`: the slots' records as the rows' new records (appended)."""
