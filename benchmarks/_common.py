@@ -26,6 +26,21 @@ def environment() -> dict:
     return env
 
 
+def cpu() -> dict:
+    """The CPU's model and widest vector ISA (from ``/proc/cpuinfo``), what FBGEMM's kernels are built for."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    return {"model": model, "isa": isa, "cores": os.cpu_count()}
+
+
 def emit(name: str, result: dict) -> None:
     """Write ``result`` to ``benchmarks/results/<name>.json`` and print it as the last line."""
     result = {"benchmark": name, "date": time.strftime("%Y-%m-%d"), **result, "env": environment()}

@@ -39,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from _common import emit  # noqa: E402
+from _common import cpu, emit  # noqa: E402
 
 B = 4096  # samples per step (systems.py, dlrm_systems.py)
 # (name, numerator, denominator, target): ratios of rates measured in turns (paired_ratio)
@@ -50,21 +50,6 @@ RATIOS = [("rowwise_adagrad_vs_fbgemm", ("hetero", "rowwise_adagrad", True), ("f
           ("lazy_adam_vs_torch_sparse_adam", ("hetero", "lazy_adam", True), ("torch", "lazy_adam", True), 6.0),
           ("per_id_vs_fbgemm_per_id", ("hetero", "rowwise_adagrad", False), ("fbgemm", "rowwise_adagrad", False), None),
           ("per_id_vs_fbgemm_pooled", ("hetero", "rowwise_adagrad", False), ("fbgemm", "rowwise_adagrad", True), None)]
-
-
-def cpu() -> dict:
-    """The CPU's model and widest vector ISA (from ``/proc/cpuinfo``), what FBGEMM's kernels are built for."""
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
-    return {"model": model, "isa": isa, "cores": os.cpu_count()}
 
 
 def _env() -> dict[str, str]:
