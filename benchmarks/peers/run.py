@@ -41,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from _common import cpu, emit  # noqa: E402
 
+from hetero.placement.memory import MMAP_THRESHOLD, TRIM_THRESHOLD  # noqa: E402
+
 B = 4096  # samples per step (systems.py, dlrm_systems.py)
 # (name, numerator, denominator, target): ratios of rates measured in turns (paired_ratio)
 RATIOS = [("rowwise_adagrad_vs_fbgemm", ("hetero", "rowwise_adagrad", True), ("fbgemm", "rowwise_adagrad", True), 1.5),
@@ -53,8 +55,14 @@ RATIOS = [("rowwise_adagrad_vs_fbgemm", ("hetero", "rowwise_adagrad", True), ("f
 
 
 def _env() -> dict[str, str]:
-    """A system's environment: this one, with hetero's sources first on the path."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    """A system's environment: this one, with hetero's sources first on the path, and every system
+    with the C allocator settings the ``hetero`` command sets for itself
+    (:func:`hetero.placement.memory.retain_freed_memory`), as environment variables glibc reads at
+    start: without them a process may hand a step's freed temporaries back to the kernel and fault
+    them in again at the next step, or not, by chance (2026-11-28, four fresh processes of hetero's
+    step: 39.6, 15.6, 11.4 and 10.1 ms), which no turn-taking evens out."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+            "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 
 
 class Served:
