@@ -7,8 +7,8 @@ cap, mean over ``--seeds`` seeds (each seed splits, shuffles and initialises ane
   dynamic, against its hashed features (2^18 buckets).
 * ``--dataset movielens``: the demo's MovieLens-100K job (``examples/movielens.toml``, its files
   fetched by ``make demo``), its user and movie ids dynamic (943 and 1682 distinct; the other
-  features and the crosses as in the example), against the fitted vocabulary; and, as the best a
-  table of half the ids could do, a fitted vocabulary of the most frequent half of each column
+  features and the crosses as in the example), against the fitted vocabulary; and, as a reference
+  for what a table of half the ids can reach, a fitted vocabulary of the most frequent half of each column
   (``min_count`` set so about half its values get a row; the rest share its trained
   out-of-vocabulary row): it knows every value's count before training and never evicts.
 
@@ -62,28 +62,29 @@ def job_text(capacities: list[int] | None) -> str:
     return head + cats
 
 
+def _movielens_with(keys: list[str]) -> str:
+    """The demo's MovieLens job with ``keys`` (job-file lines, one string each for the user and the
+    movie ids' ``[[schema.categorical]]``) added to those two features."""
+    text = (ROOT / "examples" / "movielens.toml").read_text()
+    for (column, name), extra in zip((("user_id", "user"), ("item_id", "item")), keys):
+        block = f'column = "{column}"\nname = "{name}"\n'
+        assert block in text, column
+        text = text.replace(block, block + extra)
+    return text
+
+
 def movielens_job(capacities: list[int] | None) -> str:
     """The demo's MovieLens job with its user and movie ids dynamic at these capacities (``None``:
     the example's fitted vocabulary)."""
-    text = (ROOT / "examples" / "movielens.toml").read_text()
     if capacities is None:
-        return text
-    for (column, name), c in zip((("user_id", "user"), ("item_id", "item")), capacities):
-        block = f'column = "{column}"\nname = "{name}"\n'
-        assert block in text, column
-        text = text.replace(block, f'{block}dynamic = true\ncapacity = {c}\neviction = "lfu"\n')
-    return text
+        return _movielens_with(["", ""])
+    return _movielens_with([f'dynamic = true\ncapacity = {c}\neviction = "lfu"\n' for c in capacities])
 
 
 def frequent_half_job(min_counts: list[int]) -> str:
     """The demo's MovieLens job with its user and movie vocabularies limited to the values seen at
     least ``min_counts`` times in the training split."""
-    text = (ROOT / "examples" / "movielens.toml").read_text()
-    for (column, name), m in zip((("user_id", "user"), ("item_id", "item")), min_counts):
-        block = f'column = "{column}"\nname = "{name}"\n'
-        assert block in text, column
-        text = text.replace(block, f"{block}min_count = {m}\n")
-    return text
+    return _movielens_with([f"min_count = {m}\n" for m in min_counts])
 
 
 def half_min_counts(directory: Path, train_share: float = 0.8) -> tuple[list[int], list[float]]:

@@ -61,8 +61,9 @@ def _env() -> dict[str, str]:
     start: without them a process may hand a step's freed temporaries back to the kernel and fault
     them in again at the next step, or not, by chance (2026-11-28, four fresh processes of hetero's
     step: 39.6, 15.6, 11.4 and 10.1 ms), which no turn-taking evens out."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
-            "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+    path = os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+            "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 
 
 class Served:
