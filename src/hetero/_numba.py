@@ -45,6 +45,13 @@ def _size_pool(threads: int) -> None:
 def _numba() -> ModuleType:
     _size_pool(torch.get_num_threads())
     import numba
+    import numba.core.config
+
+    # numba reads its environment at import: a process forked from one that imported it before the
+    # size was set (a fork server's preload) holds the parent's size, and would launch its pool with
+    # it, then fail at its next compile ("Cannot set NUMBA_NUM_THREADS ... once the threads have been
+    # launched"). Nothing has launched the pool yet here: read the environment again now.
+    numba.core.config.reload_config()
 
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER = "threadsafe"

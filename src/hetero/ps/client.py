@@ -27,7 +27,7 @@ from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import copy_to
 from hetero.ps.keys import STATS, key_shards
-from hetero.ps.transport import Channel, Op, Status, encode
+from hetero.ps.transport import Channel, Op, encode, payload_bytes, unpack
 
 
 class RowCache:
@@ -161,21 +161,22 @@ class PSClient(RowExchange):
             IndexError / ValueError: the owning server rejected an id (its message names the table).
             ServerTimeoutError / ServerLostError: a server did not answer (naming its rank).
         """
-        out = torch.empty(ids.numel(), self.group.dim, dtype=self.group.dtype, pin_memory=pin)
         if ids.numel() == 0:
-            return out
+            return torch.empty(0, self.group.dim, dtype=self.group.dtype)
         masks = self._route(ids)
+        out = None if masks[0] is None else torch.empty(ids.numel(), self.group.dim, dtype=self.group.dtype, pin_memory=pin)
         ch, what = self.channel, f"a pull of table group {self.name!r}"
         asked = [(server, mask, ids if mask is None else ids[mask]) for server, mask in zip(self.servers, masks)]
         asked = [a for a in asked if a[2].numel()]
         sends = [(s, ch.request(s, Op.PULL, [p], step=self.step, group=self.index, n=p.numel())) for s, _, p in asked]
+        row_bytes = self.group.dim * self.group.dtype.itemsize
         for server, mask, part in asked:
-            h = ch.reply_header(server, what)
-            if int(h[0]) != Status.OK:
-                ch.raise_error(server, h, what)
-            rows = out if mask is None else torch.empty(part.numel(), self.group.dim, dtype=self.group.dtype)
-            ch.wait(ch.receive(server, rows), server, what)
-            if mask is not None:
+            # (one server: received in pinned memory, unpacked in place; else copied into its rows of out)
+            _, payload = ch.reply(server, part.numel() * row_bytes, what, pin=pin and mask is None)
+            rows, = unpack(payload, [((part.numel(), self.group.dim), self.group.dtype)])
+            if out is None:
+                out = rows
+            else:
                 out[mask] = rows
         for server, works in sends:
             for w in works:
@@ -201,9 +202,7 @@ class PSClient(RowExchange):
             sends.append((server, ch.request(server, Op.PUSH, [part, grad.contiguous()], step=self.step,
                                              group=self.index, n=part.numel(), extra=ids.numel())))
         for server, works in sends:
-            h = ch.reply_header(server, what)  # the server's receipt
-            if int(h[0]) != Status.OK:
-                ch.raise_error(server, h, what)
+            ch.reply(server, 0, what)  # the server's receipt
             for w in works:
                 ch.wait(w, server, what)
         self.step, self.translated = self.step + 1, 0
@@ -233,12 +232,9 @@ class PSClient(RowExchange):
             asked.append((server, masks, entries[:, 1].tolist(), works))
         out = [torch.empty(k.numel(), dtype=torch.int64) for _, k in lookups]
         for server, masks, sizes, works in asked:
-            h = ch.reply_header(server, what)
-            if int(h[0]) != Status.OK:
-                ch.raise_error(server, h, what)
-            rows, counts = torch.empty(sum(sizes), dtype=torch.int64), torch.empty((len(lookups), STATS), dtype=torch.int64)
-            ch.wait(ch.receive(server, rows), server, what)
-            ch.wait(ch.receive(server, counts), server, what)
+            specs = [((sum(sizes),), torch.int64), ((len(lookups), STATS), torch.int64)]
+            _, payload = ch.reply(server, payload_bytes([torch.empty(s, dtype=d) for s, d in specs]), what)
+            rows, counts = unpack(payload, specs)
             for (table, _), o, m, part, c in zip(lookups, out, masks, rows.split(sizes), counts):
                 o[m] = part
                 self.key_counts[(table.name, server)] = c

@@ -37,7 +37,8 @@ from hetero.placement import host_empty
 from hetero.ps.config import PSMode
 from hetero.ps.keys import ServerKeys
 from hetero.storage import snapshot
-from hetero.ps.transport import HEADER, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, Op, Status, decode, encode, header
+from hetero.ps.transport import (CAPACITY, HEADER_BYTES, MESSAGE_BYTES, SEPARATE, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, Op,
+                                 Status, decode, encode, header, header_of, pack, unpack)
 
 log = logging.getLogger("hetero")
 
@@ -116,13 +117,14 @@ class ParameterServer:
         self.inbox: list[dict[int, dict[int, tuple]]] = [{} for _ in self.groups]  # SYNC: step -> worker -> push
         self.deferred: list[list[tuple[int, int, Tensor]]] = [[] for _ in self.groups]  # SYNC: early pulls
         self.sends: dict[int, list[tuple[Any, Tensor]]] = {}  # per worker: replies in flight, tensors kept alive
-        # (worker, group) -> the rows of its last pull, whose memory the next pull's rows reuse: a
-        # fresh 6 MB reply took 1,300-1,900 page faults, 3 ms of a 6 ms pull (ps.py, 100k rows x 16)
+        # (worker, group) -> the reply message of its last pull, whose memory the next pull's rows are
+        # read into: a fresh 6 MB reply took 1,300-1,900 page faults, 3 ms of a 6 ms pull (ps.py, 100k rows x 16)
         self.row_buffers: dict[tuple[int, int], Tensor] = {}
         # dynamic tables' key maps (hetero.ps.keys), and training key lookups: (step, number) -> worker -> request
         self.keymaps = [ServerKeys(g, shard, servers) if g.dynamic.tables else None for g in self.groups]
         self.asked: list[dict[tuple[int, int], dict[int, tuple[Tensor, Tensor]]]] = [{} for _ in self.groups]
         self.served_rows = self.updated_rows = 0
+        self.capacity = CAPACITY  # bytes of a request received in one message (grows: _next_request)
 
     def nbytes(self) -> int:
         """Bytes of this shard in memory: table rows and optimizer state; a group on the SSD tier,
@@ -138,20 +140,19 @@ class ParameterServer:
         """Answer requests until every worker sent STOP. ``on_checkpoint(op, path)`` runs when all
         workers asked for the same SAVE or LOAD (it joins the job-wide DCP collective)."""
         live, votes = set(self.workers), {}
-        h = torch.empty(HEADER, dtype=torch.int64)
         while live:
-            src = dist.recv(h, None, group=self.pg, tag=TAG_REQUEST)
+            src, h, payload = self._next_request()
             op, step, g, n, extra = (int(x) for x in h[:5])
             if op == Op.PULL:
-                self._pull(src, step, g, self._recv(src, (n,), torch.int64))
+                self._pull(src, step, g, *unpack(payload, [((n,), torch.int64)]))
             elif op == Op.PUSH:
-                ids = self._recv(src, (n,), torch.int64)
-                self._push(src, step, g, ids, self._recv(src, (n, self.groups[g].dim), torch.float32), extra)
+                ids, rows = unpack(payload, [((n,), torch.int64), ((n, self.groups[g].dim), torch.float32)])
+                self._push(src, step, g, ids, rows, extra)
             elif op == Op.TRANSLATE:
-                entries = self._recv(src, (int(h[5]), 2), torch.int64)
-                self._translate(src, (step, int(h[6])), g, bool(extra), entries, self._recv(src, (n,), torch.int64))
+                entries, keys = unpack(payload, [((int(h[5]), 2), torch.int64), ((n,), torch.int64)])
+                self._translate(src, (step, int(h[6])), g, bool(extra), entries, keys)
             elif op in (Op.SAVE, Op.LOAD):
-                path = decode(self._recv(src, (n,), torch.uint8))
+                path = decode(*unpack(payload, [((n,), torch.uint8)]))
                 voters = votes.setdefault((op, path), set())
                 voters.add(src)
                 if voters == set(self.workers):
@@ -165,10 +166,21 @@ class ParameterServer:
             for w, _ in sends:
                 w.wait()
 
-    def _recv(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, src, group=self.pg, tag=TAG_PAYLOAD)
-        return t
+    def _next_request(self) -> tuple[int, Tensor, Tensor]:
+        """The next request from any worker: ``(its rank, its (8,) int64 header, its payload bytes)``.
+        Received into a fresh buffer of the current capacity (what the payload views - a push kept
+        in the inbox - keeps it); a request sent as header and payload apart grows the capacity to
+        its size, as its worker now counts on (:class:`hetero.ps.transport.Channel`)."""
+        message = torch.empty(self.capacity, dtype=torch.uint8)
+        src = dist.recv(message, None, group=self.pg, tag=TAG_REQUEST)
+        h = header_of(message)
+        separate = int(h[SEPARATE])
+        if not separate:
+            return src, h, message[HEADER_BYTES:]
+        self.capacity = max(self.capacity, HEADER_BYTES + separate)
+        payload = torch.empty(separate, dtype=torch.uint8)
+        dist.recv(payload, src, group=self.pg, tag=TAG_PAYLOAD)
+        return src, h.clone(), payload
 
     def _settle(self, dst: int) -> None:
         """Wait for the replies in flight to ``dst``. A worker asks again only after it received the
@@ -177,13 +189,17 @@ class ParameterServer:
         for w, _ in self.sends.pop(dst, []):
             w.wait()
 
-    def _reply(self, dst: int, tensors: list[Tensor]) -> None:
+    def _send(self, dst: int, message: Tensor) -> None:
+        """Start sending the reply ``message`` (kept alive until it completed)."""
         self._settle(dst)
-        self.sends[dst] = [(dist.isend(t, dst, group=self.pg, tag=TAG_REPLY), t) for t in tensors]
+        self.sends[dst] = [(dist.isend(message, dst, group=self.pg, tag=TAG_REPLY), message)]
+
+    def _reply(self, dst: int, parts: list[Tensor], n: int = 0, status: Status = Status.OK) -> None:
+        self._send(dst, pack(header(status, n), parts))
 
     def _error(self, dst: int, kind: Status, message: str) -> None:
-        msg = encode(message)
-        self._reply(dst, [header(kind, msg.numel()), msg])
+        msg = encode(message)[:MESSAGE_BYTES]  # (the room every reply buffer has for it)
+        self._reply(dst, [msg], msg.numel(), kind)
 
     def _check(self, g: int, ids: Tensor) -> tuple[Status, str] | None:
         """An id outside the group or not on this shard: the message names the table."""
@@ -227,17 +243,24 @@ class ParameterServer:
 
     def _send_rows(self, dst: int, g: int, local: Tensor) -> None:
         self._settle(dst)  # (the previous pull's rows went out: their buffer is free)
-        rows = self.groups[g].read_rows(local, self.row_buffers.get((dst, g)))  # (SSD tier: through its row cache)
-        self.row_buffers[(dst, g)] = rows
+        group = self.groups[g]
+        size = HEADER_BYTES + local.numel() * group.dim * group.dtype.itemsize
+        buf = self.row_buffers.get((dst, g))
+        if buf is None or buf.numel() < size:
+            buf = self.row_buffers[(dst, g)] = torch.empty(size, dtype=torch.uint8)
+        message = buf[:size]
+        header_of(message).copy_(header(Status.OK, local.numel()))
+        rows = message[HEADER_BYTES:].view(group.dtype).view(local.numel(), group.dim)
+        group.read_rows(local, rows)  # into the reply itself (SSD tier: through its row cache)
         self.served_rows += local.numel()
-        self._reply(dst, [header(Status.OK, local.numel()), rows])
+        self._send(dst, message)
 
     def _push(self, src: int, step: int, g: int, ids: Tensor, rows: Tensor, count: int) -> None:
         err = self._check(g, ids)
         if err is not None:
             self._error(src, *err)
             return
-        self._reply(src, [header(Status.OK, ids.numel())])  # received (not necessarily applied)
+        self._reply(src, [], ids.numel())  # received (not necessarily applied)
         if self.mode is not PSMode.SYNC:  # one worker's share of a global batch: 1/W of its gradient
             self._apply(g, [(ids, rows, count)], 1.0 / len(self.workers) if self.mean else 1.0)
             self.applied[g] += 1
@@ -262,7 +285,7 @@ class ParameterServer:
             self._error(src, Status.VALUE_ERROR, f"parameter server rank {dist.get_rank()} (shard {self.shard} of "
                                                  f"{self.servers}): {err}")
         elif not training:
-            self._reply(src, [header(Status.OK, keys.numel()), *keymaps.translate_all([(entries, keys)], False)[0]])
+            self._reply(src, list(keymaps.translate_all([(entries, keys)], False)[0]), keys.numel())
         else:
             self.asked[g].setdefault(at, {})[src] = (entries, keys)
             self._translate_ready(g)
@@ -281,7 +304,7 @@ class ParameterServer:
                     self._error(w, Status.VALUE_ERROR, str(e))
                 continue
             for w, reply in zip(self.workers, replies):
-                self._reply(w, [header(Status.OK, reply[0].numel()), *reply])
+                self._reply(w, list(reply), reply[0].numel())
 
     def _apply(self, g: int, parts: list[tuple[Tensor, Tensor, int]], scale: float) -> None:
         """One optimizer step of group ``g`` from the pushes ``parts`` (summed in the given order)."""

@@ -1,0 +1,85 @@
+"""The parameter-server wire format (hetero.ps.transport): one message a request and one a reply,
+a request larger than the server's buffer sent as header and payload apart."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import spawn
+from test_ps import _port, _start
+
+from hetero import ps
+from hetero.embedding import HostEmbedding, TableConfig
+from hetero.optim import LazyAdam
+from hetero.parallel import env
+from hetero.ps import server as ps_server
+from hetero.ps import transport
+from hetero.ps.transport import HEADER_BYTES, header, header_of, pack, payload_bytes, unpack
+
+
+def test_a_message_is_the_header_then_each_part_padded_to_8_bytes():
+    ids = torch.tensor([5, -1, 7], dtype=torch.int64)
+    rows = torch.arange(6, dtype=torch.float32).reshape(3, 2)[:, :1]  # (not contiguous)
+    half = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)
+    message = pack(header(2, 9, 1, 3), [ids, rows, half])
+    # the same bytes written by plain Python
+    expected = struct.pack("<8q", 2, 9, 1, 3, 0, 0, 0, 0) + struct.pack("<3q", 5, -1, 7)
+    expected += struct.pack("<3f", 0.0, 2.0, 4.0) + b"\0" * 4
+    expected += b"".join(struct.pack("<f", v)[2:] for v in (1.5, -2.0, 3.25)) + b"\0" * 2
+    assert bytes(message.numpy()) == expected
+    assert payload_bytes([ids, rows, half]) == len(expected) - HEADER_BYTES
+    assert header_of(message).tolist() == [2, 9, 1, 3, 0, 0, 0, 0]
+    got = unpack(message[HEADER_BYTES:], [((3,), torch.int64), ((3, 1), torch.float32), ((3,), torch.bfloat16)])
+    for g, want in zip(got, (ids, rows, half)):
+        assert g.dtype == want.dtype and torch.equal(g, want)
+    with pytest.raises(ValueError, match="too short for its parts"):
+        unpack(message[HEADER_BYTES:], [((4,), torch.int64), ((3, 2), torch.float32)])
+
+
+STEPS = [list(range(40)), [3], list(range(0, 40, 3)), [1, 2], list(range(39, -1, -1))]
+
+
+def _steps(table, opt, step):
+    """The worker's steps (the same in one process): outputs of lookups of ``STEPS``' ids."""
+    out = []
+    for ids in STEPS:
+        rows = table(torch.tensor(ids))
+        out.append(rows.detach().clone().tolist())
+        (rows * torch.arange(1.0, len(ids) + 1).unsqueeze(1)).sum().backward()
+        step()
+    out.append(table(torch.arange(40)).detach().tolist())
+    return out
+
+
+def _small_buffer_job(rank, world, port, out):
+    # a server that receives 256 bytes in one message: requests of more go as header and payload
+    # apart, and the server's buffer grows to them
+    transport.CAPACITY = ps_server.CAPACITY = 256
+    job, table, opt = _start(rank, world, port, ps.PSConfig(num_servers=1))
+    if job.role is ps.Role.WORKER:
+        sparse = ps.PSSparse(opt)
+        got = _steps(table, opt, sparse.step)
+        Path(out, "worker.json").write_text(json.dumps({"out": got, "capacity": job.channel.capacity[1]}))
+    else:
+        Path(out, "server.json").write_text(json.dumps({"capacity": job.server.capacity}))
+    job.shutdown()
+    env.shutdown()
+
+
+def test_requests_larger_than_the_servers_buffer_train_as_one_process(tmp_path, cpu_ranks):
+    spawn(_small_buffer_job, args=(2, _port(), str(tmp_path)), nprocs=2)
+    worker = json.loads((tmp_path / "worker.json").read_text())
+    torch.manual_seed(0)
+    table = HostEmbedding(TableConfig("items", 40, 4))
+    opt = LazyAdam([table])
+    ref = _steps(table, opt, opt.step)
+    for step, (a, b) in enumerate(zip(worker["out"], ref)):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+    # the largest request: a push of 40 ids and their gradient rows (8 + 16 bytes each) and its header
+    largest = HEADER_BYTES + 40 * (8 + 4 * 4)
+    assert worker["capacity"] == largest
+    assert json.loads((tmp_path / "server.json").read_text())["capacity"] == largest
