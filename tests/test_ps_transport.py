@@ -21,11 +21,14 @@ from hetero.ps import transport
 from hetero.ps.transport import HEADER_BYTES, header, header_of, pack, payload_bytes, unpack
 
 
-def test_a_message_is_the_header_then_each_part_padded_to_8_bytes():
+def test_a_message_is_the_header_then_each_part_padded_to_8_bytes(monkeypatch):
     ids = torch.tensor([5, -1, 7], dtype=torch.int64)
     rows = torch.arange(6, dtype=torch.float32).reshape(3, 2)[:, :1]  # (not contiguous)
     half = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)
+    empty = torch.empty  # the message's memory dirty, as a reused heap block can be
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(0xAB))
     message = pack(header(2, 9, 1, 3), [ids, rows, half])
+    monkeypatch.undo()
     # the same bytes written by plain Python
     expected = struct.pack("<8q", 2, 9, 1, 3, 0, 0, 0, 0) + struct.pack("<3q", 5, -1, 7)
     expected += struct.pack("<3f", 0.0, 2.0, 4.0) + b"\0" * 4

@@ -82,7 +82,7 @@ def payload_bytes(parts: list[Tensor]) -> int:
 
 def pack(head: Tensor, parts: list[Tensor], pin: bool = False) -> Tensor:
     """One uint8 message: header ``head`` ((8,) int64) then each of ``parts``' bytes (row-major),
-    each padded to 8 bytes so that :func:`unpack` views every part in place. One copy of the parts."""
+    each padded to 8 bytes with zeros so that :func:`unpack` views every part in place. One copy of the parts."""
     buf = torch.empty(HEADER_BYTES + payload_bytes(parts), dtype=torch.uint8, pin_memory=pin)
     buf[:HEADER_BYTES].view(torch.int64).copy_(head)
     at = HEADER_BYTES
@@ -90,6 +90,7 @@ def pack(head: Tensor, parts: list[Tensor], pin: bool = False) -> Tensor:
         nbytes = t.numel() * t.element_size()
         if nbytes:
             buf[at : at + nbytes].view(t.dtype).copy_(t.reshape(-1))
+        buf[at + nbytes : at + _padded(nbytes)] = 0  # (no stale heap bytes on the wire)
         at += _padded(nbytes)
     return buf
 
