@@ -102,7 +102,8 @@ def rpc_echo(transport: str) -> dict[str, float] | str:
     try:
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "result.pt")
-            mp.start_processes(_rpc_rank, args=(transport, f"file://{d}/rendezvous", out), nprocs=2, start_method="spawn")
+            mp.start_processes(_rpc_rank, args=(transport, f"file://{d}/rendezvous", out), nprocs=2,
+                               start_method="spawn")
             return torch.load(out)
     except Exception as e:  # noqa: BLE001 - a transport this build or host lacks: recorded, not fatal
         return f"unavailable: {type(e).__name__}: {str(e)[:200]}"

@@ -81,7 +81,8 @@ def test_requests_larger_than_the_servers_buffer_train_as_one_process(tmp_path, 
     opt = LazyAdam([table])
     ref = _steps(table, opt, opt.step)
     for step, (a, b) in enumerate(zip(worker["out"], ref)):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6,
+                                   msg=lambda m: f"step {step}: {m}")
     # the largest request: a push of 40 ids and their gradient rows (8 + 16 bytes each) and its header
     largest = HEADER_BYTES + 40 * (8 + 4 * 4)
     assert worker["capacity"] == largest

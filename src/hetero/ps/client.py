@@ -164,7 +164,8 @@ class PSClient(RowExchange):
         if ids.numel() == 0:
             return torch.empty(0, self.group.dim, dtype=self.group.dtype)
         masks = self._route(ids)
-        out = None if masks[0] is None else torch.empty(ids.numel(), self.group.dim, dtype=self.group.dtype, pin_memory=pin)
+        out = None if masks[0] is None else torch.empty(ids.numel(), self.group.dim, dtype=self.group.dtype,
+                                                        pin_memory=pin)
         ch, what = self.channel, f"a pull of table group {self.name!r}"
         asked = [(server, mask, ids if mask is None else ids[mask]) for server, mask in zip(self.servers, masks)]
         asked = [a for a in asked if a[2].numel()]

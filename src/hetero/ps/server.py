@@ -37,8 +37,8 @@ from hetero.placement import host_empty
 from hetero.ps.config import PSMode
 from hetero.ps.keys import ServerKeys
 from hetero.storage import snapshot
-from hetero.ps.transport import (CAPACITY, HEADER_BYTES, MESSAGE_BYTES, SEPARATE, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST, Op,
-                                 Status, decode, encode, header, header_of, pack, unpack)
+from hetero.ps.transport import (CAPACITY, HEADER_BYTES, MESSAGE_BYTES, SEPARATE, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST,
+                                 Op, Status, decode, encode, header, header_of, pack, unpack)
 
 log = logging.getLogger("hetero")
 
@@ -198,7 +198,8 @@ class ParameterServer:
         self._send(dst, pack(header(status, n), parts))
 
     def _error(self, dst: int, kind: Status, message: str) -> None:
-        msg = encode(message)[:MESSAGE_BYTES]  # (the room every reply buffer has for it)
+        # cut to the room every reply buffer has for it, at a character's end
+        msg = encode(message.encode()[:MESSAGE_BYTES].decode(errors="ignore"))
         self._reply(dst, [msg], msg.numel(), kind)
 
     def _check(self, g: int, ids: Tensor) -> tuple[Status, str] | None:

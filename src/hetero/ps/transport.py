@@ -13,9 +13,10 @@ then on counts on that capacity (the server grows its buffer to it). A reply is 
 sized for the expected answer (at least :data:`MESSAGE_BYTES` of payload, room for an error's text).
 
 Why one message: a gloo message between two processes of one host costs about 0.2-0.25 ms
-whatever its size up to hundreds of KB (a round trip of one small message each way took 0.32-0.51
-ms on the 2-core VM, two each way 0.89 ms; plain TCP 0.026 ms: gloo's event loop hands each
-message between threads), and a request used to be 2-3 messages and its reply 1-2.
+whatever its size up to hundreds of KB (``benchmarks/ps_transport.py`` on the 2-core VM: a round
+trip of one 64-byte message each way 0.45 ms, two each way 0.93 ms, a plain loopback TCP socket
+0.14 ms: gloo's event loop hands each message between threads), and a request used to be 2-3
+messages and its reply 1-2.
 
 Workers wait for replies with a deadline (``PSConfig.timeout_s``): a server that does not answer
 raises :class:`ServerTimeoutError`, one whose process is gone :class:`ServerLostError`; both
@@ -34,7 +35,7 @@ from torch import Tensor
 
 HEADER = 8  # int64 fields
 HEADER_BYTES = HEADER * 8
-SEPARATE = HEADER - 1  # the request header's field: bytes of a payload sent as a message of its own (0: inline)
+SEPARATE = HEADER - 1  # the request header's field: bytes of a payload sent in a message of its own (0: none)
 MESSAGE_BYTES = 4096  # room for an error's text in every reply (longer texts are cut)
 CAPACITY = 1 << 20  # request bytes a server receives in one message from the start
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY = 1, 2, 3
@@ -42,7 +43,8 @@ TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY = 1, 2, 3
 
 class Op(enum.IntEnum):
     PULL = 1  # payload: ids (n,) int64; reply: rows (n, D)
-    PUSH = 2  # payload: ids (n,) int64, gradient rows (n, D) fp32; extra: the worker's unique ids of the group; reply: header
+    # payload: ids (n,) int64, gradient rows (n, D) fp32; extra: the worker's unique ids of the group; reply: header
+    PUSH = 2
     SAVE = 3  # payload: checkpoint path, utf-8 (n,) uint8; then every rank joins the DCP save
     LOAD = 4  # as SAVE, for the DCP load
     STOP = 5  # this worker is done
@@ -80,10 +82,11 @@ def payload_bytes(parts: list[Tensor]) -> int:
     return sum(_padded(t.numel() * t.element_size()) for t in parts)
 
 
-def pack(head: Tensor, parts: list[Tensor], pin: bool = False) -> Tensor:
+def pack(head: Tensor, parts: list[Tensor]) -> Tensor:
     """One uint8 message: header ``head`` ((8,) int64) then each of ``parts``' bytes (row-major),
-    each padded to 8 bytes with zeros so that :func:`unpack` views every part in place. One copy of the parts."""
-    buf = torch.empty(HEADER_BYTES + payload_bytes(parts), dtype=torch.uint8, pin_memory=pin)
+    each padded to 8 bytes with zeros so that :func:`unpack` views every part in place. One copy
+    of the parts."""
+    buf = torch.empty(HEADER_BYTES + payload_bytes(parts), dtype=torch.uint8)
     buf[:HEADER_BYTES].view(torch.int64).copy_(head)
     at = HEADER_BYTES
     for t in parts:
