@@ -27,7 +27,7 @@ from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import copy_to
 from hetero.ps.keys import STATS, key_shards
-from hetero.ps.transport import Channel, Op, encode, payload_bytes, unpack
+from hetero.ps.transport import Channel, Op, encode, spec_bytes, unpack
 
 
 class RowCache:
@@ -173,7 +173,7 @@ class PSClient(RowExchange):
         row_bytes = self.group.dim * self.group.dtype.itemsize
         for server, mask, part in asked:
             # (one server: received in pinned memory, unpacked in place; else copied into its rows of out)
-            _, payload = ch.reply(server, part.numel() * row_bytes, what, pin=pin and mask is None)
+            _, payload = ch.reply(server, part.numel() * row_bytes, what, part.numel(), pin=pin and mask is None)
             rows, = unpack(payload, [((part.numel(), self.group.dim), self.group.dtype)])
             if out is None:
                 out = rows
@@ -200,10 +200,10 @@ class PSClient(RowExchange):
         sends = []
         for server, mask in zip(self.servers, self._route(ids)):
             part, grad = (ids, rows) if mask is None else (ids[mask], rows[mask])
-            sends.append((server, ch.request(server, Op.PUSH, [part, grad.contiguous()], step=self.step,
-                                             group=self.index, n=part.numel(), extra=ids.numel())))
-        for server, works in sends:
-            ch.reply(server, 0, what)  # the server's receipt
+            sends.append((server, part.numel(), ch.request(server, Op.PUSH, [part, grad], step=self.step,
+                                                           group=self.index, n=part.numel(), extra=ids.numel())))
+        for server, n, works in sends:
+            ch.reply(server, 0, what, n)  # the server's receipt (for the n ids sent)
             for w in works:
                 ch.wait(w, server, what)
         self.step, self.translated = self.step + 1, 0
@@ -234,7 +234,7 @@ class PSClient(RowExchange):
         out = [torch.empty(k.numel(), dtype=torch.int64) for _, k in lookups]
         for server, masks, sizes, works in asked:
             specs = [((sum(sizes),), torch.int64), ((len(lookups), STATS), torch.int64)]
-            _, payload = ch.reply(server, payload_bytes([torch.empty(s, dtype=d) for s, d in specs]), what)
+            _, payload = ch.reply(server, spec_bytes(specs), what, sum(sizes))
             rows, counts = unpack(payload, specs)
             for (table, _), o, m, part, c in zip(lookups, out, masks, rows.split(sizes), counts):
                 o[m] = part

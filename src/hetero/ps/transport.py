@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import math
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,11 @@ def payload_bytes(parts: list[Tensor]) -> int:
     return sum(_padded(t.numel() * t.element_size()) for t in parts)
 
 
+def spec_bytes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """:func:`payload_bytes` of parts of the given ``(shape, dtype)`` s (what :func:`unpack` reads)."""
+    return sum(_padded(math.prod(shape) * dtype.itemsize) for shape, dtype in specs)
+
+
 def pack(head: Tensor, parts: list[Tensor]) -> Tensor:
     """One uint8 message: header ``head`` ((8,) int64) then each of ``parts``' bytes (row-major),
     each padded to 8 bytes with zeros so that :func:`unpack` views every part in place. One copy
@@ -107,10 +113,7 @@ def unpack(payload: Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) ->
     """
     out, at = [], 0
     for shape, dtype in specs:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if at + nbytes > payload.numel():
             raise ValueError(f"a parameter-server message of {payload.numel()} payload bytes is too short for its "
                              f"parts {specs}: workers and servers run different hetero versions?")
@@ -157,12 +160,14 @@ class Channel:
         body = pack(head, payload)[HEADER_BYTES:]
         return works + [dist.isend(body, server, group=self.group, tag=TAG_PAYLOAD)]
 
-    def reply(self, server: int, nbytes: int, what: str, pin: bool = False) -> tuple[Tensor, Tensor]:
-        """Wait for ``server``'s reply of ``nbytes`` payload bytes (its :func:`payload_bytes`);
-        ``(header, payload)``, the payload a uint8 view (pinned memory with ``pin``) for :func:`unpack`.
+    def reply(self, server: int, nbytes: int, what: str, n: int, pin: bool = False) -> tuple[Tensor, Tensor]:
+        """Wait for ``server``'s reply of ``nbytes`` payload bytes (its :func:`payload_bytes`) answering
+        ``n`` items (ids or keys: the header's count); ``(header, payload)``, the payload a uint8 view
+        (pinned memory with ``pin``) for :func:`unpack`.
 
         Raises:
-            IndexError / ValueError: the server's error (its message names the table).
+            IndexError / ValueError: the server's error (its message names the table), or a reply
+                for another number of items than asked (never read as rows).
             ServerTimeoutError / ServerLostError: see :meth:`wait`.
         """
         message = torch.empty(HEADER_BYTES + max(nbytes, MESSAGE_BYTES), dtype=torch.uint8, pin_memory=pin)
@@ -171,6 +176,9 @@ class Channel:
         if int(h[0]) != Status.OK:
             kind = IndexError if int(h[0]) == Status.INDEX_ERROR else ValueError
             raise kind(decode(message[HEADER_BYTES : HEADER_BYTES + int(h[1])]))
+        if int(h[1]) != n:
+            raise ValueError(f"parameter server rank {server} answered {what} for {int(h[1])} items, not the {n} "
+                             f"asked: workers and servers run different hetero versions?")
         return h, message[HEADER_BYTES : HEADER_BYTES + nbytes]
 
     def wait(self, work, server: int, what: str) -> None:  # noqa: ANN001 - a Work
