@@ -2,8 +2,8 @@
 
 One 1M x 16 fp32 table with LazyAdam, batches of 4096 x 26 uniform ids (about 100k unique rows
 per step). One worker process; a step is: dedup the ids, pull the unique rows from their servers,
-push one gradient row per unique row (the servers apply LazyAdam with the fused kernel) and wait
-for the receipts. ``ps_rows_per_s[S]`` is unique rows per second through that round trip with
+push one gradient row per unique row (the servers apply LazyAdam with the fused kernel; the push
+travels with the next step's pull, one message to each server, as in training). ``ps_rows_per_s[S]`` is unique rows per second through that round trip with
 ``S`` servers (each row pulled and pushed once); ``local_rows_per_s`` is the same work in one
 process - gather the rows, apply LazyAdam - with no transport, using all cores, and
 ``local_one_thread_rows_per_s`` with one thread, as a server process runs (issue #39's measure). The job's

@@ -22,7 +22,7 @@ from hetero.dynamic import DynamicConfig, Keys
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig, init_rows
 from hetero.optim import LazyAdam
 from hetero.parallel import env
-from hetero.ps.server import build_shard
+from hetero.ps.shard import build_shard
 
 ARGS = ["--epochs", "2", "--batch-size", "64", "--no-progress", "--embedding-dim", "8", "--hidden", "16,8", "--dropout", "0"]
 ENV = {**os.environ, **CPU_RANKS}

@@ -68,7 +68,8 @@ def _small_buffer_job(rank, world, port, out):
         got = _steps(table, opt, sparse.step)
         Path(out, "worker.json").write_text(json.dumps({"out": got, "capacity": job.channel.capacity[1]}))
     else:
-        Path(out, "server.json").write_text(json.dumps({"capacity": job.server.capacity}))
+        requests = {op.name: n for op, n in job.server.requests.items()}
+        Path(out, "server.json").write_text(json.dumps({"capacity": job.server.capacity, "requests": requests}))
     job.shutdown()
     env.shutdown()
 
@@ -83,7 +84,12 @@ def test_requests_larger_than_the_servers_buffer_train_as_one_process(tmp_path, 
     for step, (a, b) in enumerate(zip(worker["out"], ref)):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6,
                                    msg=lambda m: f"step {step}: {m}")
-    # the largest request: a push of 40 ids and their gradient rows (8 + 16 bytes each) and its header
-    largest = HEADER_BYTES + 40 * (8 + 4 * 4)
+    # the largest request: the last step's push of 40 ids and their gradient rows (8 + 16 bytes each)
+    # and the final lookup's pull of 40 ids (8 bytes each), one message, and its header
+    largest = HEADER_BYTES + 40 * (8 + 4 * 4) + 40 * 8
     assert worker["capacity"] == largest
-    assert json.loads((tmp_path / "server.json").read_text())["capacity"] == largest
+    server = json.loads((tmp_path / "server.json").read_text())
+    assert server["capacity"] == largest
+    # one message a step: each step's push went with the next lookup's pull; the first lookup
+    # pulled alone; none was left to send alone at the stop
+    assert server["requests"] == {"PULL": 1, "PUSH_PULL": len(STEPS), "STOP": 1}

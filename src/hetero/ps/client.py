@@ -8,9 +8,13 @@ A lookup of a table group on a worker (``group.exchange`` is a :class:`PSClient`
    their owners (``id % S``), one request per server, all servers in flight at once;
 3. pool on the device as a local table does; backward leaves one gradient row per unique id.
 
-``PSSparse.step()`` pushes every group's coalesced gradient rows to their owners - to every
-server, empty if none of its rows were touched, so that a ``SYNC`` server knows when a step is
-complete - and waits for the servers' receipts.
+``PSSparse.step()`` takes every group's coalesced gradient rows; they go to their owners with
+the group's next pull, in the same message (``Op.PUSH_PULL``: the server applies the push, then
+reads the rows, the order a push and then a pull would have), to every server - empty if none of
+its rows were touched, so that a ``SYNC`` server knows when a step is complete. So a training
+step costs one message per server and group each way instead of two. Anything else a server
+must see the update before (a key lookup, a checkpoint, the end of an epoch, the stop) sends the
+push alone first (``PSSparse.flush``), waiting for the servers' receipts.
 """
 
 from __future__ import annotations
@@ -100,10 +104,12 @@ class PSClient(RowExchange):
         if group.dynamic.tables:
             group.dynamic.route = self.translate
         self.lookups: list[list[Any]] = []  # [unique group rows, their gradient (or None until backward)]
+        self.pending: tuple[int, Tensor, Tensor] | None = None  # a push not sent yet: (its step, ids, gradient rows)
         self.cache = RowCache(cache_staleness) if cache_staleness is not None else None
 
     def reset(self) -> None:
         """Forget the step count and cached rows (after a checkpoint load)."""
+        assert self.pending is None, "a checkpoint load follows a flush"
         self.step, self.lookups, self.translated = 0, [], 0
         if self.cache is not None:
             self.cache = RowCache(self.cache.staleness)
@@ -155,21 +161,33 @@ class PSClient(RowExchange):
 
     def pull(self, ids: Tensor, pin: bool = False) -> Tensor:
         """Rows ``(len(ids), D)`` (storage dtype, host; pinned with ``pin``) of group rows ``ids``
-        from their servers, in the order of ``ids``.
+        from their servers, in the order of ``ids``. A pending push (:meth:`push`) travels in the
+        same message to every server, which applies it before it reads the rows.
 
         Raises:
             IndexError / ValueError: the owning server rejected an id (its message names the table).
             ServerTimeoutError / ServerLostError: a server did not answer (naming its rank).
         """
-        if ids.numel() == 0:
+        pending, self.pending = self.pending, None
+        if ids.numel() == 0 and pending is None:
             return torch.empty(0, self.group.dim, dtype=self.group.dtype)
         masks = self._route(ids)
         out = None if masks[0] is None else torch.empty(ids.numel(), self.group.dim, dtype=self.group.dtype,
                                                         pin_memory=pin)
-        ch, what = self.channel, f"a pull of table group {self.name!r}"
+        ch = self.channel
+        what = f"a {'push and ' if pending is not None else ''}pull of table group {self.name!r}"
         asked = [(server, mask, ids if mask is None else ids[mask]) for server, mask in zip(self.servers, masks)]
-        asked = [a for a in asked if a[2].numel()]
-        sends = [(s, ch.request(s, Op.PULL, [p], step=self.step, group=self.index, n=p.numel())) for s, _, p in asked]
+        if pending is None:
+            asked = [a for a in asked if a[2].numel()]
+            sends = [(s, ch.request(s, Op.PULL, [p], step=self.step, group=self.index, n=p.numel()))
+                     for s, _, p in asked]
+        else:  # every server gets the push (empty if none of its rows), so a SYNC server sees the step complete
+            step, pushed, grads = pending
+            sends = []
+            for (server, _, part), mask in zip(asked, self._route(pushed)):
+                p, g = (pushed, grads) if mask is None else (pushed[mask], grads[mask])
+                sends.append((server, ch.request(server, Op.PUSH_PULL, [p, g, part], step=step, group=self.index,
+                                                 n=p.numel(), extra=pushed.numel(), fields=(part.numel(),))))
         row_bytes = self.group.dim * self.group.dtype.itemsize
         for server, mask, part in asked:
             # (one server: received in pinned memory, unpacked in place; else copied into its rows of out)
@@ -186,7 +204,10 @@ class PSClient(RowExchange):
 
     # ------------------------------------------------------------------------------ push
     def push(self) -> None:
-        """Send this step's gradient rows to their owners (every server gets a message)."""
+        """Take this step's gradient rows (one row per unique id). They are sent with this worker's
+        next pull of the group, one message to each server that applies them before reading the
+        rows (sync mode stays exact: the same order as a push then a pull), or alone by
+        :meth:`flush` - before a key lookup, a checkpoint, the end of an epoch and the stop."""
         done = [e for e in self.lookups if e[1] is not None]  # lookups without a gradient changed nothing
         self.lookups = []
         if len(done) == 1:
@@ -196,17 +217,25 @@ class PSClient(RowExchange):
             rows = torch.zeros(ids.numel(), self.group.dim).index_add_(0, inverse, torch.cat([e[1] for e in done]))
         else:
             ids, rows = torch.empty(0, dtype=torch.int64), torch.empty(0, self.group.dim)
+        self.flush()  # (the previous step's push, when no pull came between: bounded mode's cache hits)
+        self.pending = (self.step, ids, rows)
+        self.step, self.translated = self.step + 1, 0
+
+    def flush(self) -> None:
+        """Send the pending push alone (every server gets a message) and wait for the receipts."""
+        if self.pending is None:
+            return
+        (step, ids, rows), self.pending = self.pending, None
         ch, what = self.channel, f"a push of table group {self.name!r}"
         sends = []
         for server, mask in zip(self.servers, self._route(ids)):
             part, grad = (ids, rows) if mask is None else (ids[mask], rows[mask])
-            sends.append((server, part.numel(), ch.request(server, Op.PUSH, [part, grad], step=self.step,
+            sends.append((server, part.numel(), ch.request(server, Op.PUSH, [part, grad], step=step,
                                                            group=self.index, n=part.numel(), extra=ids.numel())))
         for server, n, works in sends:
             ch.reply(server, 0, what, n)  # the server's receipt (for the n ids sent)
             for w in works:
                 ch.wait(w, server, what)
-        self.step, self.translated = self.step + 1, 0
 
     # ------------------------------------------------------------------------------ keys
     def translate(self, lookups: list[tuple[KeyedTable, Tensor]], training: bool) -> list[Tensor]:
@@ -219,6 +248,7 @@ class PSClient(RowExchange):
             ValueError: a server found keys of another shard (workers and servers disagree).
             ServerTimeoutError / ServerLostError: a server did not answer (naming its rank).
         """
+        self.flush()  # the previous step's update first: translating may evict the keys it updates
         n = len(self.servers)
         index = [next(i for i, t in enumerate(self.group.tables) if t is table) for table, _ in lookups]
         owners = [torch.from_numpy(key_shards(k.numpy(), t.group_row, t.config.num_embeddings, n)) for t, k in lookups]
@@ -271,6 +301,12 @@ class PSSparse:
     def step(self) -> None:
         for c in self.clients:
             c.push()
+
+    def flush(self) -> None:
+        """Send the pushes still pending (:meth:`PSClient.push`): before anything that is not this
+        worker's next lookup of the group."""
+        for c in self.clients:
+            c.flush()
 
     def state_dict(self, include_state: bool = True) -> dict[str, Any]:
         return self.optimizer.state_dict(include_state=False)

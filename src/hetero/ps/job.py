@@ -21,7 +21,8 @@ from hetero.embedding import RowPlacement, defer_tables, table_groups
 from hetero.parallel.env import DataParallelGroup
 from hetero.ps.client import PSClient, broadcast
 from hetero.ps.config import PSConfig, PSMode, Role
-from hetero.ps.server import ParameterServer, ServerShard, build_shard, shard_rows, shard_rows_count
+from hetero.ps.server import ParameterServer
+from hetero.ps.shard import ServerShard, build_shard, shard_rows, shard_rows_count
 from hetero.ps.transport import Channel, Op
 
 log = logging.getLogger("hetero")
@@ -198,6 +199,8 @@ class PSJob:
     def request_checkpoint(self, save: bool, path: str) -> None:
         """Worker side: ask every server to join the DCP save (``save``) or load of ``path``;
         every worker calls it right before its own ``save_sharded`` / ``load_sharded``."""
+        for client in self.clients:
+            client.flush()  # the last step's push, still pending: the checkpoint holds its update
         broadcast(self.channel, self.servers, Op.SAVE if save else Op.LOAD, str(path))
         if not save:
             for client in self.clients:
@@ -213,6 +216,8 @@ class PSJob:
         self.stage = Stage.STOPPED
         defer_tables(False)
         if clean and self.role is Role.WORKER and dist.is_initialized():
+            for client in self.clients:
+                client.flush()  # (the last step's push, when no checkpoint or epoch end sent it)
             for server in self.servers:
                 for w in self.channel.request(server, Op.STOP, []):
                     self.channel.wait(w, server, "the stop request")

@@ -1,9 +1,5 @@
-"""The server side: a shard of every table group, its sparse optimizer state, and the serve loop.
-
-Rows are hash-partitioned: global group row ``g`` lives on shard ``g % S`` at local row
-``g // S`` (PaddlePaddle's and Persia's rule), so a vocabulary's hot low ids spread over all
-servers. A shard is built from the tables' seeds (:func:`hetero.embedding.init_rows`) without
-materialising any other row, so a table needs only its shards' memory anywhere in the job.
+"""The server side: a shard of every table group (:mod:`hetero.ps.shard`), its sparse optimizer
+state, and the serve loop.
 
 A group on the SSD tier (:mod:`hetero.storage`) keeps its shard there: the rows and their
 optimizer state in the server's record store under its row cache, laid out from the same seeds
@@ -20,6 +16,7 @@ from __future__ import annotations
 
 import io
 import logging
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,67 +27,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hetero.checkpoint.io import CheckpointError
-from hetero.embedding import INIT_CHUNK, RowExchange, RowPlacement, RowSpace, SparseGrad, init_rows
+from hetero.embedding import RowSpace, SparseGrad
 from hetero.embedding.group import TableGroup
-from hetero.embedding.plan import LookupPlan, Request
-from hetero.placement import host_empty
 from hetero.ps.config import PSMode
 from hetero.ps.keys import ServerKeys
+from hetero.ps.shard import shard_bytes
 from hetero.storage import snapshot
 from hetero.ps.transport import (CAPACITY, HEADER_BYTES, MESSAGE_BYTES, SEPARATE, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST,
                                  Op, Status, decode, encode, header, header_of, pack, unpack)
 
 log = logging.getLogger("hetero")
-
-
-class ServerShard(RowExchange):
-    """``group.exchange`` on a server: the group's storage is hash shard ``shard`` of ``servers``
-    (group row ``g`` at local row ``g // servers``)."""
-
-    placement = RowPlacement.SERVER_SHARD
-
-    def __init__(self, global_rows: int, shard: int, servers: int) -> None:
-        self._global_rows, self.shard, self.servers = global_rows, shard, servers
-
-    @property
-    def global_rows(self) -> int:
-        return self._global_rows
-
-    def lookup(self, group: TableGroup, requests: list[Request], plan: LookupPlan | None) -> list[Tensor]:
-        raise RuntimeError("a parameter server does not run the model; only workers look up rows")
-
-
-def shard_rows_count(global_rows: int, shard: int, servers: int) -> int:
-    return max(0, -(-(global_rows - shard) // servers))
-
-
-def shard_rows(group: TableGroup, shard: int, servers: int, lo: int, hi: int) -> Tensor:
-    """Rows ``[lo, hi)`` of ``group``'s shard ``shard`` of ``servers`` (global rows
-    ``shard + servers * [lo, hi)``), initialised as the full table would be (:func:`init_rows`
-    of each table's seed; the rows between are generated and dropped: ``servers`` times the
-    rows' bytes for a moment)."""
-    out = torch.empty((max(hi - lo, 0), group.dim), dtype=group.dtype)
-    first, last = shard + servers * lo, shard + servers * (hi - 1)  # global rows
-    for t in group.tables:
-        start, vocab = t.group_row, t.config.num_rows  # (a dynamic table's default row included)
-        a = max(first, start + (shard - start) % servers)  # this shard's first row in the table
-        b = min(last, start + vocab - 1)
-        if a > b:
-            continue
-        block = init_rows(t.config, t.init_seed, a - start, b - start + 1)[::servers]
-        out[(a - shard) // servers - lo : (b - shard) // servers - lo + 1] = block
-    return out
-
-
-def build_shard(group: TableGroup, shard: int, servers: int) -> Tensor:
-    """The ``(rows of this shard, D)`` storage of ``group``'s shard, initialised as the full table
-    would be, one block of rows at a time (:func:`shard_rows`; peak extra memory: one block)."""
-    out = host_empty((shard_rows_count(group.num_rows, shard, servers), group.dim), group.dtype)
-    step = max(1, INIT_CHUNK // servers)
-    for lo in range(0, out.shape[0], step):
-        hi = min(lo + step, out.shape[0])
-        out[lo:hi] = shard_rows(group, shard, servers, lo, hi)
-    return out
 
 
 class ParameterServer:
@@ -125,6 +71,7 @@ class ParameterServer:
         self.asked: list[dict[tuple[int, int], dict[int, tuple[Tensor, Tensor]]]] = [{} for _ in self.groups]
         self.served_rows = self.updated_rows = 0
         self.capacity = CAPACITY  # bytes of a request received in one message (grows: _next_request)
+        self.requests: Counter[Op] = Counter()  # requests served, by kind
 
     def nbytes(self) -> int:
         """Bytes of this shard in memory: table rows and optimizer state; a group on the SSD tier,
@@ -143,11 +90,17 @@ class ParameterServer:
         while live:
             src, h, payload = self._next_request()
             op, step, g, n, extra = (int(x) for x in h[:5])
+            self.requests[Op(op)] += 1
             if op == Op.PULL:
                 self._pull(src, step, g, *unpack(payload, [((n,), torch.int64)]))
             elif op == Op.PUSH:
                 ids, rows = unpack(payload, [((n,), torch.int64), ((n, self.groups[g].dim), torch.float32)])
                 self._push(src, step, g, ids, rows, extra)
+            elif op == Op.PUSH_PULL:
+                d = self.groups[g].dim
+                specs = [((n,), torch.int64), ((n, d), torch.float32), ((int(h[5]),), torch.int64)]
+                ids, rows, want = unpack(payload, specs)
+                self._push(src, step, g, ids, rows, extra, want)
             elif op == Op.TRANSLATE:
                 entries, keys = unpack(payload, [((int(h[5]), 2), torch.int64), ((n,), torch.int64)])
                 self._translate(src, (step, int(h[6])), g, bool(extra), entries, keys)
@@ -231,8 +184,8 @@ class ParameterServer:
         ``g % S``); one server's are the ids themselves, not a copy."""
         return ids if self.servers == 1 else ids // self.servers
 
-    def _pull(self, src: int, step: int, g: int, ids: Tensor) -> None:
-        err = self._check(g, ids)
+    def _pull(self, src: int, step: int, g: int, ids: Tensor, checked: bool = False) -> None:
+        err = None if checked else self._check(g, ids)
         if err is not None:
             self._error(src, *err)
             return
@@ -256,26 +209,33 @@ class ParameterServer:
         self.served_rows += local.numel()
         self._send(dst, message)
 
-    def _push(self, src: int, step: int, g: int, ids: Tensor, rows: Tensor, count: int) -> None:
-        err = self._check(g, ids)
+    def _push(self, src: int, step: int, g: int, ids: Tensor, rows: Tensor, count: int,
+              then_pull: Tensor | None = None) -> None:
+        """Take a worker's push of ``step`` (applied once every worker's came, in ``SYNC`` mode);
+        with ``then_pull`` (``Op.PUSH_PULL``) answer those ids' rows as step ``step + 1``'s pull,
+        else a receipt. A bad id in either part refuses the whole request before anything changes."""
+        err = self._check(g, ids) or (self._check(g, then_pull) if then_pull is not None else None)
         if err is not None:
             self._error(src, *err)
             return
-        self._reply(src, [], ids.numel())  # received (not necessarily applied)
+        if then_pull is None:
+            self._reply(src, [], ids.numel())  # received (not necessarily applied)
         if self.mode is not PSMode.SYNC:  # one worker's share of a global batch: 1/W of its gradient
             self._apply(g, [(ids, rows, count)], 1.0 / len(self.workers) if self.mean else 1.0)
             self.applied[g] += 1
-            return
-        self.inbox[g].setdefault(step, {})[src] = (ids, rows, count)
-        while len(self.inbox[g].get(self.applied[g], {})) == len(self.workers):
-            parts = self.inbox[g].pop(self.applied[g])
-            self._apply(g, [parts[w] for w in self.workers], 1.0 / len(self.workers) if self.mean else 1.0)
-            self.applied[g] += 1
-            ready = [d for d in self.deferred[g] if d[1] <= self.applied[g]]
-            self.deferred[g] = [d for d in self.deferred[g] if d[1] > self.applied[g]]
-            for dst, _, local in ready:
-                self._send_rows(dst, g, local)
-            self._translate_ready(g)
+        else:
+            self.inbox[g].setdefault(step, {})[src] = (ids, rows, count)
+            while len(self.inbox[g].get(self.applied[g], {})) == len(self.workers):
+                parts = self.inbox[g].pop(self.applied[g])
+                self._apply(g, [parts[w] for w in self.workers], 1.0 / len(self.workers) if self.mean else 1.0)
+                self.applied[g] += 1
+                ready = [d for d in self.deferred[g] if d[1] <= self.applied[g]]
+                self.deferred[g] = [d for d in self.deferred[g] if d[1] > self.applied[g]]
+                for dst, _, local in ready:
+                    self._send_rows(dst, g, local)
+                self._translate_ready(g)
+        if then_pull is not None:
+            self._pull(src, step + 1, g, then_pull, checked=True)
 
     def _translate(self, src: int, at: tuple[int, int], g: int, training: bool, entries: Tensor, keys: Tensor) -> None:
         """A key lookup (``Op.TRANSLATE``, :mod:`hetero.ps.keys`): answered at once unless it trains;
@@ -398,10 +358,3 @@ class ParameterServer:
 
 
 PS_TIER = "ps-tier"  # a checkpoint's directory of the servers' SSD tier snapshots
-
-
-def shard_bytes(group: TableGroup) -> int:
-    """Memory of ``group``'s storage here: its rows, or (on the SSD tier) its row cache's budget."""
-    if group.ssd_config is not None:
-        return group.ssd_config.cache_bytes
-    return group.storage.numel() * group.storage.element_size()

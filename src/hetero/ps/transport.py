@@ -53,6 +53,9 @@ class Op(enum.IntEnum):
     # extra: 1 for a training lookup; fields 5, 6: L and the lookup's number in the step;
     # reply: table rows (n,) int64, then each entry's table counts here (L, 4) int64 (hetero.ps.keys)
     TRANSLATE = 6
+    # a PUSH (step, n, extra as there) and then the step after's PULL of f5 ids: payload push ids (n,) int64,
+    # gradient rows (n, D) fp32, pull ids (f5,) int64; reply: the rows (f5, D) once the push is applied
+    PUSH_PULL = 7
 
 
 class Status(enum.IntEnum):

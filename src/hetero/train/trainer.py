@@ -239,6 +239,9 @@ class Trainer(TrainerCheckpoints):
                 if cfg.max_steps is not None and self.global_step >= cfg.max_steps:
                     stop = True
                     break
+            if self.remote:  # the last step's pushes travel with the next pulls: send them now, every worker alike
+                for opt in self.sparse_optimizers.values():
+                    opt.flush()
             bar.close()
             improved = False
             if not stop:
