@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import spawn
-from test_ps import _port, _start
+from test_ps import _join, _port, _start
 
 from hetero import ps
-from hetero.embedding import HostEmbedding, TableConfig
+from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig
 from hetero.optim import LazyAdam
 from hetero.parallel import env
 from hetero.ps import server as ps_server
@@ -93,3 +93,74 @@ def test_requests_larger_than_the_servers_buffer_train_as_one_process(tmp_path, 
     # one message a step: each step's push went with the next lookup's pull; the first lookup
     # pulled alone; none was left to send alone at the stop
     assert server["requests"] == {"PULL": 1, "PUSH_PULL": len(STEPS), "STOP": 1}
+
+
+# ------------------------------------------------------------------ lookups started ahead
+def _collections():
+    """Two collections, three table groups (two widths in the first): the second collection's
+    replies come on their groups' tags while the first's are still asked for."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({
+        "a": HostEmbeddingCollection([TableConfig("u", 30, 4), TableConfig("v", 20, 8)]),
+        "b": HostEmbeddingCollection([TableConfig("w", 25, 4)]),
+    })
+
+
+def _features(step, shift=0):
+    g = torch.Generator().manual_seed(100 + step)
+    return {"u": torch.randint(0, 30, (12,), generator=g), "v": torch.randint(0, 20, (9,), generator=g),
+            "w": (torch.randint(0, 25, (10,), generator=g) + shift) % 25}
+
+
+def _started_steps(model, step_fn):
+    """Steps whose lookups start ahead in four ways; every output, and the tables after."""
+    out = []
+    for step in range(8):
+        f = _features(step)
+        kind = step % 4
+        if kind in (0, 1, 3):
+            model["b"].start(f)  # (one process: nothing to start)
+        if kind == 2:
+            model["a"].start(f)
+        ya = model["a"](f)
+        # kind 1: b is asked for other ids than it started (its started reply read and dropped)
+        yb = model["b"](_features(step, shift=1) if kind == 1 else f)
+        if kind == 3:
+            model["b"].start(_features(step + 100))  # started, never looked up (dropped by the next lookup)
+        ys = [*ya.values(), *yb.values()]
+        out.append([y.detach().clone().tolist() for y in ys])
+        sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+        step_fn()
+    with torch.no_grad():
+        f = {"u": torch.arange(30), "v": torch.arange(20), "w": torch.arange(25)}
+        out.append([y.tolist() for c in ("a", "b") for y in model[c](f).values()])
+    return out
+
+
+def _started_job(rank, world, port, out):
+    _join(rank, world, port)
+    job = ps.PSJob.init(ps.PSConfig(num_servers=2))
+    model = _collections()
+    job.shard_tables(model)
+    opt = LazyAdam([m for m in model.modules() if isinstance(m, HostEmbedding)])
+    job.start(model, {"all": opt})
+    if job.role is ps.Role.WORKER:
+        got = _started_steps(model, ps.PSSparse(opt).step)
+        dropped = [model[c].mismatched_plans for c in ("a", "b")]
+        Path(out, "worker.json").write_text(json.dumps({"out": got, "mismatched": dropped}))
+    job.shutdown()
+    env.shutdown()
+
+
+def test_lookups_started_ahead_train_as_one_process(tmp_path, cpu_ranks):
+    spawn(_started_job, args=(3, _port(), str(tmp_path)), nprocs=3)
+    worker = json.loads((tmp_path / "worker.json").read_text())
+    model = _collections()
+    opt = LazyAdam([m for m in model.modules() if isinstance(m, HostEmbedding)])
+    ref = _started_steps(model, opt.step)
+    for step, (a, b) in enumerate(zip(worker["out"], ref)):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-6,
+                                       msg=lambda m: f"step {step}: {m}")
+    # started lookups of other ids were dropped, twice each way (kinds 1 and 3, two rounds)
+    assert worker["mismatched"] == [0, 4]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
@@ -69,6 +70,24 @@ class HostEmbeddingCollection(nn.Module):
         """Queue plans built ahead of time (by a prefetcher) for the next lookup, of ``features``, one a
         group (``None``: the group builds its plan at the lookup)."""
         self._prepared.append((self.requests(features), plans))
+
+    def start(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> None:
+        """Start this collection's lookups of ``features`` whose rows come from other processes
+        (parameter servers: :meth:`RowExchange.start`), so that the servers work while the caller
+        does something else - a model's other collection's lookups; the next forward with the same
+        features takes them (other features: it looks up afresh, the started replies read and
+        dropped). Does nothing where no group starts lookups, when plans are queued already (a
+        prefetcher's), or for fake ids (:mod:`hetero.planner`)."""
+        if self._prepared or not any(g.exchange.starts_lookups() for g in self.groups):
+            return
+        requests = self.requests(features)
+        if any(is_fake(r.ids) for reqs in requests for r in reqs):
+            return
+        plans = [g.plan(reqs) if g.exchange.starts_lookups() else None for g, reqs in zip(self.groups, requests)]
+        for group, plan in zip(self.groups, plans):
+            if plan is not None:
+                group.exchange.start(plan)
+        self._prepared.append((requests, plans))
 
     def drop_prepared(self) -> None:
         """Forget queued plans (a prefetcher stopped early)."""

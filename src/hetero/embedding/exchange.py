@@ -78,6 +78,16 @@ class RowExchange(abc.ABC):
     def lookup(self, group: LocalLookup, requests: list[Request], plan: LookupPlan | None) -> list[Tensor]:
         """The outputs of ``requests`` (autograd-aware); ``plan``: one a prefetcher built, if any."""
 
+    def starts_lookups(self) -> bool:
+        """Whether :meth:`start` sends anything: lookups whose rows come from another process
+        (a parameter server's pull) can be started before the caller needs them."""
+        return False
+
+    def start(self, plan: LookupPlan) -> None:
+        """Start the lookup of ``plan`` (its rows on their way while the caller goes on); the
+        :meth:`lookup` given the same ``plan`` takes them. Only where :meth:`starts_lookups`."""
+        raise NotImplementedError(f"{type(self).__name__} looks up at its lookup: it starts nothing ahead")
+
     def clear(self) -> None:  # noqa: B027 - most exchanges keep nothing between steps
         """Forget lookups still waiting for their gradient (``zero_grad``)."""
 

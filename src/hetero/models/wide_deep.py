@@ -124,6 +124,9 @@ class WideDeep(nn.Module):
                              "at layers of mlp (hetero.models.wide_deep.pipeline_split_points)")
         if self.deep is not None:
             dense = copy_to(dense, self.wide_bias.device)  # host -> device, async on CUDA
+            # the deep tables' rows on their way from parameter servers while the wide tables' come
+            # (nothing where the rows are here: hetero.embedding.HostEmbeddingCollection.start)
+            self.deep.start(features)
             terms = [v.reshape(-1) for v in self.wide(features).values()]
             # no wide feature (every one deep-only): the wide part is its bias (and dense term)
             wide = (torch.stack(terms, dim=1).sum(1) if terms else self.wide_bias.new_zeros(dense.shape[0])) \

@@ -8,6 +8,13 @@ A lookup of a table group on a worker (``group.exchange`` is a :class:`PSClient`
    their owners (``id % S``), one request per server, all servers in flight at once;
 3. pool on the device as a local table does; backward leaves one gradient row per unique id.
 
+A lookup can be started ahead (:meth:`PSClient.start`, through
+``HostEmbeddingCollection.start``): its requests go out and the next lookup given the same plan
+takes the replies, so that a model's second collection's servers work while the first's lookup
+waits (Wide & Deep starts its deep tables before its wide ones). Each group's replies come on a
+tag of its own (:func:`hetero.ps.transport.reply_tag`), so a worker may take them in any order; a
+started pull nobody takes is read and dropped before the group's next request.
+
 ``PSSparse.step()`` takes every group's coalesced gradient rows; they go to their owners with
 the group's next pull, in the same message (``Op.PUSH_PULL``: the server applies the push, then
 reads the rows, the order a push and then a pull would have), to every server - empty if none of
@@ -105,6 +112,7 @@ class PSClient(RowExchange):
             group.dynamic.route = self.translate
         self.lookups: list[list[Any]] = []  # [unique group rows, their gradient (or None until backward)]
         self.pending: tuple[int, Tensor, Tensor] | None = None  # a push not sent yet: (its step, ids, gradient rows)
+        self.started: tuple[LookupPlan, tuple] | None = None  # a pull sent ahead of its lookup (start())
         self.cache = RowCache(cache_staleness) if cache_staleness is not None else None
 
     def reset(self) -> None:
@@ -123,11 +131,17 @@ class PSClient(RowExchange):
 
     # ------------------------------------------------------------------------------ pull
     def lookup(self, group: TableGroup, requests: list[Request], plan: LookupPlan | None) -> list[Tensor]:
-        assert plan is None, "a parameter-server lookup pulls rows: it is never prefetched"
         anchor = requests[0].table._device_anchor
-        plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
         pin = anchor.device.type == "cuda"  # received straight into pinned memory: the upload is an async DMA
-        rows = copy_to(self.fetch(plan.unique, pin), anchor.device).to(anchor.dtype)  # host -> device: U rows
+        if plan is not None and self.started is not None and self.started[0] is plan:
+            rows = self._receive(self.started[1], pin)  # (started: :meth:`start`)
+            self.started = None
+        else:
+            assert plan is None, "a parameter-server lookup pulls rows: only its own start() plans it"
+            self._drop_started()
+            plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
+            rows = self.fetch(plan.unique, pin)
+        rows = copy_to(rows, anchor.device).to(anchor.dtype)  # host -> device: U rows
         if torch.is_grad_enabled():
             entry = [plan.unique, None]
             rows.requires_grad_(True)
@@ -136,6 +150,21 @@ class PSClient(RowExchange):
             rows.register_hook(lambda grad, entry=entry: entry.__setitem__(1, grad.detach().to("cpu", torch.float32)))
             self.lookups.append(entry)
         return plan.pool(rows)
+
+    def starts_lookups(self) -> bool:
+        return self.cache is None  # (bounded mode's cache is consulted at the lookup's step)
+
+    def start(self, plan: LookupPlan) -> None:
+        """Send the pull of ``plan``'s unique rows (with the pending push) now; :meth:`lookup`
+        given ``plan`` receives the rows. A lookup of other ids first reads and drops them."""
+        self._drop_started()
+        self.started = (plan, self._send(plan.unique))
+
+    def _drop_started(self) -> None:
+        """Read a started pull's reply nobody will use (the next reply must be the next request's)."""
+        if self.started is not None:
+            started, self.started = self.started, None
+            self._receive(started[1], False)
 
     def fetch(self, unique: Tensor, pin: bool = False) -> Tensor:
         """Rows ``(U, D)`` (storage dtype, host; pinned with ``pin``) of the sorted unique group rows ``unique``."""
@@ -168,12 +197,13 @@ class PSClient(RowExchange):
             IndexError / ValueError: the owning server rejected an id (its message names the table).
             ServerTimeoutError / ServerLostError: a server did not answer (naming its rank).
         """
+        self._drop_started()
+        return self._receive(self._send(ids), pin)
+
+    def _send(self, ids: Tensor) -> tuple[Tensor, list, list, str]:
+        """Start :meth:`pull`: the requests sent; what :meth:`_receive` needs."""
         pending, self.pending = self.pending, None
-        if ids.numel() == 0 and pending is None:
-            return torch.empty(0, self.group.dim, dtype=self.group.dtype)
         masks = self._route(ids)
-        out = None if masks[0] is None else torch.empty(ids.numel(), self.group.dim, dtype=self.group.dtype,
-                                                        pin_memory=pin)
         ch = self.channel
         what = f"a {'push and ' if pending is not None else ''}pull of table group {self.name!r}"
         asked = [(server, mask, ids if mask is None else ids[mask]) for server, mask in zip(self.servers, masks)]
@@ -188,18 +218,26 @@ class PSClient(RowExchange):
                 p, g = (pushed, grads) if mask is None else (pushed[mask], grads[mask])
                 sends.append((server, ch.request(server, Op.PUSH_PULL, [p, g, part], step=step, group=self.index,
                                                  n=p.numel(), extra=pushed.numel(), fields=(part.numel(),))))
+        return ids, asked, sends, what
+
+    def _receive(self, sent: tuple[Tensor, list, list, str], pin: bool) -> Tensor:
+        """Finish :meth:`pull`: the replies' rows in the order of its ids."""
+        ids, asked, sends, what = sent
+        one = len(asked) == 1 and asked[0][1] is None  # one server holds them all: its reply is the rows
+        out = None if one else torch.empty(ids.numel(), self.group.dim, dtype=self.group.dtype, pin_memory=pin)
         row_bytes = self.group.dim * self.group.dtype.itemsize
         for server, mask, part in asked:
             # (one server: received in pinned memory, unpacked in place; else copied into its rows of out)
-            _, payload = ch.reply(server, part.numel() * row_bytes, what, part.numel(), pin=pin and mask is None)
+            _, payload = self.channel.reply(server, self.index, part.numel() * row_bytes, what, part.numel(),
+                                            pin=pin and one)
             rows, = unpack(payload, [((part.numel(), self.group.dim), self.group.dtype)])
-            if out is None:
+            if one:
                 out = rows
             else:
                 out[mask] = rows
         for server, works in sends:
             for w in works:
-                ch.wait(w, server, what)
+                self.channel.wait(w, server, what)
         return out
 
     # ------------------------------------------------------------------------------ push
@@ -222,7 +260,9 @@ class PSClient(RowExchange):
         self.step, self.translated = self.step + 1, 0
 
     def flush(self) -> None:
-        """Send the pending push alone (every server gets a message) and wait for the receipts."""
+        """Send the pending push alone (every server gets a message) and wait for the receipts
+        (a started pull's reply read first)."""
+        self._drop_started()
         if self.pending is None:
             return
         (step, ids, rows), self.pending = self.pending, None
@@ -233,7 +273,7 @@ class PSClient(RowExchange):
             sends.append((server, part.numel(), ch.request(server, Op.PUSH, [part, grad], step=step,
                                                            group=self.index, n=part.numel(), extra=ids.numel())))
         for server, n, works in sends:
-            ch.reply(server, 0, what, n)  # the server's receipt (for the n ids sent)
+            ch.reply(server, self.index, 0, what, n)  # the server's receipt (for the n ids sent)
             for w in works:
                 ch.wait(w, server, what)
 
@@ -264,7 +304,7 @@ class PSClient(RowExchange):
         out = [torch.empty(k.numel(), dtype=torch.int64) for _, k in lookups]
         for server, masks, sizes, works in asked:
             specs = [((sum(sizes),), torch.int64), ((len(lookups), STATS), torch.int64)]
-            _, payload = ch.reply(server, spec_bytes(specs), what, sum(sizes))
+            _, payload = ch.reply(server, self.index, spec_bytes(specs), what, sum(sizes))
             rows, counts = unpack(payload, specs)
             for (table, _), o, m, part, c in zip(lookups, out, masks, rows.split(sizes), counts):
                 o[m] = part

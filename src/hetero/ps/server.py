@@ -33,8 +33,8 @@ from hetero.ps.config import PSMode
 from hetero.ps.keys import ServerKeys
 from hetero.ps.shard import shard_bytes
 from hetero.storage import snapshot
-from hetero.ps.transport import (CAPACITY, HEADER_BYTES, MESSAGE_BYTES, SEPARATE, TAG_PAYLOAD, TAG_REPLY, TAG_REQUEST,
-                                 Op, Status, decode, encode, header, header_of, pack, unpack)
+from hetero.ps.transport import (CAPACITY, HEADER_BYTES, MESSAGE_BYTES, SEPARATE, TAG_PAYLOAD, TAG_REQUEST,
+                                 Op, Status, decode, encode, header, header_of, pack, reply_tag, unpack)
 
 log = logging.getLogger("hetero")
 
@@ -62,7 +62,9 @@ class ParameterServer:
         self.applied = [0] * len(self.groups)  # steps applied per group (SYNC: the step pulls wait for)
         self.inbox: list[dict[int, dict[int, tuple]]] = [{} for _ in self.groups]  # SYNC: step -> worker -> push
         self.deferred: list[list[tuple[int, int, Tensor]]] = [[] for _ in self.groups]  # SYNC: early pulls
-        self.sends: dict[int, list[tuple[Any, Tensor]]] = {}  # per worker: replies in flight, tensors kept alive
+        # per (worker, group): replies in flight (their tensors kept alive); a group's replies have a tag of
+        # their own, so a worker may take them in another order than the groups' requests went
+        self.sends: dict[tuple[int, int], list[tuple[Any, Tensor]]] = {}
         # (worker, group) -> the reply message of its last pull, whose memory the next pull's rows are
         # read into: a fresh 6 MB reply took 1,300-1,900 page faults, 3 ms of a 6 ms pull (ps.py, 100k rows x 16)
         self.row_buffers: dict[tuple[int, int], Tensor] = {}
@@ -135,25 +137,25 @@ class ParameterServer:
         dist.recv(payload, src, group=self.pg, tag=TAG_PAYLOAD)
         return src, h.clone(), payload
 
-    def _settle(self, dst: int) -> None:
+    def _settle(self, dst: int, g: int) -> None:
         """Wait for the replies in flight to ``dst``. A worker asks again only after it received the
         previous answer: they have completed (gloo marks a send complete in wait(), so it is called
         here), and their tensors may be written again."""
-        for w, _ in self.sends.pop(dst, []):
+        for w, _ in self.sends.pop((dst, g), []):
             w.wait()
 
-    def _send(self, dst: int, message: Tensor) -> None:
+    def _send(self, dst: int, g: int, message: Tensor) -> None:
         """Start sending the reply ``message`` (kept alive until it completed)."""
-        self._settle(dst)
-        self.sends[dst] = [(dist.isend(message, dst, group=self.pg, tag=TAG_REPLY), message)]
+        self._settle(dst, g)
+        self.sends[(dst, g)] = [(dist.isend(message, dst, group=self.pg, tag=reply_tag(g)), message)]
 
-    def _reply(self, dst: int, parts: list[Tensor], n: int = 0, status: Status = Status.OK) -> None:
-        self._send(dst, pack(header(status, n), parts))
+    def _reply(self, dst: int, g: int, parts: list[Tensor], n: int = 0, status: Status = Status.OK) -> None:
+        self._send(dst, g, pack(header(status, n), parts))
 
-    def _error(self, dst: int, kind: Status, message: str) -> None:
+    def _error(self, dst: int, g: int, kind: Status, message: str) -> None:
         # cut to the room every reply buffer has for it, at a character's end
         msg = encode(message.encode()[:MESSAGE_BYTES].decode(errors="ignore"))
-        self._reply(dst, [msg], msg.numel(), kind)
+        self._reply(dst, g, [msg], msg.numel(), kind)
 
     def _check(self, g: int, ids: Tensor) -> tuple[Status, str] | None:
         """An id outside the group or not on this shard: the message names the table."""
@@ -187,7 +189,7 @@ class ParameterServer:
     def _pull(self, src: int, step: int, g: int, ids: Tensor, checked: bool = False) -> None:
         err = None if checked else self._check(g, ids)
         if err is not None:
-            self._error(src, *err)
+            self._error(src, g, *err)
             return
         local = self._local(ids)
         if self.mode is PSMode.SYNC and step > self.applied[g]:
@@ -196,7 +198,7 @@ class ParameterServer:
         self._send_rows(src, g, local)
 
     def _send_rows(self, dst: int, g: int, local: Tensor) -> None:
-        self._settle(dst)  # (the previous pull's rows went out: their buffer is free)
+        self._settle(dst, g)  # (the previous pull's rows went out: their buffer is free)
         group = self.groups[g]
         size = HEADER_BYTES + local.numel() * group.dim * group.dtype.itemsize
         buf = self.row_buffers.get((dst, g))
@@ -207,7 +209,7 @@ class ParameterServer:
         rows = message[HEADER_BYTES:].view(group.dtype).view(local.numel(), group.dim)
         group.read_rows(local, rows)  # into the reply itself (SSD tier: through its row cache)
         self.served_rows += local.numel()
-        self._send(dst, message)
+        self._send(dst, g, message)
 
     def _push(self, src: int, step: int, g: int, ids: Tensor, rows: Tensor, count: int,
               then_pull: Tensor | None = None) -> None:
@@ -216,10 +218,10 @@ class ParameterServer:
         else a receipt. A bad id in either part refuses the whole request before anything changes."""
         err = self._check(g, ids) or (self._check(g, then_pull) if then_pull is not None else None)
         if err is not None:
-            self._error(src, *err)
+            self._error(src, g, *err)
             return
         if then_pull is None:
-            self._reply(src, [], ids.numel())  # received (not necessarily applied)
+            self._reply(src, g, [], ids.numel())  # received (not necessarily applied)
         if self.mode is not PSMode.SYNC:  # one worker's share of a global batch: 1/W of its gradient
             self._apply(g, [(ids, rows, count)], 1.0 / len(self.workers) if self.mean else 1.0)
             self.applied[g] += 1
@@ -243,10 +245,10 @@ class ParameterServer:
         keymaps = self.keymaps[g]
         err = "the group has no dynamic tables" if keymaps is None else keymaps.check(entries, keys)
         if err is not None:
-            self._error(src, Status.VALUE_ERROR, f"parameter server rank {dist.get_rank()} (shard {self.shard} of "
+            self._error(src, g, Status.VALUE_ERROR, f"parameter server rank {dist.get_rank()} (shard {self.shard} of "
                                                  f"{self.servers}): {err}")
         elif not training:
-            self._reply(src, list(keymaps.translate_all([(entries, keys)], False)[0]), keys.numel())
+            self._reply(src, g, list(keymaps.translate_all([(entries, keys)], False)[0]), keys.numel())
         else:
             self.asked[g].setdefault(at, {})[src] = (entries, keys)
             self._translate_ready(g)
@@ -262,10 +264,10 @@ class ParameterServer:
                 replies = self.keymaps[g].translate_all([parts[w] for w in self.workers], True)
             except ValueError as e:
                 for w in self.workers:
-                    self._error(w, Status.VALUE_ERROR, str(e))
+                    self._error(w, g, Status.VALUE_ERROR, str(e))
                 continue
             for w, reply in zip(self.workers, replies):
-                self._reply(w, list(reply), reply[0].numel())
+                self._reply(w, g, list(reply), reply[0].numel())
 
     def _apply(self, g: int, parts: list[tuple[Tensor, Tensor, int]], scale: float) -> None:
         """One optimizer step of group ``g`` from the pushes ``parts`` (summed in the given order)."""

@@ -9,8 +9,9 @@ capacity: gloo accepts a message shorter than the buffer it is received into, ne
 one, so a worker sends a request larger than the capacity it knows the server has as the header
 alone (``separate``: the payload's bytes) and then the payload on :data:`TAG_PAYLOAD`, and from
 then on counts on that capacity (the server grows its buffer to it). A reply is one message on
-:data:`TAG_REPLY`: a header ``[status, n, ...]`` and its tensors' bytes, received into a buffer
-sized for the expected answer (at least :data:`MESSAGE_BYTES` of payload, room for an error's text).
+its table group's tag (:func:`reply_tag`): a header ``[status, n, ...]`` and its tensors' bytes,
+received into a buffer sized for the expected answer (at least :data:`MESSAGE_BYTES` of payload,
+room for an error's text).
 
 Why one message: a gloo message between two processes of one host costs about 0.2-0.25 ms
 whatever its size up to hundreds of KB (``benchmarks/ps_transport.py`` on the 2-core VM: a round
@@ -40,6 +41,12 @@ SEPARATE = HEADER - 1  # the request header's field: bytes of a payload sent in 
 MESSAGE_BYTES = 4096  # room for an error's text in every reply (longer texts are cut)
 CAPACITY = 1 << 20  # request bytes a server receives in one message from the start
 TAG_REQUEST, TAG_PAYLOAD, TAG_REPLY = 1, 2, 3
+
+
+def reply_tag(group: int) -> int:
+    """The tag of a server's replies about table group ``group``: a group's own, so that a worker
+    may take a group's reply before an earlier-asked group's (``HostEmbeddingCollection.start``)."""
+    return TAG_REPLY + group
 
 
 class Op(enum.IntEnum):
@@ -163,10 +170,11 @@ class Channel:
         body = pack(head, payload)[HEADER_BYTES:]
         return works + [dist.isend(body, server, group=self.group, tag=TAG_PAYLOAD)]
 
-    def reply(self, server: int, nbytes: int, what: str, n: int, pin: bool = False) -> tuple[Tensor, Tensor]:
-        """Wait for ``server``'s reply of ``nbytes`` payload bytes (its :func:`payload_bytes`) answering
-        ``n`` items (ids or keys: the header's count); ``(header, payload)``, the payload a uint8 view
-        (pinned memory with ``pin``) for :func:`unpack`.
+    def reply(self, server: int, group: int, nbytes: int, what: str, n: int,
+              pin: bool = False) -> tuple[Tensor, Tensor]:
+        """Wait for ``server``'s reply about table group ``group`` of ``nbytes`` payload bytes (its
+        :func:`payload_bytes`) answering ``n`` items (ids or keys: the header's count);
+        ``(header, payload)``, the payload a uint8 view (pinned memory with ``pin``) for :func:`unpack`.
 
         Raises:
             IndexError / ValueError: the server's error (its message names the table), or a reply
@@ -174,7 +182,7 @@ class Channel:
             ServerTimeoutError / ServerLostError: see :meth:`wait`.
         """
         message = torch.empty(HEADER_BYTES + max(nbytes, MESSAGE_BYTES), dtype=torch.uint8, pin_memory=pin)
-        self.wait(dist.irecv(message, server, group=self.group, tag=TAG_REPLY), server, what)
+        self.wait(dist.irecv(message, server, group=self.group, tag=reply_tag(group)), server, what)
         h = header_of(message)
         if int(h[0]) != Status.OK:
             kind = IndexError if int(h[0]) == Status.INDEX_ERROR else ValueError
