@@ -6,7 +6,10 @@ A lookup of a table group on a worker (``group.exchange`` is a :class:`PSClient`
    before anything is sent, naming the table);
 2. in ``BOUNDED`` mode take the rows the :class:`RowCache` still holds; pull the others from
    their owners (``id % S``), one request per server, all servers in flight at once;
-3. pool on the device as a local table does; backward leaves one gradient row per unique id.
+3. pool as a local table does: where the device is the host, with the host kernels
+   (:class:`~hetero.embedding.capture.HostPool`, whose backward keeps the gradient per id and
+   coalesces it into one row per unique id when the push takes it); on a device with
+   ``F.embedding_bag``, whose backward leaves one gradient row per unique id.
 
 A lookup can be started ahead (:meth:`PSClient.start`, through
 ``HostEmbeddingCollection.start``): its requests go out and the next lookup given the same plan
@@ -33,12 +36,26 @@ from torch import Tensor
 
 from hetero.dynamic import DynamicStats
 from hetero.embedding import RowExchange, RowPlacement
+from hetero.embedding.capture import HostPool
 from hetero.embedding.dynamic_rows import KeyedTable
+from hetero.embedding.exchange import RowSpace
+from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.group import TableGroup
 from hetero.embedding.plan import LookupPlan, Request
 from hetero.placement import copy_to
 from hetero.ps.keys import STATS, key_shards
 from hetero.ps.transport import Channel, Op, encode, spec_bytes, unpack
+
+
+class LookupGrad:
+    """One lookup's unique group rows and, after backward, their gradient: the
+    :class:`~hetero.embedding.capture.CaptureGroup` its pooling hands the gradient to."""
+
+    def __init__(self, unique: Tensor) -> None:
+        self.unique, self.pending = unique, PendingGrads()
+
+    def pool_and_dedup(self, plan: LookupPlan, out: Tensor) -> None:
+        raise AssertionError("a parameter-server lookup's plan is deduplicated before its rows are pulled")
 
 
 class RowCache:
@@ -89,8 +106,8 @@ class RowCache:
 class PSClient(RowExchange):
     """``group.exchange`` on a worker: the group's rows live on ``len(servers)`` servers.
 
-    Its ``lookups`` are this step's lookups awaiting their gradient (``[group rows, gradient]``,
-    the gradient ``None`` until backward); :meth:`push` sends them.
+    Its ``lookups`` are this step's lookups (:class:`LookupGrad`: their gradient arrives in
+    backward); :meth:`push` sends their sum.
 
     Args:
         index: the group's position in the model's table groups (its name in requests).
@@ -110,7 +127,7 @@ class PSClient(RowExchange):
         self.key_counts: dict[tuple[str, int], Tensor] = {}  # (table, server) -> its counts there, last reported
         if group.dynamic.tables:
             group.dynamic.route = self.translate
-        self.lookups: list[list[Any]] = []  # [unique group rows, their gradient (or None until backward)]
+        self.lookups: list[LookupGrad] = []  # this step's lookups (their gradient after backward)
         self.pending: tuple[int, Tensor, Tensor] | None = None  # a push not sent yet: (its step, ids, gradient rows)
         self.started: tuple[LookupPlan, tuple] | None = None  # a pull sent ahead of its lookup (start())
         self.cache = RowCache(cache_staleness) if cache_staleness is not None else None
@@ -141,14 +158,23 @@ class PSClient(RowExchange):
             self._drop_started()
             plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
             rows = self.fetch(plan.unique, pin)
+        entry = LookupGrad(plan.unique)
+        if torch.is_grad_enabled():
+            self.lookups.append(entry)
+        if anchor.device.type == "cpu":
+            # The device is the host: pool with the host kernels, as a local table does; the
+            # backward keeps the gradient per id (coalesced when the push takes it, one pass) and
+            # the zero-size sink only puts the op on the tape.
+            sink = torch.empty(0, requires_grad=torch.is_grad_enabled())
+            return plan.split(HostPool.apply(rows, plan.inverse, plan.offsets, plan.scale, sink, entry, plan)
+                              .to(anchor.dtype))
         rows = copy_to(rows, anchor.device).to(anchor.dtype)  # host -> device: U rows
         if torch.is_grad_enabled():
-            entry = [plan.unique, None]
             rows.requires_grad_(True)
             # Runs inside backward: keep the coalesced gradient; the push runs in the optimizer step.
             # device -> host copy (a sync point on CUDA)
-            rows.register_hook(lambda grad, entry=entry: entry.__setitem__(1, grad.detach().to("cpu", torch.float32)))
-            self.lookups.append(entry)
+            rows.register_hook(lambda grad: entry.pending.add(
+                SparseGrad(entry.unique, grad.detach().to("cpu", torch.float32), RowSpace.GROUP)))
         return plan.pool(rows)
 
     def starts_lookups(self) -> bool:
@@ -246,13 +272,12 @@ class PSClient(RowExchange):
         next pull of the group, one message to each server that applies them before reading the
         rows (sync mode stays exact: the same order as a push then a pull), or alone by
         :meth:`flush` - before a key lookup, a checkpoint, the end of an epoch and the stop."""
-        done = [e for e in self.lookups if e[1] is not None]  # lookups without a gradient changed nothing
+        # lookups without a gradient changed nothing; several (micro-batches) are summed, one row per id
+        done = [g for g in (e.pending.take() for e in self.lookups) if g is not None]
         self.lookups = []
-        if len(done) == 1:
-            ids, rows = done[0]
-        elif done:  # several lookups this step (micro-batches): one row per id
-            ids, inverse = torch.unique(torch.cat([e[0] for e in done]), return_inverse=True)
-            rows = torch.zeros(ids.numel(), self.group.dim).index_add_(0, inverse, torch.cat([e[1] for e in done]))
+        if done:
+            grad = SparseGrad.coalesce(done)
+            ids, rows = grad.ids, grad.rows
         else:
             ids, rows = torch.empty(0, dtype=torch.int64), torch.empty(0, self.group.dim)
         self.flush()  # (the previous step's push, when no pull came between: bounded mode's cache hits)
