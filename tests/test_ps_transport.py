@@ -13,6 +13,7 @@ from conftest import spawn
 from test_ps import _join, _port, _start
 
 from hetero import ps
+from hetero._numba import load
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, TableConfig
 from hetero.optim import LazyAdam
 from hetero.parallel import env
@@ -164,3 +165,12 @@ def test_lookups_started_ahead_train_as_one_process(tmp_path, cpu_ranks):
                                        msg=lambda m: f"step {step}: {m}")
     # started lookups of other ids were dropped, twice each way (kinds 1 and 3, two rounds)
     assert worker["mismatched"] == [0, 4]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_a_workers_ids_are_routed_to_their_owners_in_order(n):
+    ids = torch.tensor([0, 7, 3, 12, 5, 5, 9, 1, 40, 2, 11], dtype=torch.int64)
+    order, starts = load("hetero.ps._kernels").route(ids.numpy(), n)
+    got = [order[starts[s] : starts[s + 1]].tolist() for s in range(n)]
+    assert got == [[i for i, x in enumerate(ids.tolist()) if x % n == s] for s in range(n)]
+    assert load("hetero.ps._kernels").route(ids[:0].numpy(), n)[1].tolist() == [0] * (n + 1)
