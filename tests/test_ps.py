@@ -71,6 +71,9 @@ def test_sync_mode_equals_one_process_with_tables_no_single_server_could_hold(tm
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())
     two = json.loads((tmp_path / "ps" / "metrics.json").read_text())
     assert abs(one["test_auc"] - two["test_auc"]) < 1e-6
+    # each step's pulls of both groups (wide, deep) went out at the step before, but an epoch's first
+    started = two["ps_started_pulls"]
+    assert started["taken"] >= 2 * (two["steps"] - two["epochs"]) and started["dropped"] == 0, started
 
 
 def test_a_killed_server_restarts_the_job_from_the_last_checkpoint(tmp_path, ml_dir):

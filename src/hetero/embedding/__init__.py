@@ -4,7 +4,13 @@ The counterpart of MindSpore's ``EmbeddingLookup(target="CPU", sparse=True)``; t
 trained by the sparse optimizers in :mod:`hetero.optim`.
 """
 
-from hetero.embedding.collection import HostEmbeddingCollection, move_tables_to_device, move_tables_to_ssd
+from hetero.embedding.collection import (
+    HostEmbeddingCollection,
+    drop_started_lookups,
+    move_tables_to_device,
+    move_tables_to_ssd,
+    start_lookups,
+)
 from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement, RowSpace
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import set_num_threads
@@ -36,6 +42,7 @@ __all__ = [
     "SparseGrad",
     "TableConfig",
     "defer_tables",
+    "drop_started_lookups",
     "dense_parameters",
     "device_tables",
     "host_tables",
@@ -43,5 +50,6 @@ __all__ = [
     "move_tables_to_device",
     "move_tables_to_ssd",
     "set_num_threads",
+    "start_lookups",
     "table_groups",
 ]

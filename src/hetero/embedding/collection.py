@@ -179,6 +179,23 @@ def move_tables_to_ssd(model: nn.Module, names: list[str], ssd: SsdConfig, write
         g.ssd = SsdRows(g.ssd_name, g.num_rows, g.dim, g.dtype, ssd, initial, g.ssd_state or {})
 
 
+def start_lookups(model: nn.Module, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> None:
+    """:meth:`HostEmbeddingCollection.start` of every collection of ``model``, in model order, with
+    the batch's ``features`` (a trainer starting the next batch's lookups while it finishes this
+    step). For models whose collections look up the batch's features as given (the built-in ones);
+    a collection then looking up other ids wastes only its started pulls (read and dropped)."""
+    for m in model.modules():
+        if isinstance(m, HostEmbeddingCollection):
+            m.start(features)
+
+
+def drop_started_lookups(model: nn.Module) -> None:
+    """Forget every collection's started or prefetched plans (:meth:`HostEmbeddingCollection.drop_prepared`)."""
+    for m in model.modules():
+        if isinstance(m, HostEmbeddingCollection):
+            m.drop_prepared()
+
+
 def move_tables_to_device(model: nn.Module, names: list[str], device: torch.device) -> dict[str, DeviceEmbedding]:
     """Replace the host tables ``names`` (qualified names) of ``model`` by
     :class:`DeviceEmbedding` copies on ``device`` (one host->device copy of each table; the

@@ -131,6 +131,7 @@ class PSClient(RowExchange):
         self.lookups: list[LookupGrad] = []  # this step's lookups (their gradient after backward)
         self.pending: tuple[int, Tensor, Tensor] | None = None  # a push not sent yet: (its step, ids, gradient rows)
         self.started: tuple[LookupPlan, tuple] | None = None  # a pull sent ahead of its lookup (start())
+        self.starts_taken = self.starts_dropped = 0  # started pulls a lookup took / nobody took (read and dropped)
         self.cache = RowCache(cache_staleness) if cache_staleness is not None else None
 
     def reset(self) -> None:
@@ -153,11 +154,11 @@ class PSClient(RowExchange):
         pin = anchor.device.type == "cuda"  # received straight into pinned memory: the upload is an async DMA
         if plan is not None and self.started is not None and self.started[0] is plan:
             rows = self._receive(self.started[1], pin)  # (started: :meth:`start`)
-            self.started = None
-        else:
-            assert plan is None, "a parameter-server lookup pulls rows: only its own start() plans it"
+            self.started, self.starts_taken = None, self.starts_taken + 1
+        else:  # (or a plan whose started pull was dropped: a flush for a checkpoint came between)
             self._drop_started()
-            plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
+            if plan is None or plan.unique is None:
+                plan = group.plan(requests)  # ids checked (IndexError before any communication) and deduplicated
             rows = self.fetch(plan.unique, pin)
         entry = LookupGrad(plan.unique)
         if torch.is_grad_enabled():
@@ -190,7 +191,7 @@ class PSClient(RowExchange):
     def _drop_started(self) -> None:
         """Read a started pull's reply nobody will use (the next reply must be the next request's)."""
         if self.started is not None:
-            started, self.started = self.started, None
+            started, self.started, self.starts_dropped = self.started, None, self.starts_dropped + 1
             self._receive(started[1], False)
 
     def fetch(self, unique: Tensor, pin: bool = False) -> Tensor:

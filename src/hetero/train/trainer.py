@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from hetero import ps
 from hetero.data.tabular import Batch, EvalData, TrainingData
-from hetero.embedding import Prefetcher, dense_parameters
+from hetero.embedding import Prefetcher, dense_parameters, drop_started_lookups, start_lookups
 from hetero.embedding.prefetch import looked_up_at_step
 from hetero.optim import SparseOptimizer
 from hetero.optim.host_state import AveragesReplicas
@@ -139,7 +139,7 @@ class Trainer(TrainerCheckpoints):
             raise ValueError("tables on the SSD tier are checkpointed as the tier's snapshots beside an integrated "
                              "checkpoint: use checkpoint_format=CheckpointFormat.INTEGRATED")
 
-    def _step(self, batch: Batch) -> float:
+    def _step(self, batch: Batch, upcoming: Batch | None = None) -> float:
         for opt in self.sparse_optimizers.values():
             opt.zero_grad()
         self.dense_optimizer.zero_grad(set_to_none=True)
@@ -162,6 +162,15 @@ class Trainer(TrainerCheckpoints):
                 f"loss is {value} at epoch {self.epoch}, batch {self.batch} (step {self.global_step + 1}); "
                 f"training stopped before applying this step; {where}"
             )
+        if self.remote:
+            # Tables on parameter servers: the push goes first, with the next batch's pulls (the
+            # servers apply it, then read those rows), so the servers work while the dense optimizer steps.
+            for opt in self.sparse_optimizers.values():
+                opt.step()
+            if upcoming is not None:
+                start_lookups(self.model, upcoming.features)
+            self.dense_optimizer.step()
+            return value
         self.dense_optimizer.step()
         for opt in self.sparse_optimizers.values():
             opt.step()
@@ -210,13 +219,17 @@ class Trainer(TrainerCheckpoints):
             batches = self.train.epoch(self.epoch, start=self.batch)
             if cfg.prefetch:
                 batches = Prefetcher(self.model, batches)
-            for batch in batches:
+            # Tables on parameter servers: each step starts the next batch's lookups (one batch read
+            # ahead), except for dynamic tables, whose key lookups count sightings and admit keys at
+            # the servers: a batch never trained (max_steps) or trained again (a resume) would count twice.
+            ahead = self.remote and not cfg.prefetch and self.pipeline is None and not looked_up_at_step(self.model)
+            for batch, upcoming in _with_next(batches) if ahead else ((b, None) for b in batches):
                 t0 = time.perf_counter()
                 steps_this_run += 1
                 measured = self.scalars is not None and self.scalars.sampled(steps_this_run, self.batch,
                                                                              cfg.warmup_steps)
-                loss = self.scalars.traffic(self.global_step + 1, lambda: self._step(batch), self.net, self.dp.size) \
-                    if measured else self._step(batch)
+                loss = self.scalars.traffic(self.global_step + 1, lambda: self._step(batch, upcoming), self.net,
+                                            self.dp.size) if measured else self._step(batch, upcoming)
                 if steps_this_run > cfg.warmup_steps and not measured:  # steady state: no compilation, no counting
                     self.train_seconds += time.perf_counter() - t0
                     self.train_samples += len(batch)
@@ -241,7 +254,8 @@ class Trainer(TrainerCheckpoints):
                     break
             if self.remote:  # the last step's pushes travel with the next pulls: send them now, every worker alike
                 for opt in self.sparse_optimizers.values():
-                    opt.flush()
+                    opt.flush()  # (a started pull of a batch not trained - max_steps - read and dropped)
+                drop_started_lookups(self.model)
             bar.close()
             improved = False
             if not stop:
@@ -320,6 +334,10 @@ class Trainer(TrainerCheckpoints):
             # each dynamic table's keys admitted, rows evicted, lookups of the default row, rows held
             "dynamic_tables": {name: vars(stats) for name, stats in dynamic.items()},
         }
+        if self.remote:  # this worker's pulls sent ahead of their lookup: taken by it, or read and dropped
+            clients = [c for opt in self.sparse_optimizers.values() for c in opt.clients]
+            metrics["ps_started_pulls"] = {"taken": sum(c.starts_taken for c in clients),
+                                           "dropped": sum(c.starts_dropped for c in clients)}
         return write_report(self.run_dir, self.losses, metrics)
 
 
@@ -333,3 +351,13 @@ def weighted_bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _fmt(metric: float | None) -> str:
     return "undefined" if metric is None else f"{metric:.4f}"
+
+
+def _with_next(batches: Iterable[Batch]) -> Iterator[tuple[Batch, Batch | None]]:
+    """Each batch with the one after it (``None`` after the last)."""
+    it = iter(batches)
+    batch = next(it, None)
+    while batch is not None:
+        upcoming = next(it, None)
+        yield batch, upcoming
+        batch = upcoming
