@@ -1,5 +1,6 @@
 """The parameter-server wire format (hetero.ps.transport): one message a request and one a reply,
-a request larger than the server's buffer sent as header and payload apart."""
+a request larger than the server's buffer sent as header and payload apart; and what a worker does
+with them (routing, lookups started ahead, bounded mode's row cache)."""
 
 from __future__ import annotations
 
@@ -174,3 +175,15 @@ def test_a_workers_ids_are_routed_to_their_owners_in_order(n):
     got = [order[starts[s] : starts[s + 1]].tolist() for s in range(n)]
     assert got == [[i for i, x in enumerate(ids.tolist()) if x % n == s] for s in range(n)]
     assert load("hetero.ps._kernels").route(ids[:0].numpy(), n)[1].tolist() == [0] * (n + 1)
+
+
+def test_row_cache_drops_entries_older_than_the_bound():
+    cache = ps.RowCache(staleness=1)
+    ids = torch.tensor([2, 5, 9])
+    hit, _ = cache.lookup(ids, step=0)
+    assert not hit.any()
+    cache.insert(ids, torch.arange(6.0).reshape(3, 2), step=0)
+    hit, rows = cache.lookup(torch.tensor([1, 5, 9]), step=1)  # age 1: still valid
+    assert hit.tolist() == [False, True, True] and rows.tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    hit, rows = cache.lookup(torch.tensor([5]), step=2)  # age 2 > 1: gone
+    assert not hit.any() and cache.ids.numel() == 0 and cache.max_age == 1
