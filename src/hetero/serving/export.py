@@ -85,6 +85,9 @@ class LookupInputs(nn.Module):
         self.names = names
         self.tables = dict.fromkeys(names)  # (what a model asks of its collection: the tables, in order)
 
+    def start(self, features: object) -> None:
+        """Nothing to start ahead (:meth:`HostEmbeddingCollection.start`): the lookups are inputs."""
+
     def forward(self, lookups: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {n: lookups[n] for n in self.names}
 
