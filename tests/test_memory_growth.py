@@ -8,6 +8,7 @@ per step fails here. Each rank's resident set (``VmRSS``) is sampled after every
 rank's peak (``ru_maxrss``) is compared with its resident set after warm-up; a parameter server,
 which has no steps of its own, is sampled by the clock and read at the times its worker's steps ended."""
 
+import ctypes
 import json
 import os
 import resource
@@ -46,9 +47,26 @@ def _rss_kib():
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+def _fixed_malloc_thresholds():
+    """Make glibc's ``malloc`` hand freed memory back as the program frees it, so the resident set
+    follows what the program holds: by default a freed mmapped block raises the mmap threshold to its
+    size (to 32 MiB) and the heap's trim threshold to twice that, so a checkpoint's freed buffers of a
+    few MiB are kept resident from then on - a step up with no leak (13 MiB on a parameter server in CI,
+    once in a run). Fixing both thresholds (mallopt M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) turns that off.
+    No-op where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # (malloc.h)
+    libc.mallopt(m_mmap_threshold, 128 * 1024)
+    libc.mallopt(m_trim_threshold, 128 * 1024)
+
+
 def _rank(r, n, port, argv, out):
     from hetero.cli import main
 
+    _fixed_malloc_thresholds()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n))
     samples, times, trace, stop = [], [], [], threading.Event()

@@ -78,15 +78,19 @@ class KeyMap:
         slots = 64
         while slots < 2 * capacity:
             slots *= 2
-        self.slots = np.zeros((slots, 2), np.int64)  # (key, row); row -1: empty
+        # np.full, not np.zeros: every page written now, so the resident set holds the map whole from the
+        # start (np.zeros takes untouched pages from calloc, which became resident one by one as new keys
+        # hashed onto them - 26 MiB of sketches crept into a server's resident set over an epoch, and a host
+        # short of memory would fail mid-run rather than at the start)
+        self.slots = np.full((slots, 2), 0, np.int64)  # (key, row); row -1: empty
         self.slots[:, 1] = -1
-        self.row_key = np.zeros(capacity, np.int64)
-        self.stat = np.zeros((capacity, 2), np.int32)  # (use count, last step); last -1: a free row
+        self.row_key = np.full(capacity, 0, np.int64)
+        self.stat = np.full((capacity, 2), 0, np.int32)  # (use count, last step); last -1: a free row
         self.stat[:, 1] = -1
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # (a stack: row 0 is given first)
         self.nfree = np.array([capacity], np.int64)
         by_count = config.admit_probability is None and config.admit_after > 1
-        self.sketch = np.zeros((4, config.sketch_width if by_count else 64), np.int32)
+        self.sketch = np.full((4, config.sketch_width if by_count else 64), 0, np.int32)
         self.stats = DynamicStats()
         self.next_scan = 0  # the step of the next age scan (ttl_steps)
         self.lock = threading.Lock()
