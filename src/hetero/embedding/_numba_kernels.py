@@ -193,6 +193,18 @@ def _row_grad(k, acc, grad, src, first, nxt, scale):
         i = nxt[i]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_grad(src, first, k):
+    """Prefetch the per-id gradient of unique row ``k``'s first occurrence (``src[first[k]]``; nothing
+    when the gradient is coalesced, read in order). Its occurrences lie anywhere in the batch: without
+    this the walk of a row's chain waited on a cache miss per row. The row-wise Adagrad update of a
+    DLRM step (79.6k unique rows of 106k Zipf ids, 26 x 1M x 16, 2 threads), alternating call by call
+    in one process, medians of 80: 3.99 -> 3.75 and 4.20 -> 3.92 ms with the caches flushed before each
+    call, 2.63 -> 2.55 and 3.42 -> 3.37 ms without."""
+    if src.shape[0] > 0:
+        prefetch(src, first[k])
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def pool_backward(grad_out, inverse, offsets, scale, num_unique, nthreads):
     """Coalesce the gradient of pooled (or per-id) outputs into one ``(U, D)`` row per unique id."""
@@ -226,6 +238,7 @@ def lazy_adam(w, widx, m, v, ids, grad, src, first, nxt, scale, nthreads, step_s
                 prefetch(w, widx[k + AHEAD])
                 prefetch(m, ids[k + AHEAD])
                 prefetch(v, ids[k + AHEAD])
+                _prefetch_grad(src, first, k + AHEAD)
             _row_grad(k, acc, grad, src, first, nxt, scale)
             r, q = ids[k], widx[k]
             for j in range(d):
@@ -249,6 +262,7 @@ def ftrl(w, widx, n, z, ids, grad, src, first, nxt, scale, nthreads, lr, l1, l2,
                 prefetch(w, widx[k + AHEAD])
                 prefetch(n, ids[k + AHEAD])
                 prefetch(z, ids[k + AHEAD])
+                _prefetch_grad(src, first, k + AHEAD)
             _row_grad(k, acc, grad, src, first, nxt, scale)
             r, q = ids[k], widx[k]
             for j in range(d):
@@ -276,6 +290,7 @@ def adagrad(w, widx, s, ids, grad, src, first, nxt, scale, nthreads, lr, eps):
             if k + AHEAD < hi:
                 prefetch(w, widx[k + AHEAD])
                 prefetch(s, ids[k + AHEAD])
+                _prefetch_grad(src, first, k + AHEAD)
             _row_grad(k, acc, grad, src, first, nxt, scale)
             r, q = ids[k], widx[k]
             for j in range(d):
@@ -296,6 +311,7 @@ def rowwise_adagrad(w, widx, s, ids, grad, src, first, nxt, scale, nthreads, lr,
             if k + AHEAD < hi:
                 prefetch(w, widx[k + AHEAD])
                 prefetch(s, ids[k + AHEAD])
+                _prefetch_grad(src, first, k + AHEAD)
             _row_grad(k, acc, grad, src, first, nxt, scale)
             r, q = ids[k], widx[k]
             sq = np.float32(0.0)
@@ -318,6 +334,7 @@ def sgd(w, widx, ids, grad, src, first, nxt, scale, nthreads, lr):
         for k in range(lo, hi):
             if k + AHEAD < hi:
                 prefetch(w, widx[k + AHEAD])
+                _prefetch_grad(src, first, k + AHEAD)
             _row_grad(k, acc, grad, src, first, nxt, scale)
             q = widx[k]
             for j in range(d):
