@@ -6,7 +6,9 @@ on the SSD tier and prefetched, and replicated and row-sharded over 2 ranks); a 
 pickled its tables per view at a checkpoint (the pipeline's gather did: 20 GB, killed) or leaked
 per step fails here. Each rank's resident set (``VmRSS``) is sampled after every step, and every
 rank's peak (``ru_maxrss``) is compared with its resident set after warm-up; a parameter server,
-which has no steps of its own, is sampled by the clock and read at the times its worker's steps ended."""
+which has no steps of its own, is sampled by the clock and read at the times its worker's steps ended.
+The ranks run with glibc's fixed initial thresholds, so the resident set is what the program holds
+(:func:`_fixed_malloc_thresholds`)."""
 
 import ctypes
 import json
@@ -48,19 +50,21 @@ def _rss_kib():
 
 
 def _fixed_malloc_thresholds():
-    """Make glibc's ``malloc`` hand freed memory back as the program frees it, so the resident set
-    follows what the program holds: by default a freed mmapped block raises the mmap threshold to its
-    size (to 32 MiB) and the heap's trim threshold to twice that, so a checkpoint's freed buffers of a
-    few MiB are kept resident from then on - a step up with no leak (13 MiB on a parameter server in CI,
-    once in a run). Fixing both thresholds (mallopt M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) turns that off.
-    No-op where the C library is not glibc."""
+    """Measure what the program holds, not what the allocator keeps: glibc's ``malloc`` with fixed
+    thresholds of 128 KiB (its initial ones) hands freed memory back as it is freed. The ``hetero``
+    command otherwise keeps up to 256 MiB of freed heap for the next step
+    (:func:`hetero.placement.memory.retain_freed_memory`), so a step's transient needs larger than any
+    before stayed resident: a step up with no leak (12.6 MiB on the dynamic parameter server, once, in
+    a CI run). The ``MALLOC_*`` variables tell the command the thresholds are the user's choice; glibc
+    read them when the process started, so ``mallopt`` sets them. No-op where the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # (malloc.h)
-    libc.mallopt(m_mmap_threshold, 128 * 1024)
-    libc.mallopt(m_trim_threshold, 128 * 1024)
+    for name, param in (("MALLOC_MMAP_THRESHOLD_", m_mmap_threshold), ("MALLOC_TRIM_THRESHOLD_", m_trim_threshold)):
+        os.environ[name] = str(128 * 1024)
+        libc.mallopt(param, 128 * 1024)
 
 
 def _rank(r, n, port, argv, out):
