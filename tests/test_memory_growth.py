@@ -10,7 +10,6 @@ which has no steps of its own, is sampled by the clock and read at the times its
 The ranks run with glibc's fixed initial thresholds, so the resident set is what the program holds
 (:func:`_fixed_malloc_thresholds`)."""
 
-import ctypes
 import json
 import os
 import resource
@@ -21,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import CPU_RANKS, criteo_lines, free_port, spawn
+
+from hetero.placement.memory import DEFAULT_THRESHOLD, retain_freed_memory
 
 # steps, warm-up steps (two checkpoints), steps between checkpoints: a checkpoint costs more than a
 # step (4 s of a row-sharded dynamic job's 43 s at one every 4 steps), so two more after the warm-up
@@ -50,21 +51,15 @@ def _rss_kib():
 
 
 def _fixed_malloc_thresholds():
-    """Measure what the program holds, not what the allocator keeps: glibc's ``malloc`` with fixed
-    thresholds of 128 KiB (its initial ones) hands freed memory back as it is freed. The ``hetero``
+    """Measure what the program holds, not what the allocator keeps: glibc's ``malloc`` with its
+    initial thresholds (128 KiB) fixed hands freed memory back as it is freed. The ``hetero``
     command otherwise keeps up to 256 MiB of freed heap for the next step
     (:func:`hetero.placement.memory.retain_freed_memory`), so a step's transient needs larger than any
     before stayed resident: a step up with no leak (12.6 MiB on the dynamic parameter server, once, in
-    a CI run). The ``MALLOC_*`` variables tell the command the thresholds are the user's choice; glibc
-    read them when the process started, so ``mallopt`` sets them. No-op where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # (malloc.h)
-    for name, param in (("MALLOC_MMAP_THRESHOLD_", m_mmap_threshold), ("MALLOC_TRIM_THRESHOLD_", m_trim_threshold)):
-        os.environ[name] = str(128 * 1024)
-        libc.mallopt(param, 128 * 1024)
+    a CI run). The ``MALLOC_*`` variables, set after, tell the command the thresholds are the user's
+    choice. No-op where the C library is not glibc."""
+    retain_freed_memory(DEFAULT_THRESHOLD, DEFAULT_THRESHOLD)
+    os.environ.update(MALLOC_MMAP_THRESHOLD_=str(DEFAULT_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(DEFAULT_THRESHOLD))
 
 
 def _rank(r, n, port, argv, out):
