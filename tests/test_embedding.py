@@ -91,6 +91,49 @@ def test_bags_of_one_id_equal_nn_embedding_bag(pooling, beside):
     torch.testing.assert_close(dense, ref.weight.grad, rtol=0, atol=1e-6)
 
 
+def _table_grad(table, n, g=None):
+    """The dense ``(n, D)`` gradient of ``table`` in its group's sparse gradient ``g`` (default: popped)."""
+    g = table.pop_sparse_grad() if g is None else g
+    rows = g.ids - table.group_row
+    keep = (rows >= 0) & (rows < n)
+    return torch.zeros(n, g.rows.shape[1]).index_put_((rows[keep],), g.rows[keep], accumulate=True)
+
+
+def test_a_lookups_outputs_and_gradients_are_the_callers_own():
+    """A group lookup of three tables, one output scaled in place, one unused, and the caller's
+    gradient tensors overwritten after backward (before the optimizer reads them), against torch's
+    ``Embedding`` / ``EmbeddingBag``: the outputs are tensors of their own (autograd refuses in-place
+    changes of a custom Function's view outputs) and the gradient a copy (not the caller's tensor)."""
+    torch.manual_seed(0)
+    coll = HostEmbeddingCollection([TableConfig("a", 50, 8, init_std=1.0), TableConfig("b", 30, 8, pooling=Pooling.SUM,
+                                                                                       init_std=1.0),
+                                    TableConfig("c", 20, 8, init_std=1.0)])
+    ref_a, ref_b = nn.Embedding(50, 8), nn.EmbeddingBag(30, 8, mode="sum")
+    ref_a.weight.data.copy_(coll.tables["a"].weight.detach())
+    ref_b.weight.data.copy_(coll.tables["b"].weight.detach())
+    ids_a, ids_b = torch.randint(0, 50, (16,)), torch.randint(0, 30, (16, 3))
+    up_a, up_b = torch.randn(16, 8), torch.randn(16, 8)
+    out = coll({"a": ids_a, "b": ids_b, "c": torch.randint(0, 20, (16,))})
+    out["a"].mul_(2.0)  # in place, on the lookup's output
+    torch.autograd.backward([out["a"], out["b"]], [up_a, up_b])
+    ref = ref_a(ids_a).mul_(2.0)
+    torch.testing.assert_close(out["a"], ref, rtol=0, atol=1e-6)
+    torch.autograd.backward([ref, ref_b(ids_b)], [up_a, up_b])
+    up_a.zero_(), up_b.zero_()  # the caller reuses its gradient buffers before the step
+    g = coll.tables["a"].pop_sparse_grad()  # (the group's: the three tables share one)
+    torch.testing.assert_close(_table_grad(coll.tables["a"], 50, g), ref_a.weight.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_table_grad(coll.tables["b"], 30, g), ref_b.weight.grad, rtol=0, atol=1e-6)
+    assert not _table_grad(coll.tables["c"], 20, g).any()  # an unused output: no gradient, not garbage
+
+    host, w = _pair()  # one table: its gradient arrives as the caller's own tensor, and is copied
+    ids = torch.randint(0, 50, (16,))
+    up = torch.randn(16, 8)
+    host(ids).backward(up)
+    expected = torch.zeros(50, 8).index_put_((ids,), up.clone(), accumulate=True)
+    up.zero_()
+    torch.testing.assert_close(_table_grad(host, 50), expected, rtol=0, atol=1e-6)
+
+
 def test_gradient_accumulates_over_forwards_until_popped():
     host, _ = _pair()
     host(torch.tensor([1, 2])).sum().backward()

@@ -66,18 +66,25 @@ class HostPool(torch.autograd.Function):
             kernels().pool_forward(rows.detach().float().numpy(), index.numpy(), offsets.numpy(), scale_np, out.numpy())
         ctx.group, ctx.plan = group, plan  # index tensors only: nothing autograd needs to version-check
         ctx.metadata[TARGET] = Target.HOST.value
-        return out  # fp32 whatever the storage dtype: the backward then receives an fp32 gradient
+        # One output a request (fp32 whatever the storage dtype: the backward then receives fp32
+        # gradients), each over its part of ``out`` but not a view of it (LookupPlan.outputs).
+        return plan.outputs(out)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
         plan = ctx.plan
-        # Keep the gradient per id: the optimizer coalesces it and updates in one pass. It is
-        # copied into memory of the table's own (copy: B x D floats), as the device path copies
-        # it to the host: the device's gradient - often a slice of a larger one - is then free
-        # as soon as backward moves on, not held until the step (micro-batches would pile up).
-        src = grad_out.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        # Keep the gradient per id: the optimizer coalesces it and updates in one pass. The
+        # requests' gradients are copied into one (N, D) buffer of the table's own: the caller's
+        # gradient tensors may be changed or reused after backward, and on a device they are
+        # free as soon as backward moves on, not held until the step (micro-batches would pile up).
+        # This is the only copy: the outputs are not a split of one tensor, whose backward would
+        # concatenate the gradients first (measured, 26 tables x 4096 ids x 16: 1 ms a step less).
+        dim = grads[0].shape[-1]
+        if len(grads) == 1:
+            src = grads[0].detach().reshape(-1, dim).to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        else:
+            src = torch.cat([g.detach().reshape(-1, dim) for g in grads]).to(torch.float32)  # (a new tensor)
         scale = plan.scale if plan.scale is not None else torch.empty(0)
         ctx.group.pending.add(SparseGrad(plan.unique, None, RowSpace.GROUP, per_id=(src, plan.inverse, plan.offsets, scale),
                                          chain=(plan.first, plan.next)))
         return None, None, None, None, torch.empty(0), None, None
-

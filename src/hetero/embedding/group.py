@@ -344,7 +344,8 @@ class TableGroup:
             else:
                 rows, index = (self.gather(plan, pin=False) if plan.rows is None else plan.rows), plan.inverse
                 self.refresh_stale(plan)
-            pooled = HostPool.apply(rows, index, plan.offsets, plan.scale, sink, self, plan).to(dtype)
+            outs = HostPool.apply(rows, index, plan.offsets, plan.scale, sink, self, plan)
+            return [o.to(dtype) for o in outs]
         else:
             plan.await_device_copy()
             if plan.rows is None:
@@ -357,7 +358,6 @@ class TableGroup:
                 rows.requires_grad_(True)
                 rows.register_hook(lambda grad, unique=plan.unique: capture_device_grad(self, unique, grad))
             return plan.pool(rows)
-        return plan.split(pooled)
 
     # ------------------------------------------------------------------------------ grads
     def pop_sparse_grad(self) -> SparseGrad | None:

@@ -134,6 +134,22 @@ class LookupPlan:
         parts = pooled.split([b - a for a, b, _ in self.bag_ranges])
         return [p.reshape(*shape, dim) for p, (_, _, shape) in zip(parts, self.bag_ranges)]
 
+    def outputs(self, pooled: Tensor) -> tuple[Tensor, ...]:
+        """The per-request outputs of the pooled ``(bags, D)`` contiguous result as tensors of their
+        own over its memory, not views of it: the outputs of a custom autograd Function
+        (:class:`~hetero.embedding.capture.HostPool`), which autograd lets the caller modify in
+        place only when they are not views. Each has its own gradient in the backward, so no
+        split's backward (a zero-fill and a copy of the whole gradient) runs."""
+        dim, storage, off = pooled.shape[-1], pooled.untyped_storage(), pooled.storage_offset()
+        outs = []
+        for a, b, shape in self.bag_ranges:
+            size = (*shape, dim)
+            stride = [1] * len(size)  # (contiguous strides of that shape)
+            for i in range(len(size) - 2, -1, -1):
+                stride[i] = stride[i + 1] * size[i + 1]
+            outs.append(pooled.new_empty(0).set_(storage, off + a * dim, size, stride))
+        return tuple(outs)
+
 
 
 def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True, chains: bool = True) -> LookupPlan:

@@ -168,8 +168,8 @@ class PSClient(RowExchange):
             # backward keeps the gradient per id (coalesced when the push takes it, one pass) and
             # the zero-size sink only puts the op on the tape.
             sink = torch.empty(0, requires_grad=torch.is_grad_enabled())
-            return plan.split(HostPool.apply(rows, plan.inverse, plan.offsets, plan.scale, sink, entry, plan)
-                              .to(anchor.dtype))
+            outs = HostPool.apply(rows, plan.inverse, plan.offsets, plan.scale, sink, entry, plan)
+            return [o.to(anchor.dtype) for o in outs]
         rows = copy_to(rows, anchor.device).to(anchor.dtype)  # host -> device: U rows
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
