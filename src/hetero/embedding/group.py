@@ -328,7 +328,7 @@ class TableGroup:
         elif plan.unique is None and not (device.type == "cpu" and self.dtype == torch.float32):
             self.dedup(plan, chains)  # a plan built with dedup=False, used where the pooling cannot do it
         if device.type == "cpu":
-            # The backward of _HostPool hands the gradient (per id; the optimizer coalesces it as
+            # The backward of HostPool hands the gradient (per id; the optimizer coalesces it as
             # it updates) to this group itself; the zero-size sink only puts the op on the tape.
             sink = torch.empty(0, requires_grad=torch.is_grad_enabled())
             if self.dtype == torch.float32 and plan.rows is None and self.ssd_config is None:

@@ -14,7 +14,8 @@
 * **Optimizers** per element and per tensor: torch's AdamW and momentum SGD where the
   parameters live, HostAdamW's host update (a :class:`LinearRate` fitted by least squares).
 * **Host tables** per sparse optimizer: seconds per looked-up id and per updated row, per
-  element of the row (lookup + backward + update of a table of 2^18 rows, uniform and skewed ids);
+  element of the row (lookup + backward + update of groups of tables of 2^16 rows, ids drawn from
+  all their rows or from 512 of them: :func:`~hetero.planner.timing.table_rates`);
   the same for tables moved to the device, with torch's sparse optimizers.
 * **Collectives** per backend and world size (all-reduce, all-gather, reduce-scatter by bytes),
   measured on spawned gloo processes the first time a plan for several ranks asks.
@@ -295,7 +296,8 @@ def _write(path: Path, result: Calibration) -> None:
 
 
 def measure() -> Calibration:
-    """Measure every rate (see the module docstring); about 10 s on a 2-core host."""
+    """Measure every rate (see the module docstring): 53 s on the 2-core CI host (2026-11-29), of which
+    the host tables' rates took 29 s and the tables moved to the device 7 s."""
 
     start = time.perf_counter()
     key, text = machine_key()
