@@ -45,9 +45,14 @@ BLOCK = 5  # steps a block of the interleaved ratio
 
 
 def batches(dist: str, rows: int, count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``count`` batches of fresh draws (``seed``) from one distribution: Zipf's ranks map to rows by one
+    permutation whatever the seed (the rows' popularity stays; before 2026-11-29 each seed permuted anew,
+    so the cache filled under other hot rows than the timed steps had)."""
+    perm = np.random.default_rng(0).permutation(rows)
     rng = np.random.default_rng(seed)
+    if seed == 0:
+        rng.permutation(rows)  # (seed 0's draws as before: they followed its permutation)
     out = []
-    perm = rng.permutation(rows)
     for _ in range(count):
         ids = rng.integers(0, rows, (B, F)) if dist == "uniform" else perm[(rng.zipf(1.05, (B, F)) - 1) % rows]
         out.append({f"C{i}": torch.from_numpy(np.ascontiguousarray(ids[:, i])) for i in range(F)})

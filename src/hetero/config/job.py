@@ -337,7 +337,7 @@ class Tables:
     cache_mb: Annotated[float, alias("--cache-mb"), Bounds(low=0, inclusive=False)] = 256
     """DRAM budget of each table group's row cache, MiB (rows with their optimizer state)."""
     cache_policy: Annotated[CachePolicy, alias("--cache-policy")] = CachePolicy.LFU
-    """The row cache's replacement: lfu (GCLOCK hit counts) or lru (CLOCK)."""
+    """The row cache's replacement: lfu (GCLOCK hit counts, TinyLFU's admission) or lru (CLOCK)."""
     mapped_mb: Annotated[float, alias("--mapped-mb"), Bounds(low=0, inclusive=False)] = 1024
     """Of each table group's row file, the MiB kept mapped and read by copying (the rest read with a pread a
     record): faster where the file sits in the page cache; the mapped pages count in the resident set."""

@@ -25,7 +25,12 @@ _pread = _libc.pread
 _pread.restype = ctypes.c_ssize_t
 _pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
 
-EMPTY = -1  # a free key of the map, a free slot's row
+EMPTY = -1  # a free slot's row; a miss's slot
+# The row cache's index: one int32 a row of the store, its slot (the low SLOT_BITS; NOT_CACHED where it has none)
+# and, for LFU, its sightings (the next bits, up to SEEN_MAX: W-TinyLFU's frequency, in no memory of its own).
+SLOT_BITS = 28
+NOT_CACHED = np.int32((1 << SLOT_BITS) - 1)
+SEEN_MAX = 7
 AHEAD = 8  # rows a pass prefetches ahead
 GATHER_AHEAD = 16  # records the gather prefetches ahead (each two random accesses of ~140 bytes)
 
@@ -77,52 +82,108 @@ def gather(bases, fds, written, segment, slot_bytes, header, at, rows, dst, stri
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def find(ids, index, meta, stamp, max_count, slots):
+def find(ids, index, meta, stamp, max_count, slots, counting):
     """The lookup half of :func:`acquire`, over the cores: ``slots[i]`` the slot of row ``ids[i]``
-    (``index``: row -> slot, -1 where not cached; -1: a miss); a hit's slot is stamped and its
-    count raised (the rows are unique: no two threads touch one slot)."""
+    (``index``: row -> slot and sightings, :data:`NOT_CACHED` where it has no slot; -1: a miss); a
+    hit's slot is stamped and its count raised; with ``counting``, every row's sightings too
+    (saturating at :data:`SEEN_MAX`). The rows are unique: no two threads touch one slot or one
+    row."""
     pinned = stamp << 8
-    for i in prange(ids.shape[0]):
-        s = np.int64(index[ids[i]])
-        slots[i] = s
-        if s != EMPTY:
+    n = ids.shape[0]
+    for i in prange(n):
+        if i + AHEAD < n:  # (a random access a row into an array larger than the caches)
+            prefetch(index, ids[i + AHEAD])
+        r = ids[i]
+        v = index[r]
+        s = v & NOT_CACHED
+        if counting and (v >> SLOT_BITS) < SEEN_MAX:
+            index[r] = v + (1 << SLOT_BITS)
+        if s == NOT_CACHED:
+            slots[i] = EMPTY
+        else:
+            slots[i] = s
             c = meta[s] & 255
             meta[s] = pinned | (c + 1 if c < max_count else c)
 
 
+@njit(nogil=True, cache=True, parallel=True)
+def age(index):
+    """Halve every row's sightings in ``index`` (in place; TinyLFU's reset: old popularity fades)."""
+    for r in prange(index.shape[0]):
+        v = index[r]
+        index[r] = ((v >> (SLOT_BITS + 1)) << SLOT_BITS) | (v & NOT_CACHED)
+
+
 @njit(nogil=True, cache=True)
-def _choose(ids, slot_row, meta, dirty, stamp, new_count, hand, slots, misses, victims, old_rows, was_dirty):
-    """The serial half of :func:`acquire`: the CLOCK hand's pass over the slots (sequential
-    memory), a slot for each miss; returns ``(misses, victims, hand)``."""
+def _choose(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, slots, misses, victims, old_rows,
+            was_dirty):
+    """The serial half of :func:`acquire`: a slot for each miss; returns ``(misses, victims)``.
+
+    The slots ``[0, M)`` (``M = capacity - window``) are the main region, passed by the CLOCK hand
+    ``hands[0]`` (sequential memory); the last ``window`` slots are a FIFO ring, passed by
+    ``hands[1]``. A miss takes the main region's next victim unless it was seen no more often
+    than that victim's row (their sightings in ``index``): then it takes the ring's next slot this
+    batch does not use, and the main region keeps its row, the next miss's victim (W-TinyLFU's
+    admission, Einziger et al. 2017: the one-time rows of a skewed distribution pass through the
+    ring without pushing out its frequent rows, and they land in consecutive slots). Either region takes over when the other has no slot
+    this batch does not use."""
     capacity = slot_row.shape[0]
+    main = capacity - window
     pinned = stamp << 8
     n_miss = 0
     for i in range(ids.shape[0]):
         if slots[i] == EMPTY:
             misses[n_miss] = i
             n_miss += 1
+    hand, ring = hands[0], hands[1]
+    main_full = main == 0  # a region found with every slot this batch's stays so for the batch (pins only grow)
+    ring_full = window == 0
     n_victim = 0
     for j in range(n_miss):
-        while True:  # terminates: the caller checked that a batch fits, so unpinned slots exist
-            s = hand
-            hand = hand + 1 if hand + 1 < capacity else 0
-            if slot_row[s] == EMPTY:
+        if window and j + AHEAD < n_miss:
+            prefetch(index, ids[misses[j + AHEAD]])
+        i = misses[j]
+        s = EMPTY
+        passed = 0  # consecutive slots of this batch passed: the whole main region's end the search
+        while not main_full:  # (a slot with a count is taken within 16 passes of the hand)
+            c = hand
+            hand = hand + 1 if hand + 1 < main else 0
+            if slot_row[c] == EMPTY:
+                s = c
                 break
-            m = meta[s]
+            m = meta[c]
             if (m >> 8) == stamp:
+                passed += 1
+                main_full = passed >= main
                 continue
+            passed = 0
             if (m & 255) > 0:
-                meta[s] = m - 1
+                meta[c] = m - 1
                 continue
+            s = c
+            break
+        if not ring_full and (s == EMPTY or (slot_row[s] != EMPTY and
+                                                  (index[ids[i]] >> SLOT_BITS) <= (index[slot_row[s]] >> SLOT_BITS))):
+            if s != EMPTY:
+                hand = s  # (the victim stays the next miss's: the hand does not sweep on for a refused row)
+            ring_full = True
+            for _ in range(window):  # the ring's next slot this batch does not use, if any
+                c = main + ring
+                ring = ring + 1 if ring + 1 < window else 0
+                if slot_row[c] == EMPTY or (meta[c] >> 8) != stamp:
+                    s = c
+                    ring_full = False
+                    break
+        # (s is a slot: the caller checked that a batch fits, so a slot this batch does not use exists)
+        if slot_row[s] != EMPTY:
             victims[n_victim], old_rows[n_victim], was_dirty[n_victim] = s, slot_row[s], dirty[s]
             n_victim += 1
-            break
-        i = misses[j]
         slots[i] = s
         slot_row[s] = ids[i]
         meta[s] = pinned | new_count
         dirty[s] = False
-    return n_miss, n_victim, hand
+    hands[0], hands[1] = hand, ring
+    return n_miss, n_victim
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -131,34 +192,39 @@ def _reindex(ids, index, slots, misses, n_miss, old_rows, n_victim):
     victims' rows out, then the misses' rows in; the number of misses whose row another miss
     also took (a row given twice), 0 when the rows were unique."""
     for v in prange(n_victim):
-        index[old_rows[v]] = EMPTY
+        index[old_rows[v]] |= NOT_CACHED
     for j in prange(n_miss):
         i = misses[j]
-        index[ids[i]] = slots[i]
+        r = ids[i]
+        index[r] = (index[r] & ~NOT_CACHED) | slots[i]
     twice = 0
     for j in prange(n_miss):
         i = misses[j]
-        if index[ids[i]] != slots[i]:
+        if (index[ids[i]] & NOT_CACHED) != slots[i]:
             twice += 1
     return twice
 
 
-def acquire(ids, index, slot_row, meta, dirty, stamp, new_count, hand, slots, misses, victims, old_rows, was_dirty):
+def acquire(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, slots, misses, victims, old_rows,
+            was_dirty):
     """Slots for the unique rows ``ids``, whose hits :func:`find` filled in (``slots``; -1 a
     miss): misses get a slot (a free one, else a victim: the CLOCK hand passes slots, taking one
-    whose count is 0 and that this batch does not use, decrementing the others). ``index``: row
-    -> slot (int32, -1 where not cached). ``meta[s]``: the acquire that last used slot ``s``
-    (``stamp``) shifted left by 8, and its count in the low 8 bits (one word). Fills ``slots``
+    whose count is 0 and that this batch does not use, decrementing the others; with a
+    ``window``, a miss seen no more often than that victim takes a slot of the FIFO ring instead,
+    :func:`_choose`). ``index``: row -> slot (int32, :data:`NOT_CACHED` where not cached; the
+    higher bits the row's sightings). ``meta[s]``: the acquire
+    that last used slot ``s`` (``stamp``) shifted left by 8, and its count in the low 8 bits (one
+    word). ``hands``: the main region's and the ring's hands (int64, updated). Fills ``slots``
     (one per id), ``misses`` (positions in ``ids``), ``victims`` / ``old_rows`` / ``was_dirty``
     (the slots given up, their rows, whether they hold an update the file lacks). The index and
     the slots' bookkeeping are updated; the data is not moved (the caller writes the dirty
-    victims back, then reads the misses). Returns ``(misses, victims, hand)`` counts and the new
-    hand; misses -1 when a row was given twice (the index is then inconsistent: the caller stops)."""
-    n_miss, n_victim, hand = _choose(ids, slot_row, meta, dirty, stamp, new_count, hand, slots, misses, victims,
-                                     old_rows, was_dirty)
+    victims back, then reads the misses). Returns ``(misses, victims)`` counts; misses -1 when a
+    row was given twice (the index is then inconsistent: the caller stops)."""
+    n_miss, n_victim = _choose(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, slots, misses,
+                               victims, old_rows, was_dirty)
     if _reindex(ids, index, slots, misses, n_miss, old_rows, n_victim):
-        return -1, n_victim, hand
-    return n_miss, n_victim, hand
+        return -1, n_victim
+    return n_miss, n_victim
 
 
 @njit(nogil=True, cache=True, parallel=True)

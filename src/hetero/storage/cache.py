@@ -16,7 +16,12 @@ the table in memory exactly.
 Replacement (:class:`CachePolicy`): CLOCK (second chance; an approximation of LRU) or GCLOCK
 (hit counts, decremented as the hand passes; an approximation of LFU, which keeps the frequent
 rows of a skewed id distribution; a new row starts on probation, count 0: the first to go unless
-hit again). ``benchmarks/ssd_tier.py`` measures both.
+hit again) with W-TinyLFU's admission (Einziger, Friedman & Manes 2017, "TinyLFU: A Highly
+Efficient Cache Admission Policy"): every row's sightings are counted (3 bits beside its slot in
+the row -> slot index, so in no memory of their own; halved each time the lookups grow by ten
+times the cache's rows, so old popularity fades), and a miss seen no more often than the GCLOCK
+victim's row does not take its slot but one of a FIFO ring of ``capacity // 8`` slots.
+``benchmarks/ssd_tier.py`` measures both policies.
 
 Read-ahead (:meth:`RowCache.stage`): a prefetch worker reads the records of the next batch's
 rows that are not cached, while the training thread goes on; :meth:`RowCache.acquire` then takes
@@ -41,6 +46,8 @@ from hetero.storage.records import RowFile
 
 FLUSH_CHUNK = 1 << 16  # slots written back per piece by flush()
 LFU_MAX_COUNT = 15  # GCLOCK's ceiling: a row hit 15 times survives 15 passes of the hand
+WINDOW_SHARE = 8  # LFU: 1/8 of the slots are the ring of rows refused admission (a batch's one-time rows fit)
+AGING = 10  # LFU: the sightings are halved each time they grew by this many times the cache's rows (TinyLFU's reset)
 
 
 class CachePolicy(enum.Enum):
@@ -59,6 +66,10 @@ class CachePolicy(enum.Enum):
         is the first to go, a row hit again has earned a place (the tail of a skewed
         distribution does not push out its head)."""
         return 1 if self is CachePolicy.LRU else 0
+
+    def window(self, capacity: int) -> int:
+        """Slots of the FIFO ring of rows refused admission (LFU; none for LRU)."""
+        return 0 if self is CachePolicy.LRU else capacity // WINDOW_SHARE
 
 
 @dataclasses.dataclass
@@ -97,16 +108,20 @@ class RowCache:
         self._bytes = [(layout.offset(f.name), _bytes_view(self.fields[f.name], capacity)) for f in layout.fields]
         self._field_bytes = tuple(b for _, b in self._bytes)
         self._offsets = np.array([o for o, _ in self._bytes], np.int64)
-        if capacity >= 1 << 31:
-            raise ValueError(f"a row cache holds fewer than 2**31 rows, got capacity {capacity}")
-        # row -> slot (-1: not cached), 4 bytes a row of the store (beside its 8-byte position a row): one
-        # random access a lookup, none probing; smaller than a hash map of the cached rows (32-64 bytes each)
-        # while the cache holds more than a tenth of the rows
-        self._index = np.full(file.rows, -1, np.int32)
+        kernels = io_kernels()
+        if capacity >= kernels.NOT_CACHED:
+            raise ValueError(f"a row cache holds fewer than 2**{kernels.SLOT_BITS} - 1 rows, got capacity {capacity}")
+        # row -> slot (NOT_CACHED: none) and the row's sightings (LFU), 4 bytes a row of the store (beside its
+        # 8-byte position a row): one random access a lookup, none probing; smaller than a hash map of the cached
+        # rows (32-64 bytes each) while the cache holds more than a tenth of the rows
+        self._index = np.full(file.rows, kernels.NOT_CACHED, np.int32)
         self.slot_row = np.full(capacity, -1, np.int64)  # the row each slot holds (-1: free)
         self._meta = np.zeros(capacity, np.int64)  # the acquire that last used the slot << 8 | its count
         self.dirty = np.zeros(capacity, np.bool_)
-        self._stamp, self._hand = 0, 0
+        self._window = policy.window(capacity)  # (LFU: the ring of rows refused admission; its sightings counted)
+        self._counted = 0  # sightings since the last halving
+        self._stamp = 0
+        self._hands = np.zeros(2, np.int64)  # the CLOCK hand of the main slots, the ring's
         self._last: tuple[np.ndarray, np.ndarray] | None = None
         self.stats = CacheStats()
 
@@ -123,7 +138,8 @@ class RowCache:
         Raises:
             OSError: a failed read (:class:`RowFile`).
         """
-        return self.file.stage(rows[self._index[rows] < 0])
+        none = io_kernels().NOT_CACHED
+        return self.file.stage(rows[(self._index[rows] & none) == none])
 
     def acquire(self, rows: np.ndarray, used: bool = True, staged: StagedRecords | None = None) -> np.ndarray:
         """Slots (int64, one per row) of the unique rows ``rows`` (int64), each resident until the
@@ -149,10 +165,16 @@ class RowCache:
         slots, misses = np.empty(n, np.int64), np.empty(n, np.int64)
         victims, old_rows, was_dirty = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
         kernels = io_kernels()
-        kernels.find(rows, self._index, self._meta, self._stamp, self.policy.max_count, slots)  # (the hits, on every core)
-        n_miss, n_victim, self._hand = kernels.acquire(
+        if self._window:
+            self._counted += n
+            if self._counted >= AGING * self.capacity:
+                kernels.age(self._index)
+                self._counted = 0
+        # (the hits, and each row's sightings, on every core)
+        kernels.find(rows, self._index, self._meta, self._stamp, self.policy.max_count, slots, self._window > 0)
+        n_miss, n_victim = kernels.acquire(
             rows, self._index, self.slot_row, self._meta, self.dirty, self._stamp, self.policy.admission_count,
-            self._hand, slots, misses, victims, old_rows, was_dirty)
+            self._hands, self._window, slots, misses, victims, old_rows, was_dirty)
         assert n_miss >= 0, "RowCache.acquire takes unique rows (a row given twice would be cached twice)"
         back = victims[:n_victim][was_dirty[:n_victim]]
         if back.shape[0]:  # their records are still in their slots: out to the file before the reads land
@@ -188,7 +210,7 @@ class RowCache:
         """Forget every cached row (after :meth:`flush`: an update not yet written back is lost)."""
         assert not self.dirty.any(), "clear() after flush()"
         self._last = None
-        self._index.fill(-1)
+        np.bitwise_or(self._index, io_kernels().NOT_CACHED, out=self._index)  # (the sightings stay)
         self.slot_row.fill(-1)
         self._meta.fill(0)
 
@@ -196,8 +218,9 @@ class RowCache:
         """The current values of ``rows`` (any int64 rows; the cache is left as it is): field name
         (``names``, default every field) -> ``(len(rows), width)`` or ``(len(rows),)`` tensor,
         from the cache where a row is cached, else from the file."""
-        slots = self._index[rows].astype(np.int64)
-        cached = slots >= 0
+        none = io_kernels().NOT_CACHED
+        slots = (self._index[rows] & none).astype(np.int64)
+        cached = slots != none
         fields = [f for f in self.file.layout.fields if names is None or f.name in names]
         out = {f.name: torch.empty(f.shape(rows.shape[0]), dtype=f.dtype) for f in fields}
         away = np.flatnonzero(~cached)
