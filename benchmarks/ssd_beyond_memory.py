@@ -152,6 +152,11 @@ def main() -> None:
         print(json.dumps((train if args.phase == "train" else resume)(args)))
         return
     root = Path(args.dir or "/tmp") / f"beyond-{os.getpid()}"
+    # the training store grows to 1.4 times the logical bytes, and the resume lays out the tables once more beside it
+    need, free = 2.5 * args.rows * F * (args.dim * 4 + 4), shutil.disk_usage(root.parent).free
+    if free < need:
+        raise SystemExit(f"{root.parent}: {free / 1e9:.0f} GB free, the run needs about {need / 1e9:.0f} GB (the store "
+                         f"and the resume's layout); pass --dir on a larger disk, or fewer --rows")
     root.mkdir(parents=True)
     try:
         common = [sys.executable, __file__, "--rows", str(args.rows), "--dim", str(args.dim), "--cache-gb",

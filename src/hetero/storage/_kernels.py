@@ -174,7 +174,9 @@ def _choose(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, 
                     s = c
                     ring_full = False
                     break
-        # (s is a slot: the caller checked that a batch fits, so a slot this batch does not use exists)
+        if s == EMPTY:  # (every slot is this batch's: the caller's check that a batch fits did not hold)
+            hands[0], hands[1] = hand, ring
+            return -1, n_victim
         if slot_row[s] != EMPTY:
             victims[n_victim], old_rows[n_victim], was_dirty[n_victim] = s, slot_row[s], dirty[s]
             n_victim += 1
@@ -219,10 +221,10 @@ def acquire(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, 
     (the slots given up, their rows, whether they hold an update the file lacks). The index and
     the slots' bookkeeping are updated; the data is not moved (the caller writes the dirty
     victims back, then reads the misses). Returns ``(misses, victims)`` counts; misses -1 when a
-    row was given twice (the index is then inconsistent: the caller stops)."""
+    row was given twice or a miss found no slot (the index is then inconsistent: the caller stops)."""
     n_miss, n_victim = _choose(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, slots, misses,
                                victims, old_rows, was_dirty)
-    if _reindex(ids, index, slots, misses, n_miss, old_rows, n_victim):
+    if n_miss < 0 or _reindex(ids, index, slots, misses, n_miss, old_rows, n_victim):
         return -1, n_victim
     return n_miss, n_victim
 

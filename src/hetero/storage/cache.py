@@ -175,7 +175,7 @@ class RowCache:
         n_miss, n_victim = kernels.acquire(
             rows, self._index, self.slot_row, self._meta, self.dirty, self._stamp, self.policy.admission_count,
             self._hands, self._window, slots, misses, victims, old_rows, was_dirty)
-        assert n_miss >= 0, "RowCache.acquire takes unique rows (a row given twice would be cached twice)"
+        assert n_miss >= 0, "RowCache.acquire takes unique rows that fit (a row given twice, or a miss without a slot)"
         back = victims[:n_victim][was_dirty[:n_victim]]
         if back.shape[0]:  # their records are still in their slots: out to the file before the reads land
             self._write(old_rows[:n_victim][was_dirty[:n_victim]], back)
