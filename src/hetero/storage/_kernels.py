@@ -125,8 +125,8 @@ def _choose(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, 
     than that victim's row (their sightings in ``index``): then it takes the ring's next slot this
     batch does not use, and the main region keeps its row, the next miss's victim (W-TinyLFU's
     admission, Einziger et al. 2017: the one-time rows of a skewed distribution pass through the
-    ring without pushing out its frequent rows, and they land in consecutive slots). Either region takes over when the other has no slot
-    this batch does not use."""
+    ring without pushing out its frequent rows, and they land in consecutive slots). Either region
+    takes over when the other has no slot this batch does not use."""
     capacity = slot_row.shape[0]
     main = capacity - window
     pinned = stamp << 8
@@ -144,7 +144,7 @@ def _choose(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, 
             prefetch(index, ids[misses[j + AHEAD]])
         i = misses[j]
         s = EMPTY
-        passed = 0  # consecutive slots of this batch passed: the whole main region's end the search
+        passed = 0  # consecutive slots of this batch's passed: once the whole main region, it has none to give
         while not main_full:  # (a slot with a count is taken within 16 passes of the hand)
             c = hand
             hand = hand + 1 if hand + 1 < main else 0
