@@ -141,6 +141,8 @@ def main() -> None:
     p.add_argument("--caps", default="1.0,0.75,0.5,0.25,0.1", help="shares of each column's distinct values")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--name", default=None, help="the result's name (results/NAME_cpu.json; default: dynamic_cap, "
+                   "dynamic_cap_movielens)")
     args = p.parse_args()
     movielens = args.dataset == "movielens"
     distinct = movielens_distinct(args.movielens_dir) if movielens else distinct_values(args.data)
@@ -188,7 +190,7 @@ def main() -> None:
     ax.legend()
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "dynamic_cap_movielens" if movielens else "dynamic_cap"
+    name = args.name or ("dynamic_cap_movielens" if movielens else "dynamic_cap")
     fig.savefig(RESULTS / f"{name}_cpu.png", dpi=100)
     result["plot"] = f"{name}_cpu.png"
     emit(name, result)
