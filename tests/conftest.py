@@ -1,6 +1,7 @@
 import multiprocessing
 import os
 import random
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -205,8 +206,8 @@ def hetero_on_ranks(tmp_path, n, argv, env=None):
     itself (its agent, restarts, network) is tested under torchrun elsewhere."""
     import torch.multiprocessing as mp
 
-    logs = tmp_path / f"ranks_{free_port()}"
-    logs.mkdir()
+    # a directory of its own each call (a free port's number, used before, can come back within one test)
+    logs = Path(tempfile.mkdtemp(prefix="ranks_", dir=tmp_path))
     code, failure = 0, ""
     try:
         spawn(_hetero_rank, args=(n, free_port(), list(argv), str(logs)), nprocs=n, env={**CPU_RANKS, **(env or {})})
