@@ -101,46 +101,50 @@ def _rows(keys, slots, out):
             out[i] = slots[_probe(keys[i], homes[i - lo], slots), 1]
 
 
-SLOT_LINE = 2  # log2 of the map's slots a cache line holds: the unit by which _found splits keys over threads
-
-
 @njit(cache=True, parallel=True)
 def _found(keys, out, slots, stat, step, parts):
     """A training lookup's probe and count in one pass: ``out[i]``, the row of ``keys[i]`` or -1;
     each found row's use count incremented (saturating at ``SATURATED``) and its last step set to
     ``step``. Returns how many keys have no row.
 
-    The keys are split over ``parts`` threads (a power of two) by the cache line of their home
-    slot, so every occurrence of a key, and so every count of its row, falls to one thread: no
-    atomic adds, and a Zipf batch's hot rows stay in one core's cache (two cores counting them
-    with atomic adds passed their lines back and forth: 0.80 against 0.55 ms on one core, 106k
-    keys of a 1M-key map). Each thread picks its keys out of the batch without a branch, then
-    probes them with the slots prefetched ``AHEAD`` keys in advance and counts each ``AHEAD``
-    keys after its probe, once its row's entry, prefetched at the probe, has arrived (two misses
-    a key in flight, where a probe pass and then a count pass waited on the second in turn).
-    Against that pair of passes (the probe on both cores, the count on one), alternating in one
-    process, 106k Zipf keys of a held map, the caches flushed between batches (medians): 2.15 ->
-    1.78 and 2.30 -> 1.93 ms at 1M keys, 2.00 -> 1.76 ms at 10M."""
+    The keys are split over ``parts`` threads (a power of two) by the top bits of a multiplicative
+    hash of the key, so every occurrence of a key, and so every count of its row, falls to one
+    thread: no atomic adds, and a Zipf batch's hot rows stay in one core's cache (two cores
+    counting them with atomic adds passed their lines back and forth: 0.80 against 0.55 ms on one
+    core, 106k keys of a 1M-key map). Each thread picks its keys out of the batch without a
+    branch and hashes them to their home slots, then probes them with the slots prefetched
+    ``AHEAD`` keys in advance and counts each ``AHEAD`` keys after its probe, once its row's entry,
+    prefetched at the probe, has arrived (two misses a key in flight, where a probe pass and then a
+    count pass waited on the second in turn: 2.15 -> 1.78 ms, 106k Zipf keys of a held 1M-key map,
+    the caches flushed between batches). One parallel region: with the home slots computed in one
+    of their own first, to split the keys by them, 1.94 against 1.72 ms (1M keys, warm; 2.94 against 2.81
+    at 10M, caches flushed; alternating, medians)."""
     n = keys.shape[0]
-    homes = np.empty(n, np.intp)
-    for c in prange((n + PROBE_CHUNK - 1) // PROBE_CHUNK):
-        for i in range(c * PROBE_CHUNK, min(n, (c + 1) * PROBE_CHUNK)):
-            homes[i] = _home(keys[i], slots)
-    low = parts - 1
+    shift, p2 = np.uint64(64), parts  # the hash's top log2(parts) bits pick the thread
+    while p2 > 1:
+        shift, p2 = shift - np.uint64(1), p2 // 2
     missing = 0
     for p in prange(parts):
         own = np.empty(n, np.int64)  # this thread's keys, in the batch's order (picked without a branch)
-        m = 0
-        for i in range(n):
-            own[m] = i
-            m += ((homes[i] >> SLOT_LINE) & low) == p
+        m = n
+        if parts == 1:
+            for i in range(n):
+                own[i] = i
+        else:
+            m = 0
+            for i in range(n):
+                own[m] = i
+                m += np.intp((np.uint64(keys[i]) * GOLDEN) >> shift) == p
+        homes = np.empty(m, np.intp)
+        for j in range(m):
+            homes[j] = _home(keys[own[j]], slots)
         miss = 0
         for j in range(m + AHEAD):
             if j < m:
                 if j + AHEAD < m:
-                    prefetch(slots, homes[own[j + AHEAD]])
+                    prefetch(slots, homes[j + AHEAD])
                 i = own[j]
-                r = slots[_probe(keys[i], homes[i], slots), 1]
+                r = slots[_probe(keys[i], homes[j], slots), 1]
                 out[i] = r
                 if r >= 0:
                     prefetch(stat, r)
