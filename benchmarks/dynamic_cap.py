@@ -14,6 +14,10 @@ cap, mean over ``--seeds`` seeds (each seed splits, shuffles and initialises ane
 
     python benchmarks/dynamic_cap.py --data ../shared/data/criteo_kaggle_first8k.tsv
     python benchmarks/dynamic_cap.py --dataset movielens
+    python benchmarks/dynamic_cap.py --dataset movielens --epochs 8 --seeds 8 --caps 1.0,0.5 --tinylfu
+
+``--tinylfu``: the capped tables admit by TinyLFU's filter (``tinylfu = true``:
+:class:`hetero.dynamic.DynamicConfig`); the uncapped one never fills, and stays the reference.
 """
 
 from __future__ import annotations
@@ -50,14 +54,14 @@ def distinct_values(path: Path) -> list[int]:
     return [len(s) for s in seen]
 
 
-def job_text(capacities: list[int] | None) -> str:
+def job_text(capacities: list[int] | None, extra: str = "") -> str:
     """The example Criteo job with dynamic categorical features of these capacities (``None``:
-    the example's hashed features)."""
+    the example's hashed features), ``extra`` (job-file lines) added to each."""
     text = (ROOT / "examples" / "criteo.toml").read_text()
     head = text[: text.index("[[schema.categorical]]")]
     if capacities is None:
         return text
-    cats = "".join(f'[[schema.categorical]]\ncolumn = "C{i + 1}"\ndynamic = true\ncapacity = {c}\neviction = "lfu"\n\n'
+    cats = "".join(f'[[schema.categorical]]\ncolumn = "C{i + 1}"\ndynamic = true\ncapacity = {c}\neviction = "lfu"\n{extra}\n'
                    for i, c in enumerate(capacities))
     return head + cats
 
@@ -73,12 +77,12 @@ def _movielens_with(keys: list[str]) -> str:
     return text
 
 
-def movielens_job(capacities: list[int] | None) -> str:
+def movielens_job(capacities: list[int] | None, extra: str = "") -> str:
     """The demo's MovieLens job with its user and movie ids dynamic at these capacities (``None``:
-    the example's fitted vocabulary)."""
+    the example's fitted vocabulary), ``extra`` (job-file lines) added to both."""
     if capacities is None:
         return _movielens_with(["", ""])
-    return _movielens_with([f'dynamic = true\ncapacity = {c}\neviction = "lfu"\n' for c in capacities])
+    return _movielens_with([f'dynamic = true\ncapacity = {c}\neviction = "lfu"\n{extra}' for c in capacities])
 
 
 def frequent_half_job(min_counts: list[int]) -> str:
@@ -141,6 +145,8 @@ def main() -> None:
     p.add_argument("--caps", default="1.0,0.75,0.5,0.25,0.1", help="shares of each column's distinct values")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--tinylfu", action="store_true", help="the capped tables (caps below 1) with TinyLFU admission "
+                   "(tinylfu = true); the uncapped one, which never evicts, as it is")
     p.add_argument("--name", default=None, help="the result's name (results/NAME_cpu.json; default: dynamic_cap, "
                    "dynamic_cap_movielens)")
     args = p.parse_args()
@@ -150,7 +156,8 @@ def main() -> None:
     caps = [float(c) for c in args.caps.split(",")]
     seeds = range(args.seeds)
     result: dict = {"data": "movielens-100k" if movielens else args.data.name, "distinct_values": distinct,
-                    "epochs": args.epochs, "seeds": args.seeds, "eviction": "lfu", "admit_after": 1}
+                    "epochs": args.epochs, "seeds": args.seeds, "eviction": "lfu", "admit_after": 1,
+                    "tinylfu": args.tinylfu}
     fixed = [test_auc(job(None), data, s, args.epochs) for s in seeds]
     result["fitted_vocabulary_auc" if movielens else "hashed_2pow18_auc"] = float(np.mean(fixed))
     if movielens:
@@ -163,7 +170,8 @@ def main() -> None:
     by_cap = {}
     for cap in caps:
         capacities = [max(1, math.ceil(cap * n)) for n in distinct]
-        aucs = [test_auc(job(capacities), data, s, args.epochs) for s in seeds]
+        extra = "tinylfu = true\n" if args.tinylfu and cap < 1 else ""
+        aucs = [test_auc(job(capacities, extra), data, s, args.epochs) for s in seeds]
         by_cap[str(cap)] = {"auc_mean": float(np.mean(aucs)), "aucs": aucs, "rows": sum(capacities)}
         print(f"cap {cap:5.2f}: test AUC {np.mean(aucs):.4f} ({', '.join(f'{a:.4f}' for a in aucs)})", file=sys.stderr)
     result["by_cap"] = by_cap
@@ -178,7 +186,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(caps, [by_cap[str(c)]["auc_mean"] for c in caps], "o-", label="dynamic, LFU")
+    ax.plot(caps, [by_cap[str(c)]["auc_mean"] for c in caps], "o-",
+            label="dynamic, LFU" + (" + TinyLFU admission" if args.tinylfu else ""))
     ax.axhline(float(np.mean(fixed)), color="gray", ls="--",
                label="fitted vocabulary" if movielens else "hashed, 2^18 rows")
     if movielens:

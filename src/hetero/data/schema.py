@@ -115,6 +115,7 @@ class Categorical:
         eviction: which rows a full dynamic table gives up first.
         sketch_width: a dynamic feature's admission-sketch counters per row (a power of two >= 64;
             ``16 * sketch_width`` bytes, kept in the checkpoint; ``None``: the default, 2**20).
+        tinylfu: a full dynamic table admits only values that outrank a row (:class:`DynamicConfig`).
     """
 
     column: str
@@ -131,6 +132,7 @@ class Categorical:
     ttl_steps: int | None = None
     eviction: Eviction = Eviction.LFU
     sketch_width: int | None = None
+    tinylfu: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", self.name or self.column)
@@ -157,7 +159,7 @@ class Categorical:
         name = f"categorical {self.name!r}"
         if not self.dynamic:
             given = [k for k in ("capacity", "ttl_steps", "sketch_width") if getattr(self, k) is not None]
-            given += ["admit_after"] if self.admit_after != 1 else []
+            given += [k for k, on in (("admit_after", self.admit_after != 1), ("tinylfu", self.tinylfu)) if on]
             if given:
                 raise ValueError(f"{name}: {given[0]} is a dynamic feature's setting; add dynamic = true or drop it")
             return
@@ -176,7 +178,7 @@ class Categorical:
         try:
             width = {} if self.sketch_width is None else {"sketch_width": self.sketch_width}
             return DynamicConfig(admit_after=self.admit_after, ttl_steps=self.ttl_steps, eviction=self.eviction,
-                                 **width)
+                                 tinylfu=self.tinylfu, **width)
         except ValueError as e:
             raise ValueError(f"categorical {self.name!r}: {e}") from None
 

@@ -229,9 +229,34 @@ def evict(k, before, lfu, slots, row_key, stat, free, nfree, evicted):
     return n
 
 
+VICTIM_SAMPLE = 16  # rows sampled for the least-used row a new key must outrank (tinylfu)
+
+
+@njit(cache=True)
+def _outranks(key, step, sketch, stat):
+    """TinyLFU's admission filter (Einziger, Friedman & Manes 2017) for ``key``, which a full table
+    would admit: whether its sketch count (its sightings while it held no row) exceeds the use count
+    of the least used of ``VICTIM_SAMPLE`` rows drawn for it (from a hash of the key and ``step``:
+    reproducible) among those this step has not looked up - the sample standing in for the least
+    used row, as Redis's approximated LFU picks its victim. A key seen once never outranks a row
+    (every row was looked up at least once), so a stream of one-off keys does not churn the rows
+    of returning ones. No sampled row evictable: the key does not get in."""
+    est = _sketch(key, sketch, False)
+    if est <= 1:
+        return False
+    low = SATURATED
+    base = mix(np.uint64(key) ^ mix(np.uint64(step) ^ GOLDEN))
+    rows = np.uint64(stat.shape[0])
+    for t in range(VICTIM_SAMPLE):
+        r = np.intp(mix(base + np.uint64(t + 1) * GOLDEN) % rows)
+        if stat[r, 1] != EMPTY and stat[r, 1] < step and stat[r, 0] < low:
+            low = stat[r, 0]
+    return est > low
+
+
 @njit(cache=True)
 def _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
-           default_row, admitted, evicted, stats):
+           default_row, admitted, evicted, stats, tinylfu):
     """The second pass of :func:`translate`: the keys with no row (``out[i] == -1``)."""
     by_count = admit_below == 0
     missing = np.flatnonzero(out == -1)  # (in order: admissions follow the batch's order)
@@ -252,6 +277,11 @@ def _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_aft
             admit = admit_after == 1 or _sketch(key, sketch, False) >= admit_after
         else:
             admit = mix(np.uint64(key) ^ mix(np.uint64(step) ^ np.uint64(seed))) < admit_below
+        # (tinylfu: from when a chunk's eviction would be needed until the table has a chunk free again - by
+        # age - so the rows an eviction frees go to keys that outrank rows, and a key refused once in a pass
+        # stays refused: the free rows only fall, the sampled rows' counts only rise)
+        if admit and tinylfu and nfree[0] < chunk and not _outranks(key, step, sketch, stat):
+            admit = False
         if admit and nfree[0] == 0:
             evict(chunk, step, lfu, slots, row_key, stat, free, nfree, evicted)
             s = _probe(key, _home(key, slots), slots)  # (deletions shifted the slots)
@@ -272,12 +302,15 @@ def _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_aft
 
 
 def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
-              default_row, admitted, evicted, stats):
+              default_row, admitted, evicted, stats, tinylfu):
     """Rows of a training step's ``keys`` into ``out``: known keys are counted and stamped with
     ``step``; unknown ones are counted in the sketch and admitted (given a free row, evicting
     ``chunk`` rows when none is free) once seen ``admit_after`` times - or, with ``admit_below``
     > 0, when ``mix(key, step, seed) < admit_below`` - else they read ``default_row``. Every
     occurrence of a key reads the same row: admission is decided once the whole batch is counted.
+
+    With ``tinylfu``, a table with fewer than ``chunk`` free rows admits a key only if it outranks
+    a row it could evict (:func:`_outranks`).
 
     ``admitted`` receives ``(row, key)`` pairs from ``admitted[0, 0]`` + 1 on (sized by the caller),
     ``evicted[0]`` the count of evictions; ``stats`` += (admitted, evicted, default lookups)."""
@@ -286,99 +319,12 @@ def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_
         parts *= 2
     if not _found(keys, out, slots, stat, step, parts):
         return  # every key has a row
-    if admit_below == 0 and admit_after > 1:  # (admit_after 1: keys admitted uncounted)
+    if admit_below == 0 and (admit_after > 1 or tinylfu):  # (else keys are admitted uncounted)
         _count_unknown(keys, out, sketch)
     before = evicted[0]
     _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_after, admit_below, seed, lfu, chunk,
-           default_row, admitted, evicted, stats)
+           default_row, admitted, evicted, stats, tinylfu)
     stats[1] += evicted[0] - before
-
-
-def _ziggurat(layers=256, r=3.6541528853610088, area=4.92867323399e-3):
-    """Marsaglia & Tsang's (2000) tables for N(0, 1)'s right half in ``layers`` strips of equal
-    ``area`` (``r`` and ``area``: the 256-strip constants of Doornik's ZIGNOR, 2005; the top strip
-    closes on them to 1e-12): ``x[i]``, strip i's right edge (``x[0]``: the base strip's width
-    ``area / f(r)``, so a draw past ``x[1] = r`` falls in the tail), ``x[layers] = 0``;
-    ``f[i] = exp(-x[i]**2 / 2)``. A draw takes its strip, sign and uniform from disjoint bits
-    (Doornik's point: the original reused the strip's bits in the uniform)."""
-    x = np.zeros(layers + 1)
-    x[0], x[1] = area / np.exp(-0.5 * r * r), r
-    for i in range(1, layers - 1):
-        x[i + 1] = np.sqrt(-2.0 * np.log(area / x[i] + np.exp(-0.5 * x[i] * x[i])))
-    return x.astype(np.float32), np.exp(-0.5 * x * x).astype(np.float32)
-
-
-ZIG_X, ZIG_F = _ziggurat()
-UNIT = np.float32(2.0**-24)  # a 24-bit integer -> [0, 1)
-
-
-@njit(cache=True, inline="always")
-def _uniform(bits, shift):
-    return np.float32((bits >> shift) & 0xFFFFFF) * UNIT
-
-
-@njit(cache=True, inline="always")
-def _draw(base, j, k):
-    """Draw ``k`` of value ``j``'s own stream (``k >= 1``; past every row's fast draws ``1..D``)."""
-    return np.int64(mix(base + (np.uint64(j + 1) << np.uint64(32) | np.uint64(k)) * GOLDEN))
-
-
-@njit(cache=True)
-def _ziggurat_slow(base, j, zx, zf):
-    """Value ``j`` of a row whose fast draw (``j + 1``) was refused: that draw's point takes the
-    ziggurat's full test - in the base strip, a draw from the tail past ``r`` (Marsaglia's method);
-    else the wedge's - and a point the wedge refuses is drawn again, from value ``j``'s own stream."""
-    bits, k = np.int64(mix(base + np.uint64(j + 1) * GOLDEN)), 0
-    while True:
-        layer = bits & 255
-        z = _uniform(bits, 9) * zx[layer]
-        if k > 0 and z < zx[layer + 1]:
-            break
-        k += 1
-        more = _draw(base, j, k)
-        if layer == 0:  # the tail: r + a, a exponential with rate r, kept with probability exp(-a^2 / 2)
-            while True:
-                a = -np.log(_uniform(more, 8) + UNIT) / zx[1]  # (+ UNIT: in (0, 1], no log of 0)
-                if np.float32(-2.0) * np.log(_uniform(more, 32) + UNIT) > a * a:
-                    break
-                k += 1
-                more = _draw(base, j, k)
-            z = zx[1] + a
-            break
-        if zf[layer] + _uniform(more, 8) * (zf[layer + 1] - zf[layer]) < np.exp(np.float32(-0.5) * z * z):
-            break
-        k += 1
-        bits = _draw(base, j, k)
-    return -z if bits & 256 else z
-
-
-@njit(cache=True, parallel=True)  # (no fastmath: it assumes no NaN, and a NaN marks a refused draw)
-def _init_rows(keys, seed, std, out, zx, zf):
-    d, nan, sd = out.shape[1], np.float32(np.nan), np.float32(std)
-    for i in prange(keys.shape[0]):
-        base, refused = mix(np.uint64(keys[i]) ^ np.uint64(seed)), 0
-        for j in range(d):  # (branch-free: vectorised)
-            bits = np.int64(mix(base + np.uint64(j + 1) * GOLDEN))
-            layer = bits & 255
-            z = _uniform(bits, 9) * zx[layer]
-            fast = z < zx[layer + 1]
-            out[i, j] = sd * (-z if bits & 256 else z) if fast else nan
-            refused += not fast
-        if refused:
-            for j in range(d):
-                if out[i, j] != out[i, j]:
-                    out[i, j] = sd * _ziggurat_slow(base, j, zx, zf)
-
-
-def init_rows(keys, seed, std, out):
-    """Initial values of the rows of ``keys``: ``N(0, std**2)`` per key (``out``: ``(len(keys), D)``
-    float32), drawn by the ziggurat method (Marsaglia & Tsang 2000, 256 strips) from a counter-based
-    stream, SplitMix64's finalizer of (the key and ``seed``'s hash + n x the golden ratio), so a
-    key's first row does not depend on when, where or on which rank it is admitted. Value ``j``
-    first tries draw ``j + 1`` alone; 98.5% pass the ziggurat's fast test, in a loop without
-    branches (vectorised); the rest take the full test on draws of their own. Measured on 2 cores
-    (45k rows x 16): 1.2 ms, against 2.7 ms for Marsaglia's polar method, which this replaced."""
-    _init_rows(keys, seed, std, out, ZIG_X, ZIG_F)
 
 
 @njit(cache=True)

@@ -39,6 +39,15 @@ class DynamicConfig:
     ``keep_floor`` rows. An evicted row's optimizer state is reset with it: the row is a new
     key's, as if never trained.
 
+    With ``tinylfu``, once the table has fewer than ``evict_chunk`` rows free, a key it would admit
+    must also *outrank* a row: its sketch count (sightings while it held no row) must exceed the
+    use count of the least used of 16 rows sampled for it (from a hash of the key and the step)
+    that this step has not looked up. This is TinyLFU's admission filter (Einziger, Friedman &
+    Manes 2017, "TinyLFU: A Highly Efficient Cache Admission Policy", ACM TOS), against a sampled
+    victim as in Redis's approximated LFU. A key seen once never outranks a row, so a stream of
+    one-off keys does not evict the rows of returning ones, and the rows an eviction frees go to
+    keys that earned them. Every sighting of a key without a row is then counted in the sketch.
+
     Attributes:
         admit_after: sightings before a key is admitted (1: on its first lookup).
         admit_probability: admit on each sighting with this probability instead (``None``: by count).
@@ -50,6 +59,7 @@ class DynamicConfig:
         keep_floor: the age scan never takes the table below this many rows.
         default_value: every value of the default row (the lookup of a key with no row).
         sketch_width: counters per row of the admission sketch (4 rows).
+        tinylfu: a table short of free rows admits only keys that outrank a row (above; by count only).
 
     Raises:
         ValueError: a value out of range, naming the field and the fix.
@@ -64,6 +74,7 @@ class DynamicConfig:
     keep_floor: int = 0
     default_value: float = 0.0
     sketch_width: int = 1 << 20
+    tinylfu: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, got: object, want: str) -> None:
@@ -85,6 +96,9 @@ class DynamicConfig:
             bad("keep_floor", self.keep_floor, ">= 0")
         if not math.isfinite(self.default_value):
             bad("default_value", self.default_value, "a finite number")
+        if self.tinylfu and self.admit_probability is not None:
+            bad("tinylfu", self.tinylfu, "False with admit_probability (it compares sketch counts, which admission "
+                "by probability does not keep); admit by count (admit_probability = None)")
         if self.sketch_width < 64 or self.sketch_width & (self.sketch_width - 1):
             bad("sketch_width", self.sketch_width, "a power of two >= 64")
 

@@ -7,7 +7,7 @@ compiled pass over its keys (:mod:`hetero.dynamic._kernels`), no Python per key.
 
 Memory per row of capacity: the map's slots (16 bytes each, 2 to 4 slots a row), the row's key
 (8), use count (4) and last step (4), and a free-list entry (8): 56 to 88 bytes; plus the
-admission sketch's ``16 * sketch_width`` bytes when ``admit_after > 1``.
+admission sketch's ``16 * sketch_width`` bytes when ``admit_after > 1`` or ``tinylfu``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class KeyMap:
         self.stat[:, 1] = -1
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # (a stack: row 0 is given first)
         self.nfree = np.array([capacity], np.int64)
-        by_count = config.admit_probability is None and config.admit_after > 1
+        by_count = config.admit_probability is None and (config.admit_after > 1 or config.tinylfu)
         self.sketch = np.full((4, config.sketch_width if by_count else 64), 0, np.int32)
         self.stats = DynamicStats()
         self.next_scan = 0  # the step of the next age scan (ttl_steps)
@@ -144,7 +144,7 @@ class KeyMap:
             below = 0 if c.admit_probability is None else min(int(c.admit_probability * 2.0**64), 2**64 - 1)
             K.translate(keys, out, self.slots, self.row_key, self.stat, self.sketch, self.free, self.nfree, np.int32(step), c.admit_after, np.uint64(below),
                         np.uint64(self.seed), c.eviction is Eviction.LFU, chunk, self.default_row, admitted, evicted,
-                        stats)
+                        stats, c.tinylfu)
             self.stats.admitted += int(stats[0])
             self.stats.evicted += int(evicted[0])
             self.stats.default_lookups += int(stats[2])
@@ -199,5 +199,5 @@ class KeyMap:
         each key (zeros for ``std == 0``)."""
         out = np.zeros((keys.shape[0], dim), np.float32)
         if std > 0:
-            _kernels().init_rows(keys, np.uint64(self.seed), std, out)
+            load("hetero.dynamic._init_kernels").init_rows(keys, np.uint64(self.seed), std, out)
         return out
