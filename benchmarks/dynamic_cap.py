@@ -61,8 +61,8 @@ def job_text(capacities: list[int] | None, extra: str = "") -> str:
     head = text[: text.index("[[schema.categorical]]")]
     if capacities is None:
         return text
-    cats = "".join(f'[[schema.categorical]]\ncolumn = "C{i + 1}"\ndynamic = true\ncapacity = {c}\neviction = "lfu"\n{extra}\n'
-                   for i, c in enumerate(capacities))
+    cats = "".join(f'[[schema.categorical]]\ncolumn = "C{i + 1}"\ndynamic = true\ncapacity = {c}\n'
+                   f'eviction = "lfu"\n{extra}\n' for i, c in enumerate(capacities))
     return head + cats
 
 

@@ -115,7 +115,7 @@ class Categorical:
         eviction: which rows a full dynamic table gives up first.
         sketch_width: a dynamic feature's admission-sketch counters per row (a power of two >= 64;
             ``16 * sketch_width`` bytes, kept in the checkpoint; ``None``: the default, 2**20).
-        tinylfu: a full dynamic table admits only values that outrank a row (:class:`DynamicConfig`).
+        tinylfu: a dynamic table short of free rows admits only values that outrank a row (:class:`DynamicConfig`).
     """
 
     column: str

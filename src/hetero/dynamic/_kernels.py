@@ -117,8 +117,8 @@ def _found(keys, out, slots, stat, step, parts):
     prefetched at the probe, has arrived (two misses a key in flight, where a probe pass and then a
     count pass waited on the second in turn: 2.15 -> 1.78 ms, 106k Zipf keys of a held 1M-key map,
     the caches flushed between batches). One parallel region: with the home slots computed in one
-    of their own first, to split the keys by them, 1.94 against 1.72 ms (1M keys, warm; 2.94 against 2.81
-    at 10M, caches flushed; alternating, medians)."""
+    of their own first, to split the keys by them, 1.94 against 1.72 ms (1M keys, caches warm;
+    2.94 against 2.81 at 10M, flushed; alternating in one process, medians)."""
     n = keys.shape[0]
     shift, p2 = np.uint64(64), parts  # the hash's top log2(parts) bits pick the thread
     while p2 > 1:
@@ -234,8 +234,8 @@ VICTIM_SAMPLE = 16  # rows sampled for the least-used row a new key must outrank
 
 @njit(cache=True)
 def _outranks(key, step, sketch, stat):
-    """TinyLFU's admission filter (Einziger, Friedman & Manes 2017) for ``key``, which a full table
-    would admit: whether its sketch count (its sightings while it held no row) exceeds the use count
+    """TinyLFU's admission filter (Einziger, Friedman & Manes 2017) for ``key``, which a table short
+    of free rows would admit: whether its sketch count (its sightings while it held no row) exceeds the use count
     of the least used of ``VICTIM_SAMPLE`` rows drawn for it (from a hash of the key and ``step``:
     reproducible) among those this step has not looked up - the sample standing in for the least
     used row, as Redis's approximated LFU picks its victim. A key seen once never outranks a row
@@ -277,9 +277,9 @@ def _admit(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_aft
             admit = admit_after == 1 or _sketch(key, sketch, False) >= admit_after
         else:
             admit = mix(np.uint64(key) ^ mix(np.uint64(step) ^ np.uint64(seed))) < admit_below
-        # (tinylfu: from when a chunk's eviction would be needed until the table has a chunk free again - by
-        # age - so the rows an eviction frees go to keys that outrank rows, and a key refused once in a pass
-        # stays refused: the free rows only fall, the sampled rows' counts only rise)
+        # (tinylfu: while fewer than a chunk of rows are free - until an age scan frees more - so the rows an
+        # eviction frees go to keys that outrank rows; a key refused once in a pass stays refused: the free rows
+        # stay below a chunk, and the least count among its sampled evictable rows only rises)
         if admit and tinylfu and nfree[0] < chunk and not _outranks(key, step, sketch, stat):
             admit = False
         if admit and nfree[0] == 0:
@@ -314,7 +314,7 @@ def translate(keys, out, slots, row_key, stat, sketch, free, nfree, step, admit_
 
     ``admitted`` receives ``(row, key)`` pairs from ``admitted[0, 0]`` + 1 on (sized by the caller),
     ``evicted[0]`` the count of evictions; ``stats`` += (admitted, evicted, default lookups)."""
-    parts = 1  # threads of the pass, a power of two (a thread's keys by a mask, not a division a key)
+    parts = 1  # threads of the pass, a power of two (a thread's keys by the top bits of a hash)
     while parts * 2 <= numba.get_num_threads():
         parts *= 2
     if not _found(keys, out, slots, stat, step, parts):
