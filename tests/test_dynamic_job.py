@@ -42,9 +42,11 @@ def _csv(path, n=400, seed=0):
     path.write_text("label,user,item,age,genres\n" + "\n".join(rows) + "\n")
 
 
-@pytest.mark.parametrize("mode", ["memory", "stream"])
+@pytest.mark.parametrize("mode", ["memory", "stream", "tinylfu"])  # (tinylfu: in memory, the user feature's on)
 def test_a_dynamic_feature_trains_resumes_exactly_and_predicts(tmp_path, capsys, mode):
-    data, job = job_file(tmp_path, JOB, _csv, stream=mode == "stream")
+    on = "sketch_width = 1024\ntinylfu = true\n" if mode == "tinylfu" else "sketch_width = 1024\n"
+    template = JOB.replace("sketch_width = 1024\n", on)
+    data, job = job_file(tmp_path, template, _csv, stream=mode == "stream")
     runs = {}
     for name, steps in (("straight", []), ("resumed", ["--max-steps", "5"])):
         run = tmp_path / name
