@@ -155,3 +155,13 @@ def test_a_job_files_tinylfu_reaches_the_tables_config_and_needs_dynamic():
     assert Categorical(column="u", dynamic=True, capacity=10, tinylfu=True).dynamic_config().tinylfu
     with pytest.raises(ValueError, match="'u'.*tinylfu.*dynamic = true"):
         Categorical(column="u", tinylfu=True)
+
+
+def test_a_part_without_rows_refuses_every_key_with_tinylfu():
+    """A map of no rows (a rank's or a server's empty part of a table) reads the default row for
+    every key, seen however often: the victim sample has no rows to draw from."""
+    m = KeyMap("t", 0, DynamicConfig(tinylfu=True, sketch_width=64))
+    for step in range(3):
+        rows, new = m.translate(np.array([5, 5, 7], np.int64), step)
+        assert rows.tolist() == [0, 0, 0] and new.rows.shape[0] == 0
+    assert m.stats.default_lookups == 9 and m.stats.admitted == 0

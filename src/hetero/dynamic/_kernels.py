@@ -240,9 +240,10 @@ def _outranks(key, step, sketch, stat):
     reproducible) among those this step has not looked up - the sample standing in for the least
     used row, as Redis's approximated LFU picks its victim. A key seen once never outranks a row
     (every row was looked up at least once), so a stream of one-off keys does not churn the rows
-    of returning ones. No sampled row evictable: the key does not get in."""
+    of returning ones. No sampled row evictable (or no rows: a part of a table with none): the key
+    does not get in."""
     est = _sketch(key, sketch, False)
-    if est <= 1:
+    if est <= 1 or stat.shape[0] == 0:
         return False
     low = SATURATED
     base = mix(np.uint64(key) ^ mix(np.uint64(step) ^ GOLDEN))
