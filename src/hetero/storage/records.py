@@ -63,9 +63,9 @@ class RowFile:
     def __init__(self, path: str | os.PathLike, layout: RecordLayout, rows: int, threads: int = 8,
                  init: Callable[[int, int], np.ndarray] | None = None, segment: int | None = None,
                  empty: bool = False, mapped_bytes: int = 1 << 30) -> None:
-        self.path, self.layout, self.rows = Path(path), layout, rows
-        self.slot_bytes = self.HEADER + layout.nbytes
+        self.path, self.layout, self.rows, self.slot_bytes = Path(path), layout, rows, self.HEADER + layout.nbytes
         self.segment = segment or max(64, min(1 << 16, rows // 32))  # slots per segment
+        self.shift = self.segment.bit_length() - 1 if self.segment & (self.segment - 1) == 0 else -1  # (kernels)
         shutil.rmtree(self.path, ignore_errors=True)  # (a previous run's scratch: this run starts from its own rows)
         self.path.mkdir(parents=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hetero-ssd-io")
@@ -188,7 +188,7 @@ class RowFile:
                 handed = handed or last
                 # their previous records become garbage; the rows point at the new slots (one compiled pass)
                 io_kernels().relocate(rows[done : done + k], self.positions, self.live, self.live_bits, self.segment,
-                                      first)
+                                      self.shift, first)
                 self.live[tail] += k
                 self._tail_used[stream] += k
                 done += k
@@ -270,9 +270,8 @@ class RowFile:
         return io_error(e, what, self.segment_path(s), row)
 
     def read(self, rows: np.ndarray, out: np.ndarray, slots: np.ndarray | None = None) -> None:
-        """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)``
-        uint8, C order), spread over the I/O threads. ``slots``: read these store slots instead of
-        the rows' current ones (:meth:`stage`)."""
+        """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)`` uint8, C order),
+        over the I/O threads. ``slots``: read these store slots instead of the rows' current ones (:meth:`stage`)."""
         n = rows.shape[0]
         assert out.shape == (n, self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
         whole = np.array([self.layout.nbytes], np.int64)
