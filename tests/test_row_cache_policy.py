@@ -64,3 +64,14 @@ def test_a_popularity_that_has_passed_fades(tmp_path, monkeypatch, halving):
     _scan(cache, 7000)
     assert _hits(cache, hot) == (8 if halving else 0)
     cache.file.close()
+
+
+@pytest.mark.parametrize("policy", list(CachePolicy))
+def test_a_row_given_twice_to_one_lookup_stops_it(tmp_path, policy):
+    # the cache takes a lookup's unique rows; a row given twice would take two slots, one of them lost
+    # to the index: an internal invariant (the callers dedup), checked rather than trained past
+    cache = _cache(tmp_path, policy)
+    cache.acquire(np.arange(10, dtype=np.int64))
+    with pytest.raises(AssertionError, match="a row given twice"):
+        cache.acquire(np.array([20, 21, 20], np.int64))
+    cache.file.close()
