@@ -239,6 +239,20 @@ def acquire(ids, index, slot_row, meta, dirty, stamp, new_count, hands, window, 
 
 
 @njit(nogil=True, cache=True, parallel=True)
+def take(values, rows):
+    """``values[rows]`` (1-D; ``rows`` int64, in range) over the cores, each entry prefetched ``AHEAD`` rows
+    ahead: a random access a row into an array larger than the caches (the store's row positions: 0.88 ->
+    0.36 ms for 54k rows of 5.2M, against numpy's indexing on one core, caches flushed)."""
+    n = rows.shape[0]
+    out = np.empty(n, values.dtype)
+    for i in prange(n):
+        if i + AHEAD < n:
+            prefetch(values, rows[i + AHEAD])
+        out[i] = values[rows[i]]
+    return out
+
+
+@njit(nogil=True, cache=True, parallel=True)
 def unpack(records, slots, fields, offsets):
     """Record ``i`` into slot ``slots[i]`` of the cache's fields (each ``(capacity, bytes)``
     uint8; field ``k`` at record byte ``offsets[k]``); the slots prefetched ``AHEAD`` ahead."""

@@ -362,8 +362,8 @@ class RowFile:
             if staged_here:  # (else every row: no index arrays to build, 65k rows a step on the tier)
                 rest = np.flatnonzero(~fresh)
                 rows, slots = rows[rest], slots[rest]
-            widths = np.array([f.shape[1] for f in fields], np.int64)
-            self._gather(rows, self.positions[rows], slots, np.array([f.ctypes.data for f in fields], np.int64),
+            at, widths = io_kernels().take(self.positions, rows), np.array([f.shape[1] for f in fields], np.int64)
+            self._gather(rows, at, slots, np.array([f.ctypes.data for f in fields], np.int64),
                          np.array([f.strides[0] for f in fields], np.int64), widths, offsets.astype(np.int64))
         return staged_here
 
