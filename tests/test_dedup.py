@@ -1,5 +1,6 @@
-"""The dedup kernels against plain Python: the parallel dedup without chains and the prefetch's
-read-after-write check, at several thread counts, and a device lookup's plan built with either dedup."""
+"""The dedup kernels against plain Python: the serial dedup with its occurrence chains, the parallel
+one without, the prefetch's read-after-write check, at several thread counts, and a device lookup's
+plan built with either dedup."""
 
 import numpy as np
 import pytest
@@ -10,35 +11,47 @@ from hetero.embedding.kernels import dedup_kernels
 
 
 def reference(ids):
-    """unique ids in first-occurrence order and each id's position among them (plain Python)."""
-    seen: dict[int, int] = {}
-    inverse = [seen.setdefault(int(x), len(seen)) for x in ids]
-    return np.array(list(seen), np.int64), np.array(inverse, np.int64)
+    """unique ids ascending, each id's position among them, and each unique id's positions in
+    increasing order (plain Python)."""
+    unique = sorted({int(x) for x in ids})
+    index = {x: k for k, x in enumerate(unique)}
+    where: dict[int, list[int]] = {}
+    for i, x in enumerate(ids):
+        where.setdefault(int(x), []).append(i)
+    return np.array(unique, np.int64), np.array([index[int(x)] for x in ids], np.int64), [where[x] for x in unique]
 
 
-@pytest.mark.parametrize("case", ["uniform", "skewed", "repeated", "one", "empty"])
-def test_parallel_dedup_equals_first_occurrence_order_at_any_thread_count(case):
+def chain(first, nxt, k):
+    """The positions of unique id ``k``'s occurrence chain."""
+    out, i = [], int(first[k])
+    while i >= 0:
+        out.append(i)
+        i = int(nxt[i])
+    return out
+
+
+@pytest.mark.parametrize("case", ["uniform", "skewed", "repeated", "one", "empty", "wide"])
+def test_both_dedups_equal_plain_python_at_any_thread_count(case):
+    """Ascending unique ids and the inverse, from the serial dedup (and its chains, in occurrence
+    order) and the parallel one; ``wide``: rows past 2**31, which do not pack into a sort word."""
     K = dedup_kernels()
     rng = np.random.default_rng(0)
-    n = {"empty": 0, "one": 1, "repeated": 5_000}.get(case, 20_000)
-    rows = 3_000
+    n = {"empty": 0, "one": 1, "repeated": 5_000}.get(case, 20_000)  # 20,000 ids: up to 4 parts in parallel
+    rows = 2**40 if case == "wide" else 3_000
     ids = {"uniform": lambda: rng.integers(0, rows, n), "skewed": lambda: np.minimum(rng.zipf(1.2, n), rows) - 1,
-           "repeated": lambda: np.full(n, 7), "one": lambda: np.array([5]), "empty": lambda: np.empty(0, np.int64)}[case]()
+           "repeated": lambda: np.full(n, 7), "one": lambda: np.array([5]), "empty": lambda: np.empty(0, np.int64),
+           "wide": lambda: rng.integers(0, 2_000, n) * (rows // 2_000)}[case]()
     ids = ids.astype(np.int64)
-    want_u, want_inv = reference(ids)
-    marker = np.zeros(rows, np.int64)
-    stamp = 1
+    want_u, want_inv, want_chains = reference(ids)
+    a, b = np.full(n, -5, np.int64), np.full(n, -5, np.int64)  # (the scratch holds garbage between calls)
     for threads in (1, 2, 3, 7, 64):
-        for _ in range(2):  # the marker holds the previous call's values: a new stamp must see past them
-            stamp += 1
-            unique, inverse = K.dedup_unique(ids, marker, stamp, threads)
-            np.testing.assert_array_equal(unique, want_u, err_msg=f"unique, {threads} threads")
-            np.testing.assert_array_equal(inverse, want_inv, err_msg=f"inverse, {threads} threads")
-        # the serial dedup runs after it on the same marker and stamps (a group uses both)
-        stamp += 1
-        serial = K.dedup(ids, marker, stamp, np.empty(n, np.int64))
-        np.testing.assert_array_equal(serial[0], want_u)
-        np.testing.assert_array_equal(serial[1], want_inv)
+        unique, inverse = K.dedup_unique(ids, a, b, threads)
+        np.testing.assert_array_equal(unique, want_u, err_msg=f"unique, {threads} threads")
+        np.testing.assert_array_equal(inverse, want_inv, err_msg=f"inverse, {threads} threads")
+    unique, inverse, first, nxt = K.dedup(ids, a, b)
+    np.testing.assert_array_equal(unique, want_u)
+    np.testing.assert_array_equal(inverse, want_inv)
+    assert [chain(first, nxt, k) for k in range(len(unique))] == want_chains
 
 
 @pytest.mark.parametrize("threads", [1, 3, 16])
@@ -54,8 +67,8 @@ def test_stale_positions_are_the_rows_updated_after_the_version(threads):
 @pytest.mark.parametrize("n, top", [(0, 10), (1, 10), (500, 1), (1000, 3), (106_496, 5_200_000), (20_000, 2**62),
                                     (5_000, 2**63 - 1)])
 def test_the_sorted_dedup_equals_torch_unique(n, top):
-    """The radix-sort dedup of groups without a marker (row-sharded, SSD tier) against
-    ``torch.unique``: one digit, several (ids up to 2**62: six passes), digits every id shares."""
+    """The radix-sort dedup of groups that dedup as the plan is built (row-sharded, SSD tier) against
+    ``torch.unique``: one digit, several, digits every id shares, ids past 2**31 (numpy's stable sort)."""
     ids = np.random.default_rng(n).integers(0, top, n)
     unique, inverse = dedup_kernels().sorted_unique(ids)
     want = torch.unique(torch.from_numpy(ids), return_inverse=True)

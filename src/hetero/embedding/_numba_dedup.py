@@ -1,18 +1,27 @@
 """numba kernels of the embedding engine's dedup and of the prefetch read-after-write check.
 Imported lazily by :mod:`hetero.embedding.kernels` (:func:`dedup_kernels`).
 
-Two dedups give the same ``unique`` (first-occurrence order) and ``inverse``:
+Every dedup sorts: a least-significant-digit radix sort of ``row << 32 | position`` words (one
+int64 an id: the scatter moves half the bytes of (row, position) pairs), as few passes as digits
+of at most ``MAX_DIGIT_BITS`` bits cover the largest row. The unique rows come out **ascending**
+(as ``torch.unique`` gives them), so the optimizer's update, and a device lookup's gather, walk
+the table and its state in address order: the Adagrad update of 106k unique rows of a 26M-row
+group, caches flushed, 5.7 ms in first-occurrence order against 3.4 ms ascending (row-wise
+Adagrad 4.3 -> 2.8; 2026-11-29, 2 cores). Sorting costs about what the marker dedup it replaced
+did (one random access per id into 8 bytes a row of the group: 2.06 ms for 106k ids, against
+1.99 for the sort), and no marker is kept: 8 bytes a row less memory.
 
-* :func:`dedup`, serial, one random access into the group's ``marker`` per id, also builds each
-  row's occurrence chain, which the host pooling's backward hands the optimizer (it sums a row's
-  gradient by walking the chain);
+* :func:`dedup`, serial, also builds each row's occurrence chain (the radix sort is stable, so a
+  row's positions come out increasing), which the host pooling's backward hands the optimizer (it
+  sums a row's gradient by walking the chain, in occurrence order);
 * :func:`dedup_unique`, parallel, without chains, for lookups whose gradient arrives coalesced per
-  unique row (the device pooling's backward). Three passes over the ids instead of one, split over
-  threads: on a host that feeds a GPU the serial dedup was most of the training thread's lookup
-  (2.0-2.9 ms of 106k ids on the H200 host's 16 cores, against 0.3 ms for the rows' gather).
+  unique row (the device pooling's backward): per-thread digit counts, then each thread scatters
+  its part of the ids (on a host that feeds a GPU the serial dedup was most of the training
+  thread's lookup: 2.0-2.9 ms of 106k ids on the H200 host's 16 cores);
+* :func:`sorted_unique`, serial, without chains (row-sharded groups, the SSD tier).
 
-Groups without a marker (row-sharded, SSD tier) dedup by :func:`sorted_unique` (a radix sort: the
-unique rows ascending, as ``torch.unique``).
+Rows or positions of ``2**31`` or more do not pack into a word: those calls sort with numpy's
+stable ``argsort`` instead (the same result, slower).
 
 All kernels release the GIL (``nogil``) and issue software prefetches ahead of their random
 accesses, as in :mod:`hetero.embedding._numba_kernels`.
@@ -21,119 +30,180 @@ accesses, as in :mod:`hetero.embedding._numba_kernels`.
 import numpy as np
 from numba import njit, prange
 
-from hetero._intrinsics import fetch_max, prefetch
+from hetero._intrinsics import prefetch
 
 AHEAD = 12  # rows of prefetch distance, as in the row kernels
-# dedup does less work per id than a row update, so its marker prefetch runs further ahead:
-# 106k uniform ids over 1M rows with the marker out of cache, 2.15 ms at 12 -> 1.82 ms at 32.
-DEDUP_AHEAD = 32
-LOW = np.int64(0xFFFFFFFF)  # a marker's lower 32 bits: a position or a unique index
+LOW = np.int64(0xFFFFFFFF)  # a packed word's lower 32 bits: the position
+PACKED = np.int64(1) << 31  # rows and positions below this pack into one word
+MAX_DIGIT_BITS = 14  # the widest radix digit: 16384 counters (128 KiB, in L2)
+MIN_CHUNK = 4096  # ids a thread of the parallel sort takes at least
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dedup_into(ids, marker, stamp, last, unique, inverse, first, nxt):
-    """The body of :func:`dedup`, writing into caller-provided arrays; returns ``U``."""
-    n = ids.shape[0]
-    tag = np.int64(stamp) << 32
-    u = 0
-    for i in range(n):
-        if i + DEDUP_AHEAD < n:
-            prefetch(marker, ids[i + DEDUP_AHEAD])
-        r = ids[i]
-        mk = marker[r]
-        nxt[i] = -1
-        if (mk >> 32) == stamp:
-            k = mk & 0xFFFFFFFF
-            inverse[i] = k
-            nxt[last[k]] = i
-            last[k] = i
-        else:
-            marker[r] = tag | u
-            unique[u] = r
-            first[u] = i
-            last[u] = i
-            inverse[i] = u
-            u += 1
-    return u
+def _digits(top):
+    """``(passes, width)``: as few digits of at most ``MAX_DIGIT_BITS`` bits as cover ``top``,
+    the bits shared out evenly between them (``passes * width`` >= bits, each below 32)."""
+    bits = 0
+    while bits < 63 and (top >> bits) > 0:
+        bits += 1
+    passes = max(1, (bits + MAX_DIGIT_BITS - 1) // MAX_DIGIT_BITS)
+    return passes, max(1, (bits + passes - 1) // passes)
 
 
 @njit(cache=True, nogil=True)
-def dedup(ids, marker, stamp, last):
-    """Unique ids in first-occurrence order, the inverse map and the occurrence chains.
+def _sort_rows(ids, a, b):
+    """Positions of ``ids`` sorted by row, stably: returns ``(keys, pos, shift, mask)``, the
+    ``j``-th smallest row being ``keys[j] >> shift`` at position ``pos[j] & mask``. ``a`` and
+    ``b`` are int64 scratch of at least ``N`` elements (packed words; one of them is returned)."""
+    n = ids.shape[0]
+    top = 0
+    for i in range(n):
+        top = max(top, ids[i])
+    if top >= PACKED or n >= PACKED:
+        pos = np.argsort(ids, kind="mergesort")  # (stable)
+        return ids[pos], pos, 0, np.int64(-1)
+    passes, width = _digits(top)
+    radix = 1 << width
+    count = np.empty(radix, np.int64)
+    for i in range(n):
+        a[i] = (ids[i] << 32) | i
+    for p in range(passes):
+        shift = 32 + p * width
+        count[:] = 0
+        for i in range(n):
+            count[(a[i] >> shift) & (radix - 1)] += 1
+        if count.max() < n:  # (else every id has this digit: the order stays)
+            total = 0
+            for d in range(radix):
+                total, count[d] = total + count[d], total
+            for i in range(n):  # (stable: equal digits keep their order)
+                v = a[i]
+                d = (v >> shift) & (radix - 1)
+                b[count[d]] = v
+                count[d] += 1
+            a, b = b, a
+    return a, a, 32, LOW
 
-    ``marker`` has one int64 per row of the group: ``stamp << 32 | position`` for rows seen in the
-    current call. One random access per id, no hashing and no sort; ``stamp`` must differ between
-    calls (the caller increments it), so the marker never needs clearing. ``last`` is int64
-    scratch of at least ``N`` elements that the caller keeps between calls (a fresh array costs a
-    page fault per 4 KiB on first touch).
 
-    Returns ``unique (U,)``, ``inverse (N,)``, ``first (U,)`` (position of each unique id's first
-    occurrence, increasing) and ``nxt (N,)`` (position of the next occurrence of the same id, -1
-    at the last): the optimizer kernels sum a row's gradient by walking its chain, in occurrence
-    order, reading the per-id gradient almost sequentially and with no scratch buffer.
+@njit(cache=True, nogil=True, inline="always")
+def _dedup_into(ids, a, b, unique, inverse, first, nxt):
+    """The body of :func:`dedup`, writing into caller-provided arrays; returns ``U``."""
+    keys, pos, shift, mask = _sort_rows(ids, a, b)
+    u = -1
+    last_row = np.int64(-1)
+    last = np.int64(-1)
+    for j in range(ids.shape[0]):
+        row, i = keys[j] >> shift, pos[j] & mask
+        nxt[i] = -1
+        if row != last_row:
+            u += 1
+            unique[u] = row
+            first[u] = i
+            last_row = row
+        else:
+            nxt[last] = i
+        inverse[i] = u
+        last = i
+    return u + 1
+
+
+@njit(cache=True, nogil=True)
+def dedup(ids, a, b):
+    """Unique ids ascending, the inverse map and the occurrence chains of ``ids`` (int64, >= 0).
+
+    ``a`` and ``b`` are int64 scratch of at least ``N`` elements that the caller keeps between
+    calls (a fresh array costs a page fault per 4 KiB on first touch).
+
+    Returns ``unique (U,)`` (ascending), ``inverse (N,)``, ``first (U,)`` (the position of each
+    unique id's first occurrence) and ``nxt (N,)`` (the position of the next occurrence of the
+    same id, -1 at the last): the optimizer kernels sum a row's gradient by walking its chain, in
+    occurrence order, with no scratch buffer.
     """
     n = ids.shape[0]
     unique = np.empty(n, np.int64)
     inverse = np.empty(n, np.int64)
     first = np.empty(n, np.int64)
     nxt = np.empty(n, np.int64)
-    u = _dedup_into(ids, marker, stamp, last, unique, inverse, first, nxt)
+    u = _dedup_into(ids, a, b, unique, inverse, first, nxt)
     return unique[:u], inverse, first[:u], nxt  # views: copying U elements costs more than the slack
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _sort_rows_parallel(ids, a, b, nthreads):
+    """:func:`_sort_rows` over ``nthreads`` contiguous parts of ``ids``: per pass each thread
+    counts its part's digits, the counts' prefix sum in (digit, thread) order gives every part
+    its places (the sort stays stable), then each thread scatters its part."""
+    n = ids.shape[0]
+    chunks = max(1, min(nthreads, n // MIN_CHUNK))
+    size = (n + chunks - 1) // chunks
+    tops = np.zeros(chunks, np.int64)
+    for t in prange(chunks):
+        top = np.int64(0)
+        for i in range(t * size, min(n, (t + 1) * size)):
+            top = max(top, ids[i])
+            a[i] = (ids[i] << 32) | i  # (discarded if a row does not pack)
+        tops[t] = top
+    top = tops.max() if n else np.int64(0)
+    if top >= PACKED or n >= PACKED or chunks == 1:
+        return _sort_rows(ids, a, b)
+    passes, width = _digits(top)
+    radix = 1 << width
+    count = np.empty((chunks, radix), np.int64)
+    src, dst = a, b
+    for p in range(passes):
+        shift = 32 + p * width
+        for t in prange(chunks):
+            count[t, :] = 0
+            for i in range(t * size, min(n, (t + 1) * size)):
+                count[t, (src[i] >> shift) & (radix - 1)] += 1
+        total = 0
+        shared = False  # every id has this digit: the order stays
+        for d in range(radix):
+            first_total = total
+            for t in range(chunks):
+                total, count[t, d] = total + count[t, d], total
+            shared = shared or total - first_total == n
+        if not shared:
+            for t in prange(chunks):
+                for i in range(t * size, min(n, (t + 1) * size)):
+                    v = src[i]
+                    d = (v >> shift) & (radix - 1)
+                    dst[count[t, d]] = v
+                    count[t, d] += 1
+            src, dst = dst, src
+    return src, src, 32, LOW
+
 
 @njit(cache=True, nogil=True, parallel=True)
-def dedup_unique(ids, marker, stamp, nthreads):
-    """``unique`` and ``inverse`` of :func:`dedup` (bitwise the same), in parallel, without chains.
+def dedup_unique(ids, a, b, nthreads):
+    """``unique`` and ``inverse`` of :func:`dedup` (the same arrays), in parallel, without chains.
 
-    ``ids`` is split into ``nthreads`` contiguous chunks. Pass 1 claims each row for its first
-    occurrence: an atomic max of ``stamp << 32 | (LOW - i)`` into ``marker[row]`` (an older stamp
-    is smaller, a smaller position larger). Pass 2 counts each chunk's first occurrences; their
-    prefix sum numbers them in position order, which is first-occurrence order. Pass 3 writes each
-    first occurrence's row into ``unique`` and its number into the marker (``stamp << 32 | u``, as
-    :func:`dedup` leaves it); pass 4 reads every id's number back as its ``inverse``. Each pass
-    ends before the next starts (a ``prange`` joins its threads). ``N < 2**32`` ids.
+    The sort runs on ``nthreads`` parts of ``ids`` (:func:`_sort_rows_parallel`); then each thread
+    counts the new rows of its part of the sorted words, a prefix sum numbers them, and each writes
+    its rows and its positions' ``inverse``. ``a`` and ``b`` as for :func:`dedup`.
     """
     n = ids.shape[0]
-    tag = np.int64(stamp) << 32
-    chunks = max(1, min(nthreads, n))
+    keys, pos, shift, mask = _sort_rows_parallel(ids, a, b, nthreads)
+    chunks = max(1, min(nthreads, n // MIN_CHUNK))
     size = (n + chunks - 1) // chunks
-    for t in prange(chunks):
-        lo, hi = t * size, min(n, (t + 1) * size)
-        for i in range(lo, hi):
-            if i + DEDUP_AHEAD < hi:
-                prefetch(marker, ids[i + DEDUP_AHEAD])
-            fetch_max(marker, ids[i], tag | (LOW - i))
-    is_first = np.empty(n, np.bool_)
     starts = np.zeros(chunks + 1, np.int64)
     for t in prange(chunks):
-        lo, hi = t * size, min(n, (t + 1) * size)
         c = 0
-        for i in range(lo, hi):
-            if i + DEDUP_AHEAD < hi:
-                prefetch(marker, ids[i + DEDUP_AHEAD])
-            f = marker[ids[i]] == (tag | (LOW - i))
-            is_first[i] = f
-            c += f
+        for j in range(t * size, min(n, (t + 1) * size)):
+            c += j == 0 or (keys[j] >> shift) != (keys[j - 1] >> shift)
         starts[t + 1] = c
-    for t in range(chunks):  # (serial: one number a chunk)
+    for t in range(chunks):  # (serial: one number a part)
         starts[t + 1] += starts[t]
     unique = np.empty(starts[chunks], np.int64)
-    for t in prange(chunks):
-        lo, hi = t * size, min(n, (t + 1) * size)
-        u = starts[t]
-        for i in range(lo, hi):
-            if is_first[i]:
-                unique[u] = ids[i]
-                marker[ids[i]] = tag | u  # (only the first occurrence's thread writes this row)
-                u += 1
     inverse = np.empty(n, np.int64)
     for t in prange(chunks):
-        lo, hi = t * size, min(n, (t + 1) * size)
-        for i in range(lo, hi):
-            if i + DEDUP_AHEAD < hi:
-                prefetch(marker, ids[i + DEDUP_AHEAD])
-            inverse[i] = marker[ids[i]] & LOW
+        u = starts[t] - 1  # (the row before this part's first new one)
+        for j in range(t * size, min(n, (t + 1) * size)):
+            row = keys[j] >> shift
+            if j == 0 or row != (keys[j - 1] >> shift):
+                u += 1
+                unique[u] = row
+            inverse[pos[j] & mask] = u
     return unique, inverse
 
 
@@ -164,52 +234,21 @@ def stale_positions(row_version, unique, version, nthreads):
     return np.nonzero(stale)[0]
 
 
-MAX_DIGIT_BITS = 14  # the widest digit of sorted_unique's radix sort: 16384 counters (128 KiB, in L2)
-
-
 @njit(cache=True, nogil=True)
 def sorted_unique(ids):
     """``(unique, inverse)`` of ``ids`` (int64, >= 0) as ``torch.unique(ids, return_inverse=True)``
-    gives them: the distinct ids ascending, and each id's index among them. For a group without a
-    dedup marker (row-sharded; on the SSD tier, where a marker over every row would not fit):
-    a least-significant-digit radix sort of (id, position) pairs, as few passes as digits of at most
-    ``MAX_DIGIT_BITS`` bits cover the largest id, the bits shared out evenly between them, a digit
-    every id shares skipped. Measured on 2 cores, 106k Zipf ids below 5.2M: 1.2 ms against 2.3 ms
-    for ``torch.unique`` alone, 1.8 against 3.2 ms inside the SSD tier's step (11-bit digits, three
-    passes); two passes of 12 bits then took 1.8 ms against 2.5 for three of 11, and below 73.6M rows
-    two of 14 bits 2.0 against 2.5 (alternating in one process, medians of 60; 2026-11-29)."""
+    gives them (and :func:`dedup_unique`): the distinct ids ascending, and each id's index among
+    them. Serial, without chains, for groups whose gradient arrives coalesced (row-sharded; on the
+    SSD tier). Measured on 2 cores, 106k Zipf ids below 5.2M: 1.2 ms against 2.3 ms for
+    ``torch.unique`` alone (two arrays sorted then; the words now move half the bytes)."""
     n = ids.shape[0]
-    key, pos = ids.copy(), np.arange(n)
-    key2, pos2 = np.empty(n, np.int64), np.empty(n, np.int64)
-    top = 0
-    for i in range(n):
-        top = max(top, key[i])
-    bits = 0
-    while bits < 63 and (top >> bits) > 0:
-        bits += 1
-    passes = max(1, (bits + MAX_DIGIT_BITS - 1) // MAX_DIGIT_BITS)
-    width = max(1, (bits + passes - 1) // passes)  # (passes * width >= bits; each shift below 63)
-    radix = 1 << width
-    count = np.empty(radix, np.int64)
-    for p in range(passes):
-        shift = p * width
-        count[:] = 0
-        for i in range(n):
-            count[(key[i] >> shift) & (radix - 1)] += 1
-        if count.max() < n:  # (else every id has this digit: the order stays)
-            total = 0
-            for d in range(radix):
-                total, count[d] = total + count[d], total
-            for i in range(n):  # (stable: equal digits keep their order)
-                d = (key[i] >> shift) & (radix - 1)
-                key2[count[d]], pos2[count[d]] = key[i], pos[i]
-                count[d] += 1
-            key, key2, pos, pos2 = key2, key, pos2, pos
+    keys, pos, shift, mask = _sort_rows(ids, np.empty(n, np.int64), np.empty(n, np.int64))
     unique, inverse = np.empty(n, np.int64), np.empty(n, np.int64)
     u = -1
     for j in range(n):
-        if u < 0 or key[j] != unique[u]:
+        row = keys[j] >> shift
+        if u < 0 or row != unique[u]:
             u += 1
-            unique[u] = key[j]
-        inverse[pos[j]] = u
+            unique[u] = row
+        inverse[pos[j] & mask] = u
     return unique[: u + 1], inverse

@@ -100,14 +100,13 @@ class TableGroup:
         # False: the state dicts (the tables', their optimizer's) leave this group's rows out - a checkpoint
         # holds them on its own, as the SSD tier's snapshots (set by hetero.train for its groups on the tier)
         self.rows_in_state_dict = True
-        # dedup scratch: 8 bytes per row; None for a row-sharded group (``torch.unique`` instead:
-        # a marker over the global row space on every rank would not shrink with more ranks)
-        self.marker: np.ndarray | None = None if deferred else np.zeros(total, np.int64)
+        # False: lookups are deduped as the plan is built, without occurrence chains (a row-sharded
+        # group, or rows held elsewhere: their gradient arrives coalesced per unique row)
+        self.local_dedup = not deferred
         # where the rows live: replaced by hetero.parallel.shard_rows or hetero.ps.shard_tables
         self.exchange: RowExchange = LocalRows(total)
-        self.stamp = 0
-        self._last = np.empty(0, np.int64)  # dedup scratch, reused (under the lock)
-        self.lock = threading.Lock()  # the marker is shared by every lookup of the group
+        self._scratch = (np.empty(0, np.int64), np.empty(0, np.int64))  # the dedup's sort scratch, reused
+        self.lock = threading.Lock()  # the scratch is shared by every lookup of the group
         self.pending = PendingGrads()  # gradients of this step's lookups, until the optimizer steps
         self.version = 0  # optimizer updates applied so far
         self.row_version: np.ndarray | None = None  # per-row update version, while prefetching
@@ -234,30 +233,28 @@ class TableGroup:
             return [fake_output(r) for r in requests]
         return self.exchange.lookup(self, requests, plan)
 
-    def _dedup_scratch(self, n: int) -> tuple[int, np.ndarray]:
-        """A fresh stamp and the ``last`` scratch of :func:`dedup` for ``n`` ids (under the lock)."""
-        self.stamp += 1
-        if self.stamp >= 1 << 31:  # the stamp lives in the upper 32 bits of the marker
-            self.marker[:] = 0
-            self.stamp = 1
-        if self._last.shape[0] < n:
-            self._last = np.empty(max(n, 2 * self._last.shape[0]), np.int64)
-        return self.stamp, self._last
+    def _dedup_scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The two int64 scratch arrays of the dedup's sort, for ``n`` ids (under the lock)."""
+        if self._scratch[0].shape[0] < n:
+            size = max(n, 2 * self._scratch[0].shape[0])
+            self._scratch = (np.empty(size, np.int64), np.empty(size, np.int64))
+        return self._scratch
 
     def dedup(self, plan: LookupPlan, chains: bool = True) -> None:
-        """Fill ``unique`` and ``inverse`` of a plan built with ``dedup=False``, and with ``chains``
-        its ``first`` and ``next`` (the occurrence chains the host pooling's backward needs).
+        """Fill ``unique`` (ascending) and ``inverse`` of a plan built with ``dedup=False``, and with
+        ``chains`` its ``first`` and ``next`` (the occurrence chains the host pooling's backward needs).
 
         Without chains and with :data:`PARALLEL_DEDUP_THREADS` or more kernel threads, the dedup
         runs in parallel (:func:`~hetero.embedding._numba_dedup.dedup_unique`: the same result)."""
         index = plan.index.numpy()
         K, threads = dedup_kernels(), num_threads()
         with self.lock:
+            a, b = self._dedup_scratch(index.shape[0])
             if chains or threads < PARALLEL_DEDUP_THREADS:
-                found = K.dedup(index, self.marker, *self._dedup_scratch(index.shape[0]))
+                found = K.dedup(index, a, b)
                 plan.first, plan.next = torch.from_numpy(found[2]), torch.from_numpy(found[3])
             else:
-                found = K.dedup_unique(index, self.marker, self._dedup_scratch(0)[0], threads)
+                found = K.dedup_unique(index, a, b, threads)
         plan.unique, plan.inverse = torch.from_numpy(found[0]), torch.from_numpy(found[1])
 
     def pool_and_dedup(self, plan: LookupPlan, out: Tensor) -> None:
@@ -267,8 +264,8 @@ class TableGroup:
         scale = plan.scale.numpy() if plan.scale is not None else np.empty(0, np.float32)
         index = plan.index.numpy()
         with self.lock:
-            stamp, last = self._dedup_scratch(index.shape[0])
-            found = K.dedup_pool(index, self.marker, stamp, last, self.storage.numpy(), plan.offsets.numpy(), scale,
+            a, b = self._dedup_scratch(index.shape[0])
+            found = K.dedup_pool(index, a, b, self.storage.numpy(), plan.offsets.numpy(), scale,
                                  out.numpy(), K.num_threads())
         plan.unique, plan.inverse, plan.first, plan.next = map(torch.from_numpy, found)
 
@@ -320,7 +317,7 @@ class TableGroup:
         device, dtype = anchor.device, anchor.dtype
         # The device is the host and the table fp32: the pooling reads the table at the ids and
         # does not need the dedup, so the kernel runs both at once (the dedup is serial).
-        fused = plan is None and device.type == "cpu" and self.dtype == torch.float32 and self.marker is not None
+        fused = plan is None and device.type == "cpu" and self.dtype == torch.float32 and self.local_dedup
         # Occurrence chains: only the host pooling's backward uses them (the device's arrives coalesced).
         chains = device.type == "cpu"
         if plan is None:

@@ -41,7 +41,7 @@ class KeyRows(Protocol):
 class DedupGroup(Protocol):
     """What :func:`build_plan` needs of a table group (a :class:`~hetero.embedding.group.TableGroup`)."""
 
-    marker: np.ndarray | None  # the group's dedup scratch over its row space (None: no dedup here)
+    local_dedup: bool  # False: dedup as the plan is built, sorted, without chains (its gradient arrives coalesced)
     dynamic: KeyRows  # its dynamic tables' keys -> rows (hetero.embedding.dynamic_rows.DynamicRows)
 
     def dedup(self, plan: "LookupPlan", chains: bool = True) -> None: ...
@@ -205,7 +205,7 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True, c
         s = int(np.searchsorted(seg, bad, side="right") - 1)
         requests[s].table.raise_out_of_range(int(ids[bad]))
     dedup_out = (None,) * 4
-    if group.marker is None:
+    if not group.local_dedup:
         unique_t, inverse_t = map(torch.from_numpy, dedup_kernels().sorted_unique(rows))  # (as torch.unique: sorted)
         no_chain = torch.empty(0, dtype=torch.int64)  # no occurrence chains: the gradient arrives coalesced
         dedup_out = (unique_t, inverse_t, no_chain, no_chain)
@@ -219,7 +219,7 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True, c
                        for r, ln in zip(requests, lengths)]
             scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
     plan = LookupPlan(*dedup_out, torch.from_numpy(rows), all_offsets, scale, ranges)
-    if dedup and group.marker is not None:
+    if dedup and group.local_dedup:
         group.dedup(plan, chains)
     return plan
 

@@ -10,8 +10,7 @@ TorchRec's row-wise sharding makes the same choice.)
 
 A lookup on every rank (the same tables in the same order, as data parallelism guarantees):
 
-1. check and dedup the batch's ids locally (``torch.unique``: no per-row marker over the global
-   row space, which would not shrink with N);
+1. check and dedup the batch's ids locally (a radix sort, the result of ``torch.unique``);
 2. all-to-all of the unique ids, bucketed by owner rank (counts first, then ids);
 3. each owner gathers the requested rows from its shard; all-to-all of the rows back;
 4. pool / expand on the device as usual (``F.embedding_bag``); backward yields one coalesced
@@ -208,7 +207,7 @@ def shard_rows(module: nn.Module) -> int:
             t.weight.data = shard[a - lo : b - lo]  # the table's rows on this rank (possibly none)
         group.storage = shard  # ids and row offsets stay global: the exchange maps them to ranks
         group.first_row = lo
-        group.marker = None
+        group.local_dedup = False
         group.exchange = RowSharding(group, total)
         if group.dynamic.tables:  # each key's rows where its owner is (hetero.parallel.sharded_keys)
             shard_keys(group, [block_range(total, q, n) for q in range(n)])
