@@ -44,14 +44,14 @@ STATE_ARRAYS = {SparseOptimizerKind.LAZY_ADAM: 2, SparseOptimizerKind.FTRL: 2, S
 
 
 def accesses_per_lookup(kind: SparseOptimizerKind, unique_fraction: float) -> float:
-    """The random accesses a step makes per id looked up (issue #39, target 1): its row's read for
-    the lookup (the dedup sorts: its passes over the ids are sequential, and the marker word a row
-    it read at random until 2026-11-29 is gone), then for each distinct row (``unique_fraction`` of
-    the ids) the read-modify-write of the row and of each of the optimizer's state arrays. Each is
+    """The random accesses a step makes per id looked up (issue #39, target 1): the id's dedup
+    marker and its row's read for the lookup, then for each distinct row (``unique_fraction`` of
+    the ids) the read-modify-write of the row and of each of the optimizer's state arrays (a group
+    of 1 GiB or more sorts instead of reading a marker: not the tables here). Each is
     one cache line or more at a random place in an array larger than the caches, as a row of a
     bare ``index_select`` is: the step's accesses/s over ``index_select``'s rows/s is the share of
     the machine's random-access rate the step reaches."""
-    return 1 + unique_fraction * (1 + STATE_ARRAYS[kind])
+    return 2 + unique_fraction * (1 + STATE_ARRAYS[kind])
 
 
 def id_batches(dist: str, rows: int, count: int, seed: int = 0) -> list[torch.Tensor]:

@@ -10,10 +10,10 @@ from hetero.embedding import HostEmbedding, TableConfig
 from hetero.embedding.kernels import dedup_kernels
 
 
-def reference(ids):
-    """unique ids ascending, each id's position among them, and each unique id's positions in
-    increasing order (plain Python)."""
-    unique = sorted({int(x) for x in ids})
+def reference(ids, ascending):
+    """unique ids (ascending, or in first-occurrence order), each id's position among them, and each
+    unique id's positions in increasing order (plain Python)."""
+    unique = sorted({int(x) for x in ids}) if ascending else list(dict.fromkeys(int(x) for x in ids))
     index = {x: k for k, x in enumerate(unique)}
     where: dict[int, list[int]] = {}
     for i, x in enumerate(ids):
@@ -30,10 +30,14 @@ def chain(first, nxt, k):
     return out
 
 
+@pytest.mark.parametrize("sort", [False, True], ids=["marker", "sort"])
 @pytest.mark.parametrize("case", ["uniform", "skewed", "repeated", "one", "empty", "wide"])
-def test_both_dedups_equal_plain_python_at_any_thread_count(case):
-    """Ascending unique ids and the inverse, from the serial dedup (and its chains, in occurrence
-    order) and the parallel one; ``wide``: rows past 2**31, which do not pack into a sort word."""
+def test_both_dedups_equal_plain_python_at_any_thread_count(case, sort):
+    """The serial dedup (and its chains, in occurrence order) and the parallel one, through a
+    marker (first-occurrence order) or a sort (ascending); ``wide``: rows past 2**31, which do not
+    pack into a sort word. Each marker call has a new stamp, the marker keeping the last call's."""
+    if case == "wide" and not sort:
+        pytest.skip("a marker has a word a row")
     K = dedup_kernels()
     rng = np.random.default_rng(0)
     n = {"empty": 0, "one": 1, "repeated": 5_000}.get(case, 20_000)  # 20,000 ids: up to 4 parts in parallel
@@ -42,16 +46,36 @@ def test_both_dedups_equal_plain_python_at_any_thread_count(case):
            "repeated": lambda: np.full(n, 7), "one": lambda: np.array([5]), "empty": lambda: np.empty(0, np.int64),
            "wide": lambda: rng.integers(0, 2_000, n) * (rows // 2_000)}[case]()
     ids = ids.astype(np.int64)
-    want_u, want_inv, want_chains = reference(ids)
+    want_u, want_inv, want_chains = reference(ids, sort)
+    marker = np.zeros(0 if sort else rows, np.int64)
     a, b = np.full(n, -5, np.int64), np.full(n, -5, np.int64)  # (the scratch holds garbage between calls)
+    stamp = 1
     for threads in (1, 2, 3, 7, 64):
-        unique, inverse = K.dedup_unique(ids, a, b, threads)
+        stamp += 1
+        unique, inverse = K.dedup_unique(ids, marker, stamp, a, b, threads)
         np.testing.assert_array_equal(unique, want_u, err_msg=f"unique, {threads} threads")
         np.testing.assert_array_equal(inverse, want_inv, err_msg=f"inverse, {threads} threads")
-    unique, inverse, first, nxt = K.dedup(ids, a, b)
+    unique, inverse, first, nxt = K.dedup(ids, marker, stamp + 1, a, b)
     np.testing.assert_array_equal(unique, want_u)
     np.testing.assert_array_equal(inverse, want_inv)
     assert [chain(first, nxt, k) for k in range(len(unique))] == want_chains
+
+
+def test_a_group_sorts_from_its_size_on(monkeypatch):
+    """A group under ``SORTED_DEDUP_BYTES`` dedups through a marker (first-occurrence order), one at
+    or over it sorts (ascending)."""
+    from hetero.embedding import group as group_module
+    from hetero.embedding.group import Request
+
+    ids = torch.randint(0, 1_000, (512, 3), generator=torch.Generator().manual_seed(4))
+    flat = ids.reshape(-1).tolist()
+    small = HostEmbedding(TableConfig("t", 1_000, 4))
+    assert small.group.marker.shape == (1_000,)
+    assert small.group.plan([Request(small, ids)]).unique.tolist() == list(dict.fromkeys(flat))
+    monkeypatch.setattr(group_module, "SORTED_DEDUP_BYTES", 1_000 * 4 * 4)
+    large = HostEmbedding(TableConfig("t", 1_000, 4))
+    assert large.group.marker.shape == (0,)
+    assert large.group.plan([Request(large, ids)]).unique.tolist() == sorted(set(flat))
 
 
 @pytest.mark.parametrize("threads", [1, 3, 16])

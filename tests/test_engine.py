@@ -85,8 +85,9 @@ def test_fused_kernels_equal_reference_with_duplicates_empty_and_10k_repeats(kin
     assert opt.steps["t"] == 3
 
 
+@pytest.mark.parametrize("sort", [False, True], ids=["marker", "sort"])
 @pytest.mark.parametrize("case", ["per_id", "sum", "mean", "repeated", "empty"])
-def test_dedup_beside_pooling_equals_dedup_then_pooling_bitwise(case):
+def test_dedup_beside_pooling_equals_dedup_then_pooling_bitwise(case, sort):
     from hetero.embedding.kernels import dedup_kernels, kernels
 
     K = kernels()
@@ -102,11 +103,13 @@ def test_dedup_beside_pooling_equals_dedup_then_pooling_bitwise(case):
             scale = np.repeat(1 / np.maximum(lengths, 1), lengths).astype(np.float32)
     bags = offsets.shape[0] - 1 if offsets.shape[0] else n
     want = np.empty((bags, 8), np.float32)
-    expected = [x.copy() for x in dedup_kernels().dedup(ids, np.empty(n, np.int64), np.empty(n, np.int64))]
+    marker = np.zeros(0 if sort else 500, np.int64)
+    expected = [x.copy() for x in dedup_kernels().dedup(ids, marker, 1, np.empty(n, np.int64), np.empty(n, np.int64))]
     K.pool_forward(rows, ids, offsets, scale, want)
     for threads in (1, 2):
         out = np.full((bags, 8), np.nan, np.float32)
-        got = K.dedup_pool(ids, np.empty(n, np.int64), np.empty(n, np.int64), rows, offsets, scale, out, threads)
+        got = K.dedup_pool(ids, marker, 1 + threads, np.empty(n, np.int64), np.empty(n, np.int64), rows, offsets,
+                           scale, out, threads)
         for name, a, b in zip(("unique", "inverse", "first", "next"), got, expected):
             np.testing.assert_array_equal(a, b, err_msg=f"{name}, {threads} thread(s)")
         np.testing.assert_array_equal(out, want, err_msg=f"pooled rows, {threads} thread(s)")

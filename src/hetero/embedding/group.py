@@ -44,6 +44,10 @@ from hetero.storage.tier import SsdRows
 # 2 threads against 0.8 ms serial on the 2-core VM; 2.0-2.9 ms serial on the H200 host's 16 cores,
 # where the parallel one took the step from 0.67 to 0.75 of its dense part; docs/embedding.md).
 PARALLEL_DEDUP_THREADS = 4
+# Groups of this many bytes of rows or more dedup by sorting (the update then walks their rows in
+# address order), smaller ones through a marker (first-occurrence order): measured in
+# hetero.embedding._numba_dedup's docstring, the sort wins from 16M rows of 64 bytes.
+SORTED_DEDUP_BYTES = 1 << 30
 
 
 class GroupedTable(Protocol):
@@ -105,8 +109,12 @@ class TableGroup:
         self.local_dedup = not deferred
         # where the rows live: replaced by hetero.parallel.shard_rows or hetero.ps.shard_tables
         self.exchange: RowExchange = LocalRows(total)
-        self._scratch = (np.empty(0, np.int64), np.empty(0, np.int64))  # the dedup's sort scratch, reused
-        self.lock = threading.Lock()  # the scratch is shared by every lookup of the group
+        # the dedup's marker (8 bytes a row; empty: the group sorts), stamp and scratch, reused
+        small = total * self.dim * self.dtype.itemsize < SORTED_DEDUP_BYTES
+        self.marker = np.zeros(total if self.local_dedup and small else 0, np.int64)
+        self.stamp = 0
+        self._scratch = (np.empty(0, np.int64), np.empty(0, np.int64))
+        self.lock = threading.Lock()  # all of them are shared by every lookup of the group
         self.pending = PendingGrads()  # gradients of this step's lookups, until the optimizer steps
         self.version = 0  # optimizer updates applied so far
         self.row_version: np.ndarray | None = None  # per-row update version, while prefetching
@@ -233,15 +241,20 @@ class TableGroup:
             return [fake_output(r) for r in requests]
         return self.exchange.lookup(self, requests, plan)
 
-    def _dedup_scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The two int64 scratch arrays of the dedup's sort, for ``n`` ids (under the lock)."""
+    def _dedup_scratch(self, n: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+        """The marker, a fresh stamp and the two int64 scratch arrays of the dedup for ``n`` ids
+        (under the lock)."""
+        self.stamp += 1
+        if self.stamp >= 1 << 31:  # the stamp lives in the upper 32 bits of the marker
+            self.marker[:] = 0
+            self.stamp = 1
         if self._scratch[0].shape[0] < n:
             size = max(n, 2 * self._scratch[0].shape[0])
             self._scratch = (np.empty(size, np.int64), np.empty(size, np.int64))
-        return self._scratch
+        return (self.marker, self.stamp, *self._scratch)
 
     def dedup(self, plan: LookupPlan, chains: bool = True) -> None:
-        """Fill ``unique`` (ascending) and ``inverse`` of a plan built with ``dedup=False``, and with
+        """Fill ``unique`` and ``inverse`` of a plan built with ``dedup=False``, and with
         ``chains`` its ``first`` and ``next`` (the occurrence chains the host pooling's backward needs).
 
         Without chains and with :data:`PARALLEL_DEDUP_THREADS` or more kernel threads, the dedup
@@ -249,12 +262,12 @@ class TableGroup:
         index = plan.index.numpy()
         K, threads = dedup_kernels(), num_threads()
         with self.lock:
-            a, b = self._dedup_scratch(index.shape[0])
+            scratch = self._dedup_scratch(index.shape[0])
             if chains or threads < PARALLEL_DEDUP_THREADS:
-                found = K.dedup(index, a, b)
+                found = K.dedup(index, *scratch)
                 plan.first, plan.next = torch.from_numpy(found[2]), torch.from_numpy(found[3])
             else:
-                found = K.dedup_unique(index, a, b, threads)
+                found = K.dedup_unique(index, *scratch, threads)
         plan.unique, plan.inverse = torch.from_numpy(found[0]), torch.from_numpy(found[1])
 
     def pool_and_dedup(self, plan: LookupPlan, out: Tensor) -> None:
@@ -264,9 +277,8 @@ class TableGroup:
         scale = plan.scale.numpy() if plan.scale is not None else np.empty(0, np.float32)
         index = plan.index.numpy()
         with self.lock:
-            a, b = self._dedup_scratch(index.shape[0])
-            found = K.dedup_pool(index, a, b, self.storage.numpy(), plan.offsets.numpy(), scale,
-                                 out.numpy(), K.num_threads())
+            found = K.dedup_pool(index, *self._dedup_scratch(index.shape[0]), self.storage.numpy(),
+                                 plan.offsets.numpy(), scale, out.numpy(), K.num_threads())
         plan.unique, plan.inverse, plan.first, plan.next = map(torch.from_numpy, found)
 
     # ------------------------------------------------------------------------------ rows

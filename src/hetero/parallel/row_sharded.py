@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -207,7 +208,7 @@ def shard_rows(module: nn.Module) -> int:
             t.weight.data = shard[a - lo : b - lo]  # the table's rows on this rank (possibly none)
         group.storage = shard  # ids and row offsets stay global: the exchange maps them to ranks
         group.first_row = lo
-        group.local_dedup = False
+        group.local_dedup, group.marker = False, np.zeros(0, np.int64)  # (deduped as the plan is built)
         group.exchange = RowSharding(group, total)
         if group.dynamic.tables:  # each key's rows where its owner is (hetero.parallel.sharded_keys)
             shard_keys(group, [block_range(total, q, n) for q in range(n)])
