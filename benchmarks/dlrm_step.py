@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import cpu, emit  # noqa: E402
 from _workload import id_arrays, in_turn  # noqa: E402
 
 from hetero.embedding import PrefetchConfig, Prefetcher  # noqa: E402
@@ -126,7 +126,7 @@ def main() -> None:
     retain_freed_memory()  # (as the hetero command does: a step's freed buffers are not faulted in again)
     result = {"rows_per_table": args.rows, "tables": F, "dim": D, "batch_size": B, "bottom": list(CONFIG.bottom),
               "top": list(CONFIG.top), "optimizer": "adam + rowwise_adagrad", "block": args.block,
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "cpu": cpu()}
     for dist in ("zipf", "uniform"):
         result[dist] = measure(dist, args.rows, args.blocks, args.block)
         print(dist, result[dist], file=sys.stderr)

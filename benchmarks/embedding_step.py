@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import cpu, emit  # noqa: E402
 from _workload import id_arrays, in_turn_seconds, timed  # noqa: E402
 
 from hetero.dynamic import Keys  # noqa: E402
@@ -154,16 +154,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-multi-table", action="store_true", help="skip the 26-table case (5 GB of host memory)")
     p.add_argument("--dynamic", action="store_true", help="only the dynamic table against the fixed one")
+    p.add_argument("--name", default=None, help="the results file's name (default embedding_step, with --dynamic "
+                   "embedding_step_dynamic)")
     args = p.parse_args()
     retain_freed_memory()  # (as the hetero command does: a step's freed buffers are not faulted in again)
     if args.dynamic:
-        result = {"table_dim": D, "batch": f"{B} x {F}", "steps": args.steps, "distribution": "zipf(1.05)"}
+        result = {"table_dim": D, "batch": f"{B} x {F}", "steps": args.steps, "distribution": "zipf(1.05)",
+                  "cpu": cpu()}
         for rows in (args.rows, 10 * args.rows):
             result[f"keys_{rows}"] = dynamic_rates(rows, args.steps, args.warmup)
         for mode in ("held", "arriving"):
             result[f"{mode}_over_fixed_min"] = min(v[f"{mode}_over_fixed"] for k, r in result.items()
                                                    if k.startswith("keys_") for v in r.values())
-        emit("embedding_step_dynamic", result)
+        emit(args.name or "embedding_step_dynamic", result)
         return
     count = args.steps + args.warmup
     result: dict = {"table": f"{args.rows} x {D} fp32", "batch": f"{B} x {F}", "steps": args.steps}
@@ -211,7 +214,7 @@ def main() -> None:
     result["lazy_adam_speedup_vs_torch"] = result["lazy_adam_lookups_per_s"] / result["torch_sparse_adam_lookups_per_s"]
     result["lazy_adam_fraction_of_index_select"] = result["lazy_adam_lookups_per_s"] / result["index_select_rows_per_s"]
     result["access_fraction_min"] = min(v for k, v in result.items() if "_access_fraction" in k)  # (target: 0.6)
-    emit("embedding_step", result)
+    emit(args.name or "embedding_step", result)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--name", default="ps_job", help="the result's name (results/NAME_cpu.json)")
     args = p.parse_args()
     ways = ["local", "local_one_thread", "ps"]
     rates: dict[str, list[float]] = {w: [] for w in ways}
@@ -66,7 +67,7 @@ def main() -> None:
             print(f"round {r} {way:16s} {result['samples_per_s']:9.0f} samples/s, test AUC {result['test_auc']:.6f}",
                   file=sys.stderr)
     median = {w: statistics.median(v) for w, v in rates.items()}
-    emit("ps_job", {
+    emit(args.name, {
         "job": "examples/criteo.toml", "data": args.data.name, "epochs": args.epochs, "batch_size": args.batch_size,
         "servers": 2, "workers": 1, "mode": "sync", "rounds": args.rounds, "cpu": cpu(),
         "samples_per_s": median, "rounds_samples_per_s": rates,

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import cpu, emit  # noqa: E402
 from _workload import in_turn  # noqa: E402
 
 from hetero.placement.memory import retain_freed_memory  # noqa: E402
@@ -235,7 +235,8 @@ def main() -> None:
         return
     result = {"rows_per_table": args.rows, "tables": F, "dim": args.dim, "batch_size": B, "cache_share": args.cache,
               "mapped_gib": args.mapped_gib,
-              "optimizer": "rowwise_adagrad", "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+              "optimizer": "rowwise_adagrad", "cpu": cpu(),
+              "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
     for dist in ("zipf", "uniform"):
         mem, ssd = case(args, "memory", dist), case(args, "ssd", dist)
         result[dist] = {"memory": mem, "ssd": ssd, "ssd_over_memory": ssd["samples_per_s"] / mem["samples_per_s"]}

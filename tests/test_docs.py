@@ -1,5 +1,6 @@
 """The generated reference pages are current, and the README is a landing page."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,21 @@ def test_the_readme_is_a_landing_page_linking_every_docs_page():
     assert len(readme.splitlines()) <= 150
     for page in (ROOT / "docs").glob("*.md"):
         assert f"docs/{page.name}" in readme, f"README does not link docs/{page.name}"
+
+
+def test_a_result_named_by_its_cpu_shows_that_cpu_and_its_benchmarks_headline(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import docs
+    finally:
+        sys.path.pop(0)
+    doc = {"benchmark": "peers_avx512_intel", "date": "2026-12-01",
+           "cpu": {"model": "Intel(R) Xeon(R) Processor", "vendor": "GenuineIntel", "isa": "avx512", "cores": 2,
+                   "tag": "avx512_intel"},
+           "ratios": {"sgd_vs_fbgemm": {"ratio": 2.5}}, "env": {"torch": "2.13.0+cpu", "cpu_count": 2, "device": "cpu"}}
+    (tmp_path / "peers_avx512_intel_cpu.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(docs, "RESULTS", tmp_path)
+    row = next(line for line in docs.benchmarks().splitlines() if "`peers_avx512_intel_cpu.json`" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[3].startswith("Intel(R) Xeon(R) Processor (avx512), 2 cores"), row  # the machine: its CPU
+    assert "ratios.sgd_vs_fbgemm.ratio 2.5" in cells[5], row  # the headline of peers, the tag dropped

@@ -135,10 +135,7 @@ _HEADLINES = {
     "ps_transport": ["gloo_bytes_per_s.4194304", "copy_bytes_per_s.4194304", "gloo_over_copy_4mib"],
     "ssd_tier_200k": ["ssd_over_memory_zipf", "ssd_over_memory_uniform", "hit_rate_zipf_lfu"],
     "ssd_tier_200k_retained": ["ssd_over_memory_zipf", "ssd_over_memory_uniform", "ssd_over_memory_zipf_passive"],
-    "peers_avx512": ["cpu.isa", "ratios.rowwise_adagrad_vs_fbgemm.ratio", "ratios.sgd_vs_fbgemm.ratio",
-              "ratios.adagrad_vs_fbgemm.ratio", "ratios.lazy_adam_vs_torch_sparse_adam.ratio",
-              "ratios.per_id_vs_pooled.ratio"],
-    "peers_avx2": ["cpu.isa", "ratios.rowwise_adagrad_vs_fbgemm.ratio", "ratios.sgd_vs_fbgemm.ratio",
+    "peers": ["cpu.isa", "ratios.rowwise_adagrad_vs_fbgemm.ratio", "ratios.sgd_vs_fbgemm.ratio",
               "ratios.adagrad_vs_fbgemm.ratio", "ratios.lazy_adam_vs_torch_sparse_adam.ratio",
               "ratios.per_id_vs_pooled.ratio"],
     "peers_dlrm_zipf": ["cpu.isa", "ratios.hetero_vs_torchrec", "ratios.hetero_vs_dense_part", "ratios.torchrec_vs_dense_part"],
@@ -147,6 +144,11 @@ _HEADLINES = {
     "disk_rate": ["direct_qd1_reads_per_s", "direct_qd32_reads_per_s", "buffered_qd32_reads_per_s",
                   "sequential_write_bytes_per_s"],
 }
+
+
+# a benchmark named by its CPU (``benchmarks/_common.cpu``'s tag: ``peers_avx512_intel``) has the headline of
+# its name without the tag
+_MACHINE_TAG = re.compile(r"_(avx512|avx2|other)_(intel|amd|other)$")
 
 
 def _get(doc: dict, path: str) -> object:
@@ -171,8 +173,11 @@ def _machine(doc: dict, path: Path) -> str:
         return str(doc["machine"])
     env = doc.get("env") if isinstance(doc.get("env"), dict) else {}
     gpu = env.get("device") or doc.get("device") or ("NVIDIA H100 80GB" if path.stem.endswith("_cuda") else None)
+    cpu = doc.get("cpu") if isinstance(doc.get("cpu"), dict) else {}
+    # (a result that names its CPU, as the peers' do, shows its model and ISA)
+    what = f"{cpu['model']} ({cpu.get('isa', '?')})," if cpu.get("model") else env.get("machine", "")
     if env:
-        return f"{env.get('machine', '')} {env.get('cpu_count', '?')} cores, torch {env.get('torch', '?')}" + (
+        return f"{what} {env.get('cpu_count', '?')} cores, torch {env.get('torch', '?')}" + (
             f", {gpu}" if gpu and "cpu" not in str(gpu) else ", no accelerator")
     if gpu and "cpu" not in str(gpu):
         return str(gpu)
@@ -185,7 +190,7 @@ def benchmarks() -> str:
     for path in sorted(RESULTS.glob("*.json")):
         doc = json.loads(path.read_text())
         name = doc.get("benchmark", path.stem)
-        keys = _HEADLINES.get(name) or [k for k, v in doc.items() if isinstance(v, (int, float))
+        keys = _HEADLINES.get(_MACHINE_TAG.sub("", name)) or [k for k, v in doc.items() if isinstance(v, (int, float))
                                         and not isinstance(v, bool)][:5]
         if name.startswith("ab_"):  # a same-run A/B: b's rates over a's (commits named), the first few
             keys = [f"ratio_b_over_a.{k}" for k in sorted(doc.get("ratio_b_over_a", {}))][:4]

@@ -11,8 +11,8 @@ median over ``--rounds`` rounds, each with fresh processes. A shared VM's speed
 moves by half and more between processes a minute apart (2026-11-27: hetero's row-wise Adagrad
 step ran at 256k-628k samples/s in five processes of one run, FBGEMM's at 275k-379k); turns a
 fraction of a second apart see the same machine. The rates, ratios, targets and the CPU's model
-and vector ISA go to ``benchmarks/results/peers_<isa>_cpu.json`` (``avx512``, ``avx2``), and the last
-line printed. Set up the peers' environment once::
+vector ISA and vendor go to ``benchmarks/results/peers_<isa>_<vendor>_cpu.json`` (``avx512_intel``,
+``avx2_amd``, ...: :func:`_common.cpu`'s tag), and the last line printed. Set up the peers' environment once::
 
     python3 -m venv /tmp/peers && /tmp/peers/bin/pip install -r benchmarks/peers/requirements.txt
     /tmp/peers/bin/pip install --no-deps torchrec==1.8.0
@@ -144,7 +144,7 @@ def _key(m: tuple) -> str:
 
 def embedding(args: argparse.Namespace) -> None:
     """Every ratio of ``RATIOS`` from a pair of served processes; the per-id/pooled ratio of hetero
-    in one process (``--both``); medians and ratios to ``peers_<isa>_cpu.json``."""
+    in one process (``--both``); medians and ratios to ``peers_<isa>_<vendor>_cpu.json``."""
     ratios, rates = {}, {}
     for name, a, b, target in RATIOS:
         argvs = {_key(m): _argv(args.peers_python if m[0] in ("fbgemm", "torchrec") else args.hetero_python,
@@ -176,7 +176,7 @@ def embedding(args: argparse.Namespace) -> None:
     ratios["per_id_vs_pooled"] = {"ratio": value, "target": 1.0, "met": value >= 0.95, "same_process": True}
     # (met: within 5%, the noise of one process)
     machine = cpu()
-    emit(f"peers_{machine['isa']}", {
+    emit(f"peers_{machine['tag']}", {
         "workload": {"tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": B, "ids_per_table": 1,
                      "dist": args.dist, "rounds": args.rounds, "blocks": args.blocks, "steps_per_block": args.block},
         "cpu": machine, "samples_per_s": rates, "ratios": ratios})
@@ -184,7 +184,7 @@ def embedding(args: argparse.Namespace) -> None:
 
 def dlrm(args: argparse.Namespace) -> None:
     """``--model dlrm``: hetero's DLRM step against TorchRec's and against its own dense part, three
-    served processes taking turns; medians and paired ratios to ``peers_dlrm_<dist>_cpu.json``."""
+    served processes taking turns; medians and paired ratios to ``peers_dlrm_<dist>_<isa>_<vendor>_cpu.json``."""
     argvs = {s: _argv(args.peers_python if s == "torchrec" else args.hetero_python, "dlrm_systems.py", args,
                       "--system", s) for s in ("hetero", "torchrec", "dense")}
     pairs = {"hetero_vs_torchrec": ("hetero", "torchrec"), "hetero_vs_dense_part": ("hetero", "dense"),
@@ -197,11 +197,12 @@ def dlrm(args: argparse.Namespace) -> None:
             per_round[k].append(paired_ratio(got[a], got[b]))
         for k, v in got.items():
             sec[k] += v
-    emit(f"peers_dlrm_{args.dist}", {
+    machine = cpu()
+    emit(f"peers_dlrm_{args.dist}_{machine['tag']}", {
         "workload": {"model": "dlrm", "tables": 26, "rows_per_table": args.rows, "dim": 16, "batch": B,
                      "bottom": [512, 256, 64, 16], "top": [512, 256, 1], "dist": args.dist, "rounds": args.rounds,
                      "blocks": args.blocks, "steps_per_block": args.block},
-        "cpu": cpu(), "samples_per_s": {s: B / statistics.median(v) for s, v in sec.items()},
+        "cpu": machine, "samples_per_s": {s: B / statistics.median(v) for s, v in sec.items()},
         "ratios": {k: statistics.median(v) for k, v in per_round.items()}, "rounds": per_round})
 
 
