@@ -62,17 +62,25 @@ def _fixed_malloc_thresholds():
     os.environ.update(MALLOC_MMAP_THRESHOLD_=str(DEFAULT_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(DEFAULT_THRESHOLD))
 
 
-def _rank(r, n, port, argv, out):
+def _rank(r, n, port, argv, out, sort_every_group=False):
     from hetero.cli import main
+    from hetero.embedding import HostEmbeddingCollection, group
 
     _fixed_malloc_thresholds()
+    if sort_every_group:  # (this process's: every group dedups by sorting, as those of 1 GiB or more do)
+        group.SORTED_DEDUP_BYTES = 0
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n))
     samples, times, trace, stop = [], [], [], threading.Event()
 
+    sorting = []  # per step: every group of the model sorts (an empty marker)
+
     def on_step(trainer):
         samples.append(_rss_kib())
         times.append(time.time())
+        if sort_every_group:
+            groups = [g for m in trainer.model.modules() if isinstance(m, HostEmbeddingCollection) for g in m.groups]
+            sorting.append(bool(groups) and all(g.marker.shape[0] == 0 for g in groups))
 
     def sample():  # (a parameter server has no steps of its own: its resident set by the clock)
         while not stop.wait(0.02):
@@ -87,7 +95,7 @@ def _rank(r, n, port, argv, out):
         sampler.join()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     Path(out, f"{r}.json").write_text(json.dumps({"code": code, "rss": samples, "times": times, "trace": trace,
-                                                  "peak": peak}))
+                                                  "peak": peak, "sorting": sorting}))
     if code != 0:
         raise SystemExit(code)
 
@@ -138,17 +146,25 @@ def test_resident_memory_is_flat_per_step_with_dynamic_tables(tmp_path, mode, ra
     _check_flat(tmp_path, mode, ranks)
 
 
-def _check_flat(tmp_path, mode, ranks):
+def test_resident_memory_is_flat_per_step_where_every_group_sorts(tmp_path):
+    """The sort dedup's path (groups of ``SORTED_DEDUP_BYTES`` or more: its scratch arrays, reused
+    by the group) in one process, with the threshold at 0 so this job's 109 MB of tables sort."""
+    _check_flat(tmp_path, "dp_replicated", 1, sort_every_group=True)
+
+
+def _check_flat(tmp_path, mode, ranks, sort_every_group=False):
     job, data = _job(tmp_path, dynamic=mode.startswith("dynamic"))
     steps, warm = LONGER.get(mode, (STEPS, WARM))
     argv = ["train", "--config", str(job), "--data-path", str(data), "--batch-size", "64", "--max-steps", str(steps),
             "--checkpoint-every", str(EVERY), "--no-progress", "--embedding-dim", "16", "--hidden", "64,32",
             "--run-dir", str(tmp_path / "run"), *MODES.get(mode, DYNAMIC_MODES.get(mode, []))]
-    spawn(_rank, args=(ranks, free_port(), argv, str(tmp_path)), nprocs=ranks, env={**CPU_RANKS})
+    spawn(_rank, args=(ranks, free_port(), argv, str(tmp_path), sort_every_group), nprocs=ranks, env={**CPU_RANKS})
     table_mib = 26 * BUCKETS * 16 * 4 / 2**20
     for r in range(ranks):
         got = json.loads((tmp_path / f"{r}.json").read_text())
         assert got["code"] == 0
+        if sort_every_group:  # (else this test would measure the marker's path)
+            assert got["sorting"] and all(got["sorting"]), got["sorting"]
         rss = [k / 1024 for k in got["rss"]]
         if not rss:  # a parameter server: no steps of its own - its resident set when the worker's steps ended
             assert "ps" in mode and r == 1
