@@ -169,7 +169,7 @@ def main() -> None:
         emit(args.name or "embedding_step_dynamic", result)
         return
     count = args.steps + args.warmup
-    result: dict = {"table": f"{args.rows} x {D} fp32", "batch": f"{B} x {F}", "steps": args.steps}
+    result: dict = {"table": f"{args.rows} x {D} fp32", "batch": f"{B} x {F}", "steps": args.steps, "cpu": cpu()}
     baselines = {
         SparseOptimizerKind.LAZY_ADAM: ("torch_sparse_adam", lambda ps: torch.optim.SparseAdam(ps, lr=1e-3)),
         SparseOptimizerKind.ADAGRAD: ("torch_sparse_adagrad", lambda ps: torch.optim.Adagrad(ps, lr=1e-2)),
