@@ -251,8 +251,11 @@ def test_the_planner_plans_a_pipeline_within_the_budget_per_stage(cache):
     assert piped.predicted.device_bytes < whole  # a stage holds about half the parameters
     plan = planner.plan(device_memory=int(whole * 2))
     assert plan.predicted.device_bytes <= whole * 2
-    pp_plans = [d for d in plan.decisions if d.what == "mesh"]
-    assert pp_plans and ("pp 2" in pp_plans[0].chosen or "pp 2" in pp_plans[0].runner_up)  # searched beside dp
+    # pp searched beside dp and tp: the plan is no slower than the pipeline's own price (within the search's
+    # tolerance). Which mesh wins is this machine's measured rates': pp 2 on a quiet 2-core VM (5.7 against
+    # tp 2's 8.4 ms), tp 2 when the rates were measured under load (a test must pass on a loaded machine too)
+    assert {c.pp for c in planner.settings} == {1, 2}
+    assert plan.predicted.seconds <= piped.predicted.seconds * (1 + planner.config.tolerance), plan.decisions
 
 
 def test_a_model_whose_forward_cannot_run_as_stages_gets_no_pipeline(cache):
