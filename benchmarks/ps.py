@@ -29,12 +29,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import cpu, emit  # noqa: E402
 
 from hetero import ps  # noqa: E402
 from hetero.embedding import HostEmbedding, RowSpace, SparseGrad, TableConfig  # noqa: E402
 from hetero.optim import LazyAdam  # noqa: E402
 from hetero.parallel.env import shutdown  # noqa: E402
+from hetero.ps.client import LookupGrad  # noqa: E402
 
 B, F, D, ROWS = 4096, 26, 16, 1_000_000
 
@@ -100,7 +101,10 @@ def _rank(rank: int, world: int, port: int, steps: int, warmup: int, out: str) -
 
         def step(ids):
             client.pull(ids)
-            client.lookups = [[ids, grad[: ids.numel()]]]
+            # this step's lookup with its gradient rows, as a pulled lookup's backward leaves it (capture.HostPool)
+            lookup = LookupGrad(ids)
+            lookup.pending.add(SparseGrad(ids, grad[: ids.numel()], RowSpace.GROUP))
+            client.lookups = [lookup]
             client.push()
 
         rate = median_rate(step, batches(steps + warmup), warmup)
@@ -135,6 +139,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--servers", default="1,2,4")
+    p.add_argument("--name", default="ps", help="the result's name (results/NAME_cpu.json)")
     args = p.parse_args()
     local = local_rate(args.steps, args.warmup)
     # issue #39's measure: in process with the thread count of a server process (one)
@@ -144,11 +149,11 @@ def main() -> None:
     for s in (int(x) for x in args.servers.split(",")):
         rates[str(s)] = ps_rate(s, args.steps, args.warmup)
         print(f"{s} servers: {rates[str(s)] / 1e6:.2f} M rows/s", file=sys.stderr)
-    emit("ps", {"ps_rows_per_s": rates, "local_rows_per_s": local, "table": [ROWS, D], "ids_per_step": B * F,
+    emit(args.name, {"ps_rows_per_s": rates, "local_rows_per_s": local, "table": [ROWS, D], "ids_per_step": B * F,
                 "unique_rows_per_step": int(batches(1)[0].numel()), "optimizer": "lazy_adam", "workers": 1,
                 "local_one_thread_rows_per_s": local_one,
                 "ratio_to_local": {k: v / local for k, v in rates.items()},
-                "ratio_to_local_one_thread": {k: v / local_one for k, v in rates.items()}})
+                "ratio_to_local_one_thread": {k: v / local_one for k, v in rates.items()}, "cpu": cpu()})
 
 
 if __name__ == "__main__":
