@@ -8,17 +8,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _docs():
+    """``tools/docs.py`` as a module (tools/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import docs
+    finally:
+        sys.path.pop(0)
+    return docs
+
+
 def test_the_generated_pages_are_current():
     got = subprocess.run([sys.executable, str(ROOT / "tools" / "docs.py"), "--check"], capture_output=True, text=True)
     assert got.returncode == 0, got.stderr
 
 
 def test_the_check_fails_on_a_stale_page(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import docs
-    finally:
-        sys.path.pop(0)
+    docs = _docs()
     (tmp_path / "docs").mkdir()
     for name, make in docs.PAGES.items():
         (tmp_path / "docs" / name).write_text(make())
@@ -29,11 +35,7 @@ def test_the_check_fails_on_a_stale_page(tmp_path, monkeypatch):
 
 
 def test_the_benchmark_table_names_every_result_with_its_machine_and_date():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import docs
-    finally:
-        sys.path.pop(0)
+    docs = _docs()
     text = docs.benchmarks()
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):
         row = next(line for line in text.splitlines() if f"`{path.name}`" in line)
@@ -49,11 +51,7 @@ def test_the_readme_is_a_landing_page_linking_every_docs_page():
 
 
 def test_a_result_named_by_its_cpu_shows_that_cpu_and_its_benchmarks_headline(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import docs
-    finally:
-        sys.path.pop(0)
+    docs = _docs()
     doc = {"benchmark": "peers_avx512_intel", "date": "2026-12-01",
            "cpu": {"model": "Intel(R) Xeon(R) Processor", "vendor": "GenuineIntel", "isa": "avx512", "cores": 2,
                    "tag": "avx512_intel"},
