@@ -118,3 +118,22 @@ def test_a_failed_write_back_stops_training_with_one_line_and_the_last_checkpoin
     monkeypatch.undo()
     assert not (tmp_path / "failed" / "manifest.json").exists()
     snapshot.verify(tmp_path / "ok")
+
+
+def test_the_cleaners_scan_finds_exactly_the_live_slots_of_any_range():
+    """``live_slots`` (a byte of bits at a time, from a table) against a plain loop over the bits,
+    for ranges starting and ending inside a byte, all-live and all-dead bytes included."""
+    from hetero.storage.layout import io_kernels
+
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        nbytes = int(rng.integers(1, 40))
+        bits = rng.integers(0, 256, nbytes).astype(np.uint8)
+        if trial % 3 == 0:
+            bits[rng.integers(0, nbytes)] = 255
+        if trial % 5 == 0:
+            bits[:] = 0
+        first = int(rng.integers(0, nbytes * 8))
+        count = int(rng.integers(0, nbytes * 8 - first + 1))
+        want = [i for i in range(count) if bits[(first + i) >> 3] >> ((first + i) & 7) & 1]
+        assert io_kernels().live_slots(bits, first, count).tolist() == want, (first, count)

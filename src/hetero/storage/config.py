@@ -18,7 +18,8 @@ class SsdConfig:
         cache_bytes: DRAM budget of the group's row cache, bytes (rows with their optimizer
             state; the cache holds ``cache_bytes // record bytes`` rows, at least one batch's).
         policy: the cache's replacement policy (:class:`CachePolicy`).
-        io_threads: reads (and writes) in flight per batch.
+        io_threads: reads in flight per batch while a segment file is not mapped (``pread``;
+            mapped records are copied on the cores of numba's pool).
         mapped_bytes: the store's pages the process keeps mapped, bytes, about
             (:mod:`hetero.storage.mapping`): past it the mappings let go of their pages, which stay
             in the page cache. What the resident set holds beyond the cache.
