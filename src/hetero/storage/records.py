@@ -3,8 +3,8 @@ record per row, so that one read brings a row together with its state (the layou
 tables and OneFlow's OneEmbedding: ``[weight | state...]`` per row).
 
 A :class:`RowFile` is a log-structured store of those records in segment files (see its
-docstring). Reads copy records out of the mapped segments (:mod:`hetero.storage.mapping`) on a pool
-of threads in compiled loops (:mod:`hetero.storage._kernels`); appends go to a writer thread
+docstring). Reads copy records out of the mapped segments (:mod:`hetero.storage.mapping`) on numba's
+pool, or read them on a pool of threads, in compiled loops (:mod:`hetero.storage._kernels`); appends go to a writer thread
 (:mod:`hetero.storage.writer`).
 """
 
@@ -26,7 +26,7 @@ from hetero.storage.mapping import SegmentMaps
 from hetero.storage.writer import SegmentWriter, io_error
 
 MIN_CHUNK = 64  # the fewest records per task handed to an I/O thread (a batch is spread over all of them)
-CHUNKS_PER_CORE = 4  # a mapped gather's chunks per core of numba's pool (a core slowed by another thread is not waited on long)
+CHUNKS_PER_CORE = 4  # a mapped gather's chunks per core of numba's pool (a core another thread slows is not waited on)
 APPEND_CHUNK = 1 << 16  # records appended per piece (bounds the staging buffer a store keeps)
 
 
@@ -70,8 +70,7 @@ class RowFile:
         self.shift = self.segment.bit_length() - 1 if self.segment & (self.segment - 1) == 0 else -1  # (kernels)
         shutil.rmtree(self.path, ignore_errors=True)  # (a previous run's scratch: this run starts from its own rows)
         self.path.mkdir(parents=True)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hetero-ssd-io")
-        self.threads = threads
+        self._pool, self.threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hetero-ssd-io"), threads
         self.positions = np.full(rows, -1, np.int64)  # row -> its slot (8 bytes a row of host memory)
         self.live = np.zeros(0, np.int64)  # live slots per segment
         self.live_bits = np.zeros(0, np.uint8)  # a bit a slot: set where a row's position points at it
@@ -85,19 +84,13 @@ class RowFile:
         self._reused: set[int] = set()  # segments whose file is written again from its start (longer until sealed)
         self._unsynced: set[int] = set()  # segments written since the last seal
         self._free: list[int] = []
-        # two streams of appends, each into its own current segment: write-backs (0) and the cleaner's
-        # moves (1). A record the cleaner moves was not written since it was appended - colder than a
-        # write-back - so its segments stay full and the write-backs' segments, emptied by the next
-        # write-backs, are the ones cleaned: fewer records moved per segment freed (the hot/cold
-        # separation of Rosenblum & Ousterhout 1992)
+        # two streams of appends, each into its own current segment: write-backs (0) and the cleaner's moves (1), colder
+        # (not written since appended): their segments stay full, the write-backs' are cleaned (hot/cold separation)
         self._tail, self._cleaning = [-1, -1], False
         self._tail_used = [self.segment, self.segment]  # (no segment yet: the first append opens one)
         self.cleaned = 0  # segments cleaned
-        # The initial records, in row order (empty: a restore's), a segment a write: a file's page cache is laid out
-        # in folios as its bytes are first written, and a write of a whole segment from its start gets 2 MiB ones,
-        # which the mappings map with one page-table entry each (FilePmdMapped) - fewer TLB misses for the gather
-        # of records at random. Written in pieces of 16k records, 164 of 734 MB were; this way 649, and 57k random
-        # records gathered in 2.45 ms against 3.40 (26 x 200k rows; 2026-12-01).
+        # the initial records (empty: a restore's) a segment a write: its page cache then takes 2 MiB folios, mapped
+        # with one page-table entry each (fewer TLB misses at random: docs/ssd-tier.md, Reads)
         for lo in range(0, 0 if empty else rows, self.segment):
             hi = min(lo + self.segment, rows)
             data = init(lo, hi) if init is not None else np.zeros((hi - lo, layout.nbytes), np.uint8)
@@ -162,20 +155,15 @@ class RowFile:
         live = np.bincount(positions, minlength=self.live_bits.shape[0] * 8) > 0  # (unique: a slot a row)
         self.live_bits[:] = np.packbits(live, bitorder="little")
 
-    def _staging(self, rows: np.ndarray) -> np.ndarray:
-        """A staging buffer from the writer's pool (:meth:`SegmentWriter.buffer`), its first
-        ``len(rows)`` slots' row headers filled in: the records go after them."""
+    def _append(self, rows: np.ndarray, records: np.ndarray) -> None:
+        """``records`` (``(n, record_bytes)``) as the records of the unique ``rows``, written in
+        order into the current segment and the next ones (through a staging buffer of the writer's
+        pool, :meth:`SegmentWriter.buffer`: each slot's row header, then its record)."""
         n = rows.shape[0]
         buf = self.writer.buffer(n)
         buf[:n, : self.HEADER] = np.ascontiguousarray(rows).view(np.uint8).reshape(n, self.HEADER)
-        return buf
-
-    def _append(self, rows: np.ndarray, records: np.ndarray) -> None:
-        """``records`` (``(n, record_bytes)``) as the records of the unique ``rows``, written in
-        order into the current segment and the next ones."""
-        buf = self._staging(rows)
-        buf[: rows.shape[0], self.HEADER :] = records
-        self._append_slots(rows, buf[: rows.shape[0]], buf)
+        buf[:n, self.HEADER :] = records
+        self._append_slots(rows, buf[:n], buf)
 
     def _append_slots(self, rows: np.ndarray, slots: np.ndarray, buffer: np.ndarray | None = None,
                       stream: int = 0) -> None:
@@ -279,8 +267,7 @@ class RowFile:
     def read(self, rows: np.ndarray, out: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)`` uint8, C order),
         over the I/O threads. ``slots``: read these store slots instead of the rows' current ones (:meth:`stage`)."""
-        n = rows.shape[0]
-        assert out.shape == (n, self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
+        assert out.shape == ((n := rows.shape[0]), self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
         whole = np.array([self.layout.nbytes], np.int64)
         self._gather(rows, self.positions[rows] if slots is None else slots, np.arange(n, dtype=np.int64),
                      np.array([out.ctypes.data], np.int64), whole, whole, np.zeros(1, np.int64))
@@ -288,14 +275,12 @@ class RowFile:
     def _gather(self, rows: np.ndarray, at: np.ndarray, to: np.ndarray, dst: np.ndarray, strides: np.ndarray,
                 widths: np.ndarray, offsets: np.ndarray, staging: bool = False) -> None:
         """Records in store slots ``at`` (of ``rows``) into rows ``to`` of the destinations
-        (:func:`hetero.storage._kernels.gather`), over the I/O threads; ``staging``: on the
-        prefetch worker (:meth:`stage`, which holds the mappings' lock)."""
-        n = rows.shape[0]
-        if n == 0:
+        (:func:`hetero.storage._kernels.gather`): copies bound by memory on numba's pool where every file is
+        mapped, else on the I/O threads (a read in flight each); ``staging``: on the prefetch worker
+        (:meth:`stage`, which holds the mappings' lock)."""
+        if (n := rows.shape[0]) == 0:
             return
         kernels = io_kernels()
-        # Every file mapped: copies from the page cache, bound by memory, on the cores of numba's pool. Else the
-        # I/O threads, one read in flight each (a record not in the page cache waits for the disk).
         mapped = not np.any((self.maps.bases == 0) & (self.fds >= 0))
         chunk = max(MIN_CHUNK, -(-n // (CHUNKS_PER_CORE * num_threads() if mapped else self.threads)))
 
@@ -308,9 +293,8 @@ class RowFile:
             arrays = (self.maps.bases, self.fds, np.array(self.writer.written, np.int64))
             starts = range(0, n, chunk)
             if mapped and n > chunk:
-                stops = np.empty(len(starts), np.int64)
-                kernels.gather_chunks(*arrays, self.segment, self.slot_bytes, self.HEADER, at, to, dst, strides,
-                                      widths, offsets, chunk, stops)
+                stops = kernels.gather_chunks(*arrays, self.segment, self.slot_bytes, self.HEADER, at, to, dst, strides,
+                                              widths, offsets, chunk)
             else:
                 stops = map(run, starts, [arrays] * len(starts)) if n <= chunk else \
                     self._pool.map(run, starts, [arrays] * len(starts))
