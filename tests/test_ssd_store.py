@@ -137,3 +137,19 @@ def test_the_cleaners_scan_finds_exactly_the_live_slots_of_any_range():
         count = int(rng.integers(0, nbytes * 8 - first + 1))
         want = [i for i in range(count) if bits[(first + i) >> 3] >> ((first + i) & 7) & 1]
         assert io_kernels().live_slots(bits, first, count).tolist() == want, (first, count)
+
+
+def test_a_read_ahead_while_the_owner_grows_the_store_reads_what_is_there(tmp_path):
+    """The prefetch worker's :meth:`RowFile.stage` runs while the owner may be half way through
+    adding a segment (its file descriptors grown, its mappings not yet): the read ahead still
+    reads every record (it raised a broadcast ``ValueError`` once, from CI)."""
+    file = RowFile(tmp_path / "s", RecordLayout((Field("w", torch.float32, WIDTH),)), ROWS, threads=2, segment=64,
+                   init=lambda lo, hi: np.arange(lo, hi, dtype=np.float32).repeat(WIDTH).reshape(hi - lo, WIDTH)
+                   .view(np.uint8))
+    file.fds = np.append(file.fds, np.int32(-1))  # (the first step of RowFile._grow, on the owner's thread)
+    rows = np.arange(0, ROWS, 3, dtype=np.int64)
+    staged = file.stage(rows)
+    assert np.array_equal(staged.rows, rows)
+    assert np.array_equal(staged.records.view(np.float32)[:, 0], rows.astype(np.float32))
+    file.fds = file.fds[:-1]
+    file.close()

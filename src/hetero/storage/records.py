@@ -280,8 +280,8 @@ class RowFile:
         (:meth:`stage`, which holds the mappings' lock)."""
         if (n := rows.shape[0]) == 0:
             return
-        kernels = io_kernels()
-        mapped = not np.any((self.maps.bases == 0) & (self.fds >= 0))
+        kernels, bases, fds = io_kernels(), self.maps.bases, self.fds  # (a stager's: the owner may be growing them)
+        mapped = not np.any((bases[: fds.shape[0]] == 0) & (fds[: bases.shape[0]] >= 0))
         chunk = max(MIN_CHUNK, -(-n // (CHUNKS_PER_CORE * num_threads() if mapped else self.threads)))
 
         def run(lo: int, arrays: tuple) -> int:
