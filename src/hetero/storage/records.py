@@ -4,8 +4,8 @@ tables and OneFlow's OneEmbedding: ``[weight | state...]`` per row).
 
 A :class:`RowFile` is a log-structured store of those records in segment files (see its
 docstring). Reads copy records out of the mapped segments (:mod:`hetero.storage.mapping`) on numba's
-pool, or read them on a pool of threads, in compiled loops (:mod:`hetero.storage._kernels`); appends go to a writer thread
-(:mod:`hetero.storage.writer`).
+pool, or read them on I/O threads, in compiled loops (:mod:`hetero.storage._kernels`); appends go to a
+writer thread (:mod:`hetero.storage.writer`).
 """
 
 from __future__ import annotations
@@ -87,10 +87,8 @@ class RowFile:
         # two streams of appends, each into its own current segment: write-backs (0) and the cleaner's moves (1), colder
         # (not written since appended): their segments stay full, the write-backs' are cleaned (hot/cold separation)
         self._tail, self._cleaning = [-1, -1], False
-        self._tail_used = [self.segment, self.segment]  # (no segment yet: the first append opens one)
-        self.cleaned = 0  # segments cleaned
-        # the initial records (empty: a restore's) a segment a write: its page cache then takes 2 MiB folios, mapped
-        # with one page-table entry each (fewer TLB misses at random: docs/ssd-tier.md, Reads)
+        self._tail_used, self.cleaned = [self.segment, self.segment], 0  # (no segment yet: the first append opens one)
+        # the initial records (empty: a restore's) a segment a write: 2 MiB folios, fewer TLB misses (docs/ssd-tier.md)
         for lo in range(0, 0 if empty else rows, self.segment):
             hi = min(lo + self.segment, rows)
             data = init(lo, hi) if init is not None else np.zeros((hi - lo, layout.nbytes), np.uint8)
@@ -267,7 +265,8 @@ class RowFile:
     def read(self, rows: np.ndarray, out: np.ndarray, slots: np.ndarray | None = None) -> None:
         """The current records of ``rows`` (int64) into ``out`` (``(len(rows), record_bytes)`` uint8, C order),
         over the I/O threads. ``slots``: read these store slots instead of the rows' current ones (:meth:`stage`)."""
-        assert out.shape == ((n := rows.shape[0]), self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
+        n = rows.shape[0]  # (not inside the assert: python -O drops it)
+        assert out.shape == (n, self.layout.nbytes) and out.dtype == np.uint8 and out.flags.c_contiguous
         whole = np.array([self.layout.nbytes], np.int64)
         self._gather(rows, self.positions[rows] if slots is None else slots, np.arange(n, dtype=np.int64),
                      np.array([out.ctypes.data], np.int64), whole, whole, np.zeros(1, np.int64))
@@ -280,9 +279,7 @@ class RowFile:
         (:meth:`stage`, which holds the mappings' lock)."""
         if (n := rows.shape[0]) == 0:
             return
-        kernels, bases, fds = io_kernels(), self.maps.bases, self.fds  # (a stager's: the owner may be growing them)
-        mapped = not np.any((bases[: fds.shape[0]] == 0) & (fds[: bases.shape[0]] >= 0))
-        chunk = max(MIN_CHUNK, -(-n // (CHUNKS_PER_CORE * num_threads() if mapped else self.threads)))
+        kernels = io_kernels()
 
         def run(lo: int, arrays: tuple) -> int:
             scratch = np.empty(self.layout.nbytes, np.uint8)  # (a record read with pread lands here first)
@@ -290,7 +287,10 @@ class RowFile:
                                   offsets, scratch, lo, min(lo + chunk, n))
 
         for attempt in range(2):
-            arrays = (self.maps.bases, self.fds, np.array(self.writer.written, np.int64))
+            arrays = (bases, fds, _) = (self.maps.bases, self.fds, np.array(self.writer.written, np.int64))
+            # (over their common length: a stager may see the owner half way through growing them)
+            mapped = not np.any((bases[: fds.shape[0]] == 0) & (fds[: bases.shape[0]] >= 0))
+            chunk = max(MIN_CHUNK, -(-n // (CHUNKS_PER_CORE * num_threads() if mapped else self.threads)))
             starts = range(0, n, chunk)
             if mapped and n > chunk:
                 stops = kernels.gather_chunks(*arrays, self.segment, self.slot_bytes, self.HEADER, at, to, dst, strides,
