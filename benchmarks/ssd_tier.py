@@ -10,7 +10,10 @@ headline ratios (``ssd_over_memory_*``) come from one more process that holds bo
 step of each in turn (``interleaved``): this VM's speed moves by up to half between processes.
 The tier is timed once its cache is full (it has given up rows), after the warm-up steps. The step
 is forward + backward (a fixed upstream gradient) + the optimizer step: the part of a training
-step the tier changes. What the page cache holds is reported beside the rates: a row file smaller
+step the tier changes. The whole training step of a job over the same tables - a DLRM of the
+Criteo Kaggle shape with its dense features, MLPs and Adam (``job``, ``job_ssd_over_memory_*``) -
+is timed the same way, its tables in memory, on the tier, and on the tier with the next batch's
+misses read ahead by :class:`hetero.embedding.Prefetcher`. What the page cache holds is reported beside the rates: a row file smaller
 than free memory is served from it after its first pass (the tier then measures its own cost, not
 the disk's); the disk-bound case is a file larger than memory (``--rows`` large enough).
 
@@ -41,6 +44,7 @@ from _workload import in_turn  # noqa: E402
 from hetero.placement.memory import retain_freed_memory  # noqa: E402
 
 B, F = 4096, 26
+DENSE = 13  # the job's dense features (Criteo's)
 BLOCK = 5  # steps a block of the interleaved ratio
 
 
@@ -174,6 +178,81 @@ def interleaved(dist: str, policy: str, rows: int, dim: int, cache: float, steps
             "ssd_over_memory": rate["ssd"] / rate["memory"], "steps": steps, "block": BLOCK}
 
 
+def job(dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int, directory: str,
+        mapped_gib: float = 1.0) -> dict:
+    """The same-process ratio of the whole training step of a Criteo-shaped job: a DLRM (``hetero.models.dlrm``:
+    13 dense features, bottom MLP 512-256-64-``dim``, dot interaction, top MLP 512-256-1, Adam) over the 26 tables
+    (row-wise Adagrad), its tables in memory, on the SSD tier, and on the tier under :class:`Prefetcher` (the next
+    batch's misses read on the prefetch worker while this batch's dense step runs); blocks in turn as
+    :func:`interleaved`. What a user of the tier sees: the tables' extra work beside the model's own."""
+    from hetero.embedding import Prefetcher
+    from hetero.models.dlrm import DLRM, DLRMConfig
+    from hetero.models.wide_deep import FeatureSlot
+    from hetero.optim import SparseOptimizerKind
+    from hetero.storage.cache import CachePolicy
+    from hetero.storage.config import SsdConfig
+
+    config = DLRMConfig(embedding_dim=dim, bottom=(512, 256, 64), top=(512, 256))
+
+    def build_job(ssd: SsdConfig | None):  # noqa: ANN202 - (model, step)
+        torch.manual_seed(0)
+        model = DLRM([FeatureSlot(f"C{i}", rows) for i in range(F)], DENSE, config, ssd=ssd)
+        sparse = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(model.deep.tables.values())
+        dense = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("deep.")], lr=1e-3)
+
+        def step(batch) -> float:  # noqa: ANN001
+            feats, x, y = batch
+            dense.zero_grad()
+            sparse.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(feats, x), y)
+            loss.backward()
+            dense.step()
+            sparse.step()
+            return loss.item()
+
+        return model, step
+
+    g = torch.Generator().manual_seed(1)
+
+    def with_dense(feats: dict) -> tuple:
+        return feats, torch.randn(B, DENSE, generator=g), torch.randint(0, 2, (B,), generator=g).float()
+
+    _, memory = build_job(None)
+    work = [with_dense(b) for b in batches(dist, rows, warmup + steps)]
+    tiers = {}  # a tier each for the two ways (each sees every batch once: a batch seen twice would find its rows)
+    for name in ("ssd", "ssd_prefetch"):
+        model, tier = build_job(SsdConfig(Path(directory) / name, cache_bytes=int(cache * rows * F * record_bytes(dim)),
+                                          policy=CachePolicy(policy), mapped_bytes=int(mapped_gib * (1 << 30))))
+        for b in work[:warmup]:
+            tier(b)
+        row_cache = model.deep.groups[0].ssd.cache
+        fill(lambda b, tier=tier: tier(with_dense(b)), row_cache, dist, rows)
+        row_cache.file.writer.drain()
+        tiers[name] = (model, tier, row_cache, dataclass_counts(row_cache))
+    for b in work[:warmup]:
+        memory(b)
+
+    def on_tier(part: list, name: str) -> None:
+        model, tier, row_cache, _ = tiers[name]
+        for b in (Prefetcher(model, part, features=lambda b: b[0]) if name == "ssd_prefetch" else part):
+            tier(b)
+        row_cache.file.writer.drain()  # (the tier's background work is its block's own)
+
+    parts = [work[lo : lo + BLOCK] for lo in range(warmup, warmup + steps, BLOCK)]
+    seconds = in_turn({"memory": lambda part: [memory(b) for b in part], "ssd": lambda part: on_tier(part, "ssd"),
+                       "ssd_prefetch": lambda part: on_tier(part, "ssd_prefetch")}, parts)
+    rate = {k: B / v for k, v in seconds.items()}
+    counts = {}
+    for name, (_, _, row_cache, before) in tiers.items():
+        after = dataclass_counts(row_cache)
+        hits, misses = after[0] - before[0], after[1] - before[1]
+        counts[name] = {"hit_rate": hits / max(1, hits + misses), "read_ahead": (after[4] - before[4]) / max(1, misses)}
+    return {"memory_samples_per_s": rate["memory"], "ssd_samples_per_s": rate["ssd"],
+            "ssd_prefetch_samples_per_s": rate["ssd_prefetch"], "ssd_over_memory": rate["ssd"] / rate["memory"],
+            "ssd_prefetch_over_memory": rate["ssd_prefetch"] / rate["memory"], **counts,
+            "model": f"dlrm 13-512-256-64-{dim}, top 512-256-1, adam", "steps": steps, "block": BLOCK}
+
+
 def record_bytes(dim: int) -> int:
     return dim * 4 + 4  # the row and row-wise Adagrad's one value
 
@@ -225,9 +304,9 @@ def main() -> None:
     p.add_argument("--one", nargs=3, metavar=("STORAGE", "DIST", "POLICY"), help=argparse.SUPPRESS)
     args = p.parse_args()
     retain_freed_memory()  # (as the hetero command does: a step's freed buffers are not faulted in again)
-    if args.one and args.one[0] == "interleaved":
-        print(json.dumps(interleaved(*args.one[1:], args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir,
-                                     args.mapped_gib)))
+    if args.one and args.one[0] in ("interleaved", "job"):
+        print(json.dumps((interleaved if args.one[0] == "interleaved" else job)(
+            *args.one[1:], args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir, args.mapped_gib)))
         return
     if args.one:
         print(json.dumps(one(*args.one, args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir,
@@ -249,6 +328,10 @@ def main() -> None:
     result["zipf"]["interleaved_passive"] = case(args, "interleaved", "zipf", env={"OMP_WAIT_POLICY": "PASSIVE"})
     result["ssd_over_memory_zipf_passive"] = result["zipf"]["interleaved_passive"]["ssd_over_memory"]
     result["hit_rate_zipf_lfu"] = result["zipf"]["ssd"]["hit_rate"]
+    for dist in ("zipf", "uniform"):  # the whole training step of a DLRM over the same tables, in turn
+        result[dist]["job"] = case(args, "job", dist)
+    result["job_ssd_over_memory_zipf"] = result["zipf"]["job"]["ssd_over_memory"]
+    result["job_ssd_prefetch_over_memory_zipf"] = result["zipf"]["job"]["ssd_prefetch_over_memory"]
     if not args.ratio_only:
         result["zipf_lru"] = case(args, "ssd", "zipf", "lru")
         for dist in ("zipf", "uniform"):  # the same run with the next batch's misses read ahead

@@ -145,6 +145,11 @@ _HEADLINES = {
                   "sequential_write_bytes_per_s"],
 }
 
+# the variants of a benchmark (``ssd_tier_200k_job``): the keys of these it has
+_PREFIX_HEADLINES = {
+    "ssd_tier": ["ssd_over_memory_zipf", "ssd_over_memory_uniform", "job_ssd_over_memory_zipf", "hit_rate_zipf_lfu"],
+}
+
 
 # a benchmark named by its CPU (``benchmarks/_common.cpu``'s tag: ``peers_avx512_intel``) has the headline of
 # its name without the tag
@@ -190,8 +195,10 @@ def benchmarks() -> str:
     for path in sorted(RESULTS.glob("*.json")):
         doc = json.loads(path.read_text())
         name = doc.get("benchmark", path.stem)
-        keys = _HEADLINES.get(_MACHINE_TAG.sub("", name)) or [k for k, v in doc.items() if isinstance(v, (int, float))
-                                        and not isinstance(v, bool)][:5]
+        base = _MACHINE_TAG.sub("", name)
+        prefix = [k for p, ks in _PREFIX_HEADLINES.items() if base.startswith(p) for k in ks if _get(doc, k) is not None]
+        keys = _HEADLINES.get(base) or prefix or [k for k, v in doc.items() if isinstance(v, (int, float))
+                                                  and not isinstance(v, bool)][:5]
         if name.startswith("ab_"):  # a same-run A/B: b's rates over a's (commits named), the first few
             keys = [f"ratio_b_over_a.{k}" for k in sorted(doc.get("ratio_b_over_a", {}))][:4]
             name = f"{name} ({doc.get('b_commit')} vs {doc.get('a_commit')})"
