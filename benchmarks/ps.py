@@ -35,6 +35,7 @@ from hetero import ps  # noqa: E402
 from hetero.embedding import HostEmbedding, RowSpace, SparseGrad, TableConfig  # noqa: E402
 from hetero.optim import LazyAdam  # noqa: E402
 from hetero.parallel.env import shutdown  # noqa: E402
+from hetero.placement.memory import retain_freed_memory  # noqa: E402
 from hetero.ps.client import LookupGrad  # noqa: E402
 
 B, F, D, ROWS = 4096, 26, 16, 1_000_000
@@ -87,6 +88,7 @@ def _local_rate(steps: int, warmup: int) -> float:
 
 
 def _rank(rank: int, world: int, port: int, steps: int, warmup: int, out: str) -> None:
+    retain_freed_memory()  # (as every process of hetero's command does: a step's buffers are not faulted in again)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     job = ps.PSJob.init(ps.PSConfig(num_servers=world - 1, timeout_s=300))
@@ -141,6 +143,7 @@ def main() -> None:
     p.add_argument("--servers", default="1,2,4")
     p.add_argument("--name", default="ps", help="the result's name (results/NAME_cpu.json)")
     args = p.parse_args()
+    retain_freed_memory()  # (the in-process side as the servers and the worker: _rank)
     local = local_rate(args.steps, args.warmup)
     # issue #39's measure: in process with the thread count of a server process (one)
     local_one = local_rate(args.steps, args.warmup, threads=1)
