@@ -38,3 +38,16 @@ def test_the_benchmark_runs_and_writes_its_result(tmp_path, name):
     (result,) = tmp_path.glob("*.json")
     assert json.loads(result.read_text())["benchmark"] == name
     assert json.loads(got.stdout.strip().splitlines()[-1])["benchmark"] == name  # (its last line printed)
+
+
+def test_the_ssd_tiers_job_case_runs(tmp_path):
+    """``ssd_tier.py``'s whole-job case (a DLRM over tables in memory, on the tier, and on the tier
+    under the prefetcher), at a size of seconds: its line of rates and counts."""
+    argv = [str(ROOT / "benchmarks" / "ssd_tier.py"), "--one", "job", "zipf", "lfu", "--rows", "20000", "--cache",
+            "0.3", "--steps", "5", "--warmup", "1", "--dir", str(tmp_path)]
+    got = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    result = json.loads(got.stdout.strip().splitlines()[-1])
+    assert result["ssd_over_memory"] > 0 and result["ssd_prefetch_over_memory"] > 0
+    assert result["ssd_prefetch"]["read_ahead"] > 0 and result["ssd"]["read_ahead"] == 0  # (only that tier read ahead)
+    assert 0 < result["ssd"]["hit_rate"] < 1
