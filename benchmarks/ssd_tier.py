@@ -13,9 +13,10 @@ is forward + backward (a fixed upstream gradient) + the optimizer step: the part
 step the tier changes. The whole training step of a job over the same tables - a DLRM of the
 Criteo Kaggle shape with its dense features, MLPs and Adam (``job``, ``job_ssd_over_memory_*``) -
 is timed the same way, its tables in memory, on the tier, and on the tier with the next batch's
-misses read ahead by :class:`hetero.embedding.Prefetcher`. What the page cache holds is reported beside the rates: a row file smaller
-than free memory is served from it after its first pass (the tier then measures its own cost, not
-the disk's); the disk-bound case is a file larger than memory (``--rows`` large enough).
+misses read ahead by :class:`hetero.embedding.Prefetcher`. What the page cache holds is reported
+beside the rates: a row file smaller than free memory is served from it after its first pass (the
+tier then measures its own cost, not the disk's); the disk-bound case is a file larger than memory
+(``--rows`` large enough).
 
     python benchmarks/ssd_tier.py --rows 1000000 --dir /path/on/the/disk
 """
@@ -300,7 +301,8 @@ def main() -> None:
     p.add_argument("--mapped-gib", type=float, default=1.0,
                    help="the store's pages kept mapped (SsdConfig.mapped_bytes), GiB: the rest read with pread")
     p.add_argument("--ratio-only", action="store_true",
-                   help="the same-run ratios alone (memory and SSD tier, both distributions): no LRU, prefetch or disk rate")
+                   help="the same-run ratios alone (the embedding step and the job, both distributions): no LRU, "
+                        "separate prefetch cases or disk rate")
     p.add_argument("--one", nargs=3, metavar=("STORAGE", "DIST", "POLICY"), help=argparse.SUPPRESS)
     args = p.parse_args()
     retain_freed_memory()  # (as the hetero command does: a step's freed buffers are not faulted in again)
