@@ -43,8 +43,8 @@ def test_the_benchmark_runs_and_writes_its_result(tmp_path, name):
 def test_the_ssd_tiers_job_case_runs(tmp_path):
     """``ssd_tier.py``'s whole-job case (a DLRM over tables in memory, on the tier, and on the tier
     under the prefetcher), at a size of seconds: its line of rates and counts."""
-    argv = [str(ROOT / "benchmarks" / "ssd_tier.py"), "--one", "job", "zipf", "lfu", "--rows", "20000", "--cache",
-            "0.3", "--steps", "5", "--warmup", "1", "--dir", str(tmp_path)]
+    argv = [str(ROOT / "benchmarks" / "ssd_tier.py"), "--one", "job", "zipf", "lfu", "--rows", "4000", "--cache",
+            "0.75", "--steps", "5", "--warmup", "1", "--dir", str(tmp_path)]
     got = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600)
     assert got.returncode == 0, got.stderr[-3000:]
     result = json.loads(got.stdout.strip().splitlines()[-1])
