@@ -25,6 +25,7 @@ what the worker can hide is bounded by the cores the dense step leaves idle.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from hetero.models.wide_deep import FeatureSlot  # noqa: E402
 from hetero.optim import SparseOptimizerKind  # noqa: E402
 from hetero.placement import Target, resolve_device  # noqa: E402
 from hetero.placement.memory import retain_freed_memory  # noqa: E402
+from hetero.storage.config import SsdConfig  # noqa: E402
 
 B, F, K, D = 4096, 26, 13, 16
 CONFIG = DLRMConfig(embedding_dim=D, bottom=(512, 256, 64), top=(512, 256))
@@ -50,23 +52,25 @@ class FixedVectors(nn.Module):
     """Stands in for the tables: the same ``(B, D)`` values every step, as fresh leaves that take a
     gradient (the dense part's backward computes the embeddings' gradients, nothing receives them)."""
 
-    def __init__(self, names: list[str], device: torch.device) -> None:
+    def __init__(self, names: list[str], device: torch.device, dim: int = D) -> None:
         super().__init__()
-        self.vectors = {n: torch.randn(B, D, device=device) for n in names}
+        self.vectors = {n: torch.randn(B, dim, device=device) for n in names}
         self.tables = {"fixed": None}  # (DLRM's forward asks whether it has tables)
 
     def forward(self, features) -> dict[str, torch.Tensor]:  # noqa: ANN001
         return {n: v.detach().requires_grad_() for n, v in self.vectors.items()}
 
 
-def build(rows: int, dense_only: bool):
-    """A DLRM and its step ``step(batch)``; ``dense_only``: the tables replaced by fixed vectors."""
+def build(rows: int, dense_only: bool, dim: int = D, ssd: SsdConfig | None = None):
+    """A DLRM and its step ``step(batch)``; ``dense_only``: the tables replaced by fixed vectors;
+    ``dim``: the tables' width (and the bottom MLP's output); ``ssd``: the tables on that SSD tier."""
     torch.manual_seed(0)
     device = resolve_device(Target.DEVICE)
-    model = DLRM([FeatureSlot(f"C{i}", rows) for i in range(F)], K, CONFIG).to(device)
+    config = dataclasses.replace(CONFIG, embedding_dim=dim)
+    model = DLRM([FeatureSlot(f"C{i}", rows) for i in range(F)], K, config, ssd=ssd).to(device)
     sparse = None
     if dense_only:
-        model.deep = FixedVectors([f"C{i}" for i in range(F)], device)
+        model.deep = FixedVectors([f"C{i}" for i in range(F)], device, dim)
     else:
         sparse = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(model.deep.tables.values())
     dense = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("deep.")], lr=1e-3)

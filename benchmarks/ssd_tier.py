@@ -45,7 +45,6 @@ from _workload import in_turn  # noqa: E402
 from hetero.placement.memory import retain_freed_memory  # noqa: E402
 
 B, F = 4096, 26
-DENSE = 13  # the job's dense features (Criteo's)
 BLOCK = 5  # steps a block of the interleaved ratio
 
 
@@ -181,49 +180,29 @@ def interleaved(dist: str, policy: str, rows: int, dim: int, cache: float, steps
 
 def job(dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int, directory: str,
         mapped_gib: float = 1.0) -> dict:
-    """The same-process ratio of the whole training step of a Criteo-shaped job: a DLRM (``hetero.models.dlrm``:
-    13 dense features, bottom MLP 512-256-64-``dim``, dot interaction, top MLP 512-256-1, Adam) over the 26 tables
+    """The same-process ratio of the whole training step of a Criteo-shaped job: ``dlrm_step.py``'s DLRM (13 dense
+    features, bottom MLP 512-256-64-``dim``, dot interaction, top MLP 512-256-1, Adam) over the 26 tables
     (row-wise Adagrad), its tables in memory, on the SSD tier, and on the tier under :class:`Prefetcher` (the next
     batch's misses read on the prefetch worker while this batch's dense step runs); blocks in turn as
     :func:`interleaved`. What a user of the tier sees: the tables' extra work beside the model's own."""
+    from dlrm_step import K, build as build_job  # (the DLRM of the DLRM step benchmark; K dense features)
+
     from hetero.embedding import Prefetcher
-    from hetero.models.dlrm import DLRM, DLRMConfig
-    from hetero.models.wide_deep import FeatureSlot
-    from hetero.optim import SparseOptimizerKind
     from hetero.storage.cache import CachePolicy
     from hetero.storage.config import SsdConfig
-
-    config = DLRMConfig(embedding_dim=dim, bottom=(512, 256, 64), top=(512, 256))
-
-    def build_job(ssd: SsdConfig | None):  # noqa: ANN202 - (model, step)
-        torch.manual_seed(0)
-        model = DLRM([FeatureSlot(f"C{i}", rows) for i in range(F)], DENSE, config, ssd=ssd)
-        sparse = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(model.deep.tables.values())
-        dense = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("deep.")], lr=1e-3)
-
-        def step(batch) -> float:  # noqa: ANN001
-            feats, x, y = batch
-            dense.zero_grad()
-            sparse.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(feats, x), y)
-            loss.backward()
-            dense.step()
-            sparse.step()
-            return loss.item()
-
-        return model, step
 
     g = torch.Generator().manual_seed(1)
 
     def with_dense(feats: dict) -> tuple:
-        return feats, torch.randn(B, DENSE, generator=g), torch.randint(0, 2, (B,), generator=g).float()
+        return feats, torch.randn(B, K, generator=g), torch.randint(0, 2, (B,), generator=g).float()
 
-    _, memory = build_job(None)
+    _, memory = build_job(rows, False, dim)
     work = [with_dense(b) for b in batches(dist, rows, warmup + steps)]
     tiers = {}  # a tier each for the two ways (each sees every batch once: a batch seen twice would find its rows)
     for name in ("ssd", "ssd_prefetch"):
-        model, tier = build_job(SsdConfig(Path(directory) / name, cache_bytes=int(cache * rows * F * record_bytes(dim)),
-                                          policy=CachePolicy(policy), mapped_bytes=int(mapped_gib * (1 << 30))))
+        model, tier = build_job(rows, False, dim, SsdConfig(Path(directory) / name, policy=CachePolicy(policy),
+                                                            cache_bytes=int(cache * rows * F * record_bytes(dim)),
+                                                            mapped_bytes=int(mapped_gib * (1 << 30))))
         for b in work[:warmup]:
             tier(b)
         row_cache = model.deep.groups[0].ssd.cache

@@ -133,7 +133,6 @@ _HEADLINES = {
     "dlrm_step": ["full_over_dense_zipf", "prefetch_over_dense_zipf", "zipf.samples_per_s.dense"],
     "dlrm_step_serial_dedup": ["full_over_dense_zipf", "prefetch_over_dense_zipf", "zipf.samples_per_s.dense"],
     "ps_transport": ["gloo_bytes_per_s.4194304", "copy_bytes_per_s.4194304", "gloo_over_copy_4mib"],
-    "ssd_tier_200k": ["ssd_over_memory_zipf", "ssd_over_memory_uniform", "hit_rate_zipf_lfu"],
     "ssd_tier_200k_retained": ["ssd_over_memory_zipf", "ssd_over_memory_uniform", "ssd_over_memory_zipf_passive"],
     "peers": ["cpu.isa", "ratios.rowwise_adagrad_vs_fbgemm.ratio", "ratios.sgd_vs_fbgemm.ratio",
               "ratios.adagrad_vs_fbgemm.ratio", "ratios.lazy_adam_vs_torch_sparse_adam.ratio",
