@@ -13,7 +13,9 @@ is forward + backward (a fixed upstream gradient) + the optimizer step: the part
 step the tier changes. The whole training step of a job over the same tables - a DLRM of the
 Criteo Kaggle shape with its dense features, MLPs and Adam (``job``, ``job_ssd_over_memory_*``) -
 is timed the same way, its tables in memory, on the tier, and on the tier with the next batch's
-misses read ahead by :class:`hetero.embedding.Prefetcher`. What the page cache holds is reported
+misses read ahead by :class:`hetero.embedding.Prefetcher`; with ``--job-processes`` in pairs of
+fresh processes instead, the tables on the tier and in memory (tables too large for one process to
+hold both ways, such as the issue's 26 x 4M rows). What the page cache holds is reported
 beside the rates: a row file smaller than free memory is served from it after its first pass (the
 tier then measures its own cost, not the disk's); the disk-bound case is a file larger than memory
 (``--rows`` large enough).
@@ -233,6 +235,49 @@ def job(dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, w
             "model": f"dlrm 13-512-256-64-{dim}, top 512-256-1, adam", "steps": steps, "block": BLOCK}
 
 
+def job_one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int,
+            directory: str, mapped_gib: float = 1.0) -> dict:
+    """The job's step with its tables in memory or on the tier (``storage``) alone in this process: for tables too
+    large to hold both ways in one process (the issue's 26 x 4M rows), in fresh processes taken in turn."""
+    from dlrm_step import K, build as build_job
+
+    from hetero.storage.cache import CachePolicy
+    from hetero.storage.config import SsdConfig
+
+    g = torch.Generator().manual_seed(1)
+
+    def with_dense(feats: dict) -> tuple:
+        return feats, torch.randn(B, K, generator=g), torch.randint(0, 2, (B,), generator=g).float()
+
+    ssd = SsdConfig(Path(directory) / "tier", policy=CachePolicy(policy), cache_bytes=int(cache * rows * F * record_bytes(dim)),
+                    mapped_bytes=int(mapped_gib * (1 << 30))) if storage == "ssd" else None
+    t0 = time.perf_counter()
+    model, step = build_job(rows, False, dim, ssd)
+    built = time.perf_counter() - t0
+    work = [with_dense(b) for b in batches(dist, rows, warmup + steps)]
+    for b in work[:warmup]:
+        step(b)
+    row_cache = model.deep.groups[0].ssd.cache if ssd is not None else None
+    filled = fill(lambda b: step(with_dense(b)), row_cache, dist, rows)
+    if row_cache is not None:
+        row_cache.file.writer.drain()
+    before = dataclass_counts(row_cache)
+    t0 = time.perf_counter()
+    for b in work[warmup:]:
+        step(b)
+    if row_cache is not None:
+        row_cache.file.writer.drain()  # (the tier's background work is its steps' own)
+    seconds = time.perf_counter() - t0
+    after = dataclass_counts(row_cache)
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    out = {"samples_per_s": B * steps / seconds, "build_s": built, "fill_steps": filled, "steps": steps,
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if row_cache is not None:
+        out.update(hit_rate=hits / max(1, hits + misses), miss_reads_per_s=misses / seconds,
+                   file_bytes=row_cache.file.nbytes, segments_cleaned=row_cache.file.cleaned)
+    return out
+
+
 def record_bytes(dim: int) -> int:
     return dim * 4 + 4  # the row and row-wise Adagrad's one value
 
@@ -282,9 +327,16 @@ def main() -> None:
     p.add_argument("--ratio-only", action="store_true",
                    help="the same-run ratios alone (the embedding step and the job, both distributions): no LRU, "
                         "separate prefetch cases or disk rate")
+    p.add_argument("--job-processes", type=int, default=0, metavar="ROUNDS",
+                   help="the job's ratio alone, on Zipf ids, from ROUNDS pairs of fresh processes (the tables on the tier, "
+                        "then in memory): for tables too large to hold both ways in one process")
     p.add_argument("--one", nargs=3, metavar=("STORAGE", "DIST", "POLICY"), help=argparse.SUPPRESS)
     args = p.parse_args()
     retain_freed_memory()  # (as the hetero command does: a step's freed buffers are not faulted in again)
+    if args.one and args.one[0] in ("job_memory", "job_ssd"):
+        print(json.dumps(job_one(args.one[0][4:], *args.one[1:], args.rows, args.dim, args.cache, args.steps,
+                                 args.warmup, args.dir, args.mapped_gib)))
+        return
     if args.one and args.one[0] in ("interleaved", "job"):
         print(json.dumps((interleaved if args.one[0] == "interleaved" else job)(
             *args.one[1:], args.rows, args.dim, args.cache, args.steps, args.warmup, args.dir, args.mapped_gib)))
@@ -297,6 +349,13 @@ def main() -> None:
               "mapped_gib": args.mapped_gib,
               "optimizer": "rowwise_adagrad", "cpu": cpu(),
               "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    if args.job_processes:  # (each pair's ratio; the headline their median)
+        pairs = [(case(args, "job_ssd", "zipf"), case(args, "job_memory", "zipf")) for _ in range(args.job_processes)]
+        result["zipf"] = {"job_processes": [{"ssd": s, "memory": m, "ssd_over_memory": s["samples_per_s"] / m["samples_per_s"]}
+                                            for s, m in pairs]}
+        result["job_ssd_over_memory_zipf"] = float(np.median([p["ssd_over_memory"] for p in result["zipf"]["job_processes"]]))
+        emit(args.name, result)
+        return
     for dist in ("zipf", "uniform"):
         mem, ssd = case(args, "memory", dist), case(args, "ssd", dist)
         result[dist] = {"memory": mem, "ssd": ssd, "ssd_over_memory": ssd["samples_per_s"] / mem["samples_per_s"]}

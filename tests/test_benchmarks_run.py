@@ -51,3 +51,19 @@ def test_the_ssd_tiers_job_case_runs(tmp_path):
     assert result["ssd_over_memory"] > 0 and result["ssd_prefetch_over_memory"] > 0
     assert result["ssd_prefetch"]["read_ahead"] > 0 and result["ssd"]["read_ahead"] == 0  # (only that tier read ahead)
     assert 0 < result["ssd"]["hit_rate"] < 1
+
+
+def test_the_ssd_tiers_job_runs_in_pairs_of_processes(tmp_path):
+    """``--job-processes``: the job's tables on the tier and in memory in fresh processes (the
+    issue's 26 x 4M rows cannot be held both ways in one), at a size of seconds: its result file,
+    a pair's ratio and the tier's counts."""
+    argv = [str(ROOT / "benchmarks" / "ssd_tier.py"), "--job-processes", "1", "--rows", "4000", "--cache", "0.75",
+            "--steps", "3", "--warmup", "1", "--dir", str(tmp_path), "--name", "ssd_tier_pairs"]
+    code = RUN.format(bench=str(ROOT / "benchmarks"), out=str(tmp_path), argv=argv)
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    (file,) = tmp_path.glob("ssd_tier_pairs*.json")
+    result = json.loads(file.read_text())
+    (pair,) = result["zipf"]["job_processes"]
+    assert result["job_ssd_over_memory_zipf"] == pair["ssd_over_memory"] > 0
+    assert 0 < pair["ssd"]["hit_rate"] < 1 and pair["ssd"]["segments_cleaned"] > 0 and "hit_rate" not in pair["memory"]
