@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 # Test processes (pytest-xdist). In one process the suite kept 0.6 of CI's 2 cores busy (17 min
 # of CPU in 28 of wall: its tests wait on processes starting, ranks meeting, files synced); in two,
-# 19.5 min of wall on the same host (2026-12-02). Each file's tests stay in one process
+# 19.5 and 24 min of wall in two runs on the same host (2026-12-02). Each file's tests stay in one process
 # (--dist loadfile: a module's fixtures are built once).
 TEST_WORKERS ?= 2
 
