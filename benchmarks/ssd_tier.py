@@ -91,16 +91,11 @@ def build(storage: str, policy: str, rows: int, dim: int, cache: float, director
     from hetero.embedding import HostEmbeddingCollection, TableConfig
     from hetero.optim import SparseOptimizerKind
     from hetero.placement import StorageTier
-    from hetero.storage.cache import CachePolicy
-    from hetero.storage.config import SsdConfig
 
     torch.manual_seed(0)
-    record = record_bytes(dim)
     kw = {}
     if storage.startswith("ssd"):
-        kw = dict(storage=StorageTier.SSD, ssd=SsdConfig(directory, cache_bytes=int(cache * rows * F * record),
-                                                           policy=CachePolicy(policy),
-                                                           mapped_bytes=int(mapped_gib * (1 << 30))))
+        kw = dict(storage=StorageTier.SSD, ssd=tier_config(directory, policy, rows, dim, cache, mapped_gib))
     coll = HostEmbeddingCollection([TableConfig(f"C{i}", rows, dim, **kw) for i in range(F)])
     opt = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(coll.tables.values())
     return Tables(coll, opt, torch.randn(B, dim))
@@ -180,6 +175,28 @@ def interleaved(dist: str, policy: str, rows: int, dim: int, cache: float, steps
             "ssd_over_memory": rate["ssd"] / rate["memory"], "steps": steps, "block": BLOCK}
 
 
+def dense_features():
+    """``with_dense(feats)``: a batch of the job, its ids with seeded dense features and labels."""
+    from dlrm_step import K  # (the DLRM's dense features)
+
+    g = torch.Generator().manual_seed(1)
+
+    def with_dense(feats: dict) -> tuple:
+        return feats, torch.randn(B, K, generator=g), torch.randint(0, 2, (B,), generator=g).float()
+
+    return with_dense
+
+
+def tier_config(directory: str | Path, policy: str, rows: int, dim: int, cache: float, mapped_gib: float):
+    """The 26 tables' SSD tier in ``directory``: a row cache of ``cache`` of the rows, ``mapped_gib`` of the store
+    mapped."""
+    from hetero.storage.cache import CachePolicy
+    from hetero.storage.config import SsdConfig
+
+    return SsdConfig(directory, policy=CachePolicy(policy), cache_bytes=int(cache * rows * F * record_bytes(dim)),
+                     mapped_bytes=int(mapped_gib * (1 << 30)))
+
+
 def job(dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, warmup: int, directory: str,
         mapped_gib: float = 1.0) -> dict:
     """The same-process ratio of the whole training step of a Criteo-shaped job: ``dlrm_step.py``'s DLRM (13 dense
@@ -187,24 +204,16 @@ def job(dist: str, policy: str, rows: int, dim: int, cache: float, steps: int, w
     (row-wise Adagrad), its tables in memory, on the SSD tier, and on the tier under :class:`Prefetcher` (the next
     batch's misses read on the prefetch worker while this batch's dense step runs); blocks in turn as
     :func:`interleaved`. What a user of the tier sees: the tables' extra work beside the model's own."""
-    from dlrm_step import K, build as build_job  # (the DLRM of the DLRM step benchmark; K dense features)
+    from dlrm_step import build as build_job  # (the DLRM of the DLRM step benchmark)
 
     from hetero.embedding import Prefetcher
-    from hetero.storage.cache import CachePolicy
-    from hetero.storage.config import SsdConfig
 
-    g = torch.Generator().manual_seed(1)
-
-    def with_dense(feats: dict) -> tuple:
-        return feats, torch.randn(B, K, generator=g), torch.randint(0, 2, (B,), generator=g).float()
-
+    with_dense = dense_features()
     _, memory = build_job(rows, False, dim)
     work = [with_dense(b) for b in batches(dist, rows, warmup + steps)]
     tiers = {}  # a tier each for the two ways (each sees every batch once: a batch seen twice would find its rows)
     for name in ("ssd", "ssd_prefetch"):
-        model, tier = build_job(rows, False, dim, SsdConfig(Path(directory) / name, policy=CachePolicy(policy),
-                                                            cache_bytes=int(cache * rows * F * record_bytes(dim)),
-                                                            mapped_bytes=int(mapped_gib * (1 << 30))))
+        model, tier = build_job(rows, False, dim, tier_config(Path(directory) / name, policy, rows, dim, cache, mapped_gib))
         for b in work[:warmup]:
             tier(b)
         row_cache = model.deep.groups[0].ssd.cache
@@ -239,18 +248,10 @@ def job_one(storage: str, dist: str, policy: str, rows: int, dim: int, cache: fl
             directory: str, mapped_gib: float = 1.0) -> dict:
     """The job's step with its tables in memory or on the tier (``storage``) alone in this process: for tables too
     large to hold both ways in one process (the issue's 26 x 4M rows), in fresh processes taken in turn."""
-    from dlrm_step import K, build as build_job
+    from dlrm_step import build as build_job
 
-    from hetero.storage.cache import CachePolicy
-    from hetero.storage.config import SsdConfig
-
-    g = torch.Generator().manual_seed(1)
-
-    def with_dense(feats: dict) -> tuple:
-        return feats, torch.randn(B, K, generator=g), torch.randint(0, 2, (B,), generator=g).float()
-
-    ssd = SsdConfig(Path(directory) / "tier", policy=CachePolicy(policy), cache_bytes=int(cache * rows * F * record_bytes(dim)),
-                    mapped_bytes=int(mapped_gib * (1 << 30))) if storage == "ssd" else None
+    with_dense = dense_features()
+    ssd = tier_config(Path(directory) / "tier", policy, rows, dim, cache, mapped_gib) if storage == "ssd" else None
     t0 = time.perf_counter()
     model, step = build_job(rows, False, dim, ssd)
     built = time.perf_counter() - t0
