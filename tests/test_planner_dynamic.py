@@ -4,12 +4,11 @@ host bytes count its key map, measured (tracemalloc) against the same model with
 import tracemalloc
 
 from hetero.dynamic import DynamicConfig, KeyMap
-from hetero.planner import calibration as calibration_module
 from hetero.planner.config import PlannerConfig
 from hetero.planner.planner import Planner
 from hetero.planner.space import Candidate
 
-from test_planner import _bce, _wide_deep
+from test_planner import _bce, _wide_deep, free_device_tables
 
 ROWS_A = 200_000
 CONFIG = DynamicConfig(admit_after=2, sketch_width=1 << 14)
@@ -40,8 +39,7 @@ def test_dynamic_tables_stay_on_the_host_and_their_key_maps_count_in_host_bytes(
     host = [p.price(Candidate()).predicted.host_bytes for p in planners]
     assert abs(host[1] - host[0] - measured - default_rows) < 4096, (host, measured, [m.nbytes for m in maps])
     # a device whose tables cost nothing: every fixed table that fits moves, no dynamic one
-    free = calibration_module.TableRate(*[0.0] * 9)
     for p in planners:
-        p.calibration.device_tables = {k: free for k in p.calibration.device_tables}
+        free_device_tables(p)
     assert "deep.tables.deep_a" in planners[0].plan().device_tables
     assert set(planners[1].plan().device_tables) == {"wide.tables.wide_b", "deep.tables.deep_b"}
