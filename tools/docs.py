@@ -146,6 +146,7 @@ _HEADLINES = {
 
 # the variants of a benchmark (``ssd_tier_200k_job``): the keys of these it has
 _PREFIX_HEADLINES = {
+    "dlrm_overlap": ["overlapped_over_serial", "overlapped_idle_over_serial", "update_ms", "omp_wait_policy"],
     "ps_": ["ratio_to_local_one_thread.1", "ps_rows_per_s.1", "local_one_thread_rows_per_s"],
     "ssd_tier": ["ssd_over_memory_zipf", "ssd_over_memory_uniform", "job_ssd_over_memory_zipf", "hit_rate_zipf_lfu"],
 }

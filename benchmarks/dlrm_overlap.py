@@ -1,0 +1,108 @@
+"""Can a worker thread hide the DLRM step's sparse update in the cores its dense step leaves idle?
+(issue #39, target 2, on a host without an accelerator: the measured limit).
+
+The DLRM of ``benchmarks/dlrm_step.py`` (26 tables of ``--rows`` x 16, row-wise Adagrad; the
+reference implementation's Criteo shape). Each item is one DLRM step's forward, backward and
+Adam step, its row-wise Adagrad update, and one step of the same model with fixed embeddings (the
+dense part alone, a stand-in for the dense work an overlapped update would run beside):
+
+* ``serial``: the update, then the dense step, on the training thread;
+* ``overlapped``: the update submitted to a host worker (``hetero.placement.threads.host_worker``,
+  one OpenMP thread), the dense step run meanwhile, then the update joined;
+* ``overlapped_idle``: the same with the worker's update under ``SCHED_IDLE`` (Linux: it runs only on a
+  core nothing else wants, so it cannot slow the dense step's two threads).
+
+``overlapped / serial`` below 1 is what overlap could win; the update's own time is ``update``
+(the step with its update over the step without). In one process, the ways in turn, medians.
+
+    python benchmarks/dlrm_overlap.py --rows 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu, emit  # noqa: E402
+from _workload import in_turn  # noqa: E402
+from dlrm_step import B, batches, build  # noqa: E402
+
+from hetero.optim import SparseOptimizerKind  # noqa: E402
+from hetero.placement.memory import retain_freed_memory  # noqa: E402
+from hetero.placement.threads import host_worker  # noqa: E402
+
+
+def _update(sparse, policy: int) -> None:  # noqa: ANN001
+    """``sparse.step()`` on the calling (worker) thread under scheduling ``policy``."""
+    os.sched_setscheduler(0, policy, os.sched_param(0))  # (0: the calling thread)
+    sparse.step()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    p.add_argument("--blocks", type=int, default=8, help="blocks of each way")
+    p.add_argument("--block", type=int, default=10, help="steps a block")
+    p.add_argument("--name", default="dlrm_overlap")
+    args = p.parse_args()
+    retain_freed_memory()
+    model, _ = build(args.rows, False)
+    _, dense = build(args.rows, True)
+    sparse = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(model.deep.tables.values())
+    adam = torch.optim.Adam([q for n, q in model.named_parameters() if not n.startswith("deep.")], lr=1e-3)
+    work = batches("zipf", args.rows, args.block * (args.blocks + 1))
+    # (one worker for both ways: each worker's OpenMP team counts towards the process's threads)
+    pool = host_worker("hetero-overlap")
+
+    def forward_backward(b) -> None:  # noqa: ANN001
+        features, x, y = b
+        adam.zero_grad()
+        sparse.zero_grad()
+        nn.functional.binary_cross_entropy_with_logits(model(features, x), y).backward()
+        adam.step()
+
+    def serial(part) -> None:  # noqa: ANN001
+        for b in part:
+            forward_backward(b)
+            sparse.step()
+            dense(b)
+
+    def overlapped(policy: int):  # noqa: ANN202
+        def run(part) -> None:  # noqa: ANN001
+            for b in part:
+                forward_backward(b)
+                update = pool.submit(_update, sparse, policy)
+                dense(b)
+                update.result()  # sync point: the update done before the next step's lookups
+        return run
+
+    def no_update(part) -> None:  # noqa: ANN001
+        for b in part:
+            forward_backward(b)
+            dense(b)
+
+    runs = {"serial": serial, "overlapped": overlapped(os.SCHED_OTHER),
+            "overlapped_idle": overlapped(os.SCHED_IDLE), "no_update": no_update}
+    serial(work[: args.block])  # warm-up (numba's kernels compile, the allocator settles)
+    for r in ("overlapped", "overlapped_idle"):
+        runs[r](work[: args.block])
+    parts = [work[args.block * (i + 1): args.block * (i + 2)] for i in range(args.blocks)]
+    ms = {k: v * 1e3 for k, v in in_turn(runs, parts).items()}
+    pool.shutdown()
+    result = {"rows_per_table": args.rows, "batch_size": B, "ids": "zipf", "block": args.block,
+              "threads": torch.get_num_threads(), "cpu": cpu(),
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+              "ms_per_item": ms, "update_ms": ms["serial"] - ms["no_update"],
+              "overlapped_over_serial": ms["overlapped"] / ms["serial"],
+              "overlapped_idle_over_serial": ms["overlapped_idle"] / ms["serial"]}
+    emit(args.name, result)
+
+
+if __name__ == "__main__":
+    main()
