@@ -201,7 +201,9 @@ def benchmarks() -> str:
         keys = _HEADLINES.get(base) or prefix or [k for k, v in doc.items() if isinstance(v, (int, float))
                                                   and not isinstance(v, bool)][:5]
         if name.startswith("ab_"):  # a same-run A/B: b's rates over a's (commits named), the first few
-            keys = [f"ratio_b_over_a.{k}" for k in sorted(doc.get("ratio_b_over_a", {}))][:4]
+            # (the rates that moved: a field equal on both sides is the benchmark's setting)
+            same = {k for k, v in doc.get("median_a", {}).items() if doc.get("median_b", {}).get(k) == v}
+            keys = [f"ratio_b_over_a.{k}" for k in sorted(doc.get("ratio_b_over_a", {})) if k not in same][:4]
             name = f"{name} ({doc.get('b_commit')} vs {doc.get('a_commit')})"
         shown = "; ".join(f"{k} {_shown(_get(doc, k))}" for k in keys if _get(doc, k) is not None)
         rows.append(f"| [`{path.name}`](../benchmarks/results/{path.name}) | {name} | {_machine(doc, path)} | "
