@@ -20,7 +20,6 @@ dense part alone, a stand-in for the dense work an overlapped update would run b
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -31,10 +30,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu, emit  # noqa: E402
 from _workload import in_turn  # noqa: E402
-from dlrm_step import B, batches, build  # noqa: E402
+from dlrm_step import B, arguments, batches, build  # noqa: E402
 
 from hetero.optim import SparseOptimizerKind  # noqa: E402
-from hetero.placement.memory import retain_freed_memory  # noqa: E402
 from hetero.placement.threads import host_worker  # noqa: E402
 
 
@@ -45,13 +43,7 @@ def _update(sparse, policy: int) -> None:  # noqa: ANN001
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
-    p.add_argument("--blocks", type=int, default=8, help="blocks of each way")
-    p.add_argument("--block", type=int, default=10, help="steps a block")
-    p.add_argument("--name", default="dlrm_overlap")
-    args = p.parse_args()
-    retain_freed_memory()
+    args = arguments(__doc__, "dlrm_overlap")
     model, _ = build(args.rows, False)
     _, dense = build(args.rows, True)
     sparse = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(model.deep.tables.values())

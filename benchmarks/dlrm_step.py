@@ -120,14 +120,21 @@ def measure(dist: str, rows: int, blocks: int, block: int) -> dict:
             **({"prefetch_rows_over_dense": rate["prefetch_rows"] / rate["dense"]} if "prefetch_rows" in rate else {})}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(doc: str, name: str) -> argparse.Namespace:
+    """The command line of a DLRM benchmark (this one, ``dlrm_overlap.py``): ``--rows``,
+    ``--blocks``, ``--block``, ``--name`` (default ``name``); freed memory kept from here on."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
-    p.add_argument("--blocks", type=int, default=8, help="blocks of each step")
+    p.add_argument("--blocks", type=int, default=8, help="blocks of each way")
     p.add_argument("--block", type=int, default=10, help="steps a block")
-    p.add_argument("--name", default="dlrm_step")
+    p.add_argument("--name", default=name)
     args = p.parse_args()
     retain_freed_memory()  # (as the hetero command does: a step's freed buffers are not faulted in again)
+    return args
+
+
+def main() -> None:
+    args = arguments(__doc__, "dlrm_step")
     result = {"rows_per_table": args.rows, "tables": F, "dim": D, "batch_size": B, "bottom": list(CONFIG.bottom),
               "top": list(CONFIG.top), "optimizer": "adam + rowwise_adagrad", "block": args.block,
               "threads": torch.get_num_threads(), "cpu": cpu()}

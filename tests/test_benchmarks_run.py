@@ -24,6 +24,7 @@ CASES = {
     "ps": ["ps.py", "--steps", "2", "--warmup", "1", "--servers", "1"],
     "embedding_step_dynamic": ["embedding_step.py", "--rows", "2000", "--steps", "6", "--warmup", "1", "--dynamic"],
     "dlrm_step": ["dlrm_step.py", "--rows", "2000", "--blocks", "1", "--block", "2"],
+    "dlrm_overlap": ["dlrm_overlap.py", "--rows", "2000", "--blocks", "1", "--block", "2"],
     "train_step": ["train_step.py", "--batch-size", "256", "--rows", "2000", "--steps", "2", "--warmup", "1"],
 }
 
