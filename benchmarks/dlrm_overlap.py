@@ -25,14 +25,12 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu, emit  # noqa: E402
 from _workload import in_turn  # noqa: E402
 from dlrm_step import B, arguments, batches, build  # noqa: E402
 
-from hetero.optim import SparseOptimizerKind  # noqa: E402
 from hetero.placement.threads import host_worker  # noqa: E402
 
 
@@ -44,39 +42,29 @@ def _update(sparse, policy: int) -> None:  # noqa: ANN001
 
 def main() -> None:
     args = arguments(__doc__, "dlrm_overlap")
-    model, _ = build(args.rows, False)
+    _, full = build(args.rows, False)
     _, dense = build(args.rows, True)
-    sparse = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(model.deep.tables.values())
-    adam = torch.optim.Adam([q for n, q in model.named_parameters() if not n.startswith("deep.")], lr=1e-3)
     work = batches("zipf", args.rows, args.block * (args.blocks + 1))
     # (one worker for both ways: each worker's OpenMP team counts towards the process's threads)
     pool = host_worker("hetero-overlap")
 
-    def forward_backward(b) -> None:  # noqa: ANN001
-        features, x, y = b
-        adam.zero_grad()
-        sparse.zero_grad()
-        nn.functional.binary_cross_entropy_with_logits(model(features, x), y).backward()
-        adam.step()
-
     def serial(part) -> None:  # noqa: ANN001
         for b in part:
-            forward_backward(b)
-            sparse.step()
+            full(b)
             dense(b)
 
     def overlapped(policy: int):  # noqa: ANN202
         def run(part) -> None:  # noqa: ANN001
             for b in part:
-                forward_backward(b)
-                update = pool.submit(_update, sparse, policy)
+                started = []
+                full(b, update=lambda sparse: started.append(pool.submit(_update, sparse, policy)))
                 dense(b)
-                update.result()  # sync point: the update done before the next step's lookups
+                started.pop().result()  # sync point: the update done before the next step's lookups
         return run
 
     def no_update(part) -> None:  # noqa: ANN001
         for b in part:
-            forward_backward(b)
+            full(b, update=lambda sparse: None)
             dense(b)
 
     runs = {"serial": serial, "overlapped": overlapped(os.SCHED_OTHER),

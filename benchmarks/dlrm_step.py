@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -62,7 +64,7 @@ class FixedVectors(nn.Module):
 
 
 def build(rows: int, dense_only: bool, dim: int = D, ssd: SsdConfig | None = None):
-    """A DLRM and its step ``step(batch)``; ``dense_only``: the tables replaced by fixed vectors;
+    """A DLRM and its step ``step(batch, update)``; ``dense_only``: the tables replaced by fixed vectors;
     ``dim``: the tables' width (and the bottom MLP's output); ``ssd``: the tables on that SSD tier."""
     torch.manual_seed(0)
     device = resolve_device(Target.DEVICE)
@@ -75,7 +77,8 @@ def build(rows: int, dense_only: bool, dim: int = D, ssd: SsdConfig | None = Non
         sparse = SparseOptimizerKind.ROWWISE_ADAGRAD.optimizer(model.deep.tables.values())
     dense = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("deep.")], lr=1e-3)
 
-    def step(batch) -> float:  # noqa: ANN001
+    def step(batch, update: Callable[[Any], None] = lambda sparse: sparse.step()) -> float:  # noqa: ANN001
+        """One step; ``update(sparse)`` applies the tables' update (``dlrm_overlap.py`` hands it to a worker)."""
         features, x, y = batch
         dense.zero_grad()
         if sparse is not None:
@@ -84,7 +87,7 @@ def build(rows: int, dense_only: bool, dim: int = D, ssd: SsdConfig | None = Non
         loss.backward()
         dense.step()
         if sparse is not None:
-            sparse.step()
+            update(sparse)
         return loss.item()  # sync point: a step ends when the host has its loss
 
     return model, step

@@ -252,3 +252,12 @@ def test_a_fake_lookup_has_the_shape_of_the_real_one(pooling, ids, offsets):
         fake_ids = mode.from_tensor(ids)
         fake = coll({"t": (fake_ids, mode.from_tensor(torch.tensor(offsets))) if offsets else fake_ids})["t"]
     assert tuple(fake.shape) == tuple(real.shape)
+
+
+def test_an_exchange_that_starts_nothing_ahead_refuses_start():
+    from hetero.embedding.exchange import LocalRows
+
+    exchange = LocalRows(10)
+    assert not exchange.starts_lookups()
+    with pytest.raises(TypeError, match="LocalRows starts no lookups ahead"):
+        exchange.start(None)  # (refused before it reads the plan)

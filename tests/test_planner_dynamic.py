@@ -8,7 +8,7 @@ from hetero.planner.config import PlannerConfig
 from hetero.planner.planner import Planner
 from hetero.planner.space import Candidate
 
-from test_planner import _bce, _wide_deep, free_device_tables
+from test_planner_tables import _bce, _wide_deep, free_device_tables
 
 ROWS_A = 200_000
 CONFIG = DynamicConfig(admit_after=2, sketch_width=1 << 14)

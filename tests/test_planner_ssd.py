@@ -15,7 +15,7 @@ from hetero.planner.planner import Planner
 from hetero.planner.space import Candidate, Target, UnitChoice
 from hetero.storage import SsdConfig
 
-from test_planner import _bce, _wide_deep
+from test_planner_tables import _bce, _wide_deep
 
 
 def test_a_host_budget_below_the_tables_puts_the_coldest_on_the_ssd_tier_and_apply_trains_them_exactly(cache, tmp_path):

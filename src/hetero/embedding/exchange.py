@@ -85,8 +85,14 @@ class RowExchange(abc.ABC):
 
     def start(self, plan: LookupPlan) -> None:
         """Start the lookup of ``plan`` (its rows on their way while the caller goes on); the
-        :meth:`lookup` given the same ``plan`` takes them. Only where :meth:`starts_lookups`."""
-        raise NotImplementedError(f"{type(self).__name__} looks up at its lookup: it starts nothing ahead")
+        :meth:`lookup` given the same ``plan`` takes them. Only where :meth:`starts_lookups`.
+
+        Raises:
+            TypeError: this exchange starts nothing ahead (:meth:`starts_lookups` is False; its
+                rows are read at the lookup) - a caller's error, never a partial lookup.
+        """
+        raise TypeError(f"{type(self).__name__} starts no lookups ahead (starts_lookups() is False): "
+                        f"its rows are read at the lookup; call start only where starts_lookups()")
 
     def clear(self) -> None:  # noqa: B027 - most exchanges keep nothing between steps
         """Forget lookups still waiting for their gradient (``zero_grad``)."""
