@@ -100,3 +100,37 @@ def test_exports_refuse_what_they_cannot_do_naming_it(checkpoints, capsys):
         assert main(["export", "--checkpoint", str(tmp / "alone.pt"), "--out", str(tmp / "a")]) == 1
         err = capsys.readouterr().err
         assert "manifest.json is missing" in err and len(err.strip().splitlines()) == 1 and not (tmp / "a").exists(), err
+
+
+def test_a_delta_applies_to_its_own_base_only_decided_by_content_never_by_path(tmp_path, capsys, monkeypatch):
+    """The docs' rolling ``--since last.pt``: A, B, C are one path at three steps. A B->C delta is
+    refused on A's export (the path string matched before), and the valid pair is accepted given
+    once as an absolute and once as a relative path (refused before)."""
+    _csv(tmp_path / "data.csv")
+    (tmp_path / "job.toml").write_text(JOB.format(data=tmp_path / "data.csv"))
+    args = ["train", "--config", str(tmp_path / "job.toml"), "--epochs", "2", "--batch-size", "32", "--no-progress",
+            "--embedding-dim", "4", "--hidden", "8", "--run-dir", str(tmp_path / "run")]
+    last = tmp_path / "last.pt"
+    for step, name in ((4, "A"), (8, "B"), (None, "C")):
+        assert main([*args, *(["--max-steps", str(step)] if step else []), *(["--resume"] if name != "A" else [])]) == 0
+        shutil.copy(tmp_path / "run" / "checkpoint.pt", last)  # the same path at every step
+        if name != "C":
+            shutil.copy(last, tmp_path / f"{name}.pt")
+        since = [] if name == "A" else ["--since", str(tmp_path / f"prev{name}.pt")]
+        assert main(["export", "--checkpoint", str(last), "--out", str(tmp_path / name), *since]) == 0
+        if name != "C":
+            shutil.copy(last, tmp_path / f"prev{chr(ord(name) + 1)}.pt")
+    assert main(["export", "--checkpoint", str(tmp_path / "B.pt"), "--out", str(tmp_path / "B_full")]) == 0
+    capsys.readouterr()
+    a, bc = read_manifest(tmp_path / "A"), read_manifest(tmp_path / "C")  # (their paths: information only)
+    assert bc["kind"] == "delta" and bc["base"]["step"] == 8 and bc["source"]["run"] == a["source"]["run"]
+    with pytest.raises(ValueError, match="starts from run .* at step 8"):
+        apply_delta(tmp_path / "A", tmp_path / "C", tmp_path / "wrong")  # B->C onto A's export
+    assert not (tmp_path / "wrong").exists()
+    monkeypatch.chdir(tmp_path)
+    apply_delta("B_full", tmp_path / "C", "C_full")  # the same valid pair, one relative path and one absolute
+    assert main(["export", "--checkpoint", str(last), "--out", str(tmp_path / "C_direct")]) == 0
+    for name in read_manifest(tmp_path / "C_direct")["tables"]:
+        x, y = (read_table(tmp_path / d / "tables" / f"{name}.parquet") for d in ("C_direct", "C_full"))
+        assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]), name
+    assert read_manifest(tmp_path / "C_full")["source"] == read_manifest(tmp_path / "C_direct")["source"]

@@ -2,8 +2,10 @@
 
 An export directory holds:
 
-* ``manifest.json`` - the format, ``kind`` (``"full"`` or ``"delta"``), the checkpoint(s) it
-  came from, and per table (qualified name): its table and feature names, pooling, width, whether
+* ``manifest.json`` - the format, ``kind`` (``"full"`` or ``"delta"``), ``source``: what the
+  export is of (the run's id, the step and the SHA-256 digest of every exported row,
+  :func:`tables_digest`), for a delta ``base``: the same of the older checkpoint it applies to,
+  the checkpoints' paths (information only: nothing is decided by a path), and per table (qualified name): its table and feature names, pooling, width, whether
   it is dynamic, its row count and a dynamic table's default row;
 * ``tables/<name>.parquet`` - one row per key (a dynamic table's raw int64 keys) or id (a fixed
   table's rows), sorted: columns ``key`` (int64) and ``embedding`` (``fixed_size_list<float32>[D]``);
@@ -15,7 +17,9 @@ An export directory holds:
   and read as training read it.
 
 :func:`apply_delta` turns an older full export and a delta into the newer full export (the
-same tables and program as exporting the newer checkpoint). Each directory is written under a
+same tables and program as exporting the newer checkpoint). It decides that a delta fits an
+export by content: the digest of the export's rows as read from its files must be the delta's
+``base`` digest, and the result's must be its ``source`` digest. Each directory is written under a
 temporary name and renamed when complete.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -39,7 +44,8 @@ from hetero.embedding import HostEmbedding, HostEmbeddingCollection, host_tables
 from hetero.record import RECORD_KEY, RunRecord
 from hetero.serving.restore import restore_model, run_record
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: source and base identities (1: paths; still scored, never a delta's base)
+READABLE = (1, 2)
 MANIFEST, DENSE, RECORD = "manifest.json", "dense.pt2", "record.pt"
 
 
@@ -66,6 +72,45 @@ def model_tables(model: nn.Module) -> dict[str, TableRows]:
         held = _rows_of(t, np.append(rows[order], t.config.num_embeddings))  # (and the default row, last)
         out[name] = TableRows(keys[order], held[:-1], held[-1].copy())
     return out
+
+
+class TablesDigest:
+    """The SHA-256 of a set of exported tables, fed table by table in sorted name order: per
+    table its name, key count, width, keys (int64), rows (float32) and default row."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._last = ""
+
+    def add(self, name: str, rows: TableRows) -> None:
+        assert name > self._last, "tables are fed in sorted name order"
+        self._last = name
+        keys = np.ascontiguousarray(rows.keys, np.int64)
+        weight = np.ascontiguousarray(rows.rows, np.float32)
+        width = weight.shape[1] if weight.ndim == 2 else 0
+        self._h.update(f"{name}\0{keys.shape[0]}\0{width}\0".encode())
+        self._h.update(memoryview(keys).cast("B"))
+        self._h.update(memoryview(weight.reshape(-1)).cast("B"))
+        if rows.default is not None:
+            self._h.update(memoryview(np.ascontiguousarray(rows.default, np.float32)).cast("B"))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def tables_digest(tables: dict[str, TableRows]) -> str:
+    """:class:`TablesDigest` of ``tables`` (qualified name -> rows)."""
+    d = TablesDigest()
+    for name in sorted(tables):
+        d.add(name, tables[name])
+    return d.hexdigest()
+
+
+def identity(state: dict[str, Any], tables: dict[str, TableRows]) -> dict[str, Any]:
+    """What an export is of: the checkpoint's run id (``None``: one written before hetero kept
+    one), its step, and the digest of the rows exported from it."""
+    return {"run": state.get("run_uid"), "step": int(state.get("position", {}).get("global_step", -1)),
+            "tables_digest": tables_digest(tables)}
 
 
 def _rows_of(t: HostEmbedding, rows: np.ndarray) -> np.ndarray:
@@ -133,22 +178,24 @@ def export(checkpoint: str | Path, out: str | Path, since: str | Path | None = N
 
         model = restore_model(checkpoint, state, record, record.encoding.specs(), beside(checkpoint))
         tables = model_tables(model)
-        older = None
+        older, base = None, None
         if since is not None:
             old_state = load_checkpoint(since)
             old_record = run_record(Path(since), old_state)
             older = model_tables(restore_model(Path(since), old_state, old_record, old_record.encoding.specs(),
                                                beside(Path(since))))
             _check_same(older, tables, Path(since), checkpoint)
-        return _write(out, model, record, state, tables, older, checkpoint, since)
+            base = identity(old_state, older)
+        return _write(out, model, record, state, tables, older, base, checkpoint, since)
 
 
 def _write(out: Path, model: nn.Module, record: RunRecord, state: dict[str, Any], tables: dict[str, TableRows],
-           older: dict[str, TableRows] | None, checkpoint: Path, since: str | Path | None) -> dict[str, Any]:
+           older: dict[str, TableRows] | None, base: dict[str, Any] | None, checkpoint: Path,
+           since: str | Path | None) -> dict[str, Any]:
     """The export directory ``out`` of ``model`` and its ``tables`` (a delta against ``older``), atomic."""
     described = {name: _describe(t, tables[name]) for name, t in host_tables(model).items()}
     manifest = {"format_version": FORMAT_VERSION, "kind": "full" if older is None else "delta",
-                "checkpoint": str(checkpoint), "since": None if since is None else str(since),
+                "source": identity(state, tables), "base": base, "checkpoint": str(checkpoint), "since": None if since is None else str(since),
                 "model": record.model.kind, "num_dense": record.model.num_dense, "tables": described}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -195,40 +242,74 @@ def apply_delta(base: str | Path, delta: str | Path, out: str | Path) -> dict[st
     """The full export that ``delta`` (of checkpoints A -> B) makes of ``base`` (A's full export),
     written into the new directory ``out``: equal to B's full export. Returns its manifest.
 
+    A delta fits an export by content, never by path: the digest of ``base``'s rows as read from
+    its files must be the delta's ``base`` digest (A's rows), and the result's digest must be its
+    ``source`` digest (B's rows); nothing is written otherwise.
+
     Raises:
         FileExistsError: ``out`` exists.
-        ValueError: ``delta`` is not a delta, ``base`` not a full export, or they are of
-            other checkpoints (naming both).
+        ValueError: ``delta`` is not a delta, ``base`` not a full export, a delta of an older
+            format (no base identity: export it again), other tables, or rows that are not the
+            delta's base (naming both runs and steps), or a result that is not the delta's newer
+            export (a damaged file).
     """
     base, delta, out = Path(base), Path(delta), Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists: give a new directory")
     b, d = read_manifest(base), read_manifest(delta)
+    if b["kind"] != "full" or d["kind"] != "delta":
+        raise ValueError(f"{delta} ({d['kind']}) does not apply to {base} ({b['kind']}): apply a delta to the full "
+                         f"export of the checkpoint it starts from")
+    if d.get("base") is None:
+        raise ValueError(f"{delta} is a delta of export format {d['format_version']}, which does not record the "
+                         f"checkpoint it starts from: export it again with this hetero")
+    if sorted(b["tables"]) != sorted(d["tables"]):
+        raise ValueError(f"{delta} has tables {sorted(d['tables'])}, {base} {sorted(b['tables'])}: the delta does "
+                         f"not apply to this export")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if b["kind"] != "full" or d["kind"] != "delta" or d["since"] != b["checkpoint"]:
-        raise ValueError(f"{delta} ({d['kind']} since {d['since']}) does not apply to {base} ({b['kind']} of "
-                         f"{b['checkpoint']}): apply a delta to the full export of the checkpoint it starts from")
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         (tmp / "tables").mkdir()
-        tables = {}
-        for name, entry in d["tables"].items():
+        tables, had, made = {}, TablesDigest(), TablesDigest()
+        for name in sorted(d["tables"]):
+            entry = d["tables"][name]
             keys, rows = read_table(base / "tables" / f"{name}.parquet")
+            had.add(name, TableRows(keys, rows, _default(b["tables"][name])))
             new_keys, new_rows = read_table(delta / "tables" / f"{name}.parquet")
             gone, _ = read_table(delta / "tables" / f"{name}.tombstones.parquet")
             keep = ~np.isin(keys, np.concatenate([gone, new_keys]))
             keys, rows = np.concatenate([keys[keep], new_keys]), np.concatenate([rows[keep], new_rows])
             order = np.argsort(keys, kind="stable")
-            write_table(tmp / "tables" / f"{name}.parquet", keys[order], rows[order])
+            keys, rows = keys[order], rows[order]
+            made.add(name, TableRows(keys, rows, _default(entry)))
+            write_table(tmp / "tables" / f"{name}.parquet", keys, rows)
             tables[name] = {k: v for k, v in entry.items() if k not in ("changed", "tombstones")}
+        if had.hexdigest() != d["base"]["tables_digest"]:
+            raise ValueError(f"{delta} starts from {_named(d['base'])} and {base} holds other rows "
+                             f"({_named(b.get('source'))}): apply it to the full export of the checkpoint it starts "
+                             f"from")
+        if made.hexdigest() != d["source"]["tables_digest"]:
+            raise ValueError(f"{delta} applied to {base} does not give the rows of {_named(d['source'])}: a file of "
+                             f"either directory was changed after it was written; export again")
         for f in (DENSE, RECORD):
             shutil.copy(delta / f, tmp / f)
-        manifest = {**d, "kind": "full", "since": None, "tables": tables}
+        manifest = {**d, "kind": "full", "base": None, "since": None, "tables": tables}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _default(entry: dict[str, Any]) -> np.ndarray | None:
+    """A manifest table entry's default row (float32; ``None``: a fixed table)."""
+    return None if entry.get("default") is None else np.asarray(entry["default"], np.float32)
+
+
+def _named(ident: dict[str, Any] | None) -> str:
+    if ident is None:
+        return "an export of format 1 (no identity)"
+    return f"run {ident['run']} at step {ident['step']} (rows {ident['tables_digest'][:12]})"
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -242,8 +323,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no {MANIFEST}: give a directory `hetero export` wrote")
     manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: export format {manifest.get('format_version')}; this hetero reads {FORMAT_VERSION}")
+    if manifest.get("format_version") not in READABLE:
+        raise ValueError(f"{path}: export format {manifest.get('format_version')}; this hetero reads {READABLE}")
     return manifest
 
 

@@ -11,11 +11,13 @@ snapshots (:mod:`hetero.train.tier`). Sharded (``checkpoint.dcp``, DCP): each ra
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hetero.checkpoint import CheckpointError, check_model_compatible, load_checkpoint, save_checkpoint
 from hetero.checkpoint.io import write_text_atomic
@@ -23,6 +25,7 @@ from hetero.checkpoint.sharded import load_sharded, read_bytes, resolve, save_sh
 from hetero.parallel import (
     full_model_state, full_optimizer_state, global_rank, global_shapes, load_full_optimizer_state, local_model_state,
 )
+from hetero.parallel.env import DataParallelGroup
 from hetero.parallel.checkpoint_state import check_key_ranks, restore_keymaps
 from hetero.placement.memory import returning_freed_memory
 from hetero.record import RECORD_KEY, check_record
@@ -33,6 +36,16 @@ from hetero.train.config import CheckpointFormat
 
 log = logging.getLogger("hetero")
 FORMAT_VERSION = 1
+
+
+def new_run_uid(dp: DataParallelGroup) -> str:
+    """A new run's id: 32 hex digits, random on rank 0 of ``dp`` and the same on its every rank
+    (a broadcast, collective). Checkpoints carry it (``run_uid``), a resume keeps it, and an
+    export names its checkpoint by it, the step and its rows' digest (:mod:`hetero.serving.export`)."""
+    uid = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8).clone()
+    if dp.active:
+        dist.broadcast(uid, group=dp.host_group(), group_src=0)  # (a host tensor: the gloo group)
+    return bytes(uid.tolist()).hex()
 
 
 class TrainerCheckpoints:
@@ -48,7 +61,7 @@ class TrainerCheckpoints:
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        state = {"format_version": FORMAT_VERSION, "run": self.run_identity()}
+        state = {"format_version": FORMAT_VERSION, "run": self.run_identity(), "run_uid": self.run_uid}
         if self.record is not None:
             state[RECORD_KEY] = self.record
         dense = full_optimizer_state(self.dense_optimizer)  # operator-parallel shards gathered
@@ -164,6 +177,7 @@ class TrainerCheckpoints:
         self._restore_hyper_parameters(ours)
         pos = state["position"]
         self.epoch, self.batch, self.global_step = pos["epoch"], pos["batch"], pos["global_step"]
+        self.run_uid = state.get("run_uid", self.run_uid)  # (a checkpoint of an older hetero has none: a new id)
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])

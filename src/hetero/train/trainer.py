@@ -34,7 +34,7 @@ from hetero.parallel.sharded_keys import dynamic_stats, sharded_keymaps
 from hetero.placement import copy_to
 from hetero.train.config import CheckpointFormat, TrainConfig
 from hetero.train.report import binary_metrics, write_report
-from hetero.train.resumable import TrainerCheckpoints
+from hetero.train.resumable import TrainerCheckpoints, new_run_uid
 from hetero.train.scalars import ScalarLog
 from hetero.train.tier import TierCheckpoint
 
@@ -125,6 +125,7 @@ class Trainer(TrainerCheckpoints):
         self.checkpoint_path = self.run_dir / config.checkpoint_format.file_name
         self.device = next(p.device for p in dense_parameters(model))
         self.epoch, self.batch, self.global_step = 0, 0, 0
+        self.run_uid = new_run_uid(self.dp)  # names the run in its checkpoints and exports (a resume keeps it)
         self.losses: list[float] = []
         self.history: dict[str, list] = {"epoch": [], "valid_auc": [], "valid_logloss": []}
         self.train_seconds, self.train_samples = 0.0, 0
