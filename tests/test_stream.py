@@ -211,6 +211,41 @@ def test_a_prepared_cache_trains_exactly_as_the_file_read_into_memory(tmp_path, 
     assert "cache exists: remove it or give another output directory" in capsys.readouterr().err
 
 
+def test_a_prepared_cache_refuses_a_job_that_differs_and_records_what_it_trains_on(tmp_path, capsys):
+    """--prepared never ignores the job: a schema, split, seed or data path other than the cache's
+    is refused naming the key and both values, before the run directory is written; a job naming
+    no data trains on the cache's settings and its config.toml records them."""
+    import tomllib
+
+    _clicks(tmp_path / "clicks.csv", 600, 0)
+    text = JOB.format(path=tmp_path / "clicks.csv")
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    assert main(["data", "prepare", "--config", str(job), "--out", str(tmp_path / "cache")]) == 0
+    capsys.readouterr()
+    changes = {"schema.categorical[1].min_count": text.replace("min_count = 2", "min_count = 3"),
+               "data.split.fractions[1]": text.replace("[0.7, 0.15, 0.15]", "[0.7, 0.2, 0.1]"),
+               "training.seed": text.replace("[train]\n", "[train]\nseed = 7\n"),
+               "data.path": text.replace("clicks.csv", "other.csv")}
+    (tmp_path / "other.csv").write_text((tmp_path / "clicks.csv").read_text())
+    for key, changed in changes.items():
+        assert changed != text, key
+        (tmp_path / "changed.toml").write_text(changed)
+        run = tmp_path / f"run_{key}"
+        assert main(["train", "--config", str(tmp_path / "changed.toml"), "--prepared", str(tmp_path / "cache"),
+                     "--run-dir", str(run)]) == 1, key
+        err = capsys.readouterr().err.strip()
+        assert f"was prepared from another job ({key}:" in err and len(err.splitlines()) == 1, err
+        assert not run.exists(), key
+    assert main(["train", "--prepared", str(tmp_path / "cache"), "--epochs", "1", "--run-dir",
+                 str(tmp_path / "bare")]) == 0
+    recorded = tomllib.loads((tmp_path / "bare" / "config.toml").read_text())
+    assert recorded["data"]["path"] == str(tmp_path / "clicks.csv") and recorded["data"]["split"] == [0.7, 0.15, 0.15]
+    assert recorded["schema"]["categorical"][0]["column"] == "city"
+    assert main(["train", "--config", str(tmp_path / "bare" / "config.toml"), "--epochs", "1", "--run-dir",
+                 str(tmp_path / "again")]) == 0  # the recorded job trains again, on the same cache
+
+
 def test_a_random_prepared_split_is_disjoint_covering_and_fits_on_train_only(tmp_path):
     path = _file(tmp_path, n=2000)
     prepare(path, SCHEMA, tmp_path / "cache", split=Split((0.8, 0.1, 0.1)), seed=5)

@@ -120,23 +120,24 @@ def record_differences(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> lis
     empty when they agree."""
     a, b = json.loads(saved["json"]), json.loads(ours["json"])
     a["reader"], b["reader"] = reader_settings(a["reader"]), reader_settings(b["reader"])
-    out = [f"{key} ({_first_difference(a.get(key), b.get(key))})" for key in _RESUME_KEYS if a.get(key) != b.get(key)]
+    out = [f"{key} ({first_difference(a.get(key), b.get(key))})" for key in _RESUME_KEYS if a.get(key) != b.get(key)]
     if not torch.equal(saved["vocabularies"], ours["vocabularies"]):
         out.append("vocabularies (another fit of the training split)")
     return out
 
 
-def _first_difference(a: Any, b: Any, path: str = "") -> str:  # noqa: ANN401 - JSON values
-    """Where two JSON values first differ: ``key.sub: saved -> this run's``."""
+def first_difference(a: Any, b: Any, path: str = "", sides: tuple[str, str] = ("in the checkpoint", "in this run")
+                     ) -> str:  # noqa: ANN401 - JSON values
+    """Where two JSON values first differ: ``key.sub: <a> <sides[0]>, <b> <sides[1]>``."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+                return first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k), sides)
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
-                return _first_difference(x, y, f"{path}[{i}]")
-    return f"{path or 'value'}: {json.dumps(a)[:80]} in the checkpoint, {json.dumps(b)[:80]} in this run"
+                return first_difference(x, y, f"{path}[{i}]", sides)
+    return f"{path or 'value'}: {json.dumps(a)[:80]} {sides[0]}, {json.dumps(b)[:80]} {sides[1]}"
 
 
 def check_record(state: Mapping[str, Any], ours: Mapping[str, Any], path: str | Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from hetero.data import BatchConfig
 from hetero.data.encode import Encoding
 from hetero.data.readers import ReaderConfig
-from hetero.data.prepare import load_prepared, prepare, prepared_reader
+from hetero.data.prepare import load_prepared, prepare, prepared_job, prepared_job_document, prepared_reader
 from hetero.data.split import read_dataset
 from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, fit_stream
 from hetero.data.tabular import EvalData, Feature, Rows
@@ -18,6 +18,7 @@ from hetero.config.job import JobConfig
 from hetero.config.manager import locate
 from hetero.config.toml import read_job_file
 from hetero.parallel.env import DataParallelGroup
+from hetero.record import first_difference
 
 
 @dataclasses.dataclass
@@ -43,6 +44,36 @@ def job_path(job: JobConfig) -> Path | tuple[Path, ...]:
     if job.data.path is None:
         raise ValueError(f"{job.config or 'the job'} names no data: set path in its [data] section, or --data-path")
     return job.data.path
+
+
+def with_prepared(job: JobConfig) -> JobConfig:
+    """A job on a prepared cache (``data.prepared``) with the cache's data path, split, reader
+    settings and schema, so that the run's record and ``config.toml`` say what it trains on. A job
+    that describes data itself (a ``[schema]`` or a data path) must describe the cache's: its
+    located paths, split, reader settings and schema are compared with those the cache was
+    prepared from, and a random split's seed with ``training.seed``. Other jobs are returned as they are.
+
+    Raises:
+        ValueError: the first key that differs, with both values and the fix.
+    """
+    d = job.data
+    if d.prepared is None:
+        return job
+    cache = prepared_job(d.prepared)
+    ours = prepared_job_document(cache.path if d.path is None else d.path, cache.schema if job.schema is None else
+                                 job.schema, d.reader, d.split, job.training.seed)
+    if job.schema is None and d.path is None:  # the job names no data: the cache's own settings are the job's
+        ours = {**cache.document, "training.seed": ours["training.seed"]}
+    if cache.seed is None:
+        ours["training.seed"] = None  # a split by files: no seed draws it
+    if ours != cache.document:
+        key = next(k for k in cache.document if cache.document[k] != ours[k])
+        what = first_difference(cache.document[key], ours[key], key, ("in the cache", "in this job"))
+        fix = "--seed " + str(cache.seed) if key == "training.seed" else "the job file the cache was prepared from"
+        raise ValueError(f"--prepared {d.prepared} was prepared from another job ({what}): train with {fix}, or "
+                         f"prepare a cache of this job (hetero data prepare)")
+    data = dataclasses.replace(d, path=cache.path, split=cache.split, reader=cache.reader)
+    return dataclasses.replace(job, data=data, schema=cache.schema)
 
 
 def job_data(job: JobConfig, dp: DataParallelGroup = DataParallelGroup()) -> JobData:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetero import parallel
-from hetero.cli.data import job_data
+from hetero.cli.data import job_data, with_prepared
 from hetero.data.stream import StreamBatches
 from hetero.data.tabular import BatchConfig, Batches, Feature, Rows
 from hetero.config.job import JobConfig, Parallelism, TableSharding, TableStorage
@@ -72,7 +72,7 @@ def plan_job(job: JobConfig) -> Path:
     """``hetero plan``: the job's plan for ``planner.world_size`` ranks, printed and written to
     ``planner.out``."""
     torch.manual_seed(job.training.seed)
-    data = job_data(locate(job))
+    data = job_data(with_prepared(locate(job)))
     if isinstance(data.train, StreamBatches):
         raise ValueError("hetero plan captures in-memory or prepared data: drop --stream (or prepare a cache)")
     model, _ = job_model(job, data.specs, data.num_dense, resolve_device(Target.DEVICE))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hetero import parallel, ps
-from hetero.cli.data import job_data
+from hetero.cli.data import job_data, with_prepared
 from hetero.cli.errors import report_error
 from hetero.cli.plan import dense_optimizer, job_model, job_plan, plan_changes, planning_batches, ssd_settings
 from hetero.config.job import JobConfig, Resume, TableSharding, TableStorage
@@ -84,6 +84,7 @@ def build_trainer(job: JobConfig, dims: ParallelDims | None = None, ps_job: ps.P
     :func:`hetero.parallel.parallelize.parallelize`. Nothing is written into the run directory here."""
     torch.manual_seed(job.training.seed)
     job = locate(job)  # absolute data paths: the config.toml it writes reads the same files from anywhere
+    job = with_prepared(job)  # a prepared cache's job checked against this one (the record says what it trains on)
     server = ps_job is not None and ps_job.role is ps.Role.SERVER
     dims = (dims or job_dims(job)).build(ps_job.dp if ps_job is not None and not server else None)
     data = job_data(job, dims.dp_group)

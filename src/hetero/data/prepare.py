@@ -4,7 +4,9 @@ so later epochs (and later jobs) skip decoding and encoding.
 Layout of a cache directory (written under a temporary name, renamed when complete: a cache that
 exists is whole)::
 
-    manifest.json          format, source, per split: rows, each file's CRC-32; feature layout; id dtype
+    manifest.json          format, source, the job it was prepared from (``job``: data path, split,
+                           reader, schema, seed: a training job is checked against it), per
+                           split: rows, each file's CRC-32; feature layout; id dtype
     encoding.json, vocabularies.parquet     the fitted schema (hetero.data.encode.save_encoding)
     <split>/ids.bin        (N, F) int32 or int64, row-major: the single-valued features' ids
     <split>/dense.bin      (N, K) float32 (K = 0: an empty file)
@@ -43,11 +45,11 @@ import torch
 from hetero.data.encode import Encoding, Fitter, load_encoding, save_encoding
 from hetero.data.readers import ReaderConfig, reader_from_dict, reader_to_dict, record_batches
 from hetero.data.split import Split
-from hetero.data.schema import Schema
+from hetero.data.schema import Schema, plain_data, schema_from_dict, schema_to_dict
 from hetero.data.tabular import Batch, Feature, Jagged, TabularDataset
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # 2: files by position, a CRC-32 per file
+FORMAT_VERSION = 3  # 2: files by position, a CRC-32 per file; 3: the job it was prepared from
 SPLITS = ("train", "valid", "test")
 
 
@@ -100,6 +102,7 @@ def prepare(path: str | Path, schema: Schema, out: str | Path, reader: ReaderCon
         save_encoding(encoding, tmp)
         manifest = {"format_version": FORMAT_VERSION, "source": str(path), "seed": seed,
                     "reader": reader_to_dict(reader),  # how the source was read: a run's predict reads files so too
+                    "job": prepared_job_document(path, schema, reader, split, seed),
                     "splits": {name: w.close() for name, w in writers.items()}}
         empty = [name for name, info in manifest["splits"].items() if not info["rows"]]
         if empty:
@@ -110,6 +113,43 @@ def prepare(path: str | Path, schema: Schema, out: str | Path, reader: ReaderCon
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def prepared_job_document(path: str | Path | tuple, schema: Schema, reader: ReaderConfig, split: Split,
+                          seed: int) -> dict[str, Any]:
+    """What decides a cache's rows, as JSON-able data: ``data.path``, ``data.split``,
+    ``data.reader``, ``schema`` and ``training.seed`` (only a random split draws with it)."""
+    paths = [str(p) for p in path] if isinstance(path, (tuple, list)) else str(path)
+    return {"data.path": paths, "data.split": plain_data(split), "data.reader": reader_to_dict(reader),
+            "schema": schema_to_dict(schema), "training.seed": seed if split.valid_path is None else None}
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedJob:
+    """The job a cache was prepared from (its manifest's ``job``): what a training job on it uses."""
+
+    path: Path | tuple[Path, ...]
+    split: Split
+    reader: ReaderConfig
+    schema: Schema
+    seed: int | None  # None: a split by files (no seed draws it)
+    document: dict[str, Any]  # (:func:`prepared_job_document`)
+
+
+def prepared_job(directory: str | Path) -> PreparedJob:
+    """The job a cache was prepared from.
+
+    Raises:
+        FileNotFoundError, ValueError: not a cache of this format (as :func:`load_prepared`).
+    """
+    doc = _manifest(Path(directory))["job"]
+    p = doc["data.path"]
+    split = doc["data.split"]
+    split = Split(tuple(split["fractions"]), split["time_column"],
+                  *(None if split[k] is None else Path(split[k]) for k in ("valid_path", "test_path")))
+    return PreparedJob(tuple(Path(x) for x in p) if isinstance(p, list) else Path(p), split,
+                       reader_from_dict(doc["data.reader"]), schema_from_dict(doc["schema"], f"{directory} schema"),
+                       doc["training.seed"], doc)
 
 
 class _SplitWriter:
@@ -234,6 +274,14 @@ def load_prepared(directory: str | Path) -> tuple[PreparedDataset, PreparedDatas
         FileNotFoundError: not a prepared cache (no manifest).
     """
     directory = Path(directory)
+    manifest = _manifest(directory)
+    encoding = load_encoding(directory)
+    specs = encoding.specs()
+    train, valid, test = (PreparedDataset(directory / name, manifest["splits"][name], specs) for name in SPLITS)
+    return train, valid, test, encoding
+
+
+def _manifest(directory: Path) -> dict[str, Any]:
     if not (directory / MANIFEST).is_file():
         raise FileNotFoundError(f"{directory} is not a prepared cache (no {MANIFEST}): write one with `hetero data "
                                 f"prepare --config job.toml --out {directory}`")
@@ -241,10 +289,7 @@ def load_prepared(directory: str | Path) -> tuple[PreparedDataset, PreparedDatas
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{directory} is a prepared cache of format {manifest.get('format_version')}; this hetero reads "
                          f"format {FORMAT_VERSION}: prepare it again (hetero data prepare)")
-    encoding = load_encoding(directory)
-    specs = encoding.specs()
-    train, valid, test = (PreparedDataset(directory / name, manifest["splits"][name], specs) for name in SPLITS)
-    return train, valid, test, encoding
+    return manifest
 
 
 def _verify(directory: Path, crcs: dict[str, int], chunk: int = 1 << 22) -> None:
