@@ -128,6 +128,28 @@ def test_early_stopping_scores_test_with_the_best_epoch(tmp_path, capsys):
     assert again["steps"] == got["steps"] and again["test_auc"] == pytest.approx(got["test_auc"], abs=1e-9)
 
 
+def test_a_default_run_selects_on_validation_writes_best_pt_and_names_the_epoch_scored(tmp_path, capsys, caplog):
+    """No flag: the best epoch (validation AUC) is kept, training stops 2 epochs after it, the
+    test split is scored by it (and said so, not as a resume), and README's predict on best.pt works."""
+    import logging
+
+    data = tmp_path / "clicks.csv"
+    _clicks(data, n=600)
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(path=data).replace("deep_lr = 0.05", "deep_lr = 0.5\ndense_lr = 0.05"))  # overfits
+    with caplog.at_level(logging.INFO, logger="hetero"):
+        assert main(["train", "--config", str(job), "--epochs", "25", "--run-dir", str(tmp_path / "d")]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    history = json.loads((tmp_path / "d" / "metrics.json").read_text())["history"]["valid_auc"]
+    assert got["stopped_early"] and got["test_epoch"] == got["best_epoch"] < got["epochs"] < 25
+    assert history[got["best_epoch"] - 1] == max(history)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("resumed from" in m for m in said), said
+    assert any(f"scored by the best epoch's model (epoch {got['best_epoch']} of {got['epochs']}" in m for m in said)
+    assert main(["predict", "--checkpoint", str(tmp_path / "d" / "best.pt"), "--data", str(data),
+                 "--out", str(tmp_path / "s.csv")]) == 0
+
+
 def test_hetero_plan_reads_a_job_file_that_trains_with_a_plan(tmp_path):
     from hetero.config import load_job
 

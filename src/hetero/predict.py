@@ -5,17 +5,23 @@ model, the fitted encoding and the reader settings the run read its files with -
 read and encoded exactly as training read it, wherever the checkpoint lies (a merged
 ``model.pt`` too). Prediction streams the file in blocks (memory bounded as in training); under
 torchrun each rank scores its shard (:func:`hetero.data.shards.file_shards`) and rank 0 joins the
-parts in file order. The output (Parquet, or CSV by the suffix) has one row per input row: the
-``id_column``'s value if one is named, ``score`` (the predicted probability, float64) and, when
+parts in file order. The output (Parquet, or CSV by the suffix) has one row per input row, in
+input order: the ``id_column``'s value if one is named (as the file has it: a line format's
+text, exactly; a Parquet file's type), ``score`` (the predicted probability, float64) and, when
 the file has the label column, ``label`` (0/1 by the schema's rule); the returned metrics then
-hold the file's AUC and log loss.
+hold the file's AUC and log loss. A row the run's reader settings skip as bad (``on_bad_rows =
+"skip"``) keeps its place with a null score and label, counted (``bad_rows``); a row of another
+field count cannot keep its place and is an error naming it. The output is written block by
+block (:class:`ScoreWriter`): resident memory is flat in the row count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +30,13 @@ import torch
 
 from hetero.checkpoint import CheckpointError, load_checkpoint
 from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, record_batches
+from hetero.data.rows import BAD_ROW, BadRowCount
 from hetero.data.shards import file_shards
 from hetero.record import reader_settings
 from hetero.serving.export import MANIFEST, RECORD
 from hetero.serving.model import ExportedModel
-from hetero.serving.restore import restore_model, run_record
-from hetero.train.report import binary_metrics
+from hetero.serving.restore import restore_model, run_record, tier_scratch
+from hetero.train.report import StreamingBinaryMetrics
 
 
 def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: ReaderConfig | None = None,
@@ -75,52 +82,97 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
     if exported:  # its tables and program (the run record told how to read and encode the file)
         return _score(ExportedModel(checkpoint), encoding, schema, data, reader, out, batch_size, rank, world_size,
                       id_column, labelled)
-    with tempfile.TemporaryDirectory(dir=checkpoint.parent, prefix=".hetero-predict-") as scratch:
-        # tables the run kept on the SSD tier are read from its snapshots there (linked into a scratch
-        # store beside the checkpoint: the same file system)
-        model = restore_model(checkpoint, state, record, encoding.specs(), Path(scratch))
+    # tables the run kept on the SSD tier are read from its snapshots, linked into a scratch store on
+    # the checkpoint's file system (none is made for tables in memory)
+    with tier_scratch(checkpoint, state, out.parent) as scratch:
+        model = restore_model(checkpoint, state, record, encoding.specs(), scratch)
         del state
         return _score(model, encoding, schema, data, reader, out, batch_size, rank, world_size, id_column, labelled)
 
 
 def _score(model, encoding, schema, data: Path, reader: ReaderConfig, out: Path, batch_size: int, rank: int,  # noqa: ANN001
            world_size: int, id_column: str | None, labelled: bool) -> tuple[Path, dict[str, float | None]] | None:
+    """Score ``data`` (this rank's shard) block by block, each block written as it is scored."""
     import pyarrow as pa
 
     shard = file_shards(data, reader, world_size)[rank] if world_size > 1 else None
     extra = (id_column,) if id_column is not None and id_column not in schema.columns else ()
-    scores, labels, ids = [], [], []
-    with torch.no_grad():
-        for batch in record_batches(data, schema, reader, extra=extra, shard=shard, block_bytes=1 << 22):
-            block = encoding.encode(batch, str(data))
-            if id_column is not None:
-                ids.append(batch.column(id_column))
+    bad = BadRowCount(mark=True)  # a bad row stays in place: a null score (one output row per input row)
+    target = out.with_name(f"{out.name}.part-{rank}.parquet") if world_size > 1 else out
+    tally = _Tally(labelled)
+    with ScoreWriter(target, as_csv=world_size == 1 and out.suffix == ".csv") as sink, torch.no_grad():
+        for batch in record_batches(data, schema, reader, extra=extra, shard=shard, block_bytes=1 << 22, bad=bad,
+                                    text=extra):
+            flags = batch.column(BAD_ROW).to_numpy(zero_copy_only=False)
+            good = pa.RecordBatch.from_arrays([batch.column(c) for c in batch.schema.names if c != BAD_ROW],
+                                              names=[c for c in batch.schema.names if c != BAD_ROW])
+            good = good.filter(pa.array(~flags)) if flags.any() else good
+            block = encoding.encode(good, str(data))
+            probs, labels = [], []
             for b in block.batches(batch_size):
-                scores.append(torch.sigmoid(model(b.features, b.dense)).double())
-                labels.append(b.label)
-    columns: dict[str, Any] = {}
-    if id_column is not None:
-        columns[id_column] = pa.chunked_array(ids, type=ids[0].type) if ids else pa.array([], pa.string())
-    columns["score"] = torch.cat(scores).numpy() if scores else np.zeros(0)
-    if labelled:
-        columns["label"] = (torch.cat(labels).numpy() if labels else np.zeros(0)).astype("int8")
-    table = pa.table(columns)
-    if world_size > 1:  # each rank's part as Parquet (typed even when empty), joined on rank 0
-        part = out.with_name(f"{out.name}.part-{rank}.parquet")
-        _write(table, part, as_csv=False)
+                probs.append(torch.sigmoid(model(b.features, b.dense)).double().numpy())
+                labels.append(b.label.numpy())
+            columns: dict[str, Any] = {}
+            if id_column is not None:
+                columns[id_column] = batch.column(id_column)  # every row's, bad ones too, as the file has it
+            columns["score"] = _placed(np.concatenate(probs) if probs else np.zeros(0), flags, pa.float64())
+            if labelled:
+                columns["label"] = _placed((np.concatenate(labels) if labels else np.zeros(0)).astype(np.int8), flags,
+                                           pa.int8())
+            table = pa.table(columns)
+            if world_size == 1:
+                tally.add(table)
+            sink.write(table)
+    if world_size > 1:  # each rank's part (Parquet, typed even when empty), streamed into ``out`` on rank 0
+        import pyarrow.parquet as pq
+
         torch.distributed.barrier()  # every part written
         if rank != 0:
             return None
         parts = [out.with_name(f"{out.name}.part-{r}.parquet") for r in range(world_size)]
-        table = pa.concat_tables([_read(p) for p in parts])
+        with ScoreWriter(out, as_csv=out.suffix == ".csv") as sink:
+            for part in parts:
+                for piece in pq.ParquetFile(part).iter_batches(batch_size=1 << 16):
+                    table = pa.Table.from_batches([piece])
+                    tally.add(table)
+                    sink.write(table)
         for p in parts:
             p.unlink()
-    _write(table, out, as_csv=out.suffix == ".csv")
-    metrics: dict[str, float | None] = {"rows": table.num_rows}
-    if labelled:
-        m = binary_metrics(table.column("label").to_numpy(), table.column("score").to_numpy())
-        metrics.update({"auc": m["auc"], "logloss": m["logloss"]})
-    return out, metrics
+    return out, tally.metrics()
+
+
+def _placed(values: np.ndarray, flags: np.ndarray, kind) -> Any:  # noqa: ANN001, ANN401 - pyarrow types
+    """``values`` of the good rows at their places among ``flags.size`` rows, a bad row null."""
+    import pyarrow as pa
+
+    if not flags.any():
+        return pa.array(values, kind)
+    full = np.zeros(flags.shape[0], dtype=values.dtype)
+    full[~flags] = values
+    return pa.array(full, kind, mask=flags)
+
+
+class _Tally:
+    """What predict reports of the rows written: their count, the bad rows (a null score) and,
+    for a labelled file, AUC and log loss over the scored rows (memory flat in the row count)."""
+
+    def __init__(self, labelled: bool) -> None:
+        self.rows, self.bad, self.labelled = 0, 0, labelled
+        self.scores = StreamingBinaryMetrics()
+
+    def add(self, table) -> None:  # noqa: ANN001 - a pyarrow Table
+        score = table.column("score")
+        self.rows, self.bad = self.rows + table.num_rows, self.bad + score.null_count
+        if self.labelled:
+            valid = score.is_valid().to_numpy(zero_copy_only=False)
+            self.scores.add(table.column("label").to_numpy(zero_copy_only=False)[valid],
+                            score.to_numpy(zero_copy_only=False)[valid])
+
+    def metrics(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {"rows": self.rows, "bad_rows": self.bad}
+        if self.labelled:
+            out.update(self.scores.metrics())
+        return out
 
 
 def _reader(saved: ReaderConfig, given: ReaderConfig | None, checkpoint: Path) -> ReaderConfig:
@@ -137,20 +189,64 @@ def _reader(saved: ReaderConfig, given: ReaderConfig | None, checkpoint: Path) -
     return given
 
 
-def _write(table, path: Path, as_csv: bool) -> None:  # noqa: ANN001 - a pyarrow Table
-    """``table`` to ``path`` atomically (a temporary name, then a rename)."""
-    import pyarrow.csv as csv
-    import pyarrow.parquet as pq
+class ScoreWriter:
+    """Scores written as they come (a Parquet row group, or CSV lines, per :meth:`write`) into a
+    temporary file beside ``path``, renamed over ``path`` when the context closes without error;
+    removed on any error. Opened (its directory made, the file created) on entry, before anything
+    is scored. A failed write names the file and the cause (``ENOSPC``, ``EFBIG``, ``EIO``).
 
-    tmp = path.with_name(path.name + ".tmp")
-    if as_csv:
-        csv.write_csv(table, tmp)
-    else:
-        pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    Raises:
+        OSError: the directory or file cannot be made or written, naming it.
+    """
+
+    def __init__(self, path: Path, as_csv: bool) -> None:
+        self.path, self.as_csv = path, as_csv
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.writer = None
+
+    def __enter__(self) -> "ScoreWriter":
+        with _naming(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp.touch()
+        return self
+
+    def write(self, table) -> None:  # noqa: ANN001 - a pyarrow Table
+        import pyarrow.csv as csv
+        import pyarrow.parquet as pq
+
+        with _naming(self.path):
+            if self.writer is None:
+                self.writer = (csv.CSVWriter if self.as_csv else pq.ParquetWriter)(str(self.tmp), table.schema)
+            self.writer.write_table(table)
+
+    def __exit__(self, kind, error, trace) -> None:  # noqa: ANN001
+        try:
+            if kind is None:
+                with _naming(self.path):
+                    if self.writer is None:  # no rows: an empty file of the columns' types
+                        import pyarrow as pa
+
+                        self.write(pa.table({"score": pa.array([], pa.float64())}))
+                    self.writer.close()
+                    os.replace(self.tmp, self.path)
+                    return
+            if self.writer is not None:
+                with contextlib.suppress(Exception):
+                    self.writer.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
-def _read(path: Path):  # noqa: ANN202 - a pyarrow Table
-    import pyarrow.parquet as pq
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An ``OSError`` (or pyarrow's ``ArrowException`` wrapping one) re-raised as one naming
+    ``path`` and the cause."""
+    import pyarrow as pa
 
-    return pq.read_table(path)
+    try:
+        yield
+    except (OSError, pa.ArrowException) as e:
+        code = getattr(e, "errno", None)
+        cause = errno.errorcode.get(code, "") if code else ""
+        raise OSError(code, f"cannot write {path}: {cause + ' ' if cause else ''}{getattr(e, 'strerror', None) or e}"
+                      ) from e

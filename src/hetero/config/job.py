@@ -228,7 +228,7 @@ class Training:
     """Passes over the training split."""
     max_steps: Annotated[int | None, alias("--max-steps"), Bounds(low=1)] = None
     """Stop after this many steps in total."""
-    patience: Annotated[int, alias("--patience"), Bounds(low=0)] = 0
+    patience: Annotated[int, alias("--patience"), Bounds(low=0)] = 2
     """Stop after this many epochs without a better validation AUC (0: never early); implies keep_best."""
     prefetch: Annotated[bool, alias("--prefetch")] = False
     """Prepare the next batch's lookups on a worker thread."""
@@ -247,8 +247,8 @@ class Checkpoint:
     server): each rank its part (torch.distributed.checkpoint)."""
     every: Annotated[int, alias("--checkpoint-every"), Bounds(low=0)] = 0
     """Steps between checkpoints (0: each epoch)."""
-    keep_best: Annotated[bool, alias("--keep-best")] = False
-    """Also keep the best epoch's checkpoint (best.pt) and score the test split with it."""
+    keep_best: Annotated[bool, alias("--keep-best")] = True
+    """Keep the best epoch's checkpoint (best.pt, by validation AUC) and score the test split with it."""
     resume: Annotated[Resume | None, alias("--resume")] = None
     """Continue from the run directory's checkpoint; auto: if it exists (not recorded)."""
     overwrite: Annotated[bool, alias("--overwrite")] = False

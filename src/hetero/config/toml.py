@@ -39,7 +39,7 @@ from typing import Any
 import tomli_w
 
 from hetero.config.job import SECTIONS, Data, JobConfig, keys, parse_bytes
-from hetero.data.readers import Join, ReaderConfig
+from hetero.data.readers import Join, ReaderConfig, with_format_separators
 from hetero.data.schema import build_dataclass, check_keys, checked, parse_enum, plain_data, schema_from_dict
 from hetero.data.split import Split
 from hetero.data.toml_values import check_type
@@ -97,6 +97,11 @@ def read_job_file(path: Path) -> JobConfig:
             raise ValueError(f"{path} [train]: no_progress = {value!r}: give true or false")
     job = JobConfig(config=path, data=_data(data, f"{path} [data]"),
                     schema=schema_from_dict(doc["schema"], f"{path} [schema]") if "schema" in doc else None)
+    if job.schema is not None:
+        if not job.schema.categorical and not job.schema.dense:
+            raise ValueError(f"{path} [schema] has no feature: add [[schema.categorical]] or [[schema.dense]] columns "
+                             f"(a model of no feature scores every row alike: AUC 0.5)")
+        job.schema = with_format_separators(job.schema, job.data.reader)  # (a libFM file's bags: "|")
     for name, cls in SECTIONS.items():
         setattr(job, name, _section(cls, sections[name], f"{path} [{name}]"))
     return job

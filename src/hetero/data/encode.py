@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import zlib
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+log = logging.getLogger("hetero")
 
 from hetero.data.rows import normalized_text
 from hetero.data.schema import Categorical, Cross, Schema, Transform, schema_from_dict, schema_to_dict
@@ -216,6 +219,7 @@ class Fitter:
         self.counts: dict[str, list[pa.Table]] = {c.name: [] for c in self.vocab_columns}
         self.seen = {c.name: 0 for c in self.vocab_columns}  # values so far: the order of first appearance
         self.moments = {d.column: (0, 0.0, 0.0) for d in schema.dense if d.transform is Transform.STANDARDIZE}
+        self.rows = 0
 
     def add(self, batch: pa.Table | pa.RecordBatch, source: str) -> None:
         """Count ``batch``'s rows (raises as :func:`fit`)."""
@@ -223,6 +227,7 @@ class Fitter:
         import pyarrow.compute as pc
 
         self.schema.check(batch.column_names, source, drop=False)  # the readers keep the used columns
+        self.rows += batch.num_rows
         for c in self.vocab_columns:
             counts = pc.value_counts(_tokens(c, batch)[0])
             order = pa.array(np.arange(self.seen[c.name], self.seen[c.name] + len(counts), dtype=np.int64))
@@ -248,6 +253,7 @@ class Fitter:
         for c in self.vocab_columns:
             merged = _merge(self.counts[c.name]).sort_by("order")
             values, n = merged.column("value"), merged.column("count")
+            check_distinct(c, merged.num_rows, self.rows)
             keep = pc.and_(pc.and_(pc.is_valid(values), pc.not_equal(values, "")), pc.greater_equal(n, c.min_count))
             vocabularies[c.name] = pc.filter(values, keep.fill_null(False)).to_pylist()
         statistics = {}
@@ -255,6 +261,30 @@ class Fitter:
             std = math.sqrt(m2 / n) if n else 1.0
             statistics[name] = (float(mean) if n else 0.0, std if std > 0 and math.isfinite(std) else 1.0)
         return Encoding(self.schema, vocabularies, statistics)
+
+
+UNIQUE_SHARE = 0.95  # a vocabulary feature with more distinct values per training row is refused
+MIN_ROWS = 1000  # (of a training split of at least this many rows)
+
+
+def check_distinct(feature: Categorical, distinct: int, rows: int) -> None:
+    """Refuse a vocabulary feature whose distinct values are nearly one per training row: a row
+    id, or a multi-valued column read whole (a libFM file without ``separator``), which trains a
+    row per value seen once and scores every new row as unknown; warn above half.
+
+    Raises:
+        ValueError: more than :data:`UNIQUE_SHARE` of ``rows`` (>= :data:`MIN_ROWS`), naming the
+            feature and the fixes.
+    """
+    if feature.separator is not None or rows < MIN_ROWS or distinct <= rows // 2:
+        return
+    what = (f"categorical {feature.name!r} has {distinct} distinct values in {rows} training rows: nearly every row's "
+            f"value is new, so its rows learn nothing that scores a new row. If the column holds several values per "
+            f"row, set separator = \"|\" (their separator); if it is an id, drop it (drop = [...]) or give it "
+            f"hash_buckets")
+    if distinct > UNIQUE_SHARE * rows:
+        raise ValueError(what)
+    log.warning("hetero: %s", what)
 
 
 def _merge(tables: list[pa.Table]) -> pa.Table:

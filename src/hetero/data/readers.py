@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetero.data.column_rules import column_types, value_rules
 from hetero.data.files import source_files
-from hetero.data.rows import BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, data_end, open_data, \
+from hetero.data.rows import BAD_ROW, BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, data_end, open_data, \
     typed_batch
 from hetero.data.schema import Schema, plain_data
 from hetero.data.svmlight import sparse_format_batches
@@ -150,6 +150,21 @@ def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
     return names, len(header)
 
 
+SPARSE_FORMATS = (FileFormat.LIBSVM, FileFormat.LIBFM, FileFormat.LIBFFM)
+
+
+def with_format_separators(schema: Schema, config: ReaderConfig) -> Schema:
+    """``schema`` as a file of ``config``'s format reads: a libsvm / libFM / libFFM file's feature
+    columns hold a row's ids joined by ``|`` (:func:`~hetero.data.svmlight.sparse_format_batches`),
+    so a categorical feature of one without a ``separator`` takes ``"|"`` - read whole, each
+    row's set of ids would be one vocabulary value (a model of AUC 0.5)."""
+    if config.format not in SPARSE_FORMATS:
+        return schema
+    cats = tuple(dataclasses.replace(c, separator="|") if c.separator is None and not c.numeric else c
+                 for c in schema.categorical)
+    return dataclasses.replace(schema, categorical=cats)
+
+
 def file_columns(path: str | Path, config: ReaderConfig) -> list[str]:
     """The columns a file's rows have, in any format (a CSV file's header or ``column_names``, a
     Parquet file's schema, the svmlight formats' implied columns), then its joins' columns.
@@ -188,12 +203,16 @@ def _joined_columns(path: Path, config: ReaderConfig, join: Join) -> list[str]:
 
 def record_batches(path: str | Path | Sequence[str | Path], schema: Schema, config: ReaderConfig = ReaderConfig(),
                    extra: tuple[str, ...] = (), shard: tuple[int, int] | None = None,
-                   block_bytes: int = 1 << 20, bad: BadRowCount | None = None) -> Iterator[pa.RecordBatch]:
+                   block_bytes: int = 1 << 20, bad: BadRowCount | None = None,
+                   text: tuple[str, ...] = ()) -> Iterator[pa.RecordBatch]:
     """The schema's columns of ``path`` (any of :func:`source_files`; or of one file's ``shard``: bytes ``[start, end)`` of a line
     format, cut at line starts, or row groups ``[start, end)`` of a Parquet file) in record
     batches of about ``block_bytes`` of text, typed (see the module docstring), its joins'
-    columns added, and the columns ``extra`` as pyarrow infers them. Decoding is pyarrow's, on its own threads; memory holds a few
-    blocks and the side tables, not the file.
+    columns added, and the columns ``extra`` as pyarrow infers them (those also in ``text``: as
+    their text, exactly - a 64-bit id is no double - in a line format; a Parquet file's as typed).
+    ``bad``: the count of bad rows, and whether they are marked, not skipped
+    (:class:`~hetero.data.rows.BadRowCount`). Decoding is pyarrow's, on its own threads; memory
+    holds a few blocks and the side tables, not the file.
 
     Raises:
         FileNotFoundError: no such file (or side table).
@@ -210,11 +229,13 @@ def record_batches(path: str | Path | Sequence[str | Path], schema: Schema, conf
         if shard is not None:
             raise ValueError(f"a shard is a byte or row-group range of one file; {path} names {len(files)} files")
         for f in files:
-            yield from record_batches(f, schema, config, extra, None, block_bytes, bad)
+            yield from record_batches(f, schema, config, extra, None, block_bytes, bad, text)
         return
     path = files[0]
     bad = bad if bad is not None else BadRowCount()
     types = column_types(schema)
+    if config.format is not FileFormat.PARQUET:  # ``text``: extra columns as their text, exactly (a Parquet
+        types.update({c: pa.string() for c in text if c in extra and c not in types})  # file's keep their type)
     wanted = schema.columns + [c for c in extra if c not in schema.columns]
     joined = {c: j for j in config.joins for c in _joined_columns(path, config, j)}
     _check_extra(schema, _own_columns(path, config) + list(joined), extra, path)
@@ -233,7 +254,9 @@ def record_batches(path: str | Path | Sequence[str | Path], schema: Schema, conf
             for j, own, table in sides:
                 index = pc.index_in(columns[j.on].cast(pa.string()), value_set=table.column(j.on))  # null: no such key
                 columns.update({c: table.column(c).take(index) for c in own})
-            batch = pa.RecordBatch.from_arrays([_chunk(columns[c]) for c in wanted], names=wanted)
+            kept = wanted + ([BAD_ROW] if bad.mark else [])
+            batch = pa.RecordBatch.from_arrays([_chunk(batch.column(c) if c == BAD_ROW else columns[c]) for c in kept],
+                                               names=kept)
         yield batch
 
 
@@ -292,7 +315,7 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
                                          lines, types, wanted, bad, rules)
         return
     parse = _parse_options(config)
-    if config.on_bad_rows is BadRows.SKIP:
+    if config.on_bad_rows is BadRows.SKIP and not bad.mark:  # (marking: such a row cannot keep its place: an error)
         parse.invalid_row_handler = lambda row: (bad.add(1, f"{path}: a row of {row.actual_columns} fields, "
                                                             f"{row.expected_columns} expected: {row.text[:80]!r}"),
                                                  "skip")[1]
@@ -326,6 +349,10 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
                 # a row of another field count (pyarrow quotes it). Newer pyarrow also numbers it
                 # ("Row #N: "), counted from the start of this byte range, not of the file: left out
                 message = re.sub(r"^(CSV parse error: )Row #\d+: ", r"\1", str(e).splitlines()[0])
+                if bad.mark and config.on_bad_rows is BadRows.SKIP:
+                    raise ValueError(f"{path}: {message}; hetero predict writes one score per input row and cannot "
+                                     f"place a row it cannot split into columns: fix the row (a bad value in a row "
+                                     f"of the right field count scores as null)") from None
                 raise ValueError(f"{path}: {message}; fix the row, or set on_bad_rows = \"skip\"") from None
 
 

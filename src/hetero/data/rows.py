@@ -26,17 +26,27 @@ class BadRows(enum.Enum):
     SKIP = "skip"  # leave the row out and count it (BadRowCount), the first one named in the log
 
 
+BAD_ROW = "__hetero_bad_row__"  # the flag column of a reader that marks bad rows (BadRowCount.mark)
+
+
 @dataclasses.dataclass
 class BadRowCount:
-    """Rows skipped under ``BadRows.SKIP``: how many, and the first one's description."""
+    """Rows skipped under ``BadRows.SKIP``: how many, and the first one's description.
+
+    ``mark``: keep every row a reader can split into columns, a bad one flagged ``True`` in a bool
+    column :data:`BAD_ROW` (its values as read, or null) instead of left out - what ``hetero
+    predict`` reads with, so that its output has one row per input row; a row it cannot split
+    (another field count) is then an error naming it."""
 
     rows: int = 0
     first: str = ""
+    mark: bool = False
 
     def add(self, rows: int, what: str) -> None:
         if rows and not self.rows:
             self.first = what
-            log.warning("hetero: skipping bad rows (on_bad_rows = skip); the first: %s", what)
+            log.warning("hetero: %s bad rows (on_bad_rows = skip); the first: %s",
+                        "marking" if self.mark else "skipping", what)
         self.rows += rows
 
 
@@ -131,10 +141,11 @@ class ValueRule:
 
 def typed_batch(batch: pa.RecordBatch, types: dict, wanted: list[str], path: Path, first: int,
                 on_bad_rows: BadRows, bad: BadRowCount, lines: LineCounter | None = None,
-                rules: tuple[ValueRule, ...] = ()) -> pa.RecordBatch:
+                rules: tuple[ValueRule, ...] = (), marked: np.ndarray | None = None) -> pa.RecordBatch:
     """``batch`` with text columns cast to their types and ``rules`` applied; rows with a value
     that does not convert or breaks a rule are named (the error) or dropped and counted
-    (``BadRows.SKIP``)."""
+    (``BadRows.SKIP``), or flagged in a :data:`BAD_ROW` column (``bad.mark``; ``marked``: rows
+    the caller found bad already, ``(len(batch),)`` bool)."""
     import pyarrow as pa
 
     columns, drop, first_bad = {}, None, ""
@@ -170,7 +181,11 @@ def typed_batch(batch: pa.RecordBatch, types: dict, wanted: list[str], path: Pat
             columns[rule.column] = _apply(rule, columns[rule.column], flag)
     out = pa.RecordBatch.from_pydict(columns)
     if drop is not None:
-        bad.add(int(drop.sum()), first_bad)
+        bad.add(int((drop & ~marked).sum()) if marked is not None else int(drop.sum()), first_bad)
+    if bad.mark:
+        flags = np.zeros(len(batch), dtype=bool) if drop is None else drop
+        return out.append_column(BAD_ROW, pa.array(flags if marked is None else flags | marked))
+    if drop is not None:
         out = out.filter(pa.array(~drop))
     return out
 

@@ -80,10 +80,11 @@ def sparse_format_batches(path: Path, format_name: str, on_bad_rows: BadRows, fi
                 columns[name] = pc.if_else(pa.array(per_row == 0), pa.nulls(n, pa.string()), joined)
             batch = pa.RecordBatch.from_pydict(columns)
             counter, at = lines, first
-            if drop.any():  # the bad tokens' rows out first: the rules then name only rows that remain
+            if drop.any() and not bad.mark:  # the bad tokens' rows out first: the rules then name only rows that remain
                 batch = batch.filter(pa.array(~drop))
                 counter, at = _Renumbered(lines, first, np.flatnonzero(~drop)), 0
-            yield typed_batch(batch, types, wanted, path, at, on_bad_rows, bad, counter, rules)
+            yield typed_batch(batch, types, wanted, path, at, on_bad_rows, bad, counter, rules,
+                              drop if bad.mark else None)
             first += n
 
 

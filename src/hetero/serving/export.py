@@ -42,7 +42,7 @@ from torch import nn
 from hetero.checkpoint import load_checkpoint, save_checkpoint
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, host_tables
 from hetero.record import RECORD_KEY, RunRecord
-from hetero.serving.restore import restore_model, run_record
+from hetero.serving.restore import restore_model, run_record, tier_scratch
 
 FORMAT_VERSION = 2  # 2: source and base identities (1: paths; still scored, never a delta's base)
 READABLE = (1, 2)
@@ -163,8 +163,9 @@ def export(checkpoint: str | Path, out: str | Path, since: str | Path | None = N
             whose SSD tier snapshots are gone (an older checkpoint's, after a newer save of its run).
         ValueError: ``since`` of another model (naming the first difference).
 
-    Tables a run kept on the SSD tier are read from its snapshots (linked into a scratch directory
-    beside the checkpoint, removed after): every exported row is held in memory while written.
+    Tables a run kept on the SSD tier are read from its snapshots (linked into a scratch directory,
+    :func:`~hetero.serving.restore.tier_scratch`, removed after): every exported row is held in
+    memory while written. Nothing is written but ``out`` (and that scratch, for such tables).
     """
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists():
@@ -173,17 +174,15 @@ def export(checkpoint: str | Path, out: str | Path, since: str | Path | None = N
     state = load_checkpoint(checkpoint)
     record = run_record(checkpoint, state)
     with contextlib.ExitStack() as scratch:  # (the tier's snapshots linked in, for the restored models' lifetime)
-        def beside(path: Path) -> Path:
-            return Path(scratch.enter_context(tempfile.TemporaryDirectory(dir=path.parent, prefix=".hetero-export-")))
-
-        model = restore_model(checkpoint, state, record, record.encoding.specs(), beside(checkpoint))
+        model = restore_model(checkpoint, state, record, record.encoding.specs(),
+                              scratch.enter_context(tier_scratch(checkpoint, state, out.parent)))
         tables = model_tables(model)
         older, base = None, None
         if since is not None:
             old_state = load_checkpoint(since)
             old_record = run_record(Path(since), old_state)
             older = model_tables(restore_model(Path(since), old_state, old_record, old_record.encoding.specs(),
-                                               beside(Path(since))))
+                                               scratch.enter_context(tier_scratch(Path(since), old_state, out.parent))))
             _check_same(older, tables, Path(since), checkpoint)
             base = identity(old_state, older)
         return _write(out, model, record, state, tables, older, base, checkpoint, since)

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +38,55 @@ def run_record(checkpoint: Path, state: dict[str, Any]) -> RunRecord:
     return record
 
 
+SCRATCH_PREFIX = ".hetero-scratch-"
+
+
+@contextlib.contextmanager
+def tier_scratch(checkpoint: Path, state: dict[str, Any], near: Path | None = None) -> Iterator[Path | None]:
+    """A scratch directory for :func:`restore_model` to link a checkpoint's SSD tier snapshots
+    into, removed on exit; ``None`` (nothing made) when the checkpoint keeps no tables on the tier.
+
+    Hard links need the checkpoint's file system, so it goes under the system's temporary
+    directory if that is on it, else beside ``near`` (the output) if that is, else beside the
+    checkpoint. It is named ``.hetero-scratch-<pid>-*``: one a killed process left is removed by
+    the next that picks the same place (its process is gone).
+
+    Raises:
+        OSError: no writable place on the checkpoint's file system, naming the directories tried.
+    """
+    if not state.get("tier"):
+        yield None
+        return
+    device = os.stat(checkpoint.parent).st_dev
+    tried = [Path(tempfile.gettempdir()), *([near] if near is not None else []), checkpoint.parent]
+    where = next((d for d in tried if d.is_dir() and os.stat(d).st_dev == device and os.access(d, os.W_OK)), None)
+    if where is None:
+        raise OSError(f"checkpoint {checkpoint} keeps tables on the SSD tier, read through hard links on its own file "
+                      f"system, and none of {[str(d) for d in tried]} is writable there: give an --out on it")
+    _remove_stale(where)
+    with tempfile.TemporaryDirectory(dir=where, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
+        yield Path(scratch)
+
+
+def _remove_stale(directory: Path) -> None:
+    """Remove the scratch directories in ``directory`` whose process is gone (a ``kill -9``)."""
+    for old in directory.glob(f"{SCRATCH_PREFIX}*"):
+        pid = old.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
+
+
 def restore_model(checkpoint: Path, state: dict[str, Any], record: RunRecord, specs: tuple,
                   scratch: Path | None) -> torch.nn.Module:
     """The checkpoint's model in evaluation mode, its state loaded. Tables the run kept on the SSD
     tier are read from its snapshots, linked into ``scratch`` (a directory on the checkpoint's
-    file system; ``None``: such a checkpoint is refused).
+    file system, :func:`tier_scratch`; ``None``: such a checkpoint is refused).
 
     Raises:
         CheckpointError: a model that does not fit the checkpoint, or tables on the SSD tier

@@ -60,3 +60,40 @@ def write_report(run_dir: Path, losses: list[float], metrics: dict[str, Any]) ->
     metrics = {**metrics, "plot": str(plot)}
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
     return metrics
+
+
+class StreamingBinaryMetrics:
+    """ROC AUC and log loss of probabilities fed in pieces (``hetero predict``'s, over a file of any
+    length), resident memory flat in the row count.
+
+    The log loss is exact (a float64 sum, probabilities clipped to ``[1e-7, 1 - 1e-7]`` as
+    :func:`binary_metrics` clips them). The AUC is the Mann-Whitney statistic over a histogram of
+    the probabilities in :attr:`BINS` equal bins of ``[0, 1]`` (16 MiB of counts): a positive and
+    a negative in one bin count as a tie (a half), so it differs from the exact AUC by at most half
+    the share of positive-negative pairs whose scores lie within ``2**-20`` of each other.
+    """
+
+    BINS = 1 << 20
+
+    def __init__(self) -> None:
+        self.counts = np.zeros((2, self.BINS), dtype=np.int64)  # negatives, positives per bin
+        self.loss, self.rows = 0.0, 0
+
+    def add(self, label: np.ndarray, prob: np.ndarray) -> None:
+        """``label`` ``(N,)`` 0/1 and ``prob`` ``(N,)`` float probabilities."""
+        label, prob = np.asarray(label).astype(np.int64), np.asarray(prob, np.float64)
+        p = np.clip(prob, 1e-7, 1 - 1e-7)
+        self.loss -= float(np.where(label == 1, np.log(p), np.log1p(-p)).sum())
+        bins = np.clip((prob * self.BINS).astype(np.int64), 0, self.BINS - 1)
+        np.add.at(self.counts, (label, bins), 1)
+        self.rows += label.shape[0]
+
+    def metrics(self) -> dict[str, float | None]:
+        """``auc`` and ``logloss``; ``None`` where undefined (no rows; one class for the AUC)."""
+        if not self.rows:
+            return {"auc": None, "logloss": None}
+        neg, pos = self.counts
+        below = np.cumsum(neg) - neg  # negatives in lower bins
+        pairs = int(neg.sum()) * int(pos.sum())
+        auc = float(((pos * below).sum() + 0.5 * (pos * neg).sum()) / pairs) if pairs else None
+        return {"auc": auc, "logloss": self.loss / self.rows}

@@ -234,6 +234,13 @@ class TrainerCheckpoints:
                 config; nothing is changed then.
         """
         path = path or self.checkpoint_path
+        self.load(path)
+        log.info("hetero: resumed from %s at epoch %d, batch %d (step %d)",
+                 path, self.epoch, self.batch, self.global_step)
+
+    def load(self, path: Path) -> None:
+        """:meth:`resume` from ``path``, without saying so (the trainer loads its best epoch's
+        checkpoint to score the test split: no resume)."""
         if self.config.checkpoint_format is CheckpointFormat.SHARDED:
             # Validate before touching anything: the run's record first (a small read), then
             # load_sharded checks shards and shapes before it writes into the model.
@@ -250,5 +257,3 @@ class TrainerCheckpoints:
             self.load_state_dict(read_extra(template), path)
         else:
             self.load_state_dict(load_checkpoint(path), path)
-        log.info("hetero: resumed from %s at epoch %d, batch %d (step %d)",
-                 path, self.epoch, self.batch, self.global_step)

@@ -308,8 +308,11 @@ class Trainer(TrainerCheckpoints):
             # the test split is scored by the best epoch's model: restore its checkpoint, keeping
             # this run's record of what happened after it for the report
             record = (self.epoch, self.batch, self.global_step, self.losses, self.history, self.best)
-            self.resume(self.best_path)
+            self.load(self.best_path)
+            log.info("hetero: the test split is scored by the best epoch's model (epoch %d of %d, by validation AUC): "
+                     "%s", self.best["epoch"], record[0], self.best_path)
             self.epoch, self.batch, self.global_step, self.losses, self.history, self.best = record
+        scored = self.best["epoch"] if best and self.best["epoch"] else self.epoch
         test = self.evaluate(self.test)
         if self.scalars is not None:
             self.scalars.metrics("test", self.global_step, test)
@@ -331,6 +334,7 @@ class Trainer(TrainerCheckpoints):
             "checkpoint": str(self.checkpoint_path),
             "history": self.history,
             "best_epoch": self.best["epoch"] or None,  # of the validation score; the test split's model with keep_best
+            "test_epoch": scored,  # the epoch whose model scored the test split
             "stopped_early": self.best["stopped"],
             # each dynamic table's keys admitted, rows evicted, lookups of the default row, rows held
             "dynamic_tables": {name: vars(stats) for name, stats in dynamic.items()},

@@ -1,0 +1,59 @@
+"""A feature that cannot be what the user meant is refused before training: a libFM / libsvm bag
+takes its format's separator by default, a vocabulary feature of nearly one value per row is
+refused (warned above half), a job with no feature is refused."""
+
+import json
+import logging
+import tomllib
+
+import numpy as np
+
+from hetero.cli import main
+
+
+def _frappe(path, n=1500, seed=0):
+    """The Frappe release's layout ("label index:value", labels -1 / 1): two ids a line of a
+    20 x 10 vocabulary, the label a rule of both."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n):
+        a, b = rng.integers(0, 20), 20 + rng.integers(0, 10)
+        lines.append(f"{1 if (a + b) % 3 == 0 else -1} {a}:1 {b}:1")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_libfm_file_without_a_separator_key_trains_on_its_ids(tmp_path, capsys):
+    data = _frappe(tmp_path / "frappe.libfm")
+    got = {}
+    for name, extra in (("bare", ""), ("explicit", 'separator = "|"\n')):
+        job = tmp_path / f"{name}.toml"
+        job.write_text(f'[data]\npath = "{data}"\nformat = "libfm"\n[schema]\nlabel = "label"\n'
+                       f'[[schema.categorical]]\ncolumn = "features"\n{extra}')
+        assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / name), "--no-progress", "--epochs", "3",
+                     "--batch-size", "64"]) == 0
+        got[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["test_auc"]
+    assert got["bare"] == got["explicit"] > 0.6  # (read whole, each line one value: 0.5)
+    recorded = tomllib.loads((tmp_path / "bare" / "config.toml").read_text())
+    assert recorded["schema"]["categorical"][0]["separator"] == "|"  # the run records what it used
+
+
+def test_a_feature_of_nearly_one_value_per_row_and_a_job_without_features_are_refused(tmp_path, capsys, caplog):
+    rng = np.random.default_rng(0)
+    rows = [(i, int(rng.random() < 0.3), f"c{rng.integers(0, 5)}", f"h{i % 1000}") for i in range(1600)]
+    data = tmp_path / "d.csv"
+    data.write_text("id,y,city,half\n" + "".join(f"{i},{y},{c},{h}\n" for i, y, c, h in rows))
+    base = f'[data]\npath = "{data}"\n[schema]\nlabel = "y"\n[[schema.categorical]]\ncolumn = "city"\n'
+    cases = {"id": base + '[[schema.categorical]]\ncolumn = "id"\n', "none": f'[data]\npath = "{data}"\n[schema]\nlabel = "y"\n'}
+    for name, text in cases.items():
+        (tmp_path / f"{name}.toml").write_text(text)
+        assert main(["train", "--config", str(tmp_path / f"{name}.toml"), "--run-dir", str(tmp_path / name),
+                     "--no-progress", "--epochs", "1"]) == 1, name
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and not (tmp_path / name).exists(), err
+        assert ("categorical 'id' has" in err and "drop it" in err) if name == "id" else "has no feature" in err, err
+    (tmp_path / "half.toml").write_text(base + '[[schema.categorical]]\ncolumn = "half"\n')  # ~800 of ~1280: warned
+    with caplog.at_level(logging.WARNING, logger="hetero"):
+        assert main(["train", "--config", str(tmp_path / "half.toml"), "--run-dir", str(tmp_path / "half"),
+                     "--no-progress", "--epochs", "1"]) == 0
+    assert any("categorical 'half' has" in r.getMessage() for r in caplog.records)
