@@ -134,3 +134,81 @@ def test_a_delta_applies_to_its_own_base_only_decided_by_content_never_by_path(t
         x, y = (read_table(tmp_path / d / "tables" / f"{name}.parquet") for d in ("C_direct", "C_full"))
         assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]), name
     assert read_manifest(tmp_path / "C_full")["source"] == read_manifest(tmp_path / "C_direct")["source"]
+
+
+class _Marker:
+    """A pickle that makes a directory when unpickled: the proof that code ran."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (self.path,)
+
+
+def _crafted(src, dst, change):
+    """``src`` (an exported program archive) rewritten entry by entry through ``change(name, bytes)``."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(dst, "w") as b:
+        for info in a.infolist():
+            data = change(info.filename, a.read(info.filename))
+            b.writestr(info.filename, data)
+
+
+def test_no_code_runs_from_a_crafted_export(tmp_path, capsys):
+    """A weight marked use_pickle (torch.export.load unpickles it with weights_only=False), a guard
+    of Python source and a graph target outside torch.ops: each refused in one line, nothing run."""
+    import io
+
+    import torch
+
+    from hetero.serving.program import UnsafeProgramError, load_program
+
+    _csv(tmp_path / "data.csv")
+    (tmp_path / "job.toml").write_text(JOB.format(data=tmp_path / "data.csv"))
+    assert main(["train", "--config", str(tmp_path / "job.toml"), "--epochs", "1", "--no-progress", "--embedding-dim",
+                 "4", "--hidden", "8", "--run-dir", str(tmp_path / "run")]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "run" / "checkpoint.pt"), "--out", str(tmp_path / "e")]) == 0
+    marker = tmp_path / "code_ran"
+
+    def pickled_weight(name, data):
+        if name.endswith("model_weights_config.json"):
+            doc = json.loads(data)
+            doc["config"][next(iter(doc["config"]))]["use_pickle"] = True
+            return json.dumps(doc)
+        if not name.endswith("/weight_0"):
+            return data
+        buf = io.BytesIO()
+        torch.save(_Marker(marker), buf)  # (torch.save's archive of a pickle that calls os.mkdir when loaded)
+        return buf.getvalue()
+
+    def guard(name, data):
+        if name.endswith("models/model.json"):
+            doc = json.loads(data)
+            doc["guards_code"].append(f"__import__('os').mkdir({str(marker)!r})")
+            return json.dumps(doc)
+        return data
+
+    def target(name, data):
+        return data.replace(b'"torch.ops.aten.add.Tensor"', b'"torch.os.system"') if name.endswith("model.json") else data
+
+    _crafted(tmp_path / "e" / "dense.pt2", tmp_path / "pickled.pt2", pickled_weight)
+    with pytest.raises(Exception):  # noqa: B017 - the payload is live: torch's own loader runs it (then fails)
+        torch.export.load(str(tmp_path / "pickled.pt2"))
+    assert marker.is_dir()
+    marker.rmdir()
+    for name, change in (("pickled", pickled_weight), ("guard", guard), ("target", target)):
+        crafted = tmp_path / f"export_{name}"
+        shutil.copytree(tmp_path / "e", crafted)
+        _crafted(tmp_path / "e" / "dense.pt2", crafted / "dense.pt2", change)
+        with pytest.raises(UnsafeProgramError, match="refused"):
+            load_program(crafted / "dense.pt2")
+        capsys.readouterr()
+        assert main(["predict", "--checkpoint", str(crafted), "--data", str(tmp_path / "data.csv"),
+                     "--out", str(tmp_path / f"{name}.csv")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert "refused" in err and len(err.splitlines()) == 1, err
+        assert not marker.exists() and not (tmp_path / f"{name}.csv").exists(), name

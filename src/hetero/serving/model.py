@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hetero.serving.export import DENSE, read_manifest, read_table
+from hetero.serving.program import load_program
 
 
 class ExportedModel:
@@ -24,6 +25,8 @@ class ExportedModel:
 
     Raises:
         ValueError: a delta (apply it to its full export first: :func:`hetero.serving.apply_delta`).
+        UnsafeProgramError: a ``dense.pt2`` that holds code or pickled objects
+            (:func:`hetero.serving.program.load_program`).
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -33,7 +36,7 @@ class ExportedModel:
             raise ValueError(f"{directory} is a delta export: apply it to the full export of {manifest['since']} "
                              f"(hetero.serving.apply_delta), then score with that")
         self.manifest = manifest
-        self.program = torch.export.load(str(directory / DENSE)).module()
+        self.program = load_program(directory / DENSE).module()  # (checked: no code from the file runs)
         self.tables = {}
         for name, t in manifest["tables"].items():
             keys, rows = read_table(directory / "tables" / f"{name}.parquet")
