@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ import numpy as np
 import torch
 
 from hetero.checkpoint import CheckpointError, load_checkpoint
+from hetero.checkpoint.io import naming_write
 from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, record_batches
 from hetero.data.rows import BAD_ROW, BadRowCount
 from hetero.data.shards import file_shards
@@ -205,7 +204,7 @@ class ScoreWriter:
         self.writer = None
 
     def __enter__(self) -> "ScoreWriter":
-        with _naming(self.path):
+        with naming_write(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.tmp.touch()
         return self
@@ -214,7 +213,7 @@ class ScoreWriter:
         import pyarrow.csv as csv
         import pyarrow.parquet as pq
 
-        with _naming(self.path):
+        with naming_write(self.path):
             if self.writer is None:
                 self.writer = (csv.CSVWriter if self.as_csv else pq.ParquetWriter)(str(self.tmp), table.schema)
             self.writer.write_table(table)
@@ -222,7 +221,7 @@ class ScoreWriter:
     def __exit__(self, kind, error, trace) -> None:  # noqa: ANN001
         try:
             if kind is None:
-                with _naming(self.path):
+                with naming_write(self.path):
                     if self.writer is None:  # no rows: an empty file of the columns' types
                         import pyarrow as pa
 
@@ -235,18 +234,3 @@ class ScoreWriter:
                     self.writer.close()
         finally:
             self.tmp.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """An ``OSError`` (or pyarrow's ``ArrowException`` wrapping one) re-raised as one naming
-    ``path`` and the cause."""
-    import pyarrow as pa
-
-    try:
-        yield
-    except (OSError, pa.ArrowException) as e:
-        code = getattr(e, "errno", None)
-        cause = errno.errorcode.get(code, "") if code else ""
-        raise OSError(code, f"cannot write {path}: {cause + ' ' if cause else ''}{getattr(e, 'strerror', None) or e}"
-                      ) from e

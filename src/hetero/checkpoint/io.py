@@ -8,9 +8,11 @@ crash at any point leaves either the previous checkpoint or the new one, never a
 from __future__ import annotations
 
 
+import contextlib
+import errno
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +24,60 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
-    """Write ``state`` (tensors, containers, numbers, strings) to ``path`` atomically."""
+    """Write ``state`` (tensors, containers, numbers, strings) to ``path`` atomically.
+
+    Raises:
+        OSError: the write failed (a full disk, a file size limit, an I/O error), naming the file
+            and the cause (``ENOSPC``, ``EFBIG``, ``EIO``); the file at ``path`` is as before.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(dict(state), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming_write(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as raw:
+                f = _Recording(raw)
+                try:
+                    torch.save(dict(state), f)
+                except RuntimeError as e:  # torch's writer hides the OSError of the file's write
+                    raise (f.error or e) from e
+                raw.flush()
+                os.fsync(raw.fileno())
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_path(path.parent)  # make the rename itself durable
     return path
+
+
+class _Recording:
+    """A binary file for ``torch.save`` that keeps the ``OSError`` a write raised (torch's zip
+    writer turns it into ``RuntimeError: [enforce fail ...] unexpected pos``)."""
+
+    def __init__(self, f) -> None:  # noqa: ANN001 - a binary file
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:  # noqa: ANN001 - bytes-like
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@contextlib.contextmanager
+def naming_write(path: Path) -> Iterator[None]:
+    """An ``OSError`` raised inside (or pyarrow's error wrapping one) re-raised as one ``OSError``
+    naming ``path`` and the cause: ``cannot write PATH: ENOSPC No space left on device``."""
+    try:
+        yield
+    except OSError as e:
+        code = e.errno
+        cause = errno.errorcode.get(code, "") if code else ""
+        raise OSError(code, f"cannot write {path}: {cause + ' ' if cause else ''}{e.strerror or e}") from e
 
 
 def fsync_path(path: str | Path) -> None:

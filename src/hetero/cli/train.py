@@ -39,7 +39,7 @@ from hetero.placement import Target, resolve_device
 from hetero.ps import PSConfig
 from hetero.record import ModelRecord, RunRecord
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
-from hetero.train.run_dir import check_run_dir, remove_run_files
+from hetero.train.run_dir import RunLock, check_run_dir, record_run_files, remove_run_files
 from hetero.train.trainer import weighted_bce
 
 log = logging.getLogger("hetero")
@@ -197,16 +197,21 @@ def run_train(job: JobConfig, on_step=None) -> int:  # noqa: ANN001 - a callable
         rank = parallel.global_rank()
         if rank != 0:  # one voice per job: the other ranks only warn
             logging.getLogger("hetero").setLevel(logging.WARNING)
-        trainer, write_run_files = build_trainer(job, dims, ps_job, on_step)
-        if trainer is None:  # a parameter server: the workers are done
-            failed = False
-            return 0
-        if c.resume is Resume.YES or (c.resume is Resume.AUTO and trainer.has_checkpoint()):
-            trainer.resume()  # checks the checkpoint against this run before it loads anything
-        elif c.overwrite and rank == 0:
-            remove_run_files(c.run_dir)  # every check has passed: the old run's files go (rank 0 writes them all)
-        write_run_files()
-        metrics = trainer.fit()
+        store = ssd_settings(job).directory if job.tables.storage is not TableStorage.MEMORY else None
+        with RunLock(c.run_dir, store, rank) as held:  # one run per run directory and SSD store, for its life
+            trainer, write_run_files = build_trainer(job, dims, ps_job, on_step)
+            if trainer is None:  # a parameter server: the workers are done
+                failed = False
+                return 0
+            if c.resume is Resume.YES or (c.resume is Resume.AUTO and trainer.has_checkpoint()):
+                trainer.resume()  # checks the checkpoint against this run before it loads anything
+            elif c.overwrite and rank == 0:
+                remove_run_files(c.run_dir)  # every check has passed: the old run's files go (rank 0 writes them all)
+            held.started()
+            if rank == 0:
+                record_run_files(c.run_dir, store)
+            write_run_files()
+            metrics = trainer.fit()
         failed = False
     except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed
         report_error(e)

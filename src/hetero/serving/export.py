@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from hetero.checkpoint import load_checkpoint, save_checkpoint
+from hetero.checkpoint.io import naming_write
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, host_tables
 from hetero.record import RECORD_KEY, RunRecord
 from hetero.serving.restore import restore_model, run_record, tier_scratch
@@ -194,10 +195,19 @@ def _write(out: Path, model: nn.Module, record: RunRecord, state: dict[str, Any]
     """The export directory ``out`` of ``model`` and its ``tables`` (a delta against ``older``), atomic."""
     described = {name: _describe(t, tables[name]) for name, t in host_tables(model).items()}
     manifest = {"format_version": FORMAT_VERSION, "kind": "full" if older is None else "delta",
-                "source": identity(state, tables), "base": base, "checkpoint": str(checkpoint), "since": None if since is None else str(since),
-                "model": record.model.kind, "num_dense": record.model.num_dense, "tables": described}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+                "source": identity(state, tables), "base": base, "checkpoint": str(checkpoint),
+                "since": None if since is None else str(since), "model": record.model.kind,
+                "num_dense": record.model.num_dense, "tables": described}
+    with naming_write(out):  # (a failed write names the export and the cause)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        _write_files(tmp, out, model, record, state, tables, older, described, manifest)
+    return manifest
+
+
+def _write_files(tmp: Path, out: Path, model: nn.Module, record: RunRecord, state: dict[str, Any],
+                 tables: dict[str, TableRows], older: dict[str, TableRows] | None, described: dict[str, Any],
+                 manifest: dict[str, Any]) -> None:
     try:
         (tmp / "tables").mkdir()
         for name, rows in tables.items():
@@ -214,7 +224,6 @@ def _write(out: Path, model: nn.Module, record: RunRecord, state: dict[str, Any]
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
 
 
 def _publish(tmp: Path, out: Path) -> None:
