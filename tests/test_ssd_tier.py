@@ -271,6 +271,25 @@ def test_the_main_job_on_the_ssd_tier_equals_it_in_memory(tmp_path, ml_dir):
     assert "mapped_mb = 0.001" in (tmp_path / "ssd" / "config.toml").read_text()
 
 
+def test_evaluation_and_predict_fit_a_cache_smaller_than_their_batches(tmp_path, ml_dir, capsys):
+    """A cache that holds every training batch's rows but not an evaluation batch's (8192 samples):
+    evaluation and predict read in pieces (no update follows), and the run equals it in memory."""
+    from hetero.cli import main
+
+    args = [*movielens(ml_dir), "--epochs", "1", "--batch-size", "16", "--patience", "0"]
+    assert main(["train", *args, "--run-dir", str(tmp_path / "mem")]) == 0
+    assert main(["train", *args, "--run-dir", str(tmp_path / "ssd"), "--table-storage", "ssd", "--cache-mb",
+                 "0.02"]) == 0  # (109 rows: a training batch touches at most 16 of each of its 8 tables)
+    mem, ssd = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("mem", "ssd"))
+    assert (mem["test_auc"], mem["test_logloss"]) == (ssd["test_auc"], ssd["test_logloss"])
+    capsys.readouterr()
+    data = ml_dir / "ml-100k.inter"
+    for d in ("mem", "ssd"):
+        assert main(["predict", "--checkpoint", str(tmp_path / d / "checkpoint.pt"), "--data", str(data), "--out",
+                     str(tmp_path / f"{d}.csv"), "--cache-mb", "0.02"]) == 0
+    assert (tmp_path / "mem.csv").read_text() == (tmp_path / "ssd.csv").read_text()
+
+
 def test_the_ssd_tier_is_refused_beside_what_it_does_not_run_with(ml_dir, capsys):
     from hetero.cli import main
 

@@ -40,10 +40,13 @@ from hetero.train.report import StreamingBinaryMetrics
 
 def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: ReaderConfig | None = None,
             batch_size: int = 8192, rank: int = 0, world_size: int = 1,
-            id_column: str | None = None) -> tuple[Path, dict[str, float | None]] | None:
+            id_column: str | None = None,
+            cache_bytes: int | None = None) -> tuple[Path, dict[str, float | None]] | None:
     """Score ``data`` with ``checkpoint`` (an integrated checkpoint of a schema run, or a full
     ``hetero export`` directory of one: :class:`~hetero.serving.ExportedModel`) into ``out``.
 
+    ``cache_bytes``: the row cache of each table group a run kept on the SSD tier (``None``: the
+    tier's default; any size scores: a batch of more rows is read in pieces).
     ``reader``: ``None`` reads ``data`` with the run's own reader settings (its record); a
     config given must equal them, join paths apart (a job file that locates the side tables).
     With ``world_size`` > 1 (every rank calls it, torch.distributed initialised), rank ``r``
@@ -84,7 +87,7 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
     # tables the run kept on the SSD tier are read from its snapshots, linked into a scratch store on
     # the checkpoint's file system (none is made for tables in memory)
     with tier_scratch(checkpoint, state, out.parent) as scratch:
-        model = restore_model(checkpoint, state, record, encoding.specs(), scratch)
+        model = restore_model(checkpoint, state, record, encoding.specs(), scratch, cache_bytes)
         del state
         return _score(model, encoding, schema, data, reader, out, batch_size, rank, world_size, id_column, labelled)
 

@@ -37,6 +37,19 @@ class PredictCommand:
     """Download cache (default $HETERO_CACHE or ~/.cache/hetero)."""
     batch_size: int = 8192
     """Rows scored at a time."""
+    cache_mb: float | None = None
+    """Row cache (MiB) per table group of a run that kept tables on the SSD tier (default: the tier's)."""
+
+
+def _cache_bytes(mb: float) -> int:
+    """``--cache-mb`` in bytes.
+
+    Raises:
+        ValueError: not a positive finite number of MiB.
+    """
+    if not (0 < mb < float("inf")):
+        raise ValueError(f"--cache-mb {mb}: give a positive number of MiB")
+    return int(mb * (1 << 20))
 
 
 def run_predict(command: PredictCommand) -> int:
@@ -51,7 +64,8 @@ def run_predict(command: PredictCommand) -> int:
             reader = locate(dataclasses.replace(job, data=data)).data.reader
         parallel.init(parallel.DistConfig(backend="gloo"))  # scoring runs on the host: gloo for the barrier
         got = predict(command.checkpoint, command.data, command.out, reader, command.batch_size,
-                      parallel.global_rank(), parallel.world_size(), command.id_column)
+                      parallel.global_rank(), parallel.world_size(), command.id_column,
+                      None if command.cache_mb is None else _cache_bytes(command.cache_mb))
         failed = False
     except Exception as e:  # noqa: BLE001 - reported, then the exit code says it failed
         report_error(e)

@@ -137,6 +137,7 @@ def build_trainer(job: JobConfig, dims: ParallelDims | None = None, ps_job: ps.P
                                     else CheckpointFormat.INTEGRATED)
     config = TrainConfig(epochs=job.training.epochs, checkpoint_every=job.checkpoint.every,
                          max_steps=job.training.max_steps, patience=job.training.patience,
+                         eval_batch_size=job.training.eval_batch_size,
                          keep_best=job.checkpoint.keep_best, progress=job.logging.progress,
                          prefetch=job.training.prefetch, checkpoint_format=fmt,
                          data_parallel=DataParallelConfig(dense_sharded=p.zero >= 2),

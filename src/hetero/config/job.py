@@ -230,6 +230,8 @@ class Training:
     """Stop after this many steps in total."""
     patience: Annotated[int, alias("--patience"), Bounds(low=0)] = 2
     """Stop after this many epochs without a better validation AUC (0: never early); implies keep_best."""
+    eval_batch_size: Annotated[int, alias("--eval-batch-size"), Bounds(low=1)] = 8192
+    """Samples per evaluation forward (validation and test; any size fits an SSD tier's cache)."""
     prefetch: Annotated[bool, alias("--prefetch")] = False
     """Prepare the next batch's lookups on a worker thread."""
     threads: Annotated[int | None, alias("--threads"), Bounds(low=1)] = None

@@ -288,13 +288,29 @@ class TableGroup:
         # Record the version before reading: an update racing with this gather is then seen as
         # newer than the gather and its rows are refreshed before use (conservative).
         plan.version = self.version
-        if self.ssd_config is not None:  # the rows into the cache (misses read ahead or from disk), then out of it
+        if self.ssd_config is not None and not self._fits_cache(plan):  # (no update follows: read in pieces)
+            self._read_in_pieces(plan.unique.numpy(), out)
+        elif self.ssd_config is not None:  # the rows into the cache (misses read ahead or from disk), then out of it
             slots = self._cached(plan)
             torch.index_select(self.ssd.cache.fields["weight"], 0, slots, out=out)
         else:
             torch.index_select(self.storage, 0, plan.unique, out=out)
         plan.rows = out
         return out
+
+    def _fits_cache(self, plan: LookupPlan) -> bool:
+        """Whether the plan's unique rows fit the SSD tier's row cache at once - or must, because a
+        step will update them (gradients on: the cache's own error then names the size to give).
+        An evaluation or ``hetero predict`` batch (no gradient) of more rows is read in pieces."""
+        return torch.is_grad_enabled() or plan.unique is None or plan.unique.numel() <= self.ssd_rows().cache.capacity
+
+    def _read_in_pieces(self, unique: np.ndarray, out: Tensor) -> None:
+        """Rows ``unique`` (int64, sorted) copied into ``out`` ``(U, dim)`` through the row cache,
+        a cache's worth at a time (each piece resident until the next acquire: copied out first)."""
+        cache = self.ssd_rows().cache
+        for lo in range(0, unique.shape[0], cache.capacity):
+            slots = torch.from_numpy(cache.acquire(unique[lo : lo + cache.capacity]))
+            torch.index_select(cache.fields["weight"], 0, slots, out=out[lo : lo + cache.capacity])
 
     def _cached(self, plan: LookupPlan) -> Tensor:
         """The cache slots of the plan's unique rows on the SSD tier (misses read ahead or from
@@ -344,7 +360,7 @@ class TableGroup:
                 # The device is the host: pool straight from the table rows (read at this moment,
                 # so always fresh); there is nothing to transfer, hence no staging copy.
                 rows, index = self.storage, plan.index
-            elif self.dtype == torch.float32 and plan.rows is None:
+            elif self.dtype == torch.float32 and plan.rows is None and self._fits_cache(plan):
                 # The same on the SSD tier: pool straight from the cache, at each id's slot (the
                 # slots stay resident until the cache's next acquire: this step's update)
                 plan.version = self.version

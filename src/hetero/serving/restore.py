@@ -83,10 +83,11 @@ def _remove_stale(directory: Path) -> None:
 
 
 def restore_model(checkpoint: Path, state: dict[str, Any], record: RunRecord, specs: tuple,
-                  scratch: Path | None) -> torch.nn.Module:
+                  scratch: Path | None, cache_bytes: int | None = None) -> torch.nn.Module:
     """The checkpoint's model in evaluation mode, its state loaded. Tables the run kept on the SSD
     tier are read from its snapshots, linked into ``scratch`` (a directory on the checkpoint's
-    file system, :func:`tier_scratch`; ``None``: such a checkpoint is refused).
+    file system, :func:`tier_scratch`; ``None``: such a checkpoint is refused), under a row cache of
+    ``cache_bytes`` per table group (``None``: the tier's default).
 
     Raises:
         CheckpointError: a model that does not fit the checkpoint, or tables on the SSD tier
@@ -96,7 +97,8 @@ def restore_model(checkpoint: Path, state: dict[str, Any], record: RunRecord, sp
     if entry and scratch is None:
         raise CheckpointError(f"checkpoint {checkpoint} keeps tables on the SSD tier: they cannot be exported yet; "
                               f"train them in memory ([tables] storage = \"memory\") to export")
-    ssd = SsdConfig(Path(scratch)) if entry else None  # (under a row cache of the tier's default size)
+    sizes = {} if cache_bytes is None else {"cache_bytes": cache_bytes}
+    ssd = SsdConfig(Path(scratch), **sizes) if entry else None
     model = _model(specs, record.model, ssd)
     saved = [name for g in (entry or {"groups": {}})["groups"].values() for name, _ in g["tables"]]
     if entry and sorted(saved) != sorted(host_tables(model)):  # some tables on the tier (a planned run's)

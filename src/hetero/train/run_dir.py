@@ -4,9 +4,12 @@ the job resumes it or overwrites it, and one that cannot be written is named fir
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+
+from hetero.checkpoint.io import write_text_atomic
 
 
 RUN_FILES = ("checkpoint.pt", "checkpoint.dcp", "best.pt", "best.dcp", "metrics.json", "losses.csv", "curves.png",
@@ -43,8 +46,6 @@ def remove_run_files(run_dir: Path) -> None:
     """Remove a previous run's files from ``run_dir`` (``--overwrite``): only the names its
     :data:`MANIFEST` lists (its checkpoints, report, plots, TensorBoard scalars and SSD tier
     snapshots); a directory no hetero run recorded loses nothing."""
-    import json
-
     manifest = run_dir / MANIFEST
     if not manifest.is_file():
         return
@@ -144,9 +145,5 @@ class RunLock:
 def record_run_files(run_dir: Path, store: Path | None) -> None:
     """Write the run directory's :data:`MANIFEST` (rank 0; before anything else is written):
     what :func:`remove_run_files` of a later ``--overwrite`` may remove."""
-    import json
-
-    from hetero.checkpoint.io import write_text_atomic
-
     write_text_atomic(run_dir / MANIFEST, json.dumps({"files": [*RUN_FILES, "tier"],
                                                        "store": None if store is None else str(store)}) + "\n")

@@ -304,6 +304,9 @@ class Trainer(TrainerCheckpoints):
 
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         best = self.config.keep_best or self.config.patience
+        # the run's dynamic tables as trained (before the best epoch's state is loaded to score the test
+        # split); a collective where row-sharded: every rank runs it here
+        dynamic = dynamic_stats(self.model)
         if best and self.best["epoch"] and self.best["epoch"] != self.epoch:
             # the test split is scored by the best epoch's model: restore its checkpoint, keeping
             # this run's record of what happened after it for the report
@@ -317,7 +320,6 @@ class Trainer(TrainerCheckpoints):
         if self.scalars is not None:
             self.scalars.metrics("test", self.global_step, test)
             self.scalars.close()
-        dynamic = dynamic_stats(self.model)  # (a collective where row-sharded: before the other ranks return)
         if global_rank() != 0:
             return {"test_auc": test["auc"], "test_logloss": test["logloss"]}
         metrics = {
