@@ -57,3 +57,40 @@ def test_a_feature_of_nearly_one_value_per_row_and_a_job_without_features_are_re
         assert main(["train", "--config", str(tmp_path / "half.toml"), "--run-dir", str(tmp_path / "half"),
                      "--no-progress", "--epochs", "1"]) == 0
     assert any("categorical 'half' has" in r.getMessage() for r in caplog.records)
+
+
+def test_any_legal_column_name_is_a_feature_name_everywhere(tmp_path, capsys):
+    """``user.id`` (no torch module name holds a dot), ``page/section`` (a path) and ``..``: train in
+    memory and on the SSD tier, resume, predict and export; the export names the features as the
+    user did, and no file or directory lies outside the run's, the store's or the export's."""
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    rows = [(int(rng.random() < 0.4), f"u{rng.integers(0, 30)}", f"p{rng.integers(0, 8)}", f"x{rng.integers(0, 5)}")
+            for _ in range(600)]
+    data = tmp_path / "d.csv"
+    data.write_text("y,user.id,page/section,..\n" + "".join(f"{y},{u},{p},{x}\n" for y, u, p, x in rows))
+    job = tmp_path / "job.toml"
+    job.write_text(f'[data]\npath = "{data}"\n[schema]\nlabel = "y"\n[[schema.categorical]]\ncolumn = "user.id"\n'
+                   f'[[schema.categorical]]\ncolumn = "page/section"\n[[schema.categorical]]\ncolumn = ".."\n')
+    scores = {}
+    for name, extra in (("memory", []), ("ssd", ["--table-storage", "ssd", "--cache-mb", "1"])):
+        run = tmp_path / "runs" / name
+        args = ["train", "--config", str(job), "--no-progress", "--epochs", "2", "--embedding-dim", "4", "--hidden", "8",
+                "--patience", "0", "--run-dir", str(run), *extra]
+        assert main([*args, "--max-steps", "5"]) == 0
+        assert main([*args, "--resume"]) == 0
+        assert main(["predict", "--checkpoint", str(run / "checkpoint.pt"), "--data", str(data),
+                     "--out", str(tmp_path / f"{name}.csv")]) == 0
+        assert main(["export", "--checkpoint", str(run / "checkpoint.pt"), "--out", str(tmp_path / "exports" / name)]) == 0
+        scores[name] = (tmp_path / f"{name}.csv").read_text()
+        manifest = json.loads((tmp_path / "exports" / name / "manifest.json").read_text())
+        assert {t["feature"] for t in manifest["tables"].values()} == {"user.id", "page/section", ".."}
+        for table in manifest["tables"]:
+            assert pq.read_table(tmp_path / "exports" / name / "tables" / f"{table}.parquet").num_rows > 0
+    assert scores["memory"] == scores["ssd"]
+    made = {p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*")}
+    assert made == {"d.csv", "job.toml", "runs", "exports", "memory.csv", "ssd.csv"}, made
+    for p in (tmp_path / "runs" / "ssd" / "ssd").rglob("*"):  # the store: flat, one directory per table group
+        assert len(p.relative_to(tmp_path / "runs" / "ssd" / "ssd").parts) <= 2, p
+    capsys.readouterr()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
+import zlib
 
 import torch
 from torch import Tensor
@@ -13,6 +15,20 @@ from hetero.placement.target import StorageTier
 from hetero.storage.config import SsdConfig
 
 INIT_CHUNK = 4096  # rows per independently seeded block of the initialisation
+
+
+_SAFE = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def table_name(prefix: str, feature: str) -> str:
+    """A table's name for a feature: ``<prefix>_<feature>``, used as a torch module name, a file name
+    (export, SSD store) and a directory name, so it holds only ``[A-Za-z0-9_]``. A feature name
+    of other characters (``user.id``, ``page/section``, ``..``) or longer than 64 is written with
+    each other character as ``_``, cut to 48, and the CRC-32 of the whole name appended (two names
+    never meet); the user's name stays the table's ``feature`` and is what outputs show."""
+    if _SAFE.fullmatch(feature):
+        return f"{prefix}_{feature}"
+    return f"{prefix}_{re.sub(r'[^A-Za-z0-9_]', '_', feature)[:48]}_{zlib.crc32(feature.encode()):08x}"
 
 
 class Pooling(enum.Enum):

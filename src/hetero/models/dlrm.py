@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from hetero.embedding import HostEmbeddingCollection, Pooling, TableConfig
+from hetero.embedding.config import table_name
 from hetero.models.wide_deep import FeatureSlot, Layers, table_tier
 from hetero.storage.config import SsdConfig
 from hetero.placement import copy_to
@@ -77,7 +78,7 @@ class DLRM(nn.Module):
             raise ValueError("DLRM needs sparse or dense features")
         self.config, d = config, config.embedding_dim
         self.deep = HostEmbeddingCollection([
-            TableConfig(f"deep_{f.name}", f.vocab_size, d, feature=f.name,
+            TableConfig(table_name("deep", f.name), f.vocab_size, d, feature=f.name,
                         pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std,
                         **table_tier(ssd, f))
             for f in features])

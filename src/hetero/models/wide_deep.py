@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from hetero.dynamic import DynamicConfig, Keys
 from hetero.embedding import HostEmbeddingCollection, Pooling, TableConfig
+from hetero.embedding.config import table_name
 from hetero.parallel.operator_plan import ShardingPlan
 from hetero.parallel.pipeline_plan import balanced_cuts
 from hetero.placement import StorageTier, copy_to
@@ -92,13 +93,13 @@ class WideDeep(nn.Module):
         super().__init__()
         self.config = config
         self.wide = HostEmbeddingCollection([
-            TableConfig(f"wide_{f.name}", f.vocab_size, 1, feature=f.name,
+            TableConfig(table_name("wide", f.name), f.vocab_size, 1, feature=f.name,
                         pooling=Pooling.SUM if f.multi_hot else Pooling.NONE, init_std=0.0,
                         **table_tier(ssd, f))
             for f in features if f.wide
         ])
         deep = [
-            TableConfig(f"deep_{f.name}", f.vocab_size, config.embedding_dim, feature=f.name,
+            TableConfig(table_name("deep", f.name), f.vocab_size, config.embedding_dim, feature=f.name,
                         pooling=Pooling.MEAN if f.multi_hot else Pooling.NONE, init_std=config.init_std,
                         **table_tier(ssd, f))
             for f in features if f.deep
