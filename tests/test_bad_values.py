@@ -72,6 +72,33 @@ def test_a_time_split_orders_by_the_columns_own_type(tmp_path):
         read_dataset(odd, schema, split=Split((0.5, 0.25, 0.25), time_column="day"))
 
 
+def test_a_time_split_reads_dates_as_written_by_their_strptime_format(tmp_path, capsys):
+    """TalkingData's ``click_time`` (``11/7/2017 9:30``: no zero padding), ordered as instants by
+    ``time_format``: the latest clicks are the test split, not the latest in text order."""
+    import random
+
+    rng = random.Random(0)
+    stamps = [(rng.randint(1, 12), rng.randint(1, 28), rng.randint(0, 23), rng.randint(0, 59)) for _ in range(300)]
+    rows = [(i % 2, f"a{i % 7}", f"{m}/{d}/2017 {h}:{mi:02d}") for i, (m, d, h, mi) in enumerate(stamps)]
+    path = _csv(tmp_path / "clicks.csv", "is_attributed,app,click_time", rows)
+    job = tmp_path / "job.toml"
+    job.write_text(f'[data]\npath = "{path}"\nsplit = [0.8, 0.1, 0.1]\ntime_column = "click_time"\n'
+                   f'time_format = "%m/%d/%Y %H:%M"\n[schema]\nlabel = "is_attributed"\n'
+                   f'[[schema.categorical]]\ncolumn = "app"\n[[schema.categorical]]\ncolumn = "click_time"\n')
+    from hetero.config import read_job_file
+
+    split = read_job_file(job).data.split
+    schema = Schema(Label("is_attributed"), (Categorical("click_time"),))
+    train, valid, test, enc = read_dataset(path, schema, split=split)
+    latest = sorted(rows, key=lambda r: tuple(stamps[rows.index(r)][k] for k in (0, 1, 2, 3)))
+    assert set(enc.vocabularies["click_time"]) == {r[2] for r in latest[:240]}  # the earliest 80% train
+    assert main(["train", "--config", str(job), "--run-dir", str(tmp_path / "run"), "--no-progress", "--epochs", "1"]) == 0
+    bad = _csv(tmp_path / "bad.csv", "is_attributed,app,click_time", rows + [(0, "a1", "2017-11-07 09:30")])
+    with pytest.raises(ValueError, match=r"row 301 of the time column 'click_time' holds '2017-11-07 09:30', which "
+                                         r"time_format = '%m/%d/%Y %H:%M' does not read"):
+        read_dataset(bad, schema, split=split)
+
+
 def test_libfm_files_as_shipped_and_libffm_files(tmp_path, capsys):
     # the Frappe release's layout: "label index:value", labels -1 / 1
     rng = np.random.default_rng(0)

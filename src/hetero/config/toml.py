@@ -46,7 +46,8 @@ from hetero.data.toml_values import check_type
 
 # keys a run's config.toml leaves out: how this process was started, not what the job is
 NOT_RECORDED = {("checkpoint", "resume"), ("checkpoint", "overwrite"), ("data", "dir")}
-_SPLIT_KEYS = {"split": "fractions", "time_column": "time_column", "valid_path": "valid_path", "test_path": "test_path"}
+_SPLIT_KEYS = {"split": "fractions", "time_column": "time_column", "time_format": "time_format",
+               "valid_path": "valid_path", "test_path": "test_path"}
 _READER_KEYS = [f.name for f in dataclasses.fields(ReaderConfig) if f.name != "joins"]
 _DATA_KEYS = [f.name for f in dataclasses.fields(Data) if f.name not in ("reader", "split")]
 

@@ -146,7 +146,8 @@ def prepared_job(directory: str | Path) -> PreparedJob:
     p = doc["data.path"]
     split = doc["data.split"]
     split = Split(tuple(split["fractions"]), split["time_column"],
-                  *(None if split[k] is None else Path(split[k]) for k in ("valid_path", "test_path")))
+                  *(None if split[k] is None else Path(split[k]) for k in ("valid_path", "test_path")),
+                  time_format=split.get("time_format"))
     return PreparedJob(tuple(Path(x) for x in p) if isinstance(p, list) else Path(p), split,
                        reader_from_dict(doc["data.reader"]), schema_from_dict(doc["schema"], f"{directory} schema"),
                        doc["training.seed"], doc)

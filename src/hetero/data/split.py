@@ -32,12 +32,15 @@ class Split:
             part - no future row trains a model scored on the past.
         valid_path, test_path: the validation and test rows in files of their own (the first
             file then trains, whole; ``fractions`` and ``time_column`` are unused).
+        time_format: the time column's text as ``strptime`` reads it (``"%m/%d/%Y %H:%M"``:
+            TalkingData's ``11/7/2017 9:30``); ``None``: numbers or ISO-8601 text.
     """
 
     fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
     time_column: str | None = None
     valid_path: Path | None = None
     test_path: Path | None = None
+    time_format: str | None = None
 
     def __post_init__(self) -> None:
         fr = tuple(self.fractions)
@@ -47,6 +50,8 @@ class Split:
                              f"validation, test)")
         if (self.valid_path is None) != (self.test_path is None):
             raise ValueError("a split by files needs both valid_path and test_path")
+        if self.time_format is not None and self.time_column is None:
+            raise ValueError("time_format reads a time column: set time_column too, or drop time_format")
 
     def assign(self, rng: np.random.Generator, rows: int) -> np.ndarray:
         """The random split's part (0 train, 1 validation, 2 test) of the next ``rows`` rows, in
@@ -84,7 +89,7 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
                 row = pc.indices_nonzero(pc.is_null(times))[0].as_py()
                 raise ValueError(f"{path}: row {row + 1} has no value in the time column {split.time_column!r}; fill it "
                                  f"or drop the row")
-            order = time_order(table.column(split.time_column), f"{path}", split.time_column)
+            order = time_order(table.column(split.time_column), f"{path}", split.time_column, split.time_format)
             table = table.drop_columns([c for c in extra if c not in schema.columns])
             bounds = [0, round(n * fr[0]), round(n * (fr[0] + fr[1])), n]
             parts = [table.take(order[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -97,14 +102,16 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
     return train, valid, test, encoding
 
 
-def time_order(col: pa.Array | pa.ChunkedArray, source: str, name: str) -> np.ndarray:
+def time_order(col: pa.Array | pa.ChunkedArray, source: str, name: str,
+               time_format: str | None = None) -> np.ndarray:
     """The stable order of a time column's rows by the column's own type: numbers as numbers,
     ISO-8601 text (``2026-01-05``, ``2026-01-05T10:00:00``, with ``Z`` or an offset) as instants
-    - never as text, where ``"10"`` sorts before ``"9"``.
+    - never as text, where ``"10"`` sorts before ``"9"``; with ``time_format``, text as that
+    ``strptime`` format reads it (pyarrow's ``strptime``).
 
     Raises:
-        ValueError: a column that is neither numbers nor ISO-8601 timestamps (naming ``source``,
-            the column and a value that is neither).
+        ValueError: a column that is neither numbers nor ISO-8601 timestamps, or a value the
+            format does not read (naming ``source``, the column and the value).
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -112,7 +119,15 @@ def time_order(col: pa.Array | pa.ChunkedArray, source: str, name: str) -> np.nd
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     keys = None
-    if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_temporal(col.type):
+    if time_format is not None:
+        text = pc.utf8_trim_whitespace(col.cast(pa.string()))
+        keys = pc.strptime(text, format=time_format, unit="s", error_is_null=True)
+        if keys.null_count:
+            row = pc.indices_nonzero(pc.is_null(keys))[0].as_py()
+            raise ValueError(f"{source}: row {row + 1} of the time column {name!r} holds {text[row].as_py()!r}, which "
+                             f"time_format = {time_format!r} does not read: fix the value or the format (strptime's "
+                             f"codes: %Y-%m-%d %H:%M:%S)")
+    elif pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_temporal(col.type):
         keys = col
     else:
         text = pc.utf8_trim_whitespace(col.cast(pa.string()))
