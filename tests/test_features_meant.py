@@ -94,3 +94,43 @@ def test_any_legal_column_name_is_a_feature_name_everywhere(tmp_path, capsys):
     for p in (tmp_path / "runs" / "ssd" / "ssd").rglob("*"):  # the store: flat, one directory per table group
         assert len(p.relative_to(tmp_path / "runs" / "ssd" / "ssd").parts) <= 2, p
     capsys.readouterr()
+
+
+def test_values_no_run_can_use_are_one_line_errors_before_anything_is_written(tmp_path, capsys):
+    data = tmp_path / "d.csv"
+    data.write_text("y,c\n" + "".join(f"{i % 2},c{i % 5}\n" for i in range(200)))
+    job = tmp_path / "job.toml"
+    job.write_text(f'[data]\npath = "{data}"\n[schema]\nlabel = "y"\n[[schema.categorical]]\ncolumn = "c"\n')
+    cases = {("--table-storage", "ssd", "--cache-mb", "inf"): "tables.cache_mb (--cache-mb) = inf: give a finite number",
+             ("--seed", "-1"): "training.seed (--seed) = -1: give a value >= 0 and < 4294967296",
+             ("--seed", str(2**32)): "training.seed (--seed) = 4294967296: give a value in [0, 4294967296)",
+             ("--embedding-dim", str(10**12)): "does not fit in host memory"}
+    for args, message in cases.items():
+        run = tmp_path / "run"
+        assert main(["train", "--config", str(job), "--no-progress", "--epochs", "1", "--run-dir", str(run), *args]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1 and err.startswith("hetero: error: "), err
+        assert not run.exists(), args
+
+
+def test_the_python_api_infers_a_files_format_as_the_cli_does(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hetero.data.schema import Categorical, Label, Schema
+    from hetero.data.split import Split, read_dataset
+
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"y": rng.integers(0, 2, 300), "c": [f"c{i % 7}" for i in range(300)]}),
+                   tmp_path / "p.parquet")
+    train, valid, test, enc = read_dataset(tmp_path / "p.parquet", Schema(Label("y"), (Categorical("c"),)),
+                                           split=Split((0.8, 0.1, 0.1)))
+    assert len(train) + len(valid) + len(test) == 300 and sorted(enc.vocabularies["c"]) == [f"c{i}" for i in range(7)]
+    job = tmp_path / "job.toml"  # a job file naming no format: the name says Parquet, and config.toml records it
+    job.write_text(f'[data]\npath = "{tmp_path / "p.parquet"}"\n[schema]\nlabel = "y"\n[[schema.categorical]]\n'
+                   f'column = "c"\n')
+    assert main(["train", "--config", str(job), "--no-progress", "--epochs", "1", "--run-dir", str(tmp_path / "r")]) == 0
+    assert 'format = "parquet"' in (tmp_path / "r" / "config.toml").read_text()
+    frappe = _frappe(tmp_path / "f.libfm", n=300)  # a libFM file named so: its format and its bags' separator
+    train, *_ = read_dataset(frappe, Schema(Label("label"), (Categorical("features"),)), split=Split((0.8, 0.1, 0.1)))
+    assert train.features["features"].values.numel() == 2 * len(train)  # two ids a line, not one value

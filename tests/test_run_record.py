@@ -174,3 +174,8 @@ def test_a_merged_sharded_checkpoint_scores_anywhere(tmp_path, capsys):
     capsys.readouterr()
     assert main(["predict", "--checkpoint", str(merged), "--data", str(data), "--out", str(tmp_path / "s.csv")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == 500
+    assert main(["export", "--checkpoint", str(run / "checkpoint.dcp"), "--out", str(tmp_path / "e")]) == 1
+    err = capsys.readouterr().err.strip()  # as predict does: merge it first
+    assert "is a sharded checkpoint: merge it into one file with `hetero checkpoint merge" in err and \
+        len(err.splitlines()) == 1 and not (tmp_path / "e").exists(), err
+    assert main(["export", "--checkpoint", str(merged), "--out", str(tmp_path / "e")]) == 0

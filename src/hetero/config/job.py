@@ -222,7 +222,7 @@ class Training:
 
     batch_size: Annotated[int, alias("--batch-size"), Bounds(low=1)] = 256
     """Global batch (split over the data-parallel ranks)."""
-    seed: Annotated[int, alias("--seed")] = 0
+    seed: Annotated[int, alias("--seed"), Bounds(low=0, below=2**32)] = 0
     """Seeds the split, the shuffling and the initialisation."""
     epochs: Annotated[int, alias("--epochs"), Bounds(low=1)] = 8
     """Passes over the training split."""

@@ -11,6 +11,7 @@ bare ``--resume`` (``--resume yes``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -78,6 +79,8 @@ def validate(job: JobConfig) -> None:
             for v in value if isinstance(value, tuple) else (value,):
                 if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
                     continue
+                if isinstance(v, float) and math.isinf(v):
+                    raise ValueError(f"{where} = {_shown(value)}: give a finite number")
                 if k.low is not None and (v < k.low or (v == k.low and not k.inclusive)) or v != v:
                     bound = f">= {k.low}" if k.inclusive else f"> {k.low}"
                     what = "values" if isinstance(value, tuple) else "a value"

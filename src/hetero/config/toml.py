@@ -39,7 +39,7 @@ from typing import Any
 import tomli_w
 
 from hetero.config.job import SECTIONS, Data, JobConfig, keys, parse_bytes
-from hetero.data.readers import Join, ReaderConfig, with_format_separators
+from hetero.data.readers import Join, ReaderConfig, format_of, with_format_separators
 from hetero.data.schema import build_dataclass, check_keys, checked, parse_enum, plain_data, schema_from_dict
 from hetero.data.split import Split
 from hetero.data.toml_values import check_type
@@ -135,6 +135,10 @@ def _data(table: Mapping[str, Any], where: str) -> Data:
     """``[data]``: its own keys, the reader's, the split's and the joins."""
     check_keys(table, ("join", *_DATA_KEYS, *_SPLIT_KEYS, *_READER_KEYS), where)
     reader = {k: v for k, v in table.items() if k in _READER_KEYS}
+    if "format" not in reader and isinstance(table.get("path"), (str, list)) and table["path"]:
+        named = format_of(table["path"])  # (a job's config.toml then says what it read)
+        if named is not None:
+            reader["format"] = named.value
     joins = []
     for i, side in enumerate(table.get("join", ())):
         at = f"{where} join[{i}]"

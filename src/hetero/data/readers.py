@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from hetero.data.column_rules import column_types, value_rules
 from hetero.data.files import source_files
-from hetero.data.rows import BAD_ROW, BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, data_end, open_data, \
-    typed_batch
+from hetero.data.rows import BAD_ROW, COMPRESSED, BadRowCount, BadRows, ByteRange, LineCounter, ValueRule, data_end, \
+    open_data, typed_batch
 from hetero.data.schema import Schema, plain_data
 from hetero.data.svmlight import sparse_format_batches
 
@@ -151,6 +151,28 @@ def column_names(path: Path, config: ReaderConfig) -> tuple[list[str], int]:
 
 
 SPARSE_FORMATS = (FileFormat.LIBSVM, FileFormat.LIBFM, FileFormat.LIBFFM)
+SUFFIXES = {".parquet": FileFormat.PARQUET, ".pq": FileFormat.PARQUET, ".libsvm": FileFormat.LIBSVM,
+            ".svm": FileFormat.LIBSVM, ".libfm": FileFormat.LIBFM, ".libffm": FileFormat.LIBFFM,
+            ".ffm": FileFormat.LIBFFM}  # a file's format by its name (a compressed line file: the name inside)
+
+
+def format_of(path: str | Path | Sequence[str | Path]) -> FileFormat | None:
+    """The format a data path's name says (its first name: a file, a pattern or a list's first),
+    looking through a compression suffix (``day_0.libsvm.gz``); ``None``: no name of a format."""
+    first = Path(path[0] if isinstance(path, (list, tuple)) else path)
+    name = first.name.lower()
+    for suffix in COMPRESSED:
+        name = name.removesuffix(suffix)
+    return SUFFIXES.get(Path(name).suffix)
+
+
+def inferred(config: ReaderConfig, path: str | Path | Sequence[str | Path]) -> ReaderConfig:
+    """``config`` for ``path``: its format as the file's name says where ``config`` keeps the
+    default (CSV) and the name says another - ``clicks.parquet`` is never read as CSV text."""
+    named = format_of(path)
+    if config.format is FileFormat.CSV and named is not None:
+        return dataclasses.replace(config, format=named)
+    return config
 
 
 def with_format_separators(schema: Schema, config: ReaderConfig) -> Schema:
@@ -173,6 +195,7 @@ def file_columns(path: str | Path, config: ReaderConfig) -> list[str]:
         FileNotFoundError: no such file (or side table).
         ValueError: a join whose key a file lacks, or whose columns the file has already.
     """
+    config = inferred(config, path)
     path = source_files(path)[0]  # (every file of several is checked as it is read)
     return _own_columns(path, config) + [c for j in config.joins for c in _joined_columns(path, config, j)]
 
@@ -224,6 +247,7 @@ def record_batches(path: str | Path | Sequence[str | Path], schema: Schema, conf
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    config = inferred(config, path)
     files = source_files(path)
     if len(files) > 1:  # several files, one after the other (line numbers are each file's own)
         if shard is not None:

@@ -12,7 +12,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from hetero.data.encode import Encoding, fit
-from hetero.data.readers import ReaderConfig, read_table
+from hetero.data.readers import ReaderConfig, inferred, read_table, with_format_separators
 from hetero.data.schema import Schema
 from hetero.data.tabular import TabularDataset
 
@@ -76,6 +76,7 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
     """
     import pyarrow.compute as pc
 
+    schema = with_format_separators(schema, inferred(config, path))  # (as a job file's schema reads)
     if split.valid_path is not None:
         parts = [read_table(p, schema, config) for p in (path, split.valid_path, split.test_path)]
         sources = [str(p) for p in (path, split.valid_path, split.test_path)]

@@ -94,7 +94,14 @@ class HostEmbedding(nn.Module):
             # no memory: the rows live on parameter servers, or on the SSD tier (the group lays them out)
             weight = torch.empty(shape, dtype=config.dtype, device="meta")
         else:
-            weight = host_empty(shape, config.dtype)
+            try:
+                weight = host_empty(shape, config.dtype)
+            except (OSError, RuntimeError, MemoryError) as e:  # ENOMEM from mmap, torch's allocator's error
+                nbytes = config.num_rows * config.embedding_dim * torch.empty((), dtype=config.dtype).element_size()
+                raise MemoryError(f"table {config.name!r} of {config.num_rows} rows x {config.embedding_dim} "
+                                  f"({nbytes / 2**30:.1f} GiB) does not fit in host memory ({type(e).__name__}): "
+                                  f"give a smaller embedding_dim or hash_buckets, or keep it on the SSD tier "
+                                  f"(--table-storage ssd)") from None
             for lo in range(0, config.num_rows, INIT_CHUNK):
                 hi = min(lo + INIT_CHUNK, config.num_rows)
                 weight[lo:hi] = init_rows(config, self.init_seed, lo, hi)

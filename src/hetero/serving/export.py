@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hetero.checkpoint import load_checkpoint, save_checkpoint
+from hetero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hetero.checkpoint.io import naming_write
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, host_tables
 from hetero.record import RECORD_KEY, RunRecord
@@ -160,7 +160,8 @@ def export(checkpoint: str | Path, out: str | Path, since: str | Path | None = N
 
     Raises:
         FileExistsError: ``out`` exists.
-        CheckpointError: a checkpoint that is missing, damaged or of a run without a schema, or
+        CheckpointError: a checkpoint that is missing, damaged, sharded (merge it first) or of a
+            run without a schema, or
             whose SSD tier snapshots are gone (an older checkpoint's, after a newer save of its run).
         ValueError: ``since`` of another model (naming the first difference).
 
@@ -169,6 +170,10 @@ def export(checkpoint: str | Path, out: str | Path, since: str | Path | None = N
     memory while written. Nothing is written but ``out`` (and that scratch, for such tables).
     """
     checkpoint, out = Path(checkpoint), Path(out)
+    for given in (checkpoint, *([] if since is None else [Path(since)])):
+        if given.is_dir():
+            raise CheckpointError(f"{given} is a sharded checkpoint: merge it into one file with `hetero checkpoint "
+                                  f"merge {given} merged.pt` and export that")
     if out.exists():
         raise FileExistsError(f"--out {out} exists: give a new directory (an export is written whole, never over "
                               f"another)")
