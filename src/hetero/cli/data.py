@@ -100,8 +100,8 @@ def job_data(job: JobConfig, dp: DataParallelGroup = DataParallelGroup()) -> Job
         batches = BatchConfig(batch_size=job.training.batch_size, shuffle=True, seed=job.training.seed, rank=dp.rank,
                               world_size=dp.size)
         return JobData(StreamBatches(path, encoding, reader, batches, stream, dp.host_group()),
-                       StreamEval(split.valid_path, encoding, reader, stream),
-                       StreamEval(split.test_path, encoding, reader, stream),
+                       StreamEval(split.valid_path, encoding, split.reader_of("valid", reader), stream),
+                       StreamEval(split.test_path, encoding, split.reader_of("test", reader), stream),
                        encoding.specs(), len(job.schema.dense), encoding, reader)
     train, valid, test, encoding = read_dataset(path, job.schema, reader, d.split, job.training.seed)
     n = len(train) + len(valid) + len(test)

@@ -124,7 +124,13 @@ def reference() -> str:
         "",
         "How the rows split into training, validation and test:",
         "",
-        *_table(Split, keys={"fractions": "split"}),
+        *_table(Split, keys={"fractions": "split"}, skip=("valid_reader", "test_reader")),
+        "",
+        "`valid_path` and `test_path` may be tables: `{ path = \"dev.csv\", header = false, column_names = [...] }`, "
+        "the file and any reader key above where it reads otherwise than the training file (Avazu's `dev.csv` and "
+        "`test.csv` have no header). The reader and split keys are command-line keys too, as in a job file's "
+        "`[data]`: `--data.valid_path dev.csv`, `--data.header false`, `--data.split \"[0.9, 0.1]\"` (a TOML "
+        "value, or text), over the job file's.",
         "",
         "`[[data.join]]`: `path` (the side table's file) and `on` (the key column, in both files), and any reader key "
         "above.",

@@ -4,8 +4,11 @@
 The command line is parsed by ``tyro`` from the dataclasses themselves (as torchtitan's
 ``ConfigManager`` does): every key is ``--section.key value`` (``--training.batch_size 512``;
 ``-`` and ``_`` alike) and its old flag is an alias (``--batch-size 512``). The job file's values
-are the defaults the command line overrides. The only rewriting of the command line is the old
-bare ``--resume`` (``--resume yes``).
+are the defaults the command line overrides. The reader and split keys of ``[data]`` (a flat
+table in a job file, two dataclasses in the job) are read from the command line as the job
+file's are (``--data.valid_path dev.csv``, :func:`hetero.config.toml.data_keys`), over its
+``[data]``. The only other rewriting of the command line is the old bare ``--resume``
+(``--resume yes``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import tyro
 
 from hetero.config.job import SECTIONS, JobConfig, TableSharding, TableStorage, keys
-from hetero.config.toml import read_job_file
+from hetero.config.toml import data_keys, read_job_file
 from hetero.data.fetch import fetch_public
 from hetero.models.build import ModelKind
 from hetero.train.config import CheckpointFormat
@@ -33,9 +36,9 @@ def load_job(argv: Sequence[str], prog: str = "hetero train") -> JobConfig:
         SystemExit: a flag that does not exist or does not parse (tyro prints which, and the
             closest flag), or ``--help``.
     """
-    argv = _bare_resume(list(argv))
+    argv, data = data_keys(_bare_resume(list(argv)))  # (--data.valid_path, --data.header, ...: [data]'s own keys)
     path = _config_path(argv)
-    base = read_job_file(path) if path is not None else JobConfig()
+    base = read_job_file(path, data)
     job = tyro.cli(JobConfig, args=argv, default=base, prog=prog, use_underscores=True,
                    config=(tyro.conf.EnumChoicesFromValues,))
     validate(job)

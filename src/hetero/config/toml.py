@@ -64,47 +64,92 @@ def legacy_keys() -> dict[str, tuple[str, str]]:
     return out
 
 
-def read_job_file(path: Path) -> JobConfig:
-    """The job file ``path`` over the defaults.
+DATA_TABLE_KEYS = (*_SPLIT_KEYS, *_READER_KEYS)  # [data] keys the command line sets as --data.KEY (see data_keys)
+
+
+def data_keys(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """The command line's ``--data.KEY VALUE`` for the reader and split keys of a job file's
+    ``[data]`` table (``--data.valid_path dev.csv``, ``--data.header false``, ``--data.split
+    "[0.9, 0.1]"``; ``-`` and ``_`` alike), each value read as a TOML value where it is one, else as
+    text; and the rest of ``argv``. (The other ``[data]`` keys are the config manager's own.)"""
+    rest, found, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, inline = arg.partition("=")
+        key = name[len("--data."):].replace("-", "_") if name.startswith("--data.") else ""
+        if key in DATA_TABLE_KEYS:
+            value = inline if inline else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if inline else 2
+            found[key] = _toml_value(value)
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, found
+
+
+def _toml_value(text: str) -> Any:  # noqa: ANN401 - a TOML value
+    tomllib = _tomllib()
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _tomllib():  # noqa: ANN202 - the module
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the same parser, before it joined the standard library
+        import tomli as tomllib
+    return tomllib
+
+
+def read_job_file(path: Path | None, data: Mapping[str, Any] | None = None) -> JobConfig:
+    """The job file ``path`` over the defaults (``None``: no file), with ``data``'s keys over its
+    ``[data]`` table's (:func:`data_keys`: the command line's).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: TOML that does not parse, or a table, key or value that does not exist or
             has the wrong type (naming the file, the table, the key and the closest valid key).
     """
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # the same parser, before it joined the standard library
-        import tomli as tomllib
-
+    tomllib = _tomllib()
+    if path is None:
+        return _job({"data": dict(data or {})}, "the command line") if data else JobConfig()
     if not path.is_file():
         raise FileNotFoundError(f"job config file {path} does not exist")
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
-    check_keys(doc, ("data", "schema", "train", *SECTIONS), f"{path}")
+    if data:  # the command line's [data] keys over the file's
+        doc = {**doc, "data": {**doc.get("data", {}), **data}}
+    return _job(doc, str(path), path)
+
+
+def _job(doc: Mapping[str, Any], where: str, path: Path | None = None) -> JobConfig:
+    """The job of a job file's tables ``doc`` (errors name ``where``)."""
+    check_keys(doc, ("data", "schema", "train", *SECTIONS), f"{where}")
     sections: dict[str, dict[str, Any]] = {name: dict(doc.get(name, {})) for name in SECTIONS}
     data = dict(doc.get("data", {}))
     legacy = legacy_keys()
-    check_keys(doc.get("train", {}), legacy, f"{path} [train]")
+    check_keys(doc.get("train", {}), legacy, f"{where} [train]")
     for old, value in doc.get("train", {}).items():
         section, name = legacy[old]
         table = data if section == "data" else sections[section]
         if name in table:
-            raise ValueError(f"{path}: {name} is set in [{section}] and as {old} in [train]: keep one")
+            raise ValueError(f"{where}: {name} is set in [{section}] and as {old} in [train]: keep one")
         table[name] = (not value if isinstance(value, bool) else value) if old == "no_progress" else value
         if old == "no_progress" and not isinstance(value, bool):
-            raise ValueError(f"{path} [train]: no_progress = {value!r}: give true or false")
-    job = JobConfig(config=path, data=_data(data, f"{path} [data]"),
-                    schema=schema_from_dict(doc["schema"], f"{path} [schema]") if "schema" in doc else None)
+            raise ValueError(f"{where} [train]: no_progress = {value!r}: give true or false")
+    job = JobConfig(config=path, data=_data(data, f"{where} [data]"),
+                    schema=schema_from_dict(doc["schema"], f"{where} [schema]") if "schema" in doc else None)
     if job.schema is not None:
         if not job.schema.categorical and not job.schema.dense:
-            raise ValueError(f"{path} [schema] has no feature: add [[schema.categorical]] or [[schema.dense]] columns "
+            raise ValueError(f"{where} [schema] has no feature: add [[schema.categorical]] or [[schema.dense]] columns "
                              f"(a model of no feature scores every row alike: AUC 0.5)")
         job.schema = with_format_separators(job.schema, job.data.reader)  # (a libFM file's bags: "|")
     for name, cls in SECTIONS.items():
-        setattr(job, name, _section(cls, sections[name], f"{path} [{name}]"))
+        setattr(job, name, _section(cls, sections[name], f"{where} [{name}]"))
     return job
 
 
@@ -159,12 +204,23 @@ def _data(table: Mapping[str, Any], where: str) -> Data:
         elif name in fields:
             own[name] = _value(value, fields[name].type, name, where)
     split = {_SPLIT_KEYS[k]: v for k, v in table.items() if k in _SPLIT_KEYS}
+    files = {}  # valid_path / test_path as a table: the file and how it reads, where not as the training file
+    for key in ("valid_path", "test_path"):
+        if isinstance(split.get(key), Mapping):
+            at, side = f"{where} {key}", split[key]
+            check_keys(side, ("path", *_READER_KEYS), at)
+            if "path" not in side:
+                raise ValueError(f"{at}: give the file: {key} = {{ path = \"...\", header = false }}")
+            check_type(side["path"], str, "path", at)
+            split[key] = side["path"]
+            files[key.replace("_path", "_reader")] = build_dataclass(
+                ReaderConfig, {**reader, **{k: v for k, v in side.items() if k != "path"}, "joins": tuple(joins)}, at)
     hints = typing.get_type_hints(Split)
     for name, value in split.items():
         check_type(value, hints[name], "split" if name == "fractions" else name, where)
     split = {k: Path(v) if k.endswith("_path") else tuple(v) if isinstance(v, list) else v for k, v in split.items()}
     return Data(**own, reader=build_dataclass(ReaderConfig, {**reader, "joins": tuple(joins)}, where),
-                split=checked(where, Split, **split))
+                split=checked(where, Split, **split, **files))
 
 
 def job_to_dict(job: JobConfig) -> dict[str, Any]:
@@ -173,6 +229,12 @@ def job_to_dict(job: JobConfig) -> dict[str, Any]:
     data = {name: getattr(job.data, name) for name in _DATA_KEYS if ("data", name) not in NOT_RECORDED}
     data |= {k: v for k, v in plain_data(job.data.reader).items() if k != "joins"}
     data |= {key: getattr(job.data.split, name) for key, name in _SPLIT_KEYS.items()}
+    base = plain_data(job.data.reader)
+    for key, part in (("valid_path", "valid"), ("test_path", "test")):
+        own = job.data.split.reader_of(part, job.data.reader)
+        if own is not job.data.reader and data[key] is not None:  # the file's own reader keys, where they differ
+            data[key] = {"path": data[key], **{k: v for k, v in plain_data(own).items()
+                                               if k != "joins" and v != base[k]}}
     if job.data.reader.joins:
         data["join"] = [{"path": j.path, "on": j.on, **{k: v for k, v in plain_data(j.reader).items() if k != "joins"}}
                         for j in job.data.reader.joins]

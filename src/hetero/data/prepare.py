@@ -68,16 +68,20 @@ def prepare(path: str | Path, schema: Schema, out: str | Path, reader: ReaderCon
     if split.time_column is not None:
         raise ValueError("prepare streams the file and cannot sort it by a time column: sort it, cut it into "
                          "train/validation/test files and give valid_path and test_path")
-    sources = [(path, None)] if split.valid_path is None else \
-        [(path, "train"), (split.valid_path, "valid"), (split.test_path, "test")]
+    if split.valid_path is not None:
+        sources = [(path, "train", reader), (split.valid_path, "valid", split.reader_of("valid", reader)),
+                   (split.test_path, "test", split.reader_of("test", reader))]
+    else:  # a random split of the file (of its train and validation rows, when the test rows are a file's)
+        sources = [(path, None, reader)]
+        sources += [] if split.test_path is None else [(split.test_path, "test", split.reader_of("test", reader))]
 
     def parts(s: Split, fit_only: bool = False) -> Iterator[tuple[str, Any]]:
         """(split name, record batch) in file order; random splits by per-row draws."""
-        for file, name in sources:
+        for file, name, read in sources:
             if fit_only and name not in (None, "train"):
                 continue
             rng = np.random.default_rng(seed)
-            for batch in record_batches(file, schema, reader, block_bytes=block_bytes):
+            for batch in record_batches(file, schema, read, block_bytes=block_bytes):
                 if name is not None:
                     yield name, batch
                     continue
@@ -147,7 +151,8 @@ def prepared_job(directory: str | Path) -> PreparedJob:
     split = doc["data.split"]
     split = Split(tuple(split["fractions"]), split["time_column"],
                   *(None if split[k] is None else Path(split[k]) for k in ("valid_path", "test_path")),
-                  time_format=split.get("time_format"))
+                  time_format=split.get("time_format"),
+                  **{k: reader_from_dict(split[k]) for k in ("valid_reader", "test_reader") if split.get(k)})
     return PreparedJob(tuple(Path(x) for x in p) if isinstance(p, list) else Path(p), split,
                        reader_from_dict(doc["data.reader"]), schema_from_dict(doc["schema"], f"{directory} schema"),
                        doc["training.seed"], doc)

@@ -26,32 +26,46 @@ class Split:
 
     Attributes:
         fractions: the three parts' shares of the rows (positive, summing to 1): exact for a
-            time split, in expectation for a random one (:meth:`assign`).
+            time split, in expectation for a random one (:meth:`assign`); two (train,
+            validation) with a ``test_path`` alone: the test rows are that file's.
         time_column: ``None``: a random split, seeded; else the rows in this column's order
             (numbers, or ISO-8601 text), the earliest the training part and the latest the test
             part - no future row trains a model scored on the past.
         valid_path, test_path: the validation and test rows in files of their own (the first
-            file then trains, whole; ``fractions`` and ``time_column`` are unused).
+            file then trains, whole; ``fractions`` and ``time_column`` are unused); or the test
+            rows alone in ``test_path`` (``fractions``: the first file's train and validation).
         time_format: the time column's text as ``strptime`` reads it (``"%m/%d/%Y %H:%M"``:
             TalkingData's ``11/7/2017 9:30``); ``None``: numbers or ISO-8601 text.
+        valid_reader, test_reader: how those files read, where not as the training file (Avazu's
+            ``dev.csv`` and ``test.csv`` have no header); ``None``: as the training file.
     """
 
-    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    fractions: tuple[float, ...] = (0.8, 0.1, 0.1)
     time_column: str | None = None
     valid_path: Path | None = None
     test_path: Path | None = None
     time_format: str | None = None
+    valid_reader: ReaderConfig | None = None
+    test_reader: ReaderConfig | None = None
 
     def __post_init__(self) -> None:
         fr = tuple(self.fractions)
         object.__setattr__(self, "fractions", fr)
-        if len(fr) != 3 or any(f <= 0 for f in fr) or abs(sum(fr) - 1) > 1e-9:
-            raise ValueError(f"split fractions {list(fr)}: give three positive fractions summing to 1 (train, "
-                             f"validation, test)")
-        if (self.valid_path is None) != (self.test_path is None):
-            raise ValueError("a split by files needs both valid_path and test_path")
+        parts = 2 if self.test_path is not None and self.valid_path is None else 3
+        if len(fr) != parts or any(f <= 0 for f in fr) or abs(sum(fr) - 1) > 1e-9:
+            what = ("two positive fractions summing to 1 (train, validation: test_path holds the test rows)"
+                    if parts == 2 else "three positive fractions summing to 1 (train, validation, test)")
+            raise ValueError(f"split fractions {list(fr)}: give {what}")
+        if self.valid_path is not None and self.test_path is None:
+            raise ValueError("valid_path needs test_path: give the test rows' file too (or test_path alone, with "
+                             "split = [train, validation] of the training file)")
         if self.time_format is not None and self.time_column is None:
             raise ValueError("time_format reads a time column: set time_column too, or drop time_format")
+
+    def reader_of(self, part: str, base: ReaderConfig) -> ReaderConfig:
+        """How the ``part`` (``"valid"``, ``"test"``) file reads: its own reader, else ``base``."""
+        own = self.valid_reader if part == "valid" else self.test_reader
+        return base if own is None else own
 
     def assign(self, rng: np.random.Generator, rows: int) -> np.ndarray:
         """The random split's part (0 train, 1 validation, 2 test) of the next ``rows`` rows, in
@@ -63,7 +77,7 @@ class Split:
         Returns:
             int64 ``(rows,)``.
         """
-        return np.searchsorted(np.cumsum(self.fractions)[:2], rng.random(rows), side="right")
+        return np.searchsorted(np.cumsum(self.fractions)[:-1], rng.random(rows), side="right")
 
 
 def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(), split: Split = Split(),
@@ -78,7 +92,8 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
 
     schema = with_format_separators(schema, inferred(config, path))  # (as a job file's schema reads)
     if split.valid_path is not None:
-        parts = [read_table(p, schema, config) for p in (path, split.valid_path, split.test_path)]
+        parts = [read_table(path, schema, config), read_table(split.valid_path, schema, split.reader_of("valid", config)),
+                 read_table(split.test_path, schema, split.reader_of("test", config))]
         sources = [str(p) for p in (path, split.valid_path, split.test_path)]
     else:
         extra = (split.time_column,) if split.time_column is not None else ()
@@ -92,12 +107,15 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
                                  f"or drop the row")
             order = time_order(table.column(split.time_column), f"{path}", split.time_column, split.time_format)
             table = table.drop_columns([c for c in extra if c not in schema.columns])
-            bounds = [0, round(n * fr[0]), round(n * (fr[0] + fr[1])), n]
+            bounds = [0, *(round(n * float(np.sum(fr[:k]))) for k in range(1, len(fr))), n]
             parts = [table.take(order[a:b]) for a, b in zip(bounds, bounds[1:])]
         else:  # the rows of each part in file order (training shuffles them per epoch)
             which = split.assign(np.random.default_rng(seed), n)
-            parts = [table.filter(which == k) for k in range(3)]
+            parts = [table.filter(which == k) for k in range(len(fr))]
         sources = [f"{path} ({part} split)" for part in ("training", "validation", "test")]
+        if split.test_path is not None:  # the test rows: a file of their own
+            parts.append(read_table(split.test_path, schema, split.reader_of("test", config)))
+            sources[2] = str(split.test_path)
     encoding = fit(schema, parts[0], sources[0])
     train, valid, test = (encoding.encode(t, source) for t, source in zip(parts, sources))
     return train, valid, test, encoding
