@@ -59,7 +59,7 @@ def test_hyper_parameters_out_of_range_are_named_at_parse_time(ml_dir, tmp_path,
 
 
 @pytest.mark.parametrize("line,section,message", [
-    ("split = 0.8", "data", "[data]: split = 0.8 is a number; give a list of 3 numbers, e.g. split = [0.8, 0.1, 0.1]"),
+    ("split = 0.8", "data", "[data]: split = 0.8 is a number; give a list of 3 numbers or a list of 2 numbers, e.g. split = [0.8, 0.1, 0.1]"),
     ("positive = 1", "label", "[schema] label: positive = 1 is an integer; give a list of strings, e.g. positive = "),
     ('hash_buckets = "1000"', "cat", "[schema] categorical[0]: hash_buckets = '1000' is a string; give an integer, "
                                      "e.g. hash_buckets = 1000"),

@@ -40,7 +40,7 @@ class Split:
             ``dev.csv`` and ``test.csv`` have no header); ``None``: as the training file.
     """
 
-    fractions: tuple[float, ...] = (0.8, 0.1, 0.1)
+    fractions: tuple[float, float, float] | tuple[float, float] = (0.8, 0.1, 0.1)
     time_column: str | None = None
     valid_path: Path | None = None
     test_path: Path | None = None
