@@ -102,3 +102,13 @@ def test_the_job_file_reference_is_generated_from_the_code_and_current():
     assert doc.read_text() == reference(), "docs/job-file.md is stale: python tools/docs.py"
     for key in ("`null_values`", "`negative`", "`fill`", "`hash_buckets`", "`dense_lr`", "`overwrite`", "`split`"):
         assert key in doc.read_text()
+
+
+def test_hetero_help_answers_without_importing_torch():
+    """``hetero --help`` took 3.5-4 s (torch's import); the launcher answers alone."""
+    import subprocess
+    import sys
+
+    code = "import sys, hetero_cli; code = hetero_cli.main(['--help']); assert 'torch' not in sys.modules; sys.exit(code)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: hetero {train,"), done.stderr

@@ -24,6 +24,7 @@ from typing import Annotated, Any
 
 import tyro
 
+from hetero_cli import USAGE
 from hetero.cli.data import PrepareCommand, prepare_cache
 from hetero.cli.errors import report_error
 from hetero.cli.plan import plan_job
@@ -36,18 +37,7 @@ from hetero.checkpoint.sharded import read_full, resolve
 from hetero.serving import export
 from hetero.train.checkpointing import to_integrated
 
-USAGE = """usage: hetero {train,plan,predict,export,data prepare,checkpoint merge} [--help] ...
 
-Host/device heterogeneous training for PyTorch.
-
-  train              train a model on a job's data (--config job.toml; --section.key or --flag overrides)
-  plan               plan a job (placement and parallel strategy under memory budgets): --world-size, --out
-  predict            score a file with a run's checkpoint (or its export)
-  export             a run's checkpoint for serving (torch.export program, Parquet tables); --since: a delta
-  data prepare       encode a job file's data once into a columnar cache
-  checkpoint merge   merge a sharded checkpoint into one integrated file
-
-`hetero COMMAND --help` lists a command's keys and flags; docs/job-file.md lists every job key."""
 
 
 @dataclasses.dataclass(kw_only=True)
