@@ -83,6 +83,17 @@ def test_a_dynamic_feature_trains_resumes_exactly_and_predicts(tmp_path, capsys,
     assert model["deep.tables.deep_user.keymap.sketch"].shape == (4, 1024)
 
 
+def test_a_dynamic_feature_without_a_capacity_takes_the_stated_default(tmp_path, capsys):
+    from hetero.data.schema import DEFAULT_CAPACITY
+
+    data, job = job_file(tmp_path, JOB.replace("capacity = 24\n", ""), _csv)
+    assert main(["train", "--config", str(job), *TRAIN, "--run-dir", str(tmp_path / "run")]) == 0
+    import torch
+
+    model = torch.load(tmp_path / "run" / "checkpoint.pt", map_location="cpu")["model"]
+    assert model["deep.tables.deep_user.weight"].shape[0] == DEFAULT_CAPACITY + 1 == 2**20 + 1  # (and the default row)
+
+
 @pytest.mark.parametrize("line, bad, named", [("capacity = 24", "capacity = 0", "capacity"),
                                                ("admit_after = 2", "admit_after = 0", "admit_after"),
                                                ("sketch_width = 1024", "sketch_width = 1000", "sketch_width"),

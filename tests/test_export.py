@@ -10,7 +10,7 @@ import pytest
 
 from hetero.cli import main
 from hetero.serving import apply_delta, read_manifest
-from hetero.serving.export import read_table
+from hetero.serving.tables import read_table, read_values
 from test_dynamic_job import _csv  # (label, user, item, age, genres)
 
 JOB = """[data]

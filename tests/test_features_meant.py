@@ -86,8 +86,28 @@ def test_any_legal_column_name_is_a_feature_name_everywhere(tmp_path, capsys):
         scores[name] = (tmp_path / f"{name}.csv").read_text()
         manifest = json.loads((tmp_path / "exports" / name / "manifest.json").read_text())
         assert {t["feature"] for t in manifest["tables"].values()} == {"user.id", "page/section", ".."}
-        for table in manifest["tables"]:
-            assert pq.read_table(tmp_path / "exports" / name / "tables" / f"{table}.parquet").num_rows > 0
+        for table, entry in manifest["tables"].items():
+            exported = pq.read_table(tmp_path / "exports" / name / "tables" / f"{table}.parquet")
+            column = {"user.id": 1, "page/section": 2, "..": 3}[entry["feature"]]
+            values = exported.column("value").to_pylist()  # each id's raw value: the vocabulary, id 0 none
+            assert values[0] is None and set(values[1:]) <= {r[column] for r in rows}
+            ids = exported.column("key").to_pylist()
+            assert ids == list(range(len(values)))
+            # the id the run's encoder gives each value is the row the export names by it
+            import pyarrow as pa
+            import torch
+
+            from hetero.record import RECORD_KEY, RunRecord
+
+            record = RunRecord.from_state(torch.load(run / "checkpoint.pt")[RECORD_KEY], "run")
+            enc, feature = record.encoding, entry["feature"]
+            batch = {c: pa.array([values[1]] * 2) for c in record.encoding.schema.columns}
+            batch[feature] = pa.array(values[1:], pa.string())
+            for c in batch:
+                batch[c] = batch[c] if c == feature else pa.array([str(values[1])] * (len(values) - 1))
+            batch["y"] = pa.array(["0"] * (len(values) - 1))
+            encoded = enc.encode(pa.table(batch), "values")
+            assert encoded.features[feature].tolist() == ids[1:], feature
     assert scores["memory"] == scores["ssd"]
     made = {p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*")}
     assert made == {"d.csv", "job.toml", "runs", "exports", "memory.csv", "ssd.csv"}, made

@@ -32,7 +32,7 @@ from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, reco
 from hetero.data.rows import BAD_ROW, BadRowCount
 from hetero.data.shards import file_shards
 from hetero.record import reader_settings
-from hetero.serving.export import MANIFEST, RECORD
+from hetero.serving.tables import MANIFEST, RECORD
 from hetero.serving.model import ExportedModel
 from hetero.serving.restore import restore_model, run_record, tier_scratch
 from hetero.train.report import StreamingBinaryMetrics

@@ -88,6 +88,9 @@ class Label:
                              f"one side (negative = [...])")
 
 
+DEFAULT_CAPACITY = 1 << 20  # a dynamic feature's rows when its capacity is not given
+
+
 @dataclasses.dataclass(frozen=True)
 class Categorical:
     """A categorical feature of a column.
@@ -109,7 +112,9 @@ class Categorical:
             hashed mode's hash, unreduced; 0 for an empty value) and its tables are dynamic
             (:mod:`hetero.dynamic`): a row per admitted key, at most ``capacity``. Two of ``n``
             distinct values share a key with probability about ``n**2 / 2**65`` (1e-5 for 1e7 values).
-        capacity: a dynamic feature's rows (>= 1).
+        capacity: a dynamic feature's rows (>= 1); ``None``: :data:`DEFAULT_CAPACITY` (2**20 rows:
+            16 dims of fp32 and LazyAdam's two moments are 192 MiB, the keys it holds evicted by
+            ``eviction`` past that).
         admit_after: a dynamic feature's sightings before a value gets a row (>= 1).
         ttl_steps: a dynamic feature's rows unseen for more than this many steps are evicted.
         eviction: which rows a full dynamic table gives up first.
@@ -165,7 +170,9 @@ class Categorical:
             return
         if self.hash_buckets is not None or self.boundaries:
             raise ValueError(f"{name}: a dynamic feature has neither hash_buckets nor boundaries; drop them")
-        if self.capacity is None or self.capacity < 1:
+        if self.capacity is None:
+            object.__setattr__(self, "capacity", DEFAULT_CAPACITY)
+        if self.capacity < 1:
             raise ValueError(f"{name}: capacity = {self.capacity}; a dynamic feature needs capacity >= 1 (its most rows)")
         self.dynamic_config()  # (its own checks, named)
 

@@ -26,10 +26,7 @@ temporary name and renamed when complete.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -43,21 +40,12 @@ from hetero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hetero.checkpoint.io import naming_write
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, host_tables
 from hetero.record import RECORD_KEY, RunRecord
+from hetero.serving.delta import delta_of
 from hetero.serving.restore import restore_model, run_record, tier_scratch
+from hetero.serving.tables import (
+    DENSE, FORMAT_VERSION, MANIFEST, RECORD, TableRows, publish, tables_digest, write_table,
+)
 
-FORMAT_VERSION = 2  # 2: source and base identities (1: paths; still scored, never a delta's base)
-READABLE = (1, 2)
-MANIFEST, DENSE, RECORD = "manifest.json", "dense.pt2", "record.pt"
-
-
-@dataclasses.dataclass
-class TableRows:
-    """One table's rows as exported: ``keys`` ``(n,)`` int64 sorted, ``rows`` ``(n, D)`` float32,
-    and a dynamic table's default row ``(D,)`` (``None`` for a fixed table, whose keys are ids)."""
-
-    keys: np.ndarray
-    rows: np.ndarray
-    default: np.ndarray | None
 
 
 def model_tables(model: nn.Module) -> dict[str, TableRows]:
@@ -73,38 +61,6 @@ def model_tables(model: nn.Module) -> dict[str, TableRows]:
         held = _rows_of(t, np.append(rows[order], t.config.num_embeddings))  # (and the default row, last)
         out[name] = TableRows(keys[order], held[:-1], held[-1].copy())
     return out
-
-
-class TablesDigest:
-    """The SHA-256 of a set of exported tables, fed table by table in sorted name order: per
-    table its name, key count, width, keys (int64), rows (float32) and default row."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.sha256()
-        self._last = ""
-
-    def add(self, name: str, rows: TableRows) -> None:
-        assert name > self._last, "tables are fed in sorted name order"
-        self._last = name
-        keys = np.ascontiguousarray(rows.keys, np.int64)
-        weight = np.ascontiguousarray(rows.rows, np.float32)
-        width = weight.shape[1] if weight.ndim == 2 else 0
-        self._h.update(f"{name}\0{keys.shape[0]}\0{width}\0".encode())
-        self._h.update(memoryview(keys).cast("B"))
-        self._h.update(memoryview(weight.reshape(-1)).cast("B"))
-        if rows.default is not None:
-            self._h.update(memoryview(np.ascontiguousarray(rows.default, np.float32)).cast("B"))
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
-def tables_digest(tables: dict[str, TableRows]) -> str:
-    """:class:`TablesDigest` of ``tables`` (qualified name -> rows)."""
-    d = TablesDigest()
-    for name in sorted(tables):
-        d.add(name, tables[name])
-    return d.hexdigest()
 
 
 def identity(state: dict[str, Any], tables: dict[str, TableRows]) -> dict[str, Any]:
@@ -216,153 +172,31 @@ def _write_files(tmp: Path, out: Path, model: nn.Module, record: RunRecord, stat
     try:
         (tmp / "tables").mkdir()
         for name, rows in tables.items():
+            values = raw_values(record, described[name], rows)
             if older is None:
-                write_table(tmp / "tables" / f"{name}.parquet", rows.keys, rows.rows)
+                write_table(tmp / "tables" / f"{name}.parquet", rows.keys, rows.rows, values)
                 continue
             changed, gone = delta_of(older[name], rows)
-            write_table(tmp / "tables" / f"{name}.parquet", rows.keys[changed], rows.rows[changed])
+            write_table(tmp / "tables" / f"{name}.parquet", rows.keys[changed], rows.rows[changed],
+                        None if values is None else values[changed])
             write_table(tmp / "tables" / f"{name}.tombstones.parquet", gone, None)
             described[name]["changed"], described[name]["tombstones"] = int(changed.shape[0]), int(gone.shape[0])
         torch.export.save(dense_program(model, record.model.num_dense), str(tmp / DENSE))
         save_checkpoint({RECORD_KEY: state[RECORD_KEY]}, tmp / RECORD)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _publish(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """The complete directory ``tmp`` becomes ``out`` (one rename), with the permissions the umask
-    gives a new directory (``mkdtemp`` made it private)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)
-    os.replace(tmp, out)
-
-
-def delta_of(old: TableRows, new: TableRows) -> tuple[np.ndarray, np.ndarray]:
-    """Positions in ``new`` of the keys added or changed since ``old``, and the keys ``old`` has
-    and ``new`` has not (tombstones)."""
-    at = np.minimum(np.searchsorted(old.keys, new.keys), max(old.keys.shape[0] - 1, 0))
-    known = (old.keys[at] == new.keys) if old.keys.shape[0] else np.zeros(new.keys.shape[0], bool)
-    same = known.copy()
-    same[known] = (old.rows[at[known]] == new.rows[known]).all(axis=1)
-    gone = old.keys[~np.isin(old.keys, new.keys, assume_unique=True)]
-    return np.flatnonzero(~same), gone
-
-
-def apply_delta(base: str | Path, delta: str | Path, out: str | Path) -> dict[str, Any]:
-    """The full export that ``delta`` (of checkpoints A -> B) makes of ``base`` (A's full export),
-    written into the new directory ``out``: equal to B's full export. Returns its manifest.
-
-    A delta fits an export by content, never by path: the digest of ``base``'s rows as read from
-    its files must be the delta's ``base`` digest (A's rows), and the result's digest must be its
-    ``source`` digest (B's rows); nothing is written otherwise.
-
-    Raises:
-        FileExistsError: ``out`` exists.
-        ValueError: ``delta`` is not a delta, ``base`` not a full export, a delta of an older
-            format (no base identity: export it again), other tables, or rows that are not the
-            delta's base (naming both runs and steps), or a result that is not the delta's newer
-            export (a damaged file).
-    """
-    base, delta, out = Path(base), Path(delta), Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} exists: give a new directory")
-    b, d = read_manifest(base), read_manifest(delta)
-    if b["kind"] != "full" or d["kind"] != "delta":
-        raise ValueError(f"{delta} ({d['kind']}) does not apply to {base} ({b['kind']}): apply a delta to the full "
-                         f"export of the checkpoint it starts from")
-    if d.get("base") is None:
-        raise ValueError(f"{delta} is a delta of export format {d['format_version']}, which does not record the "
-                         f"checkpoint it starts from: export it again with this hetero")
-    if sorted(b["tables"]) != sorted(d["tables"]):
-        raise ValueError(f"{delta} has tables {sorted(d['tables'])}, {base} {sorted(b['tables'])}: the delta does "
-                         f"not apply to this export")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        (tmp / "tables").mkdir()
-        tables, had, made = {}, TablesDigest(), TablesDigest()
-        for name in sorted(d["tables"]):
-            entry = d["tables"][name]
-            keys, rows = read_table(base / "tables" / f"{name}.parquet")
-            had.add(name, TableRows(keys, rows, _default(b["tables"][name])))
-            new_keys, new_rows = read_table(delta / "tables" / f"{name}.parquet")
-            gone, _ = read_table(delta / "tables" / f"{name}.tombstones.parquet")
-            keep = ~np.isin(keys, np.concatenate([gone, new_keys]))
-            keys, rows = np.concatenate([keys[keep], new_keys]), np.concatenate([rows[keep], new_rows])
-            order = np.argsort(keys, kind="stable")
-            keys, rows = keys[order], rows[order]
-            made.add(name, TableRows(keys, rows, _default(entry)))
-            write_table(tmp / "tables" / f"{name}.parquet", keys, rows)
-            tables[name] = {k: v for k, v in entry.items() if k not in ("changed", "tombstones")}
-        if had.hexdigest() != d["base"]["tables_digest"]:
-            raise ValueError(f"{delta} starts from {_named(d['base'])} and {base} holds other rows "
-                             f"({_named(b.get('source'))}): apply it to the full export of the checkpoint it starts "
-                             f"from")
-        if made.hexdigest() != d["source"]["tables_digest"]:
-            raise ValueError(f"{delta} applied to {base} does not give the rows of {_named(d['source'])}: a file of "
-                             f"either directory was changed after it was written; export again")
-        for f in (DENSE, RECORD):
-            shutil.copy(delta / f, tmp / f)
-        manifest = {**d, "kind": "full", "base": None, "since": None, "tables": tables}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _publish(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
-
-
-def _default(entry: dict[str, Any]) -> np.ndarray | None:
-    """A manifest table entry's default row (float32; ``None``: a fixed table)."""
-    return None if entry.get("default") is None else np.asarray(entry["default"], np.float32)
-
-
-def _named(ident: dict[str, Any] | None) -> str:
-    if ident is None:
-        return "an export of format 1 (no identity)"
-    return f"run {ident['run']} at step {ident['step']} (rows {ident['tables_digest'][:12]})"
-
-
-def read_manifest(directory: Path) -> dict[str, Any]:
-    """An export directory's manifest.
-
-    Raises:
-        FileNotFoundError: no manifest there (naming what writes one).
-        ValueError: another format version.
-    """
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} has no {MANIFEST}: give a directory `hetero export` wrote")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") not in READABLE:
-        raise ValueError(f"{path}: export format {manifest.get('format_version')}; this hetero reads {READABLE}")
-    return manifest
-
-
-def write_table(path: Path, keys: np.ndarray, rows: np.ndarray | None) -> None:
-    """Keys (and rows, ``(n, D)`` float32) as a Parquet file: ``key``, ``embedding``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    columns = {"key": pa.array(keys, pa.int64())}
-    if rows is not None:
-        flat = pa.array(np.ascontiguousarray(rows, np.float32).reshape(-1), pa.float32())
-        columns["embedding"] = pa.FixedSizeListArray.from_arrays(flat, rows.shape[1])
-    pq.write_table(pa.table(columns), path)
-
-
-def read_table(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
-    """What :func:`write_table` wrote: keys ``(n,)`` int64, rows ``(n, D)`` float32 (``None``: none)."""
-    import pyarrow.parquet as pq
-
-    t = pq.read_table(path)
-    keys = t.column("key").to_numpy()
-    if "embedding" not in t.column_names:
-        return keys, None
-    emb = t.column("embedding").combine_chunks()
-    return keys, emb.values.to_numpy().reshape(len(keys), emb.type.list_size)
+def raw_values(record: RunRecord, described: dict[str, Any], rows: TableRows) -> np.ndarray | None:
+    """A fixed table's raw feature value of each of its ids (object ``(n,)``: the vocabulary's text;
+    ``None`` for id 0, the out-of-vocabulary row), so a serving system looks rows up by the value it
+    has; ``None`` for a table whose ids are no vocabulary's (hashed, bucketised, dynamic, crossed)."""
+    vocab = record.encoding.vocabularies.get(described["feature"]) if rows.default is None else None
+    if vocab is None:
+        return None
+    return np.array([None, *vocab], dtype=object)[rows.keys]
 
 
 def _describe(table: nn.Module, rows: TableRows) -> dict[str, Any]:

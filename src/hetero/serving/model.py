@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from hetero.serving.export import DENSE, read_manifest, read_table
+from hetero.serving.tables import DENSE, read_manifest, read_table
 from hetero.serving.program import load_program
 
 
