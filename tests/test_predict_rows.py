@@ -142,3 +142,22 @@ def test_predict_memory_is_flat_in_the_row_count(tmp_path, monkeypatch, rows):
     assert pq.ParquetFile(out).metadata.num_rows == rows and len(seen) > 8
     warm = max(seen[: len(seen) // 4])
     assert max(seen) - warm < 16 * 1024, (warm, max(seen), seen)  # KiB
+
+
+def test_the_rows_skipped_as_bad_are_counted_in_metrics_json_and_the_last_log_line(tmp_path, capsys, caplog):
+    import logging
+
+    rows = _rows(400)
+    data = tmp_path / "data.csv"
+    bad = {5, 77, 300}
+    data.write_text("key,y,city,age,note\n" + "".join(f"{k},{y},{c},{'x' if i in bad else a},{n}\n"
+                                                      for i, (k, y, c, a, n) in enumerate(rows)))
+    job = _job(tmp_path, data)
+    job.write_text(job.read_text().replace("[data]\n", '[data]\non_bad_rows = "skip"\n'))
+    with caplog.at_level(logging.INFO, logger="hetero"):
+        assert main(["train", "--config", str(job), *TRAIN, "--run-dir", str(tmp_path / "run")]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert printed["bad_rows"] == saved["bad_rows"] == len(bad)
+    last = caplog.records[-1].getMessage()
+    assert last.startswith(f"hetero: {len(bad)} rows skipped as bad") and "line 7, column 'age'" in last, last

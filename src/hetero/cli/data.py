@@ -10,6 +10,7 @@ from pathlib import Path
 from hetero.data import BatchConfig
 from hetero.data.encode import Encoding
 from hetero.data.readers import ReaderConfig
+from hetero.data.rows import BadRowCount
 from hetero.data.prepare import load_prepared, prepare, prepared_job, prepared_job_document, prepared_reader
 from hetero.data.split import read_dataset
 from hetero.data.stream import StreamBatches, StreamConfig, StreamEval, fit_stream
@@ -33,6 +34,7 @@ class JobData:
     num_dense: int
     encoding: Encoding | None = None
     reader: ReaderConfig = ReaderConfig()  # how the job's files were read (predict reads files so too)
+    bad: BadRowCount | None = None  # the rows skipped as bad (None: not counted here: a prepared cache's)
 
 
 def job_path(job: JobConfig) -> Path | tuple[Path, ...]:
@@ -99,17 +101,18 @@ def job_data(job: JobConfig, dp: DataParallelGroup = DataParallelGroup()) -> Job
         stream = StreamConfig(shuffle_window=d.shuffle_window)
         batches = BatchConfig(batch_size=job.training.batch_size, shuffle=True, seed=job.training.seed, rank=dp.rank,
                               world_size=dp.size)
-        return JobData(StreamBatches(path, encoding, reader, batches, stream, dp.host_group()),
-                       StreamEval(split.valid_path, encoding, split.reader_of("valid", reader), stream),
+        train = StreamBatches(path, encoding, reader, batches, stream, dp.host_group())
+        return JobData(train, StreamEval(split.valid_path, encoding, split.reader_of("valid", reader), stream),
                        StreamEval(split.test_path, encoding, split.reader_of("test", reader), stream),
-                       encoding.specs(), len(job.schema.dense), encoding, reader)
-    train, valid, test, encoding = read_dataset(path, job.schema, reader, d.split, job.training.seed)
+                       encoding.specs(), len(job.schema.dense), encoding, reader, train.bad)
+    bad = BadRowCount()
+    train, valid, test, encoding = read_dataset(path, job.schema, reader, d.split, job.training.seed, bad)
     n = len(train) + len(valid) + len(test)
     if not (len(train) and len(valid) and len(test)):
         raise ValueError(f"{path} has {n} samples: its train/validation/test split leaves a part empty; use a larger "
                          f"file")
     _check_two_classes(train, f"{path} (its training split)", encoding)
-    return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding, reader)
+    return JobData(train, valid, test, encoding.specs(), train.num_dense, encoding, reader, bad)
 
 
 def _check_two_classes(train: Rows, where: str, encoding: Encoding) -> None:

@@ -151,7 +151,7 @@ def build_trainer(job: JobConfig, dims: ParallelDims | None = None, ps_job: ps.P
         world_size=dims.dp_group.size))
     trainer = Trainer(model, made.dense_optimizer, made.sparse_optimizers, batches, data.valid, data.test, config,
                       job.checkpoint.run_dir, on_step=on_step, pipeline=made.pipeline, record=record.to_state(),
-                      run_files={"config.toml": job_to_toml(job)}, dp=dims.dp_group, ps_job=ps_job)
+                      run_files={"config.toml": job_to_toml(job)}, dp=dims.dp_group, ps_job=ps_job, bad_rows=data.bad)
     return trainer, functools.partial(_write_run_files, job.checkpoint.run_dir, planned, strategy)
 
 

@@ -381,11 +381,12 @@ def _typed_batches(path: Path, types: dict, wanted: list[str], config: ReaderCon
 
 
 def read_table(path: str | Path | Sequence[str | Path], schema: Schema, config: ReaderConfig = ReaderConfig(),
-               extra: tuple[str, ...] = ()) -> pa.Table:
-    """The whole of :func:`record_batches` as one table (the same errors)."""
+               extra: tuple[str, ...] = (), bad: BadRowCount | None = None) -> pa.Table:
+    """The whole of :func:`record_batches` as one table (the same errors; ``bad``: counts the
+    rows skipped as bad)."""
     import pyarrow as pa
 
-    batches = list(record_batches(path, schema, config, extra))
+    batches = list(record_batches(path, schema, config, extra, bad=bad))
     if batches:
         return pa.Table.from_batches(batches)
     return pa.Table.from_batches([], schema=_empty_schema(schema, extra))

@@ -12,6 +12,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from hetero.data.encode import Encoding, fit
+from hetero.data.rows import BadRowCount
 from hetero.data.readers import ReaderConfig, inferred, read_table, with_format_separators
 from hetero.data.schema import Schema
 from hetero.data.tabular import TabularDataset
@@ -81,9 +82,11 @@ class Split:
 
 
 def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = ReaderConfig(), split: Split = Split(),
-                 seed: int = 0) -> tuple[TabularDataset, TabularDataset, TabularDataset, Encoding]:
+                 seed: int = 0, bad: BadRowCount | None = None
+                 ) -> tuple[TabularDataset, TabularDataset, TabularDataset, Encoding]:
     """``path`` split into train/validation/test by ``split`` (random ones seeded by ``seed``),
     the schema fitted on the training rows only, each part encoded; and the :class:`Encoding`.
+    ``bad``: counts the rows of every file skipped as bad (``on_bad_rows = "skip"``).
 
     Raises:
         ValueError: as :func:`read_table` (also for the validation and test files).
@@ -92,12 +95,13 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
 
     schema = with_format_separators(schema, inferred(config, path))  # (as a job file's schema reads)
     if split.valid_path is not None:
-        parts = [read_table(path, schema, config), read_table(split.valid_path, schema, split.reader_of("valid", config)),
-                 read_table(split.test_path, schema, split.reader_of("test", config))]
+        parts = [read_table(path, schema, config, bad=bad),
+                 read_table(split.valid_path, schema, split.reader_of("valid", config), bad=bad),
+                 read_table(split.test_path, schema, split.reader_of("test", config), bad=bad)]
         sources = [str(p) for p in (path, split.valid_path, split.test_path)]
     else:
         extra = (split.time_column,) if split.time_column is not None else ()
-        table = read_table(path, schema, config, extra)
+        table = read_table(path, schema, config, extra, bad=bad)
         n, fr = table.num_rows, split.fractions
         if split.time_column is not None:  # stable: rows of one time keep their file order
             times = table.column(split.time_column)
@@ -114,7 +118,7 @@ def read_dataset(path: str | Path, schema: Schema, config: ReaderConfig = Reader
             parts = [table.filter(which == k) for k in range(len(fr))]
         sources = [f"{path} ({part} split)" for part in ("training", "validation", "test")]
         if split.test_path is not None:  # the test rows: a file of their own
-            parts.append(read_table(split.test_path, schema, split.reader_of("test", config)))
+            parts.append(read_table(split.test_path, schema, split.reader_of("test", config), bad=bad))
             sources[2] = str(split.test_path)
     encoding = fit(schema, parts[0], sources[0])
     train, valid, test = (encoding.encode(t, source) for t, source in zip(parts, sources))

@@ -24,24 +24,39 @@ def binary_metrics(label: np.ndarray, prob: np.ndarray) -> dict[str, float | Non
     return {"auc": auc, "logloss": float(log_loss(label, prob, labels=[0, 1]))}
 
 
-def plot_curves(losses: list[float], epochs: list[int], valid_auc: list[float | None], path: Path) -> Path:
-    """Write a PNG with the training loss per step (and its moving average) and validation AUC per epoch."""
+def plot_curves(losses: list[float], history: dict[str, list], chosen: int | None, path: Path) -> Path:
+    """Write a PNG of a run: the training log loss per step and its moving average beside the
+    validation log loss at each epoch's end, on an axis of whole epochs; the validation AUC per
+    epoch; the chosen epoch (the one that scored the test split) marked on both. ``history``: the
+    trainer's (``epoch``, ``valid_auc``, ``valid_logloss``, ``steps``: the step count at each epoch's
+    end)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
+    epochs, ends = history["epoch"], history.get("steps") or []
     fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
-    steps = np.arange(1, len(losses) + 1)
-    ax_loss.plot(steps, losses, lw=0.5, alpha=0.4, label="loss per step")
+    per_epoch = ends[0] if ends else max(len(losses), 1)  # steps of an epoch (the first's: a resume keeps it)
+    x = np.arange(1, len(losses) + 1) / per_epoch
+    ax_loss.plot(x, losses, lw=0.5, alpha=0.4, label="training, per step")
     if len(losses) >= 20:
         w = max(len(losses) // 50, 10)
-        ax_loss.plot(steps[w - 1 :], np.convolve(losses, np.ones(w) / w, mode="valid"), lw=1.5, label=f"mean of {w}")
-    ax_loss.set(xlabel="step", ylabel="training log loss", title="Training loss")
-    ax_loss.legend()
-    ax_auc.plot(epochs, [np.nan if a is None else a for a in valid_auc], marker="o")  # undefined AUC: a gap
+        ax_loss.plot(x[w - 1 :], np.convolve(losses, np.ones(w) / w, mode="valid"), lw=1.5, label=f"training, mean of {w}")
+    if epochs:
+        at = [e / per_epoch for e in ends] if len(ends) == len(epochs) else epochs
+        ax_loss.plot(at, [np.nan if v is None else v for v in history["valid_logloss"]], marker="o", label="validation")
+    ax_loss.set(xlabel="epoch", ylabel="log loss", title="Log loss")
+    ax_auc.plot(epochs, [np.nan if a is None else a for a in history["valid_auc"]], marker="o")  # undefined: a gap
     ax_auc.set(xlabel="epoch", ylabel="AUC", title="Validation AUC")
     ax_auc.grid(alpha=0.3)
+    for ax in (ax_loss, ax_auc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs
+        if chosen:
+            ax.axvline(chosen, color="tab:red", ls="--", lw=1, label=f"chosen: epoch {chosen}")
+    ax_loss.legend()
+    ax_auc.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -50,13 +65,13 @@ def plot_curves(losses: list[float], epochs: list[int], valid_auc: list[float | 
 
 def write_report(run_dir: Path, losses: list[float], metrics: dict[str, Any]) -> dict[str, Any]:
     """A finished run's readable files (rank 0 writes them): ``losses.csv`` (the loss per
-    step), ``curves.png`` (:func:`plot_curves` of the loss and the validation AUC) and
+    step), ``curves.png`` (:func:`plot_curves`: the log losses, the validation AUC, the chosen epoch) and
     ``metrics.json`` (``metrics`` with the plot's path); returns the metrics written."""
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "losses.csv", "w") as f:
         f.write("step,loss\n" + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(losses)))
     history = metrics["history"]
-    plot = plot_curves(losses, history["epoch"], history["valid_auc"], run_dir / "curves.png")
+    plot = plot_curves(losses, history, metrics.get("test_epoch"), run_dir / "curves.png")
     metrics = {**metrics, "plot": str(plot)}
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
     return metrics

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hetero import ps
+from hetero.data.rows import BadRowCount
 from hetero.data.tabular import Batch, EvalData, TrainingData
 from hetero.embedding import Prefetcher, dense_parameters, drop_started_lookups, start_lookups
 from hetero.embedding.prefetch import looked_up_at_step
@@ -69,6 +70,8 @@ class Trainer(TrainerCheckpoints):
             the whole job): DDP's, the sparse-gradient exchange's, the loss average's.
         ps_job: the parameter-server job (:class:`~hetero.ps.PSJob`) when the tables live on
             servers (this process is one of its workers; ``dp`` is then its workers' group).
+        bad_rows: the count of rows its data's readers skipped as bad (reported as
+            ``bad_rows``, and said in the last log line; ``None``: not counted, reported null).
 
     Raises:
         ValueError: a pipeline with the sharded checkpoint format, several stages per rank, or
@@ -91,6 +94,7 @@ class Trainer(TrainerCheckpoints):
         run_files: Mapping[str, str] | None = None,
         dp: DataParallelGroup = DataParallelGroup(),
         ps_job: ps.PSJob | None = None,
+        bad_rows: BadRowCount | None = None,
     ) -> None:
         if pipeline is not None and (config.checkpoint_format is CheckpointFormat.SHARDED or len(pipeline.modules) > 1):
             raise ValueError("a pipelined trainer runs one stage per rank and writes integrated checkpoints: use a "
@@ -127,11 +131,12 @@ class Trainer(TrainerCheckpoints):
         self.epoch, self.batch, self.global_step = 0, 0, 0
         self.run_uid = new_run_uid(self.dp)  # names the run in its checkpoints and exports (a resume keeps it)
         self.losses: list[float] = []
-        self.history: dict[str, list] = {"epoch": [], "valid_auc": [], "valid_logloss": []}
+        self.history: dict[str, list] = {"epoch": [], "valid_auc": [], "valid_logloss": [], "steps": []}
         self.train_seconds, self.train_samples = 0.0, 0
         self.best_path = self.run_dir / config.checkpoint_format.best_name
         self.best: dict[str, Any] = {"score": None, "epoch": 0, "stopped": False}  # early stopping's record
         self.on_step = on_step
+        self.bad_rows = bad_rows
         self.record, self.run_files = record, dict(run_files or {})
         self.scalars = ScalarLog(self.run_dir / "tensorboard") if config.tensorboard and global_rank() == 0 else None
         self._identity = train.identity()  # read once (a dataset's checksum is a pass over it)
@@ -264,6 +269,7 @@ class Trainer(TrainerCheckpoints):
                 self.history["epoch"].append(self.epoch + 1)
                 self.history["valid_auc"].append(metrics["auc"])
                 self.history["valid_logloss"].append(metrics["logloss"])
+                self.history.setdefault("steps", []).append(self.global_step)  # (an older checkpoint's has none)
                 rate = f"{self.train_samples / self.train_seconds:.0f} samples/s" if self.train_seconds else "rate after warm-up"
                 log.info("hetero: epoch %d valid auc %s logloss %s (%s)", self.epoch + 1,
                          _fmt(metrics["auc"]), _fmt(metrics["logloss"]), rate)
@@ -338,6 +344,8 @@ class Trainer(TrainerCheckpoints):
             "best_epoch": self.best["epoch"] or None,  # of the validation score; the test split's model with keep_best
             "test_epoch": scored,  # the epoch whose model scored the test split
             "stopped_early": self.best["stopped"],
+            # rows the readers skipped as bad (on_bad_rows = "skip"; a stream's: as read, each epoch)
+            "bad_rows": None if self.bad_rows is None else self.bad_rows.rows,
             # each dynamic table's keys admitted, rows evicted, lookups of the default row, rows held
             "dynamic_tables": {name: vars(stats) for name, stats in dynamic.items()},
         }
@@ -345,6 +353,9 @@ class Trainer(TrainerCheckpoints):
             clients = [c for opt in self.sparse_optimizers.values() for c in opt.clients]
             metrics["ps_started_pulls"] = {"taken": sum(c.starts_taken for c in clients),
                                            "dropped": sum(c.starts_dropped for c in clients)}
+        if self.bad_rows is not None and self.bad_rows.rows:
+            log.warning("hetero: %d rows skipped as bad (on_bad_rows = \"skip\"); the first: %s", self.bad_rows.rows,
+                        self.bad_rows.first)
         return write_report(self.run_dir, self.losses, metrics)
 
 
