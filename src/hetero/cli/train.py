@@ -198,7 +198,9 @@ def run_train(job: JobConfig, on_step=None) -> int:  # noqa: ANN001 - a callable
         rank = parallel.global_rank()
         if rank != 0:  # one voice per job: the other ranks only warn
             logging.getLogger("hetero").setLevel(logging.WARNING)
-        store = ssd_settings(job).directory if job.tables.storage is not TableStorage.MEMORY else None
+        # this rank's SSD store, if it holds one (a parameter-server job's workers hold no rows: their servers do)
+        holds = job.tables.storage is not TableStorage.MEMORY and (ps_job is None or ps_job.role is ps.Role.SERVER)
+        store = ssd_settings(job).directory if holds else None
         with RunLock(c.run_dir, store, rank) as held:  # one run per run directory and SSD store, for its life
             trainer, write_run_files = build_trainer(job, dims, ps_job, on_step)
             if trainer is None:  # a parameter server: the workers are done
