@@ -178,8 +178,10 @@ def test_a_split_by_time_and_a_split_by_files(tmp_path):
     train, valid, test, enc = read_dataset(files[0], schema, split=Split(valid_path=files[1], test_path=files[2]))
     assert (len(train), len(valid), len(test)) == (6, 2, 2) and enc.vocabularies["city"] == ["c5", "c1", "c9", "c3",
                                                                                               "c7", "c2"]
-    with pytest.raises(ValueError, match=r"a split by files needs both valid_path and test_path"):
+    with pytest.raises(ValueError, match=r"valid_path needs test_path"):
         Split(valid_path=files[1])
+    with pytest.raises(ValueError, match=r"give two positive fractions summing to 1 \(train, validation: test_path"):
+        Split(test_path=files[2])  # the test rows a file's: the training file splits in two
     with pytest.raises(ValueError, match=r"split fractions \[0.5, 0.5, 0.0\]: give three positive fractions"):
         Split((0.5, 0.5, 0.0))
 
