@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="work directory (default: a temporary one, removed)")
     args = parser.parse_args()
     from hetero.data.prepare import load_prepared, prepare
-    from hetero.data.readers import ReaderConfig
+    from hetero.data.reader_config import ReaderConfig
     from hetero.data.schema import Categorical, Dense, Label, Schema, Transform
     from hetero.data.stream import StreamBatches, StreamConfig, encoded_blocks, fit_stream
     from hetero.data.tabular import BatchConfig, Batches

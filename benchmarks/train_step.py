@@ -20,7 +20,8 @@ from _common import emit  # noqa: E402
 
 from hetero.data import BatchConfig, Batches, Feature, TabularDataset  # noqa: E402
 from hetero.data.encode import fit  # noqa: E402
-from hetero.data.readers import ReaderConfig, read_table  # noqa: E402
+from hetero.data.reader_config import ReaderConfig  # noqa: E402
+from hetero.data.readers import read_table  # noqa: E402
 from hetero.data.schema import Categorical, Dense, Label, Schema, Transform  # noqa: E402
 from hetero.embedding import dense_parameters, host_tables  # noqa: E402
 from hetero.models.wide_deep import FeatureSlot, WideDeep, WideDeepConfig  # noqa: E402

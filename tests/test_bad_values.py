@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hetero.cli import main
-from hetero.data.readers import FileFormat, ReaderConfig, read_table
+from hetero.data.reader_config import FileFormat, ReaderConfig
+from hetero.data.readers import read_table
 from hetero.data.rows import BadRowCount, BadRows
 from hetero.data.readers import record_batches
 from hetero.data.schema import Categorical, Dense, Label, Schema, Transform

@@ -13,7 +13,8 @@ import torch
 
 from hetero.cli import main
 from hetero.data.encode import CROSS_JOIN, fit
-from hetero.data.readers import Join, ReaderConfig, column_names, read_table, record_batches
+from hetero.data.reader_config import Join, ReaderConfig
+from hetero.data.readers import column_names, read_table, record_batches
 from hetero.data.schema import Categorical, Cross, Dense, Label, Schema
 from hetero.data.shards import byte_shards
 from hetero.data.stream import StreamConfig, encoded_blocks

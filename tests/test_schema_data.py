@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hetero.data.encode import fit, hash_rows
-from hetero.data.readers import FileFormat, ReaderConfig, read_table
+from hetero.data.reader_config import FileFormat, ReaderConfig
+from hetero.data.readers import read_table
 from hetero.data.split import read_dataset
 from hetero.data.rows import BadRows
 from hetero.data.schema import Categorical, Cross, Dense, Label, Schema, Transform

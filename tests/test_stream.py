@@ -12,7 +12,8 @@ import torch
 from hetero.cli import main
 from hetero.data.encode import fit, load_encoding
 from hetero.data.prepare import load_prepared, prepare
-from hetero.data.readers import FileFormat, ReaderConfig, read_table
+from hetero.data.reader_config import FileFormat, ReaderConfig
+from hetero.data.readers import read_table
 from hetero.data.split import Split
 from hetero.data.rows import BadRows
 from hetero.data.schema import Categorical, Dense, Label, Schema, Transform

@@ -11,7 +11,7 @@ import torch
 
 from hetero.cli import main
 from hetero.data.prepare import load_prepared, prepare
-from hetero.data.readers import ReaderConfig
+from hetero.data.reader_config import ReaderConfig
 from hetero.data.schema import Categorical, Dense, Label, Schema
 from hetero.data.split import Split, read_dataset
 
@@ -125,7 +125,8 @@ def test_int64_parquet_ids_hash_as_their_csv_text(tmp_path):
     pq.write_table(pa.table({"y": ["1", "0", "1", "0", "1"], "user": pa.array(ids, pa.int64())}), tmp_path / "p.parquet")
     (tmp_path / "c.csv").write_text("y,user\n" + "".join(f"{y},{u}\n" for y, u in zip("10101", ids)))
     schema = Schema(Label("y"), (Categorical("user", hash_buckets=1000),))
-    from hetero.data.readers import FileFormat, read_table
+    from hetero.data.reader_config import FileFormat
+    from hetero.data.readers import read_table
 
     parquet = read_table(tmp_path / "p.parquet", schema, ReaderConfig(FileFormat.PARQUET))
     text = read_table(tmp_path / "c.csv", schema)

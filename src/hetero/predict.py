@@ -28,7 +28,8 @@ import torch
 
 from hetero.checkpoint import CheckpointError, load_checkpoint
 from hetero.checkpoint.io import naming_write
-from hetero.data.readers import ReaderConfig, file_columns, reader_to_dict, record_batches
+from hetero.data.reader_config import ReaderConfig, reader_to_dict
+from hetero.data.readers import file_columns, record_batches
 from hetero.data.rows import BAD_ROW, BadRowCount
 from hetero.data.shards import file_shards
 from hetero.record import reader_settings

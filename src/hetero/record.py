@@ -27,7 +27,7 @@ import torch
 
 from hetero.checkpoint import CheckpointError
 from hetero.data.encode import Encoding, encoding_document, encoding_from_document
-from hetero.data.readers import ReaderConfig, reader_from_dict, reader_to_dict
+from hetero.data.reader_config import ReaderConfig, reader_from_dict, reader_to_dict
 
 FORMAT_VERSION = 1
 RECORD_KEY = "run_record"  # the checkpoint's key
@@ -108,7 +108,7 @@ class RunRecord:
 
 
 def reader_settings(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """A reader's settings (:func:`~hetero.data.readers.reader_to_dict`) that decide how a file
+    """A reader's settings (:func:`~hetero.data.reader_config.reader_to_dict`) that decide how a file
     reads, without its side tables' paths (they may lie elsewhere now: another ``--data-dir``)."""
     return {**doc, "joins": [{k: v for k, v in j.items() if k != "path"} for j in doc["joins"]]}
 

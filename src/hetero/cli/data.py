@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hetero.data import BatchConfig
 from hetero.data.encode import Encoding
-from hetero.data.readers import ReaderConfig
+from hetero.data.reader_config import ReaderConfig
 from hetero.data.rows import BadRowCount
 from hetero.data.prepare import load_prepared, prepare, prepared_job, prepared_job_document, prepared_reader
 from hetero.data.split import read_dataset

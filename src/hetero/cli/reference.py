@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 
 from hetero.config.job import SECTIONS, Data, keys
-from hetero.data.readers import ReaderConfig
+from hetero.data.reader_config import ReaderConfig
 from hetero.data.schema import Categorical, Cross, Dense, Label
 from hetero.data.toml_values import expected_type
 from hetero.data.split import Split

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 import tyro
 from tyro.constructors import PrimitiveConstructorSpec
 
-from hetero.data.readers import ReaderConfig
+from hetero.data.reader_config import ReaderConfig
 from hetero.data.schema import Schema
 from hetero.data.split import Split
 from hetero.models.build import ModelKind
@@ -235,7 +235,7 @@ class Training:
     prefetch: Annotated[bool, alias("--prefetch")] = False
     """Prepare the next batch's lookups on a worker thread."""
     threads: Annotated[int | None, alias("--threads"), Bounds(low=1)] = None
-    """Compute threads: torch's intra-op pool and the host embedding kernels (default: 1 on a host of <= 2 cores, where a busy core made 2 threads 3-4x slower; else torch's)."""
+    """Compute threads: torch's and the host kernels' (default: 1 on <= 2 cores, else torch's)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -39,8 +39,9 @@ from typing import Any
 import tomli_w
 
 from hetero.config.job import SECTIONS, Data, JobConfig, keys, parse_bytes
-from hetero.data.readers import Join, ReaderConfig, format_of, with_format_separators
-from hetero.data.schema import build_dataclass, check_keys, checked, parse_enum, plain_data, schema_from_dict
+from hetero.data.reader_config import Join, ReaderConfig, format_of, with_format_separators
+from hetero.data.schema import schema_from_dict
+from hetero.data.toml_values import build_dataclass, check_keys, checked, parse_enum, plain_data
 from hetero.data.split import Split
 from hetero.data.toml_values import check_type
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 import zlib
@@ -27,8 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-log = logging.getLogger("hetero")
-
+from hetero.data.column_rules import check_distinct
 from hetero.data.rows import normalized_text
 from hetero.data.schema import Categorical, Cross, Schema, Transform, schema_from_dict, schema_to_dict
 from hetero.data.tabular import Feature, FeatureRole, Jagged, TabularDataset
@@ -261,30 +259,6 @@ class Fitter:
             std = math.sqrt(m2 / n) if n else 1.0
             statistics[name] = (float(mean) if n else 0.0, std if std > 0 and math.isfinite(std) else 1.0)
         return Encoding(self.schema, vocabularies, statistics)
-
-
-UNIQUE_SHARE = 0.95  # a vocabulary feature with more distinct values per training row is refused
-MIN_ROWS = 1000  # (of a training split of at least this many rows)
-
-
-def check_distinct(feature: Categorical, distinct: int, rows: int) -> None:
-    """Refuse a vocabulary feature whose distinct values are nearly one per training row: a row
-    id, or a multi-valued column read whole (a libFM file without ``separator``), which trains a
-    row per value seen once and scores every new row as unknown; warn above half.
-
-    Raises:
-        ValueError: more than :data:`UNIQUE_SHARE` of ``rows`` (>= :data:`MIN_ROWS`), naming the
-            feature and the fixes.
-    """
-    if feature.separator is not None or rows < MIN_ROWS or distinct <= rows // 2:
-        return
-    what = (f"categorical {feature.name!r} has {distinct} distinct values in {rows} training rows: nearly every row's "
-            f"value is new, so its rows learn nothing that scores a new row. If the column holds several values per "
-            f"row, set separator = \"|\" (their separator); if it is an id, drop it (drop = [...]) or give it "
-            f"hash_buckets")
-    if distinct > UNIQUE_SHARE * rows:
-        raise ValueError(what)
-    log.warning("hetero: %s", what)
 
 
 def _merge(tables: list[pa.Table]) -> pa.Table:

@@ -43,9 +43,11 @@ import numpy as np
 import torch
 
 from hetero.data.encode import Encoding, Fitter, load_encoding, save_encoding
-from hetero.data.readers import ReaderConfig, reader_from_dict, reader_to_dict, record_batches
+from hetero.data.reader_config import ReaderConfig, reader_from_dict, reader_to_dict
+from hetero.data.readers import record_batches
 from hetero.data.split import Split
-from hetero.data.schema import Schema, plain_data, schema_from_dict, schema_to_dict
+from hetero.data.schema import Schema, schema_from_dict, schema_to_dict
+from hetero.data.toml_values import plain_data
 from hetero.data.tabular import Batch, Feature, Jagged, TabularDataset
 
 MANIFEST = "manifest.json"

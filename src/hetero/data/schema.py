@@ -33,16 +33,13 @@ preprocessing of DLRM (Naumov et al. 2019).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
-import pathlib
-import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hetero.data.tabular import FeatureRole
 from hetero.dynamic import DynamicConfig, Eviction
-from hetero.data.toml_values import check_type
+from hetero.data.toml_values import build_dataclass, check_keys, checked, parse_enum, plain_data
 
 
 class Transform(enum.Enum):
@@ -330,28 +327,6 @@ class Schema:
                              f"{f' (nor {missing[1:]})' if missing[1:] else ''}; its columns are {list(columns)}")
 
 
-def parse_enum(kind: type[enum.Enum], value: object, what: str) -> enum.Enum:
-    """``kind(value)``; a value that is not one is an error naming ``what`` and the valid values."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"{what} {value!r} does not exist; valid values are {[k.value for k in kind]}") from None
-
-
-def plain_data(value: Any) -> Any:  # noqa: ANN401 - JSON-able data
-    """``value`` as JSON-able data: enums as their values, paths as text, tuples as lists,
-    dataclasses as dicts of their fields (recursively)."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, pathlib.PurePath):
-        return str(value)
-    if isinstance(value, (tuple, list)):
-        return [plain_data(v) for v in value]
-    if dataclasses.is_dataclass(value):
-        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    return value
-
-
 def schema_to_dict(schema: Schema) -> dict[str, Any]:
     """``schema`` as plain data (:func:`plain_data`; :func:`schema_from_dict` reads it back)."""
     return plain_data(schema)
@@ -369,37 +344,3 @@ def schema_from_dict(table: Mapping[str, Any], where: str) -> Schema:
                   tuple(build_dataclass(Dense, d, f"{where} dense[{i}]") for i, d in enumerate(table.get("dense", ()))),
                   tuple(build_dataclass(Cross, x, f"{where} crosses[{i}]") for i, x in enumerate(table.get("crosses", ()))),
                   tuple(table.get("drop", ())))
-
-
-def build_dataclass(cls: type, table: Mapping[str, Any], where: str) -> Any:  # noqa: ANN401 - an instance of cls
-    """``cls(**table)``: keys checked against its fields, an enum field's text converted, lists
-    made tuples; the dataclass's own checks run (their errors prefixed with ``where``)."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    check_keys(table, fields, where)
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in table.items():
-        check_type(value, hints[key], key, where)
-        default = fields[key].default
-        if isinstance(default, enum.Enum) and not isinstance(value, enum.Enum):
-            value = parse_enum(type(default), value, f"{where}: {key} =")
-        kwargs[key] = tuple(value) if isinstance(value, list) else value
-    return checked(where, cls, **kwargs)
-
-
-def checked(where: str, cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - an instance of cls
-    """``cls(*args, **kwargs)``, its own checks' errors prefixed with ``where``."""
-    try:
-        return cls(*args, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
-def check_keys(table: Mapping[str, Any], valid: Any, where: str) -> None:  # noqa: ANN401 - names
-    """Raise ``ValueError`` for a key of ``table`` not in ``valid``, naming the closest valid key."""
-    valid = list(valid)
-    for key in table:
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"{where}: no key {key!r}; {hint}valid keys are {valid}")

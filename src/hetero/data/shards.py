@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from hetero.data.files import single_file
-from hetero.data.readers import FileFormat, ReaderConfig, column_names
+from hetero.data.reader_config import FileFormat, ReaderConfig
+from hetero.data.readers import column_names
 
 
 def file_shards(path: str | Path, reader: ReaderConfig, world_size: int) -> list[tuple[int, int]]:

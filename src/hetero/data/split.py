@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from hetero.data.encode import Encoding, fit
 from hetero.data.rows import BadRowCount
-from hetero.data.readers import ReaderConfig, inferred, read_table, with_format_separators
+from hetero.data.reader_config import ReaderConfig, inferred, with_format_separators
+from hetero.data.readers import read_table
 from hetero.data.schema import Schema
 from hetero.data.tabular import TabularDataset
 

@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from hetero.data.encode import Encoding, Fitter
 from hetero.data.files import source_files
-from hetero.data.readers import FileFormat, ReaderConfig, empty_batch, file_columns, record_batches
+from hetero.data.reader_config import FileFormat, ReaderConfig
+from hetero.data.readers import empty_batch, file_columns, record_batches
 from hetero.data.rows import BadRowCount
 from hetero.data.shards import ends_crc, file_shards
 from hetero.data.schema import Schema

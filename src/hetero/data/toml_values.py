@@ -1,13 +1,18 @@
 """A job file's values checked against the type of the field they fill (TOML gives strings,
 numbers, booleans and lists; a dataclass field says which it takes): one line naming the key,
-the value, the type expected and an example, instead of Python's words later."""
+the value, the type expected and an example, instead of Python's words later; a table built
+into its dataclass (:func:`build_dataclass`, keys checked, enums parsed) and back
+(:func:`plain_data`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import enum
 import pathlib
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -75,3 +80,59 @@ def _example(hint: Any) -> str:  # noqa: ANN401
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return f'"{next(iter(hint)).value}"'
     return {bool: "true", int: "1000", float: "0.5", str: '"text"', pathlib.Path: '"file.csv"'}.get(hint, "...")
+
+
+def parse_enum(kind: type[enum.Enum], value: object, what: str) -> enum.Enum:
+    """``kind(value)``; a value that is not one is an error naming ``what`` and the valid values."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} does not exist; valid values are {[k.value for k in kind]}") from None
+
+
+def plain_data(value: Any) -> Any:  # noqa: ANN401 - JSON-able data
+    """``value`` as JSON-able data: enums as their values, paths as text, tuples as lists,
+    dataclasses as dicts of their fields (recursively)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, pathlib.PurePath):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [plain_data(v) for v in value]
+    if dataclasses.is_dataclass(value):
+        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def build_dataclass(cls: type, table: Mapping[str, Any], where: str) -> Any:  # noqa: ANN401 - an instance of cls
+    """``cls(**table)``: keys checked against its fields, an enum field's text converted, lists
+    made tuples; the dataclass's own checks run (their errors prefixed with ``where``)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    check_keys(table, fields, where)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in table.items():
+        check_type(value, hints[key], key, where)
+        default = fields[key].default
+        if isinstance(default, enum.Enum) and not isinstance(value, enum.Enum):
+            value = parse_enum(type(default), value, f"{where}: {key} =")
+        kwargs[key] = tuple(value) if isinstance(value, list) else value
+    return checked(where, cls, **kwargs)
+
+
+def checked(where: str, cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - an instance of cls
+    """``cls(*args, **kwargs)``, its own checks' errors prefixed with ``where``."""
+    try:
+        return cls(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def check_keys(table: Mapping[str, Any], valid: Any, where: str) -> None:  # noqa: ANN401 - names
+    """Raise ``ValueError`` for a key of ``table`` not in ``valid``, naming the closest valid key."""
+    valid = list(valid)
+    for key in table:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"{where}: no key {key!r}; {hint}valid keys are {valid}")

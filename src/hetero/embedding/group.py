@@ -29,13 +29,12 @@ from torch._subclasses.fake_tensor import is_fake
 
 from hetero.dynamic import KeyMap, Keys
 from hetero.embedding.capture import HostPool, capture_device_grad
-from hetero.embedding.config import TableConfig
+from hetero.embedding.config import TableConfig, init_rows
 from hetero.embedding.dynamic_rows import DynamicRows
 from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement
 from hetero.embedding.grad import PendingGrads, SparseGrad
 from hetero.embedding.kernels import dedup_kernels, kernels, num_threads
 from hetero.embedding.plan import LookupPlan, Request, build_plan, fake_output
-from hetero.embedding.config import init_rows
 from hetero.placement import StorageTier, copy_to, host_empty
 from hetero.storage.tier import SsdRows
 
@@ -138,10 +137,9 @@ class TableGroup:
         return self.ssd_read(0, self.num_rows, ("weight",))["weight"] if self.ssd_config is not None else self.storage
 
     def read_rows(self, rows: Tensor, out: Tensor | None = None) -> Tensor:
-        """Copies of storage rows ``rows`` (int64, repeats allowed: a row-sharded owner serving the
-        lookups of several ranks): from the storage, or through the SSD tier's row cache (misses
-        read from disk). ``out``: a tensor of an earlier call to hold them (resized to
-        ``(N, dim)``; its memory is reused where large enough), else a new one."""
+        """Copies of storage rows ``rows`` (int64, repeats allowed: a row-sharded owner serving
+        several ranks' lookups): from the storage, or through the SSD row cache (misses read from
+        disk). ``out``: an earlier call's tensor to reuse (resized to ``(N, dim)``)."""
         if out is not None:
             out.resize_(rows.numel(), self.dim)
         if self.ssd_config is None:
@@ -289,9 +287,9 @@ class TableGroup:
         # newer than the gather and its rows are refreshed before use (conservative).
         plan.version = self.version
         if self.ssd_config is not None and not self._fits_cache(plan):  # (no update follows: read in pieces)
-            self._read_in_pieces(plan.unique.numpy(), out)
+            self.ssd_rows().read_in_pieces(plan.unique.numpy(), out)
         elif self.ssd_config is not None:  # the rows into the cache (misses read ahead or from disk), then out of it
-            slots = self._cached(plan)
+            slots = self._cached(plan)  # (lays the rows out on first use: before self.ssd is read)
             torch.index_select(self.ssd.cache.fields["weight"], 0, slots, out=out)
         else:
             torch.index_select(self.storage, 0, plan.unique, out=out)
@@ -299,18 +297,9 @@ class TableGroup:
         return out
 
     def _fits_cache(self, plan: LookupPlan) -> bool:
-        """Whether the plan's unique rows fit the SSD tier's row cache at once - or must, because a
-        step will update them (gradients on: the cache's own error then names the size to give).
-        An evaluation or ``hetero predict`` batch (no gradient) of more rows is read in pieces."""
-        return torch.is_grad_enabled() or plan.unique is None or plan.unique.numel() <= self.ssd_rows().cache.capacity
-
-    def _read_in_pieces(self, unique: np.ndarray, out: Tensor) -> None:
-        """Rows ``unique`` (int64, sorted) copied into ``out`` ``(U, dim)`` through the row cache,
-        a cache's worth at a time (each piece resident until the next acquire: copied out first)."""
-        cache = self.ssd_rows().cache
-        for lo in range(0, unique.shape[0], cache.capacity):
-            slots = torch.from_numpy(cache.acquire(unique[lo : lo + cache.capacity]))
-            torch.index_select(cache.fields["weight"], 0, slots, out=out[lo : lo + cache.capacity])
+        """Whether the plan's rows go through the SSD row cache at once (a step updates them: with
+        gradients on they must fit); an evaluation or predict batch of more is read in pieces."""
+        return torch.is_grad_enabled() or plan.unique is None or len(plan.unique) <= self.ssd_rows().cache.capacity
 
     def _cached(self, plan: LookupPlan) -> Tensor:
         """The cache slots of the plan's unique rows on the SSD tier (misses read ahead or from

@@ -67,6 +67,15 @@ class SsdRows:
         capacity = max(1, self.config.cache_bytes // self.layout.nbytes)
         self.cache = RowCache(file, min(capacity, self.rows), self.config.policy)
 
+    def read_in_pieces(self, rows: np.ndarray, out: torch.Tensor) -> None:
+        """Copies of rows ``rows`` (int64, unique) into ``out`` ``(len(rows), dim)``, through the
+        cache a cache's worth at a time: more rows than it holds, for a read no update follows
+        (an evaluation or ``hetero predict`` batch). Each piece is resident until the next acquire,
+        so it is copied out first."""
+        for lo in range(0, rows.shape[0], self.cache.capacity):
+            slots = torch.from_numpy(self.cache.acquire(rows[lo : lo + self.cache.capacity]))
+            torch.index_select(self.cache.fields["weight"], 0, slots, out=out[lo : lo + self.cache.capacity])
+
     def checkpoint(self, dest: Path, first_row: int = 0) -> dict:
         """Write back the cache and snapshot the rows into the new directory ``dest``
         (:func:`hetero.storage.snapshot.write`: incremental, links to the sealed segments);
