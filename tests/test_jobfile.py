@@ -158,3 +158,30 @@ def test_hetero_plan_reads_a_job_file_that_trains_with_a_plan(tmp_path):
     job = load_job(["--config", str(job), "--out", str(tmp_path / "p.json")], "hetero plan")
     assert job.training.epochs == 4 and job.training.batch_size == 32  # the rest of [train] is the job it plans
     assert job.planner.plan == "auto" and job.planner.out == tmp_path / "p.json"
+
+
+def test_an_epoch_is_never_lost_to_a_failed_evaluation(tmp_path, capsys, monkeypatch):
+    """An evaluation that raises after an epoch trained: the epoch's checkpoint is written first,
+    and a resume continues after it (it does not train the epoch again)."""
+    import torch
+
+    from hetero.train.trainer import Trainer
+
+    data = tmp_path / "clicks.csv"
+    _clicks(data, n=300)
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(path=data))
+    evaluate = Trainer.evaluate
+
+    def failing(self, data):
+        raise OSError("the evaluation files went away")
+
+    monkeypatch.setattr(Trainer, "evaluate", failing)
+    args = ["train", "--config", str(job), "--epochs", "2", "--patience", "0", "--run-dir", str(tmp_path / "run")]
+    assert main(args) == 1
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", map_location="cpu")
+    assert saved["position"]["epoch"] == 1 and saved["position"]["batch"] == 0 and saved["position"]["global_step"] > 0
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    assert main([*args, "--resume"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["epochs"] == 2 and got["steps"] == 2 * saved["position"]["global_step"]

@@ -265,7 +265,12 @@ class Trainer(TrainerCheckpoints):
             bar.close()
             improved = False
             if not stop:
-                metrics = self.evaluate(self.valid)
+                try:
+                    metrics = self.evaluate(self.valid)
+                except Exception:  # the trained epoch is kept before the error goes up: a resume starts after it
+                    self.epoch, self.batch = self.epoch + 1, 0
+                    self.save()
+                    raise
                 self.history["epoch"].append(self.epoch + 1)
                 self.history["valid_auc"].append(metrics["auc"])
                 self.history["valid_logloss"].append(metrics["logloss"])
