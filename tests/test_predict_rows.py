@@ -89,6 +89,10 @@ def test_predict_and_export_write_only_where_told_and_create_the_output_director
     assert main(["predict", "--checkpoint", str(checkpoint), "--data", str(tmp_path / "d.csv"), "--out", str(out)]) == 0
     assert pq.read_table(out).num_rows == len(rows)
     assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "e")]) == 0
+    left = out.parent / ".s.parquet.tmp-999999999"  # (a pid no process has: a killed predict's temporary output)
+    left.write_text("partial")
+    assert main(["predict", "--checkpoint", str(checkpoint), "--data", str(tmp_path / "d.csv"), "--out", str(out)]) == 0
+    assert not left.exists()  # removed at the next start
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == before  # nothing beside the checkpoint
     assert sorted(p.name for p in out.parent.iterdir()) == ["s.parquet"]
     assert [os.path.dirname(d) for d in made] == [str(tmp_path)]  # the export's own, beside --out (renamed to it)
@@ -141,7 +145,9 @@ def test_predict_memory_is_flat_in_the_row_count(tmp_path, monkeypatch, rows):
                  "--id-column", "key"]) == 0
     assert pq.ParquetFile(out).metadata.num_rows == rows and len(seen) > 8
     warm = max(seen[: len(seen) // 4])
-    assert max(seen) - warm < 16 * 1024, (warm, max(seen), seen)  # KiB
+    # (KiB) the allocators move the resident set by up to 20 MiB from block to block with no growth
+    # (4M rows: 828-861 MB, 841 at the end); keeping every row's id and score adds 60-120 MiB here
+    assert max(seen) - warm < 32 * 1024, (warm, max(seen), seen)
 
 
 def test_the_rows_skipped_as_bad_are_counted_in_metrics_json_and_the_last_log_line(tmp_path, capsys, caplog):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hetero.checkpoint import CheckpointError, load_checkpoint
-from hetero.checkpoint.io import naming_write
+from hetero.checkpoint.io import naming_write, remove_left_by_dead
 from hetero.data.reader_config import ReaderConfig, reader_to_dict
 from hetero.data.readers import file_columns, record_batches
 from hetero.data.rows import BAD_ROW, BadRowCount
@@ -210,6 +210,7 @@ class ScoreWriter:
     def __enter__(self) -> "ScoreWriter":
         with naming_write(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            remove_left_by_dead(self.path.parent, f".{self.path.name}.tmp-")  # (a killed predict's)
             self.tmp.touch()
         return self
 

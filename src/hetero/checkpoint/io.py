@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
+import shutil
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -158,3 +160,19 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+def remove_left_by_dead(directory: Path, prefix: str) -> None:
+    """Remove the entries of ``directory`` named ``<prefix><pid>...`` whose process is gone: the
+    scratch and temporary outputs a killed (``kill -9``) predict or export left, at the next start.
+    An entry of a live process, or of another user's, stays."""
+    for old in Path(directory).glob(f"{glob.escape(prefix)}*"):
+        pid = old.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        except PermissionError:  # another user's live process
+            pass

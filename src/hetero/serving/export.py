@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from hetero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from hetero.checkpoint.io import naming_write
+from hetero.checkpoint.io import naming_write, remove_left_by_dead
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, host_tables
 from hetero.record import RECORD_KEY, RunRecord
 from hetero.serving.delta import delta_of
@@ -161,7 +162,8 @@ def _write(out: Path, model: nn.Module, record: RunRecord, state: dict[str, Any]
                 "num_dense": record.model.num_dense, "tables": described}
     with naming_write(out):  # (a failed write names the export and the cause)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        remove_left_by_dead(out.parent, f".{out.name}.tmp-")  # (a killed export's)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-"))
         _write_files(tmp, out, model, record, state, tables, older, described, manifest)
     return manifest
 

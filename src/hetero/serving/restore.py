@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from hetero.checkpoint import CheckpointError, check_model_compatible
+from hetero.checkpoint.io import remove_left_by_dead
 from hetero.embedding import host_tables, move_tables_to_ssd
 from hetero.models.build import ModelKind, build_model, model_config
 from hetero.record import RECORD_KEY, ModelRecord, RunRecord
@@ -63,23 +63,9 @@ def tier_scratch(checkpoint: Path, state: dict[str, Any], near: Path | None = No
     if where is None:
         raise OSError(f"checkpoint {checkpoint} keeps tables on the SSD tier, read through hard links on its own file "
                       f"system, and none of {[str(d) for d in tried]} is writable there: give an --out on it")
-    _remove_stale(where)
+    remove_left_by_dead(where, SCRATCH_PREFIX)
     with tempfile.TemporaryDirectory(dir=where, prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         yield Path(scratch)
-
-
-def _remove_stale(directory: Path) -> None:
-    """Remove the scratch directories in ``directory`` whose process is gone (a ``kill -9``)."""
-    for old in directory.glob(f"{SCRATCH_PREFIX}*"):
-        pid = old.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(old, ignore_errors=True)
-        except PermissionError:  # another user's live process
-            pass
 
 
 def restore_model(checkpoint: Path, state: dict[str, Any], record: RunRecord, specs: tuple,
