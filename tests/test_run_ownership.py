@@ -11,25 +11,14 @@ import time
 from hetero.checkpoint import load_checkpoint
 from hetero.cli import main
 from test_dynamic_job import _csv
+from test_user_data import IDS_JOB  # (label, user, item: the columns _csv writes)
 
-JOB = """[data]
-path = "{data}"
-[schema]
-label = "label"
-[[schema.categorical]]
-column = "user"
-[[schema.categorical]]
-column = "item"
-hash_buckets = 50
-[[schema.dense]]
-column = "age"
-"""
 ARGS = ["--batch-size", "32", "--no-progress", "--embedding-dim", "4", "--hidden", "8", "--patience", "0"]
 
 
 def _job(tmp_path):
     _csv(tmp_path / "data.csv", n=400)
-    (tmp_path / "job.toml").write_text(JOB.format(data=tmp_path / "data.csv"))
+    (tmp_path / "job.toml").write_text(IDS_JOB.format(data=tmp_path / "data.csv", extra=""))
     return tmp_path / "job.toml"
 
 
