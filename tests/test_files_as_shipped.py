@@ -62,6 +62,14 @@ def test_avazus_three_files_as_shipped_train_with_per_file_reader_settings(tmp_p
                  str(tmp_path / "again")]) == 0  # the recorded job trains the same again
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["test_auc"] == got["test_auc"]
+    # predict reads the header-less test file as the run read it (its own reader settings, recorded)
+    assert main(["predict", "--checkpoint", str(tmp_path / "run" / "best.pt"), "--data", str(tmp_path / "test.csv"),
+                 "--out", str(tmp_path / "s.csv"), "--id-column", "id"]) == 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["rows"] == 200 and abs(scored["auc"] - got["test_auc"]) < 1e-6
+    ids = (tmp_path / "s.csv").read_text().splitlines()[1:]
+    assert [line.split(",")[0].strip('"') for line in ids] == [line.split(",")[0] for line in
+                                                               (tmp_path / "test.csv").read_text().splitlines()]
     # one reader setting for all files: the header-less dev.csv's first row is taken for its header
     (tmp_path / "one.toml").write_text(f'[data]\npath = "train.csv"\nvalid_path = "dev.csv"\ntest_path = "test.csv"\n'
                                        f'{SCHEMA}')

@@ -28,11 +28,11 @@ import torch
 
 from hetero.checkpoint import CheckpointError, load_checkpoint
 from hetero.checkpoint.io import naming_write, remove_left_by_dead
-from hetero.data.reader_config import ReaderConfig, reader_to_dict
+from hetero.data.reader_config import ReaderConfig, reader_from_dict, reader_to_dict
 from hetero.data.readers import file_columns, record_batches
 from hetero.data.rows import BAD_ROW, BadRowCount
 from hetero.data.shards import file_shards
-from hetero.record import reader_settings
+from hetero.record import RunRecord, reader_settings
 from hetero.serving.tables import MANIFEST, RECORD
 from hetero.serving.model import ExportedModel
 from hetero.serving.restore import restore_model, run_record, tier_scratch
@@ -74,7 +74,7 @@ def predict(checkpoint: str | Path, data: str | Path, out: str | Path, reader: R
         raise ValueError(f"--out {out}: give a .parquet or .csv file")
     state = load_checkpoint(checkpoint / RECORD if exported else checkpoint)
     record = run_record(checkpoint, state)
-    reader = _reader(record.reader, reader, checkpoint)
+    reader = _reader(_file_reader(record, data), reader, checkpoint)
     encoding = record.encoding
     names = file_columns(data, reader)
     labelled = encoding.schema.label.column in names
@@ -176,6 +176,19 @@ class _Tally:
         if self.labelled:
             out.update(self.scores.metrics())
         return out
+
+
+def _file_reader(record: RunRecord, data: Path) -> ReaderConfig:
+    """How the run read ``data``: its validation or test file's own reader settings where ``data``
+    is that file (``valid_path`` / ``test_path`` as a table: Avazu's header-less ``test.csv``),
+    else the run's (its training file's)."""
+    recorded = record.config.get("data", {})
+    for key in ("valid_path", "test_path"):
+        entry = recorded.get(key)
+        if isinstance(entry, dict) and Path(entry["path"]).resolve() == data.resolve():
+            own = {k: v for k, v in entry.items() if k != "path"}
+            return reader_from_dict({**reader_to_dict(record.reader), **own})
+    return record.reader
 
 
 def _reader(saved: ReaderConfig, given: ReaderConfig | None, checkpoint: Path) -> ReaderConfig:
