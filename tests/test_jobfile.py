@@ -185,3 +185,24 @@ def test_an_epoch_is_never_lost_to_a_failed_evaluation(tmp_path, capsys, monkeyp
     assert main([*args, "--resume"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["epochs"] == 2 and got["steps"] == 2 * saved["position"]["global_step"]
+
+
+def test_curves_png_shows_whole_epochs_both_log_losses_and_the_chosen_epoch(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from hetero.train.report import plot_curves
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    history = {"epoch": [1, 2, 3], "valid_auc": [0.70, 0.74, 0.72], "valid_logloss": [0.60, 0.55, 0.58],
+               "steps": [10, 20, 30]}
+    plot_curves([0.7 - 0.01 * i for i in range(30)], history, 2, tmp_path / "curves.png")
+    loss, auc = drawn[0].axes
+    labels = {line.get_label(): line for line in loss.get_lines()}
+    assert list(labels["validation"].get_xdata()) == [1.0, 2.0, 3.0]  # at each epoch's end, on the epoch axis
+    assert list(labels["validation"].get_ydata()) == [0.60, 0.55, 0.58]
+    assert labels["training, mean of 10"].get_xdata()[-1] == 3.0  # the steps on the same axis of epochs
+    for ax in (loss, auc):
+        marks = [line for line in ax.get_lines() if line.get_label() == "chosen: epoch 2"]
+        assert len(marks) == 1 and list(marks[0].get_xdata()) == [2, 2]
+        assert all(float(t).is_integer() for t in ax.get_xticks())  # whole-epoch ticks
