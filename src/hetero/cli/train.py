@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from hetero.parallel.pipeline_plan import PipelineConfig
 from hetero.parallel.recompute import RecomputeConfig
 from hetero.parallel.zero import ZeroConfig, local_elements
 from hetero.placement import Target, resolve_device
-from hetero.placement.threads import default_compute_threads
+from hetero.placement.threads import available_cores, default_compute_threads
 from hetero.ps import PSConfig
 from hetero.record import ModelRecord, RunRecord
 from hetero.train import CheckpointFormat, TrainConfig, Trainer
@@ -148,7 +147,7 @@ def build_trainer(job: JobConfig, dims: ParallelDims | None = None, ps_job: ps.P
     torch.set_num_threads(threads)  # torch's intra-op pool and the host kernels alike (OMP_NUM_THREADS's reach)
     set_num_threads(threads)
     log.info("hetero: %d compute thread%s (training.threads, --threads; %s)", threads, "" if threads == 1 else "s",
-             "given" if job.training.threads else f"the default on this host's {len(os.sched_getaffinity(0))} cores")
+             "given" if job.training.threads else f"the default on this host's {available_cores()} cores")
     # what reads the run back (predict, a resume's checks), written inside every checkpoint
     record = RunRecord(ModelRecord(job.model.name.value, dataclasses.asdict(model_config), data.num_dense),
                        data.encoding, data.reader, job_to_dict(job), None if planned is None else planned.to_dict())

@@ -45,11 +45,15 @@ def default_compute_threads() -> int:
     every parallel region; the issue's TalkingData job: 40-48 s against 11-13 s). One thread loses
     at most a sixth on an idle 2-core host and saves 3-4x on a busy one.
     """
+    return 1 if available_cores() <= FEW_CORES else torch.get_num_threads()
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; elsewhere than Linux, the machine's)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
-        cores = os.cpu_count() or 1
-    return 1 if cores <= FEW_CORES else torch.get_num_threads()
+        return os.cpu_count() or 1
 
 
 @dataclasses.dataclass(frozen=True)
