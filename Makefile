@@ -11,6 +11,9 @@ ARGS ?=
 # 19.5 and 24 min of wall in two runs on the same host (2026-12-02). Each file's tests stay in one process
 # (--dist loadfile: a module's fixtures are built once).
 TEST_WORKERS ?= 2
+# TorchRec for hetero.torchrec and its tests, without its declared dependencies (they name the CUDA
+# FBGEMM wheel, which pulls another torch): the extra hetero[torchrec] pins the CPU ones.
+TORCHREC := torchrec==1.8.0
 
 .PHONY: demo test bench install clean
 
@@ -20,9 +23,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Re-installs only when the dependency lists change (idempotent).
-$(STAMP): pyproject.toml requirements-dev.txt | $(PY)
+$(STAMP): pyproject.toml requirements-dev.txt Makefile | $(PY)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e .
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[torchrec]"
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHREC)
 	touch $(STAMP)
 
 demo: $(STAMP)

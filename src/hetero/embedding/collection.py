@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +18,9 @@ from hetero.placement import StorageTier
 from hetero.storage import SsdConfig, SsdRows
 
 
+Lookup = tuple[str, str]  # (feature, table name): one lookup of a collection
+
+
 class HostEmbeddingCollection(nn.Module):
     """Tables keyed by name; ``forward`` maps feature name -> ids, returns table name -> output.
 
@@ -25,25 +28,46 @@ class HostEmbeddingCollection(nn.Module):
     the 26 tables of a Criteo model are checked, deduplicated, gathered, pooled and updated in
     one call per group, not in a Python loop over tables.
 
-    Input: a mapping from feature name to ids (a tensor) or to ``(ids, offsets)`` for bags (see
-    :class:`HostEmbedding` for shapes). Output: a dict from table name to the table's output.
+    Input: a mapping from feature name to ids (a tensor), to ``(ids, offsets)`` for bags, or to
+    ``(ids, offsets, weights)`` for weighted bags (see :class:`HostEmbedding` for shapes). Output:
+    a dict from table name to the table's output.
+
+    Args:
+        tables: the tables.
+        lookups: ``(feature, table name)`` pairs, the lookups of a forward in output order (default:
+            each table once, of its ``feature_name``). A table may be looked up by several
+            features (TorchRec's shared tables): :meth:`lookup` gives one output a pair, and
+            ``forward``, which keys its output by table, needs one pair a table.
 
     Raises:
         KeyError: a table's feature is missing from the input.
-        ValueError: duplicate table names.
+        ValueError: duplicate table names, or a lookup of a table that is not given.
     """
 
-    def __init__(self, tables: list[TableConfig] | tuple[TableConfig, ...]) -> None:
+    # The name of the module dict holding the tables: their state_dict keys are <name>.<table>.weight
+    # (TorchRec's collections name it "embedding_bags" / "embeddings": hetero.torchrec).
+    tables_attribute: ClassVar[str] = "tables"
+
+    def __init__(self, tables: list[TableConfig] | tuple[TableConfig, ...], lookups: Sequence[Lookup] | None = None) -> None:
         super().__init__()
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
-        self.tables = nn.ModuleDict({t.name: HostEmbedding(t) for t in tables})
+        # (registered by hand: add_module refuses a name the class has, the property below)
+        self._modules[self.tables_attribute] = nn.ModuleDict({t.name: HostEmbedding(t) for t in tables})
+        self.lookups: list[Lookup] = list(lookups) if lookups is not None else [(t.feature_name, t.name) for t in tables]
+        if unknown := [n for _, n in self.lookups if n not in names]:
+            raise ValueError(f"lookups of tables {unknown}, which are not among the collection's tables {names}")
         # Plans handed over by a prefetcher, in batch order, with the requests they were built for
         # (before regroup(), which drops them).
         self._prepared: collections.deque[tuple[list[list[Request]], list[LookupPlan | None]]] = collections.deque()
         self.regroup()
         self.mismatched_plans = 0  # prepared plans dropped because the lookup asked for other ids
+
+    @property
+    def tables(self) -> nn.ModuleDict:
+        """The tables by name (:class:`HostEmbedding`, or :class:`DeviceEmbedding` once moved)."""
+        return self._modules[self.tables_attribute]
 
     def regroup(self) -> None:
         """Merge the host tables into groups of one width and dtype (at construction, and after
@@ -51,18 +75,35 @@ class HostEmbeddingCollection(nn.Module):
         by_kind: dict[tuple, list[HostEmbedding]] = {}
         for t in self.tables.values():
             if isinstance(t, HostEmbedding):
-                by_kind.setdefault((t.config.embedding_dim, t.config.dtype, t.config.storage, t.config.ssd), []).append(t)
+                by_kind.setdefault(self.group_key(t), []).append(t)
         self.groups = [TableGroup(ts) for ts in by_kind.values()]
         self._prepared.clear()  # plans of the old groups
 
-    def requests(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> list[list[Request]]:
-        """The lookup requests of ``features``, one list per group."""
+    def group_key(self, table: HostEmbedding) -> tuple:
+        """What tables must share to share a group: width, dtype and storage (a subclass adds
+        what else must be one a group, e.g. its sparse optimizer)."""
+        c = table.config
+        return c.embedding_dim, c.dtype, c.storage, c.ssd
+
+    def feature_inputs(self, features: Any) -> Mapping[str, Tensor | tuple[Tensor, ...]]:  # noqa: ANN401
+        """The forward's input as feature name -> ids / ``(ids, offsets[, weights])`` (the input
+        itself here; a ``KeyedJaggedTensor``'s features in hetero.torchrec's collections)."""
+        return features
+
+    def requests(self, features: Any) -> list[list[Request]]:  # noqa: ANN401 - what forward takes
+        """The lookup requests of ``features`` (what ``forward`` takes), one list per group (in
+        lookup order within it)."""
+        return self._requests(self.feature_inputs(features))
+
+    def _requests(self, features: Mapping[str, Tensor | tuple[Tensor, ...]]) -> list[list[Request]]:
         out = []
         for group in self.groups:
             reqs = []
-            for table in group.tables:
-                x = _feature(table, features)
-                reqs.append(Request(table, *x) if isinstance(x, tuple) else Request(table, x))
+            for feature, name in self.lookups:
+                table = self.tables[name]
+                if isinstance(table, HostEmbedding) and table.group is group:
+                    x = _feature(table, feature, features)
+                    reqs.append(Request(table, *x) if isinstance(x, tuple) else Request(table, x))
             out.append(reqs)
         return out
 
@@ -83,7 +124,7 @@ class HostEmbeddingCollection(nn.Module):
         requests = self.requests(features)
         if any(is_fake(r.ids) for reqs in requests for r in reqs):
             return
-        plans = [g.plan(reqs) if g.exchange.starts_lookups() else None for g, reqs in zip(self.groups, requests)]
+        plans = [g.plan(reqs) if g.exchange.starts_lookups() and reqs else None for g, reqs in zip(self.groups, requests)]
         for group, plan in zip(self.groups, plans):
             if plan is not None:
                 group.exchange.start(plan)
@@ -93,8 +134,10 @@ class HostEmbeddingCollection(nn.Module):
         """Forget queued plans (a prefetcher stopped early)."""
         self._prepared.clear()
 
-    def forward(self, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
-        requests = self.requests(features)
+    def lookup(self, features: Any) -> list[Tensor]:  # noqa: ANN401 - what forward takes
+        """The output of each of :attr:`lookups`, in their order (one call per table group)."""
+        features = self.feature_inputs(features)
+        requests = self._requests(features)
         plans = None
         if self._prepared:
             prepared, plans = self._prepared.popleft()
@@ -104,19 +147,33 @@ class HostEmbeddingCollection(nn.Module):
                 self.mismatched_plans += 1
                 self._prepared.clear()
                 plans = None
-        out = {}
+        host: dict[int, list[Tensor]] = {}  # a group's outputs by group index, in its requests' order
         for i, (group, reqs) in enumerate(zip(self.groups, requests)):
-            for r, y in zip(reqs, group.lookup(reqs, None if plans is None else plans[i])):
-                out[r.table.name] = y
-        for name, table in self.tables.items():
+            host[i] = list(group.lookup(reqs, None if plans is None else plans[i])) if reqs else []
+        taken = [0] * len(self.groups)
+        index = {g: i for i, g in enumerate(self.groups)}  # (groups hash by identity)
+        out = []
+        for feature, name in self.lookups:
+            table = self.tables[name]
             if isinstance(table, DeviceEmbedding):
-                x = _feature(table, features)
-                out[name] = table(*x) if isinstance(x, tuple) else table(x)
-        return {name: out[name] for name in self.tables}
+                x = _feature(table, feature, features)
+                out.append(table(*x) if isinstance(x, tuple) else table(x))
+                continue
+            i = index[table.group]
+            out.append(host[i][taken[i]])
+            taken[i] += 1
+        return out
+
+    def forward(self, features: Mapping[str, Tensor | tuple[Tensor, ...]]) -> dict[str, Tensor]:
+        names = [name for _, name in self.lookups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a table looked up by several features has several outputs: call lookup(), not forward "
+                             f"(tables {sorted({n for n in names if names.count(n) > 1})})")
+        out = dict(zip(names, self.lookup(features)))
+        return {name: out[name] for name in self.tables if name in out}
 
 
-def _feature(table: HostEmbedding | DeviceEmbedding, features: Mapping[str, Any]) -> Any:  # noqa: ANN401
-    key = table.config.feature_name
+def _feature(table: HostEmbedding | DeviceEmbedding, key: str, features: Mapping[str, Any]) -> Any:  # noqa: ANN401
     if key not in features:
         raise KeyError(f"table {table.name!r} looks up feature {key!r}, which is not in the batch; "
                        f"batch features: {sorted(features)}")
@@ -127,7 +184,7 @@ def _same_requests(a: list[list[Request]], b: list[list[Request]]) -> bool:
     """Whether two lookups ask for the same ids and bags: the same tensors (a feature mapping
     rebuilt around them), or equal ones (one pass over the ids when they are copies)."""
     for ra, rb in zip((r for g in a for r in g), (r for g in b for r in g)):
-        for x, y in ((ra.ids, rb.ids), (ra.offsets, rb.offsets)):
+        for x, y in ((ra.ids, rb.ids), (ra.offsets, rb.offsets), (ra.weights, rb.weights)):
             if x is y:
                 continue
             if x is None or y is None or x.shape != y.shape or x.device != y.device or not torch.equal(x, y):

@@ -53,6 +53,8 @@ class TableConfig:
         hashed: map any int64 id into range with ``id mod num_embeddings`` (the hashing trick)
             instead of raising :class:`IndexError` for out-of-range ids.
         init_std: rows are initialised from ``N(0, init_std**2)``; 0 gives a zero table.
+        init_range: ``(low, high)``: rows are initialised from ``U(low, high)`` instead (TorchRec's
+            initializer, ``weight_init_min`` / ``weight_init_max``); fixed tables only.
         dtype: storage dtype of the table: ``torch.float32`` (default), ``torch.bfloat16`` or
             ``torch.float16``. Optimizer state is fp32 and updates are computed in fp32.
         storage: where the rows and their optimizer state live: ``StorageTier.HOST_DRAM``
@@ -79,6 +81,7 @@ class TableConfig:
     ssd: SsdConfig | None = None
     keys: Keys = Keys.FIXED
     dynamic: DynamicConfig | None = None
+    init_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.num_embeddings <= 0 or self.embedding_dim <= 0:
@@ -94,6 +97,8 @@ class TableConfig:
         if (self.storage is StorageTier.SSD) != (self.ssd is not None):
             raise ValueError(f"table {self.name!r}: a table on StorageTier.SSD takes an SsdConfig (ssd=), and only such "
                              f"a table does; got storage {self.storage.value} and ssd={self.ssd}")
+        if self.init_range is not None and not (len(self.init_range) == 2 and self.init_range[0] <= self.init_range[1]):
+            raise ValueError(f"table {self.name!r}: init_range is (low, high) with low <= high, got {self.init_range}")
         if self.num_embeddings >= 1 << 32:
             raise ValueError(f"table {self.name!r}: at most 2**32 - 1 rows per table, got {self.num_embeddings}")
         self._check_keys()
@@ -106,6 +111,9 @@ class TableConfig:
                 raise ValueError(f"table {self.name!r}: dynamic= is a dynamic table's setting; add keys=Keys.DYNAMIC "
                                  f"or drop it")
             return
+        if self.init_range is not None:
+            raise ValueError(f"table {self.name!r}: a dynamic table's rows start from N(0, init_std**2) seeded by each key; "
+                             f"drop init_range")
         if self.dynamic is None:
             object.__setattr__(self, "dynamic", DynamicConfig())
         if self.hashed:
@@ -128,7 +136,7 @@ class TableConfig:
 def init_rows(config: TableConfig, seed: int, lo: int, hi: int) -> Tensor:
     """Initial values of rows ``[lo, hi)`` of a table, ``(hi - lo, D)`` in ``config.dtype``.
 
-    ``N(0, init_std**2)`` (zeros if ``init_std == 0``), drawn in fp32 per block of
+    ``N(0, init_std**2)`` (zeros if ``init_std == 0``) or ``U(*init_range)``, drawn in fp32 per block of
     :data:`INIT_CHUNK` rows from a generator seeded by ``(seed, block)``, so a row's value does
     not depend on which process builds it or how the rows are split. A dynamic table's rows are
     zeros (a key's row takes its initial value on admission, ``KeyMap.init_rows``), but for its
@@ -140,14 +148,18 @@ def init_rows(config: TableConfig, seed: int, lo: int, hi: int) -> Tensor:
         if lo <= config.num_embeddings < hi:
             out[config.num_embeddings - lo] = config.dynamic.default_value
         return out.to(config.dtype)
-    if config.init_std <= 0:
+    if config.init_std <= 0 and config.init_range is None:
         return out.zero_().to(config.dtype)
     g = torch.Generator()
     for block in range(lo // INIT_CHUNK, -(-hi // INIT_CHUNK)):
         a = block * INIT_CHUNK
         b = min(a + INIT_CHUNK, config.num_embeddings)
         g.manual_seed((seed + block * 0x9E3779B97F4A7C15) % (1 << 63))
-        rows = torch.empty(b - a, config.embedding_dim).normal_(0.0, config.init_std, generator=g)
+        rows = torch.empty(b - a, config.embedding_dim)
+        if config.init_range is not None:
+            rows.uniform_(*config.init_range, generator=g)
+        else:
+            rows.normal_(0.0, config.init_std, generator=g)
         s, e = max(a, lo), min(b, hi)
         out[s - lo : e - lo] = rows[s - a : e - a]
     return out.to(config.dtype)

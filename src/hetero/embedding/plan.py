@@ -49,11 +49,17 @@ class DedupGroup(Protocol):
 
 @dataclasses.dataclass
 class Request:
-    """One table's part of a lookup: its ids, optional bag offsets, and the output shape."""
+    """One table's part of a lookup: its ids, optional bag offsets, and the output shape.
+
+    ``weights``: a pooled lookup's per-sample weights, ``(N,)`` floating, one per id (TorchRec's
+    weighted ``KeyedJaggedTensor``): bag ``b`` pools ``sum_i weights[i] * row(ids[i])`` (times
+    ``1/len(bag)`` for a mean). They take no gradient.
+    """
 
     table: PlannedTable
     ids: Tensor
     offsets: Tensor | None = None
+    weights: Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -218,6 +224,9 @@ def build_plan(group: DedupGroup, requests: list[Request], dedup: bool = True, c
             per_bag = [(ln.clamp(min=1).reciprocal() if r.table.config.pooling is Pooling.MEAN else torch.ones(len(ln)))
                        for r, ln in zip(requests, lengths)]
             scale = torch.cat(per_bag).to(torch.float32).repeat_interleave(torch.cat(lengths))
+        if any(r.weights is not None for r in requests):
+            weights = torch.cat([_weights(r, ids.numel()) for r, ids in zip(requests, given)])
+            scale = weights if scale is None else scale * weights
     plan = LookupPlan(*dedup_out, torch.from_numpy(rows), all_offsets, scale, ranges)
     if dedup and group.local_dedup:
         group.dedup(plan, chains)
@@ -253,11 +262,28 @@ def _per_id_shape(r: Request) -> tuple[int, ...] | None:
     """The output shape (without ``D``) of a request each of whose output rows is one id's row:
     per-id lookups, or pooled bags of exactly one id (``(B, 1)`` ids: a sum or a mean of one row is
     the row, so the bag machinery is skipped); ``None`` for any other."""
-    if r.offsets is not None:
+    if r.offsets is not None or r.weights is not None:
         return None
     if r.table.config.pooling is Pooling.NONE:
         return tuple(r.ids.shape)
     return (r.ids.shape[0],) if r.ids.dim() == 2 and r.ids.shape[1] == 1 else None
+
+
+def _weights(r: Request, n: int) -> Tensor:
+    """A request's per-id weights as ``(n,)`` float32 on the host (ones without weights)."""
+    if r.weights is None:
+        return torch.ones(n)
+    name = r.table.config.name
+    if r.table.config.pooling is Pooling.NONE:
+        raise ValueError(f"table {name!r}: per-sample weights given but pooling is 'none'; they weight a bag's pooling "
+                         f"(use SUM or MEAN, or drop the weights)")
+    if not r.weights.is_floating_point() or r.weights.numel() != n:
+        raise ValueError(f"table {name!r}: per-sample weights must be floating, one per id ({n}), got "
+                         f"{r.weights.dtype} of shape {tuple(r.weights.shape)}")
+    if r.weights.requires_grad:  # (the pooling kernels give them none: dropping it would be a silent wrong result)
+        raise ValueError(f"table {name!r}: per-sample weights that require a gradient are not supported yet; detach "
+                         f"them, or keep the table where their gradient is computed")
+    return r.weights.detach().to("cpu", torch.float32).reshape(-1)  # sync point if the weights live on the device
 
 
 def _bags(r: Request, n: int) -> tuple[Tensor, tuple[int, ...]]:

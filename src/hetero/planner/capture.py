@@ -273,9 +273,11 @@ def _table_hooks(model: nn.Module, real: list[tuple[torch.Tensor, torch.Tensor]]
     for qualified, module in model.named_modules():
         if isinstance(module, HostEmbeddingCollection):
             def collection(m: HostEmbeddingCollection, args: tuple, prefix: str = qualified) -> None:
-                for key, table in m.tables.items():
-                    x = args[0][table.config.feature_name]
-                    seen.setdefault(f"{prefix}.tables.{key}", []).append(real_of(x[0] if isinstance(x, tuple) else x))
+                features = m.feature_inputs(args[0])
+                for feature, key in m.lookups:
+                    x = features[feature]
+                    seen.setdefault(f"{prefix}.{m.tables_attribute}.{key}", []).append(
+                        real_of(x[0] if isinstance(x, tuple) else x))
 
             hooks.append(module.register_forward_pre_hook(collection))
         elif isinstance(module, HostEmbedding):

@@ -1,0 +1,177 @@
+"""A TorchRec model on hetero's tables: :func:`shard_modules` and :class:`DistributedModelParallel`,
+in the style of TorchRec's own (``torchrec.distributed.shard_modules`` /
+``DistributedModelParallel``, torchrec/distributed/model_parallel.py).
+
+Every ``torchrec`` ``EmbeddingBagCollection``, ``FusedEmbeddingBagCollection`` and
+``EmbeddingCollection`` of a model (found by type) is replaced by hetero's counterpart
+(:mod:`hetero.torchrec.modules`) holding the same rows, placed by the plan
+(:mod:`hetero.torchrec.plan`) and trained by hetero's kernel of its TorchRec sparse optimizer
+(:mod:`hetero.torchrec.optimizer`), inside ``loss.backward()`` as TorchRec's fused ones run.
+Order, on every rank: convert, move the SSD tier's tables there (their current rows written),
+row-shard (a collective), build the sparse optimizers (their state per shard), wrap the dense
+part in DDP (``init_data_parallel``, several ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchRecEBC
+from torchrec.modules.embedding_modules import EmbeddingCollection as TorchRecEC
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection as TorchRecFusedEBC
+from torchrec.optim.keyed import CombinedOptimizer
+
+from hetero.dynamic import Keys
+from hetero.embedding import host_tables, move_tables_to_ssd
+from hetero.parallel.data_parallel import DataParallelConfig, DistributedSparse, check_replicas, data_parallel
+from hetero.parallel.env import world_size
+from hetero.parallel.row_sharded import shard_rows
+from hetero.planner.space import TablePlacement
+from hetero.placement import StorageTier
+from hetero.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
+from hetero.torchrec.optimizer import FusedTables, SparseRule, rule_of_class, rule_of_fused_params
+from hetero.torchrec.plan import TablePlan, plan_of
+
+log = logging.getLogger("hetero")
+_COLLECTIONS = (TorchRecEBC, TorchRecFusedEBC, TorchRecEC)
+
+
+def _rules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan], fused_params: Mapping[str, Any] | None,
+           where: str) -> dict[str, SparseRule]:
+    """Each table's sparse optimizer: the plan's, else the TorchRec module's own (a fused module's
+    type and kwargs, ``apply_optimizer_in_backward``'s on the weight), else ``fused_params``."""
+    configs = module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs") else module.embedding_configs()
+    rules = {}
+    for c in configs:
+        source = f"{where}: table {c.name!r}"
+        planned = plan_of(plan, c.name).optimizer
+        weight = module.embedding_bags[c.name].weight if hasattr(module, "embedding_bags") else module.embeddings[c.name].weight
+        classes = getattr(weight, "_optimizer_classes", [])
+        if planned is not None:
+            rules[c.name] = planned
+        elif isinstance(module, TorchRecFusedEBC):
+            rules[c.name] = rule_of_class(module.optimizer_type(), module._optimizer_kwargs, True, source)
+        elif classes:
+            if len(classes) > 1:
+                raise ValueError(f"{source} has {len(classes)} optimizers in backward; hetero takes one")
+            rules[c.name] = rule_of_class(classes[0], weight._optimizer_kwargs[0], False, source)
+        elif fused_params is not None:
+            rules[c.name] = rule_of_fused_params(fused_params, source)
+        else:
+            raise ValueError(f"{source} has no sparse optimizer: apply_optimizer_in_backward(...) to its weight, give "
+                             f"fused_params, or a rule in the plan (TablePlan(optimizer=...))")
+    return rules
+
+
+def _convert(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan], rules: Mapping[str, SparseRule]) -> nn.Module:
+    """hetero's collection in place of the TorchRec one ``module``, holding its rows."""
+    old = module.embeddings if isinstance(module, TorchRecEC) else module.embedding_bags
+    rows = not any(m.weight.is_meta for m in old.values())
+    if isinstance(module, TorchRecEC):
+        configs = module.embedding_configs()
+        new: nn.Module = EmbeddingCollection(configs, module.need_indices(), rules=rules, plan=plan, has_rows=rows)
+    else:
+        configs = module.embedding_bag_configs()
+        new = EmbeddingBagCollection(configs, module.is_weighted(), rules=rules, plan=plan, has_rows=rows)
+    for c in configs:
+        weight, table = old[c.name].weight, new.tables[c.name]
+        if weight.is_meta or table.config.keys is Keys.DYNAMIC:
+            continue  # (rows from hetero's initializer: TorchRec's U(min, max); a dynamic table's at admission)
+        table.weight.data.copy_(weight.detach())  # (one host copy of each table: its rows are TorchRec's)
+    return new
+
+
+def shard_modules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan] = TablePlan(),
+                  fused_params: Mapping[str, Any] | None = None) -> nn.Module:
+    """Replace ``module``'s TorchRec embedding collections by hetero's, in place, and return it.
+
+    Args:
+        plan: where the tables live (:mod:`hetero.torchrec.plan`), one for all or per table name.
+        fused_params: TorchRec sharder-style ``{"optimizer": EmbOptimType, "learning_rate": ...}``
+            for tables without an optimizer of their own.
+
+    Each converted collection has ``fused_optimizer`` (:class:`FusedTables`). Collective where the
+    plan row-shards (every rank calls it, the model built from the same seed).
+
+    Raises:
+        ValueError: an unsupported TorchRec setting (named), a table without a sparse optimizer,
+            tables of one model planned onto different distributions, or a model without
+            TorchRec collections.
+    """
+    found = [(n, m) for n, m in module.named_modules() if isinstance(m, _COLLECTIONS)]
+    if not found:
+        raise ValueError(f"{type(module).__name__} holds no torchrec EmbeddingBagCollection, FusedEmbeddingBagCollection "
+                         f"or EmbeddingCollection to put on hetero's tables")
+    converted = []
+    for name, m in found:
+        new = _convert(m, plan, _rules(m, plan, fused_params, name or type(module).__name__))
+        converted.append((name, new))
+        if not name:
+            module = new
+        else:
+            parent, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, attr, new)
+    tables = host_tables(module)
+    plans = {q: plan_of(plan, t.name) for q, t in tables.items()}
+    for ssd in dict.fromkeys(p.ssd for p in plans.values() if p.memory is StorageTier.SSD):
+        move_tables_to_ssd(module, [q for q, p in plans.items() if p.ssd == ssd], ssd)
+    distributions = {p.distribution for p in plans.values()}
+    if len(distributions) > 1:
+        raise ValueError(f"tables planned onto {sorted(d.value for d in distributions)}: one distribution for all of a "
+                         f"model's tables is supported yet")
+    if TablePlacement.ROW_SHARDED in distributions:
+        shard_rows(module)
+    elif world_size() > 1:
+        check_replicas(module)  # (replicas must start equal: built from the same seed)
+    for name, new in converted:
+        new.build_optimizer(name)
+    return module
+
+
+class DistributedModelParallel(nn.Module):
+    """TorchRec's ``DistributedModelParallel`` on hetero's tables: ``module``'s collections
+    converted (:func:`shard_modules`) and, with several ranks (``init_data_parallel``), its dense
+    part in DDP. ``fused_optimizer`` is every table's optimizer (a ``CombinedOptimizer``);
+    ``state_dict`` / ``load_state_dict`` use the model's own keys (TorchRec's).
+
+    Args:
+        module: a model holding TorchRec collections.
+        device: where the dense part runs (default: where it is).
+        plan: where the tables live (:class:`~hetero.torchrec.plan.TablePlan`, or per table name).
+        sharders: TorchRec sharders; only their ``fused_params`` are read (the optimizer of
+            tables that have none of their own).
+        init_data_parallel: wrap the dense part in DDP when the job has several ranks.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device | None = None,
+                 plan: TablePlan | Mapping[str, TablePlan] = TablePlan(), sharders: Sequence[Any] | None = None,
+                 init_data_parallel: bool = True) -> None:
+        super().__init__()
+        fused = next((s.fused_params for s in sharders or [] if getattr(s, "fused_params", None)), None)
+        self._inner = shard_modules(module, plan, fused)
+        if device is not None:
+            self._inner.to(device)  # (hetero's tables stay on the host; their outputs go to the device)
+        self._module = data_parallel(self._inner) if init_data_parallel and world_size() > 1 else self._inner
+        self.fused_optimizer = CombinedOptimizer([(n, m.fused_optimizer) for n, m in self._inner.named_modules()
+                                                  if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))])
+
+    @property
+    def module(self) -> nn.Module:
+        """The converted model (unwrapped)."""
+        return self._inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        return self._module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # noqa: ANN401
+        return self._inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # noqa: ANN401
+        return self._inner.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        return self._inner.named_parameters(*args, **kwargs)

@@ -1,0 +1,85 @@
+"""Where a TorchRec model's tables live under hetero: a typed value per table.
+
+A table's TorchRec config says what it is (name, rows, width, dtype, initializer, features,
+pooling); a :class:`TablePlan` says where it lives, on independent axes: ``memory`` (host DRAM or
+the SSD tier), ``keys`` (fixed rows, hashed into range, or dynamic with admission and eviction),
+``distribution`` (replicated over the data-parallel ranks or row-wise sharded across them) and the
+sparse optimizer (``None``: the rule the TorchRec model configured). A model's plan is one
+``TablePlan`` for every table or a mapping from table name to ``TablePlan`` (``"*"``: the rest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from hetero.dynamic import DynamicConfig, Keys
+from hetero.embedding import TableConfig
+from hetero.placement import StorageTier
+from hetero.planner.space import TablePlacement
+from hetero.storage import SsdConfig
+from hetero.torchrec.optimizer import SparseRule
+
+MEMORIES = (StorageTier.HOST_DRAM, StorageTier.SSD)
+DISTRIBUTIONS = (TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED)
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    """Where one table lives and what trains it.
+
+    Attributes:
+        memory: ``StorageTier.HOST_DRAM`` (default) or ``StorageTier.SSD`` (then ``ssd`` is the
+            tier's directory, cache budget and policy; tables of one width there share a store).
+        keys: ``Keys.FIXED`` (ids are rows; ``hashed``: ``id mod num_embeddings``) or ``Keys.DYNAMIC``
+            (ids are raw int64 keys, each admitted key given a row; ``num_embeddings`` is the
+            capacity; ``dynamic``: admission and eviction). A dynamic table's rows start at
+            admission, so the TorchRec module's initial weights are not used.
+        distribution: ``TablePlacement.REPLICATED`` (every rank holds the table; sparse gradients
+            summed over the ranks) or ``TablePlacement.ROW_SHARDED`` (each rank holds a block of
+            rows; ids and rows all-to-all). At world size 1 both are one process's table.
+        optimizer: hetero's rule for the table (:class:`~hetero.torchrec.optimizer.SparseRule`,
+            e.g. LazyAdam or FTRL); ``None``: the TorchRec model's own.
+
+    Raises:
+        ValueError: a memory or distribution that is not supported here, or settings of one
+            axis given with another (``ssd`` without the SSD tier, ``dynamic`` without dynamic keys).
+    """
+
+    memory: StorageTier = StorageTier.HOST_DRAM
+    ssd: SsdConfig | None = None
+    keys: Keys = Keys.FIXED
+    hashed: bool = False
+    dynamic: DynamicConfig | None = None
+    distribution: TablePlacement = TablePlacement.REPLICATED
+    optimizer: SparseRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory not in MEMORIES:
+            raise ValueError(f"TablePlan.memory is one of {[m.value for m in MEMORIES]} (a TorchRec model's tables on "
+                             f"the device are not supported yet), got {self.memory}")
+        if (self.memory is StorageTier.SSD) != (self.ssd is not None):
+            raise ValueError("TablePlan: the SSD tier takes an SsdConfig (ssd=), and only it does")
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(f"TablePlan.distribution is one of {[d.value for d in DISTRIBUTIONS]}, got {self.distribution}")
+
+    def table(self, config: TableConfig) -> TableConfig:
+        """``config`` with this plan's keys (the memory tier is applied to the built tables:
+        :func:`hetero.embedding.move_tables_to_ssd` writes their initial rows)."""
+        if self.keys is Keys.DYNAMIC:
+            return dataclasses.replace(config, keys=Keys.DYNAMIC, dynamic=self.dynamic, hashed=False, init_range=None,
+                                       init_std=_std(config))
+        return dataclasses.replace(config, hashed=self.hashed, dynamic=self.dynamic)
+
+
+def _std(config: TableConfig) -> float:
+    """The standard deviation of ``config``'s uniform initializer (a dynamic row starts normal with it)."""
+    lo, hi = config.init_range if config.init_range is not None else (0.0, 0.0)
+    return (hi - lo) / 12 ** 0.5 if config.init_range is not None else config.init_std
+
+
+def plan_of(plan: TablePlan | Mapping[str, TablePlan], table: str) -> TablePlan:
+    """The plan of ``table`` (a mapping's entry, its ``"*"``, or the default ``TablePlan()``)."""
+    if isinstance(plan, TablePlan):
+        return plan
+    return plan.get(table, plan.get("*", TablePlan()))
