@@ -37,11 +37,13 @@ def _tables(rows: int = ROWS, mean: bool = True) -> list[EmbeddingBagConfig]:
     return out
 
 
-def _batches(count: int = STEPS, keys: int = ROWS, weighted: bool = False, seed: int = 1):
+def _batches(count: int = STEPS, keys: int = ROWS, weighted: bool = False, seed: int = 1, one_id: bool = False):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
         lengths = torch.randint(0, 4, (T * B,), generator=g)  # (empty bags among them)
+        if one_id:  # every bag one id (hetero looks them up without offsets)
+            lengths = torch.ones_like(lengths)
         values = torch.randint(0, keys, (int(lengths.sum()),), generator=g)
         weights = torch.rand(values.shape, generator=g) if weighted else None
         kjt = KeyedJaggedTensor.from_lengths_sync(FEATURES, values, lengths, weights=weights)
@@ -112,6 +114,11 @@ def _ebc_path(model: torch.nn.Module) -> str:
     return next(n for n, m in model.named_modules() if isinstance(m, ht.EmbeddingBagCollection))
 
 
+def test_bags_of_one_id_take_the_lookup_without_offsets_and_train_the_same():
+    _trains_as(_fused("dlrm", "rowwise_adagrad"), ht.shard_modules(_fused("dlrm", "rowwise_adagrad")),
+               _batches(count=20, one_id=True))
+
+
 @pytest.mark.parametrize("rule", ["sgd", "adagrad"])
 def test_sgd_and_adagrad_train_as_torchrecs_fused_ones(rule):
     _trains_as(_fused("dlrm", rule), ht.shard_modules(_fused("dlrm", rule)), _batches())
@@ -165,8 +172,8 @@ def test_an_embedding_collection_returns_torchrecs_jagged_rows():
                             fused_params={"optimizer": "exact_sgd", "learning_rate": 0.1})
     ours.load_state_dict(reference.state_dict())
     g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        lengths = torch.randint(0, 3, (3 * 4,), generator=g)
+    for step in range(4):
+        lengths = torch.randint(0, 3, (3 * 4,), generator=g) if step % 2 else torch.ones(3 * 4, dtype=torch.int64)
         kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.randint(0, 20, (int(lengths.sum()),), generator=g), lengths)
         losses = []
         for m in (reference, ours):

@@ -12,7 +12,9 @@ has the loss. Prints one JSON line: ``{"system", "samples_per_s", ...}``.
 Systems: ``hetero`` (``hetero.models.dlrm.DLRM`` with host tables, ``benchmarks/dlrm_step.py``'s
 model); ``dense`` (the same model whose embeddings are fixed tensors: the dense part alone);
 ``torchrec`` (``torchrec.models.dlrm.DLRM`` over a ``FusedEmbeddingBagCollection``, whose row-wise
-Adagrad runs inside the backward, as TorchRec runs it).
+Adagrad runs inside the backward, as TorchRec runs it); ``torchrec_on_hetero`` (that model after
+``hetero.torchrec.shard_modules``: the same code, hetero's tables) and ``torchrec_on_hetero_ssd``
+(on the SSD tier, a tenth of the rows cached).
 """
 
 from __future__ import annotations
@@ -46,20 +48,42 @@ def hetero_step(rows: int, dense_only: bool):  # noqa: ANN201 - step(batch)
     return lambda b: step(({f"C{i}": b[0][:, i] for i in range(T)}, b[1], b[2]))
 
 
-def torchrec_step(rows: int, dense_only: bool):  # noqa: ANN201
+def torchrec_dlrm(rows: int) -> torch.nn.Module:
+    """TorchRec's own DLRM over a ``FusedEmbeddingBagCollection`` with row-wise Adagrad."""
     import torchrec.optim as trec_optim
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=D, num_embeddings=rows, feature_names=[f"C{i}"])
               for i in range(T)]
     ebc = FusedEmbeddingBagCollection(tables=tables, optimizer_type=trec_optim.RowWiseAdagrad,
                                       optimizer_kwargs={"lr": LR, "eps": EPS}, device=torch.device("cpu"))
-    model = DLRM(embedding_bag_collection=ebc, dense_in_features=K, dense_arch_layer_sizes=BOTTOM,
-                 over_arch_layer_sizes=TOP)
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=K, dense_arch_layer_sizes=BOTTOM,
+                over_arch_layer_sizes=TOP)
+
+
+def torchrec_on_hetero(rows: int, ssd: bool) -> torch.nn.Module:
+    """The same TorchRec model on hetero's tables (``hetero.torchrec.shard_modules``): in host
+    memory, or on the SSD tier with a tenth of the rows cached (a store under the system's temp dir)."""
+    import tempfile
+
+    import hetero.torchrec as ht
+    from hetero.placement import StorageTier
+    from hetero.storage import SsdConfig
+
+    plan = ht.TablePlan()
+    if ssd:  # a record is a row and its row-wise Adagrad state (D + 1 floats)
+        plan = ht.TablePlan(memory=StorageTier.SSD, ssd=SsdConfig(directory=tempfile.mkdtemp(prefix="hetero-ssd-"),
+                                                                 cache_bytes=T * rows // 10 * (D + 1) * 4))
+    return ht.shard_modules(torchrec_dlrm(rows), plan)
+
+
+def torchrec_step(rows: int, dense_only: bool, model: torch.nn.Module | None = None):  # noqa: ANN201
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    model = model if model is not None else torchrec_dlrm(rows)
     dense = torch.optim.Adam([p for n, p in model.named_parameters() if "embedding_bag_collection" not in n], lr=1e-3)
     keys, lengths = [f"C{i}" for i in range(T)], torch.ones(T * B, dtype=torch.int64)
 
@@ -76,7 +100,9 @@ def torchrec_step(rows: int, dense_only: bool):  # noqa: ANN201
 
 
 SYSTEMS = {"hetero": lambda rows: hetero_step(rows, False), "dense": lambda rows: hetero_step(rows, True),
-           "torchrec": lambda rows: torchrec_step(rows, False)}
+           "torchrec": lambda rows: torchrec_step(rows, False),
+           "torchrec_on_hetero": lambda rows: torchrec_step(rows, False, torchrec_on_hetero(rows, False)),
+           "torchrec_on_hetero_ssd": lambda rows: torchrec_step(rows, False, torchrec_on_hetero(rows, True))}
 
 
 def main() -> None:

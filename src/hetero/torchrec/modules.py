@@ -87,20 +87,32 @@ def _lookups(configs: list[BaseEmbeddingConfig]) -> tuple[list[tuple[str, str]],
 
 
 def _features(kjt: KeyedJaggedTensor, weighted: bool, needed: list[str], who: str) -> dict[str, tuple[Tensor, ...]]:
-    """A KJT's features as ``(values, offsets[, weights])`` per key: one split of its values."""
+    """A KJT's features as ``(ids,)`` - ``(B, 1)`` ids when every bag holds one id (hetero's lookup
+    of bags of one, no offsets) - or ``(values, offsets[, weights])``, per key: one split of its
+    values (and of its lengths and weights), no per-key ``JaggedTensor``."""
     if not isinstance(kjt, KeyedJaggedTensor):
         raise TypeError(f"{who} takes a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
+    if kjt.variable_stride_per_key():
+        raise ValueError(f"{who}: a KeyedJaggedTensor of a batch size per key (variable batch) is not supported yet")
     weights = kjt.weights_or_none()
     if weighted and weights is None:
         raise ValueError(f"{who} is weighted (is_weighted=True) but the KeyedJaggedTensor has no weights")
     if not weighted and weights is not None:  # (TorchRec would drop them: refused, never silently ignored)
         raise ValueError(f"{who} is not weighted but the KeyedJaggedTensor carries per-sample weights: build the "
                          f"collection with is_weighted=True, or drop the weights")
+    keys, per_key = kjt.keys(), kjt.length_per_key()
+    if missing := [f for f in needed if f not in keys]:
+        raise KeyError(f"{who} looks up features {missing}, which are not in the KeyedJaggedTensor (keys {keys})")
+    values, lengths, batch = kjt.values(), kjt.lengths(), kjt.stride()
+    if not weighted and values.numel() == lengths.numel() and bool((lengths == 1).all()):  # (one pass over F x B)
+        return {k: (v.view(-1, 1),) for k, v in zip(keys, values.split(per_key))}
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
     out = {}
-    for key, jt in kjt.to_dict().items():
-        out[key] = (jt.values(), jt.offsets(), jt.weights()) if weighted else (jt.values(), jt.offsets())
-    if missing := [f for f in needed if f not in out]:
-        raise KeyError(f"{who} looks up features {missing}, which are not in the KeyedJaggedTensor (keys {kjt.keys()})")
+    for i, (k, v) in enumerate(zip(keys, values.split(per_key))):
+        off = offsets[i * batch : (i + 1) * batch + 1]
+        off = off - off[0]  # (a key's bags from 0 over its own values)
+        out[k] = (v, off, weights[int(offsets[i * batch]) : int(offsets[(i + 1) * batch])]) if weighted else (v, off)
     return out
 
 
@@ -212,7 +224,7 @@ class EmbeddingCollection(_Trained, HostEmbeddingCollection):
 
     def feature_inputs(self, features: Any) -> Mapping[str, tuple[Tensor, ...]]:  # noqa: ANN401 - a KJT
         out = _features(features, False, [f for f, _ in self.lookups], type(self).__name__)
-        return {k: v[0] for k, v in out.items()}  # (per-id lookups: the values alone)
+        return {k: v[0].reshape(-1) for k, v in out.items()}  # (per-id lookups: the values alone, (N,))
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         jts = features.to_dict()
