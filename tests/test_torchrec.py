@@ -300,3 +300,91 @@ def test_two_ranks_train_a_torchrec_model_as_one_process(tmp_path, distribution,
     for k, v in _tables_of(expected_model).items():
         torch.testing.assert_close(tables[k], v, atol=1e-5, rtol=0)
         assert (v - before[k]).abs().max() > 1e-2
+
+
+def test_a_collection_type_it_does_not_convert_is_refused_naming_it():
+    class Custom(TorchRecEBC):
+        pass
+
+    torch.manual_seed(0)
+    ebc = Custom(tables=_tables(), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="is a .*Custom, which hetero.torchrec does not convert yet"):
+        ht.shard_modules(_model("dlrm", ebc), fused_params={"optimizer": "exact_sgd"})
+
+
+def _meta_model() -> torch.nn.Module:
+    """TorchRec's DLRM whose collection is on ``meta``: hetero builds the rows from its seeds
+    (TorchRec's initializer), as parameter servers do."""
+    torch.manual_seed(0)
+    return _model("dlrm", TorchRecEBC(tables=_tables(), device=torch.device("meta")))
+
+
+ADAGRAD = {"optimizer": "exact_row_wise_adagrad", "learning_rate": 0.05, "eps": 1e-8}
+
+
+def _servers_run():
+    """2 parameter servers and 1 worker: the worker's losses (servers serve inside shard_modules)."""
+    from hetero import ps
+    from hetero.planner.space import TablePlacement
+
+    job = ps.PSJob.init(ps.PSConfig(num_servers=2))
+    model = ht.DistributedModelParallel(_meta_model(), plan=ht.TablePlan(distribution=TablePlacement.PARAMETER_SERVER),
+                                        sharders=[_Sharder(ADAGRAD)], ps_job=job)
+    losses = _train(model, _batches(count=12)) if job.role is ps.Role.WORKER else None
+    job.shutdown()
+    return losses
+
+
+class _Sharder:  # (what DistributedModelParallel reads of a TorchRec sharder: its fused_params)
+    def __init__(self, fused_params):
+        self.fused_params = fused_params
+
+
+def test_two_parameter_servers_train_a_torchrec_model_as_memory(tmp_path, cpu_ranks):
+    from conftest import run_ranks
+
+    expected = _train(ht.shard_modules(_meta_model(), fused_params=ADAGRAD), _batches(count=12))
+    got = run_ranks(tmp_path, 3, _servers_run)  # (rank 0: the worker)
+    assert max(abs(a - b) for a, b in zip(expected, got)) < 1e-5
+    untrained = _train(ht.shard_modules(_meta_model(), fused_params={**ADAGRAD, "learning_rate": 0.0}), _batches(count=12))
+    assert max(abs(a - b) for a, b in zip(expected, untrained)) > 1e-4  # (the servers' updates are seen: 9e-4)
+
+
+def _checkpoint_run(path: str, save: bool):
+    """Row-sharded over the ranks: 6 steps then a checkpoint (``save``), or a load of it and 6 steps more."""
+    from hetero.parallel import load_distributed_checkpoint, rank, save_distributed_checkpoint, world_size
+    from hetero.planner.space import TablePlacement
+
+    n, r = world_size(), rank()
+    model = ht.DistributedModelParallel(_fused("dlrm", "rowwise_adagrad"),
+                                        plan=ht.TablePlan(distribution=TablePlacement.ROW_SHARDED))
+    sparse = model.named_sparse_optimizers()
+    dense = torch.optim.SGD([p for n_, p in model.named_parameters() if "embedding_bag" not in n_], lr=0.1)
+    batches = _batches(count=12)[:6] if save else _batches(count=12)[6:]
+    if not save:
+        load_distributed_checkpoint(model.module, path, sparse_optimizers=sparse, optimizer=dense)
+    losses, share = [], B // n
+    for x, kjt, y in batches:
+        lo, hi = r * share, (r + 1) * share
+        dense.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x[lo:hi], _samples(kjt, lo, hi)).reshape(-1),
+                                                                    y[lo:hi])
+        loss.backward()
+        dense.step()
+        mean = loss.detach().clone()
+        if n > 1:
+            torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / n)
+    if save:
+        save_distributed_checkpoint(model.module, path, sparse_optimizers=sparse, optimizer=dense)
+    return losses
+
+
+def test_a_checkpoint_of_2_row_sharded_ranks_resumes_in_1_process_as_one_uninterrupted_run(tmp_path, cpu_ranks):
+    from conftest import run_ranks
+
+    expected = _train(ht.shard_modules(_fused("dlrm", "rowwise_adagrad")), _batches(count=12))
+    path = str(tmp_path / "ckpt")
+    first = run_ranks(tmp_path, 2, _checkpoint_run, path, True)
+    second = run_ranks(tmp_path, 1, _checkpoint_run, path, False)
+    assert max(abs(a - b) for a, b in zip(expected, first + second)) < 1e-5

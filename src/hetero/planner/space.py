@@ -75,6 +75,7 @@ class TablePlacement(enum.Enum):
     HOST = "host"  # one process: its host holds every table
     REPLICATED = "replicated"  # every rank's host holds whole tables; sparse gradients all-gathered
     ROW_SHARDED = "row_sharded"  # each rank holds 1/dp of every table's rows; ids and rows all-to-all
+    PARAMETER_SERVER = "parameter_server"  # servers hold the rows (hetero.ps); workers pull and push them
 
 
 def sparse_optimizer_of(table: str, by_prefix: Mapping[str, SparseOptimizerKind]) -> SparseOptimizerKind:

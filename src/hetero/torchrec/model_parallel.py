@@ -21,16 +21,19 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchRecEBC
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, EmbeddingCollectionInterface
 from torchrec.modules.embedding_modules import EmbeddingCollection as TorchRecEC
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection as TorchRecFusedEBC
 from torchrec.optim.keyed import CombinedOptimizer
 
 from hetero.dynamic import Keys
 from hetero.embedding import host_tables, move_tables_to_ssd
-from hetero.parallel.data_parallel import DataParallelConfig, DistributedSparse, check_replicas, data_parallel
+from hetero.parallel.data_parallel import check_replicas, data_parallel
+from hetero.parallel.env import DataParallelGroup
 from hetero.parallel.env import world_size
 from hetero.parallel.row_sharded import shard_rows
 from hetero.planner.space import TablePlacement
+from hetero.ps import PSJob
 from hetero.placement import StorageTier
 from hetero.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from hetero.torchrec.optimizer import FusedTables, SparseRule, rule_of_class, rule_of_fused_params
@@ -79,30 +82,43 @@ def _convert(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan], rules
         new = EmbeddingBagCollection(configs, module.is_weighted(), rules=rules, plan=plan, has_rows=rows)
     for c in configs:
         weight, table = old[c.name].weight, new.tables[c.name]
-        if weight.is_meta or table.config.keys is Keys.DYNAMIC:
-            continue  # (rows from hetero's initializer: TorchRec's U(min, max); a dynamic table's at admission)
+        if weight.is_meta or table.weight.is_meta or table.config.keys is Keys.DYNAMIC:
+            # (rows from hetero's initializer of TorchRec's U(min, max): a meta module; parameter servers,
+            # which build their shards from the seeds; a dynamic table's at admission)
+            continue
         table.weight.data.copy_(weight.detach())  # (one host copy of each table: its rows are TorchRec's)
     return new
 
 
 def shard_modules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan] = TablePlan(),
-                  fused_params: Mapping[str, Any] | None = None) -> nn.Module:
+                  fused_params: Mapping[str, Any] | None = None, ps_job: PSJob | None = None) -> nn.Module:
     """Replace ``module``'s TorchRec embedding collections by hetero's, in place, and return it.
 
     Args:
         plan: where the tables live (:mod:`hetero.torchrec.plan`), one for all or per table name.
         fused_params: TorchRec sharder-style ``{"optimizer": EmbOptimType, "learning_rate": ...}``
             for tables without an optimizer of their own.
+        ps_job: the parameter-server job (:meth:`hetero.ps.PSJob.init`, before the model is built)
+            where the plan puts tables on servers. On a server this call serves until every worker
+            called ``ps_job.shutdown()``.
 
     Each converted collection has ``fused_optimizer`` (:class:`FusedTables`). Collective where the
     plan row-shards (every rank calls it, the model built from the same seed).
 
     Raises:
         ValueError: an unsupported TorchRec setting (named), a table without a sparse optimizer,
-            tables of one model planned onto different distributions, or a model without
-            TorchRec collections.
+            tables of one model planned onto different distributions, parameter servers without
+            ``ps_job`` (or a job without them in the plan), or a model without TorchRec collections.
     """
-    found = [(n, m) for n, m in module.named_modules() if isinstance(m, _COLLECTIONS)]
+    found = [(n, m) for n, m in module.named_modules() if type(m) in _COLLECTIONS]  # (exact types: see below)
+    for n, m in module.named_modules():
+        # another collection type (a subclass, a sharded module) is refused; a wrapper around one of the three
+        # (managed collision, feature processors) keeps its own code around the converted inner collection
+        if isinstance(m, (EmbeddingBagCollectionInterface, EmbeddingCollectionInterface, *_COLLECTIONS)) \
+                and type(m) not in _COLLECTIONS and not any(type(c) in _COLLECTIONS for c in m.modules()):
+            raise ValueError(f"{n or type(module).__name__} is a {type(m).__module__}.{type(m).__qualname__}, which "
+                             f"hetero.torchrec does not convert yet (it converts EmbeddingBagCollection, "
+                             f"FusedEmbeddingBagCollection and EmbeddingCollection)")
     if not found:
         raise ValueError(f"{type(module).__name__} holds no torchrec EmbeddingBagCollection, FusedEmbeddingBagCollection "
                          f"or EmbeddingCollection to put on hetero's tables")
@@ -123,12 +139,22 @@ def shard_modules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan] =
     if len(distributions) > 1:
         raise ValueError(f"tables planned onto {sorted(d.value for d in distributions)}: one distribution for all of a "
                          f"model's tables is supported yet")
-    if TablePlacement.ROW_SHARDED in distributions:
+    remote = TablePlacement.PARAMETER_SERVER in distributions
+    if remote != (ps_job is not None):
+        raise ValueError("tables on parameter servers need the job (shard_modules(..., ps_job=PSJob.init(config)), "
+                         "before the model is built), and a job needs tables planned onto its servers "
+                         "(TablePlan(distribution=TablePlacement.PARAMETER_SERVER))")
+    if remote:
+        ps_job.shard_tables(module)
+    elif TablePlacement.ROW_SHARDED in distributions:
         shard_rows(module)
     elif world_size() > 1:
         check_replicas(module)  # (replicas must start equal: built from the same seed)
+    optimizers = {}
     for name, new in converted:
-        new.build_optimizer(name)
+        optimizers.update(new.build_optimizer(name, remote).named_optimizers())
+    if remote:
+        ps_job.start(module, optimizers)  # (a server serves here until the workers shut down)
     return module
 
 
@@ -144,20 +170,29 @@ class DistributedModelParallel(nn.Module):
         plan: where the tables live (:class:`~hetero.torchrec.plan.TablePlan`, or per table name).
         sharders: TorchRec sharders; only their ``fused_params`` are read (the optimizer of
             tables that have none of their own).
-        init_data_parallel: wrap the dense part in DDP when the job has several ranks.
+        init_data_parallel: wrap the dense part in DDP when the job has several ranks (several
+            workers of a parameter-server job: over its workers).
+        ps_job: the parameter-server job, where the plan puts tables on servers (:func:`shard_modules`).
     """
 
     def __init__(self, module: nn.Module, device: torch.device | None = None,
                  plan: TablePlan | Mapping[str, TablePlan] = TablePlan(), sharders: Sequence[Any] | None = None,
-                 init_data_parallel: bool = True) -> None:
+                 init_data_parallel: bool = True, ps_job: PSJob | None = None) -> None:
         super().__init__()
         fused = next((s.fused_params for s in sharders or [] if getattr(s, "fused_params", None)), None)
-        self._inner = shard_modules(module, plan, fused)
+        self._inner = shard_modules(module, plan, fused, ps_job)
         if device is not None:
             self._inner.to(device)  # (hetero's tables stay on the host; their outputs go to the device)
-        self._module = data_parallel(self._inner) if init_data_parallel and world_size() > 1 else self._inner
+        dp = ps_job.dp if ps_job is not None else DataParallelGroup()  # (a server's is None: it trains nothing)
+        wrap = init_data_parallel and dp is not None and dp.active
+        self._module = data_parallel(self._inner, group=dp) if wrap else self._inner
         self.fused_optimizer = CombinedOptimizer([(n, m.fused_optimizer) for n, m in self._inner.named_modules()
                                                   if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))])
+
+    def named_sparse_optimizers(self) -> dict[str, Any]:
+        """hetero's sparse optimizers of every table by stable name (:meth:`FusedTables.named_optimizers`):
+        the ``sparse_optimizers`` of :func:`hetero.parallel.save_distributed_checkpoint` / ``load_...``."""
+        return {k: o for _, m in self.fused_optimizer.optimizers for k, o in m.named_optimizers().items()}
 
     @property
     def module(self) -> nn.Module:

@@ -30,6 +30,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, Pooling, TableConfig
 from hetero.parallel.data_parallel import DistributedSparse
 from hetero.parallel.env import world_size
+from hetero.ps.client import PSSparse
 from hetero.torchrec.optimizer import FusedTables, SparseRule
 from hetero.torchrec.plan import TablePlan, plan_of
 
@@ -126,16 +127,20 @@ class _Trained:
     def group_key(self, table: HostEmbedding) -> tuple:
         return (*HostEmbeddingCollection.group_key(self, table), self._rules.get(table.name))
 
-    def build_optimizer(self, prefix: str) -> FusedTables:
+    def build_optimizer(self, prefix: str, remote: bool = False) -> FusedTables:
         """The tables' sparse optimizers, one per rule (over the ranks when there are several:
-        ``DistributedSparse``), as :attr:`fused_optimizer`; build after the tables are placed."""
+        ``DistributedSparse``; ``remote``: pushed to parameter servers, ``PSSparse``), as
+        :attr:`fused_optimizer`; build after the tables are placed."""
         tables = {f"{prefix}.{self.tables_attribute}.{n}".lstrip("."): t for n, t in self.tables.items()}
         optimizers = []
         for rule in dict.fromkeys(self._rules.values()):
             own = {q: t for q, t in tables.items() if self._rules[t.name] == rule}
             optimizers.append(rule.kind.optimizer(own, rule.config))
-        steppers = [DistributedSparse(o) for o in optimizers] if world_size() > 1 else optimizers
-        self.fused_optimizer = FusedTables(tables, steppers, optimizers)
+        if remote:
+            steppers = [PSSparse(o) for o in optimizers]
+        else:
+            steppers = [DistributedSparse(o) for o in optimizers] if world_size() > 1 else optimizers
+        self.fused_optimizer = FusedTables(tables, steppers, optimizers, prefix)
         return self.fused_optimizer
 
     def trained(self, out: Tensor) -> Tensor:

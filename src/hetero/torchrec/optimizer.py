@@ -126,14 +126,16 @@ class FusedTables(KeyedOptimizer):
         steppers: what updates them, each with ``step()``, ``zero_grad()``, ``state_dict()`` and
             ``load_state_dict()``: hetero's sparse optimizers, or their distributed wrappers.
         optimizers: hetero's sparse optimizers under the steppers (their state and param groups).
+        prefix: the collection's qualified name (the optimizers' names).
     """
 
     def __init__(self, tables: Mapping[str, HostEmbedding], steppers: Sequence[Any], optimizers: Sequence[Any],
-                 in_backward: bool = True) -> None:
+                 prefix: str = "", in_backward: bool = True) -> None:
         params = {f"{name}.weight": t.weight for name, t in tables.items()}
         state = {p: st for o in optimizers for p, st in o.state.items()}
         super().__init__(params, state, [g for o in optimizers for g in o.param_groups])
         self.steppers, self.optimizers, self.in_backward = list(steppers), list(optimizers), in_backward
+        self.prefix = prefix
         self._queued = False
 
     def queue(self, grad: Tensor | None = None) -> None:
@@ -169,6 +171,12 @@ class FusedTables(KeyedOptimizer):
             raise ValueError(f"the state holds {len(saved)} sparse optimizers, this model has {len(self.steppers)}")
         for s, st in zip(self.steppers, saved):
             s.load_state_dict(st)
+
+    def named_optimizers(self) -> dict[str, Any]:
+        """hetero's sparse optimizers by a name stable across runs and world sizes
+        (``<collection>.<rule>``): the keys of :func:`hetero.parallel.save_distributed_checkpoint`'s
+        ``sparse_optimizers`` and of a parameter server's."""
+        return {f"{self.prefix}.{type(o).__name__}.{i}".lstrip("."): o for i, o in enumerate(self.optimizers)}
 
     def table_state(self) -> dict[str, dict[str, Tensor]]:
         """Each table's per-row state by table name (views of host memory)."""

@@ -21,7 +21,7 @@ from hetero.storage import SsdConfig
 from hetero.torchrec.optimizer import SparseRule
 
 MEMORIES = (StorageTier.HOST_DRAM, StorageTier.SSD)
-DISTRIBUTIONS = (TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED)
+DISTRIBUTIONS = (TablePlacement.REPLICATED, TablePlacement.ROW_SHARDED, TablePlacement.PARAMETER_SERVER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +36,10 @@ class TablePlan:
             capacity; ``dynamic``: admission and eviction). A dynamic table's rows start at
             admission, so the TorchRec module's initial weights are not used.
         distribution: ``TablePlacement.REPLICATED`` (every rank holds the table; sparse gradients
-            summed over the ranks) or ``TablePlacement.ROW_SHARDED`` (each rank holds a block of
-            rows; ids and rows all-to-all). At world size 1 both are one process's table.
+            summed over the ranks), ``TablePlacement.ROW_SHARDED`` (each rank holds a block of
+            rows; ids and rows all-to-all) or ``TablePlacement.PARAMETER_SERVER`` (the job's servers
+            hold the rows, built from the tables' seeds with TorchRec's initializer; workers pull and
+            push them: :mod:`hetero.ps`). At world size 1 the first two are one process's table.
         optimizer: hetero's rule for the table (:class:`~hetero.torchrec.optimizer.SparseRule`,
             e.g. LazyAdam or FTRL); ``None``: the TorchRec model's own.
 
