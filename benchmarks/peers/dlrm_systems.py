@@ -14,7 +14,8 @@ model); ``dense`` (the same model whose embeddings are fixed tensors: the dense 
 ``torchrec`` (``torchrec.models.dlrm.DLRM`` over a ``FusedEmbeddingBagCollection``, whose row-wise
 Adagrad runs inside the backward, as TorchRec runs it); ``torchrec_on_hetero`` (that model after
 ``hetero.torchrec.shard_modules``: the same code, hetero's tables) and ``torchrec_on_hetero_ssd``
-(on the SSD tier, a tenth of the rows cached).
+(on the SSD tier, a tenth of the rows cached); ``torchrec_dense_part`` (TorchRec's model with its
+sparse arch's output fixed: its dense part alone).
 """
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ def torchrec_on_hetero(rows: int, ssd: bool) -> torch.nn.Module:
     return ht.shard_modules(torchrec_dlrm(rows), plan)
 
 
+class _FixedSparse(torch.nn.Module):
+    """TorchRec's sparse arch replaced by its output for a batch, fixed (a leaf taking a gradient):
+    the model's dense part alone, the bound on what any table engine can gain on the whole step."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.register_buffer("values", torch.randn(B, T, D) * 0.01)
+
+    def forward(self, features) -> torch.Tensor:  # noqa: ANN001 - the KJT, unused
+        return self.values.detach().requires_grad_()  # (a fresh leaf: its gradient computed, then let go)
+
+
+def torchrec_dense_part(rows: int) -> torch.nn.Module:
+    model = torchrec_dlrm(1)  # (one row a table: the tables are not used)
+    model.sparse_arch = _FixedSparse(rows)
+    return model
+
+
 def torchrec_step(rows: int, dense_only: bool, model: torch.nn.Module | None = None):  # noqa: ANN201
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -102,7 +121,8 @@ def torchrec_step(rows: int, dense_only: bool, model: torch.nn.Module | None = N
 SYSTEMS = {"hetero": lambda rows: hetero_step(rows, False), "dense": lambda rows: hetero_step(rows, True),
            "torchrec": lambda rows: torchrec_step(rows, False),
            "torchrec_on_hetero": lambda rows: torchrec_step(rows, False, torchrec_on_hetero(rows, False)),
-           "torchrec_on_hetero_ssd": lambda rows: torchrec_step(rows, False, torchrec_on_hetero(rows, True))}
+           "torchrec_on_hetero_ssd": lambda rows: torchrec_step(rows, False, torchrec_on_hetero(rows, True)),
+           "torchrec_dense_part": lambda rows: torchrec_step(rows, False, torchrec_dense_part(rows))}
 
 
 def main() -> None:

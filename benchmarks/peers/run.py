@@ -212,11 +212,14 @@ def torchrec_models(args: argparse.Namespace) -> None:
     TorchRec-on-hetero (``hetero.torchrec``), in memory and on the SSD tier with a tenth of the rows
     cached; three served processes in hetero's environment taking turns (issue #75, target >= 1.5x).
     Medians and paired ratios to ``torchrec_on_hetero_<dist>_<isa>_<vendor>_cpu.json``."""
-    systems = ("torchrec_on_hetero", "torchrec", "torchrec_on_hetero_ssd")
+    systems = ("torchrec_on_hetero", "torchrec", "torchrec_on_hetero_ssd", "torchrec_dense_part")
     argvs = {s: _argv(args.hetero_python, "dlrm_systems.py", args, "--system", s) for s in systems}
     pairs = {"torchrec_on_hetero_vs_torchrec": ("torchrec_on_hetero", "torchrec"),
              "ssd_tier_vs_memory": ("torchrec_on_hetero_ssd", "torchrec_on_hetero"),
-             "ssd_tier_vs_torchrec": ("torchrec_on_hetero_ssd", "torchrec")}
+             "ssd_tier_vs_torchrec": ("torchrec_on_hetero_ssd", "torchrec"),
+             # the most any table engine can gain on this model: its dense part alone against TorchRec's step
+             "dense_part_vs_torchrec": ("torchrec_dense_part", "torchrec"),
+             "torchrec_on_hetero_vs_dense_part": ("torchrec_on_hetero", "torchrec_dense_part")}
     per_round: dict[str, list[float]] = {k: [] for k in pairs}
     sec: dict[str, list[float]] = {k: [] for k in argvs}
     for _ in range(args.rounds):
