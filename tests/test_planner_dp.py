@@ -272,7 +272,7 @@ def test_the_host_units_optimizer_lists_their_parameters_in_the_models_order(cac
     planner = Planner(model, (x,), optimizer=OptimizerKind.ADAMW, config=PlannerConfig(cache_dir=cache))
     plan = planner.price(Candidate(), {f"layers.{i}": UnitChoice(Target.HOST) for i in range(6)})
     run = apply(model, plan, OptimizerConfig())
-    names = [n for p in run.host_optimizers[0].param_groups[0]["params"] for n, q in model.named_parameters() if q is p]
+    names = [n for p in run.optimizers.host_dense[0].param_groups[0]["params"] for n, q in model.named_parameters() if q is p]
     assert names == [n for n, _ in model.named_parameters()]
 
 

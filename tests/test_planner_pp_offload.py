@@ -38,7 +38,7 @@ def _train(paths):
         measured = measure_step(run, (x,), y, F.cross_entropy, steps=1, warmup=1)
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()  # (replicate's are DTensors)
                   for n, p in run.model.named_parameters()}
-        out.append((type(run.optimizer).__name__, measured.device_bytes, params))
+        out.append((type(run.optimizers.dense).__name__, measured.device_bytes, params))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, out)
     return every

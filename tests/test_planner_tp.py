@@ -50,12 +50,12 @@ def _train_tp(plan_path, steps):
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     losses, counted = [], 0.0
     for x, y in _batches(steps):
-        run.optimizer.zero_grad()
+        run.optimizers.dense.zero_grad()
         with CollectiveCounter() as counter:
             loss = F.cross_entropy(model(x), y)
             loss.backward()
         counted = counter.total_bytes
-        run.optimizer.step()
+        run.optimizers.dense.step()
         losses.append(float(loss.detach()))
     whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
     return whole, losses, local, counted

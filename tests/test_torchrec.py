@@ -233,9 +233,9 @@ def test_hetero_rules_and_unsupported_settings():
     model = ht.shard_modules(_fused("dlrm", "sgd"),
                              ht.TablePlan(optimizer=ht.SparseRule(SparseOptimizerKind.LAZY_ADAM, LazyAdamConfig(lr=0.01))))
     opt = model.sparse_arch.embedding_bag_collection.fused_optimizer
-    assert [type(o).__name__ for o in opt.optimizers] == ["LazyAdam"]
+    assert [type(o).__name__ for o in opt.optimizers.sparse.values()] == ["LazyAdam"]
     _train(model, _batches(count=2))
-    assert all(s == 2 for s in opt.optimizers[0].steps.values())
+    assert all(s == 2 for o in opt.optimizers.sparse.values() for s in o.steps.values())
     with pytest.raises(ValueError, match="momentum=0.9 has no hetero counterpart"):
         torch.manual_seed(0)
         ebc = FusedEmbeddingBagCollection(tables=_tables(), optimizer_type=torch.optim.SGD,

@@ -251,15 +251,15 @@ def test_a_failed_resume_changes_nothing_in_the_trainer(tmp_path):
 
     tables = host_tables(other.model)
     adagrad = Adagrad({k: t for k, t in tables.items() if k.startswith("deep.")})
-    other = Trainer(other.model, other.dense_optimizer, {"wide": other.sparse_optimizer_objects["wide"], "deep": adagrad},
+    other = Trainer(other.model, other.optimizers.dense, {"wide": other.optimizers.sparse["wide"], "deep": adagrad},
                     other.train, data, data, other.config, tmp_path / "a")
     model_before = {k: v.clone() for k, v in other.model.state_dict().items()}
-    dense_before = {k: v for k, v in other.dense_optimizer.state_dict().items()}
+    dense_before = {k: v for k, v in other.optimizers.dense.state_dict().items()}
     with pytest.raises(CheckpointError, match="sparse optimizer state is for LazyAdam, not Adagrad"):
         other.resume()
     for k, v in other.model.state_dict().items():
         assert torch.equal(v, model_before[k]), k
-    assert other.dense_optimizer.state_dict() == dense_before and other.global_step == 0
+    assert other.optimizers.dense.state_dict() == dense_before and other.global_step == 0
 
 
 def _ddp_leaves_host_adamw_out(run_dir):

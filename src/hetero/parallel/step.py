@@ -24,7 +24,8 @@ def train_step(model: nn.Module, parts: Iterable[tuple[tuple[Any, ...], Any]],
                check: Callable[[float], None] | None = None,
                forward_backward: Callable[[], float] | None = None,
                between: Callable[[], None] | None = None,
-               host_work: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> float:
+               host_work: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+               inputs_to: Callable[[tuple[Any, ...]], tuple[Any, ...]] = lambda inputs: inputs) -> float:
     """One step; returns the sum of ``measure`` over the micro-batches' losses.
 
     Args:
@@ -39,6 +40,8 @@ def train_step(model: nn.Module, parts: Iterable[tuple[tuple[Any, ...], Any]],
             returns the step's loss.
         between: with parameter servers, called between the pushes and the dense update.
         host_work: the context the host units' and tables' updates run in.
+        inputs_to: a micro-batch's inputs where the model takes them, as its turn comes (one
+            micro-batch on the device at a time).
     """
     optimizers.zero_grad()
     if forward_backward is not None:
@@ -50,7 +53,7 @@ def train_step(model: nn.Module, parts: Iterable[tuple[tuple[Any, ...], Any]],
             quiet = model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) and i < len(parts) - 1 \
                 else contextlib.nullcontext()
             with quiet:
-                loss = loss_fn(model(*inputs), target)
+                loss = loss_fn(model(*inputs_to(inputs)), target)
                 loss.backward()
             value += measure(loss)
     if check is not None:

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from hetero.optim.container import OptimizersContainer
+from hetero.parallel.step import train_step
 from hetero.placement import copy_to
 from hetero.planner.plan import Plan
 
@@ -28,10 +30,10 @@ class Applied:
 
     Attributes:
         model: the runnable model (partitioned when some unit is on the host).
-        optimizer: the dense optimizer of the device units' parameters (torch's, HostAdamW or
-            PartialOffloadAdamW, as the plan says; ``None``: every unit is on the host).
-        host_optimizers: the host units' dense optimizer and the host tables' sparse ones.
-        table_optimizers: the device tables' (torch's sparse optimizers).
+        optimizers: every optimizer (:class:`~hetero.optim.container.OptimizersContainer`): the
+            dense one of the device units' parameters (torch's, HostAdamW or PartialOffloadAdamW,
+            as the plan says; ``None``: every unit is on the host), the device tables' (torch's
+            sparse optimizers), the host units' dense one and the host tables' sparse ones.
         pipeline: with a ``pp > 1`` plan, this rank's stage and the schedule (``model`` is
             the stage: the model without the other stages' units, names unchanged).
         data_parallel: with a ``dp > 1`` plan, this rank's place in the data-parallel group and
@@ -44,13 +46,11 @@ class Applied:
     """
 
     model: nn.Module
-    optimizer: Any
-    host_optimizers: list[Any]
+    optimizers: OptimizersContainer
     micro_batches: int
     plan: Plan
     host_tensors: set[torch.Tensor]
     host_work: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    table_optimizers: list[torch.optim.Optimizer] = dataclasses.field(default_factory=list)
     pipeline: Pipeline | None = None
     data_parallel: tuple[int, int] = (0, 1)
     dp_group: Any = None  # a ProcessGroup: the data-parallel ranks (None: every rank)
@@ -66,32 +66,21 @@ class Applied:
                 cut by rows) with more than one micro-batch, or a batch the micro-batches or the
                 data-parallel ranks do not divide (unequal parts would weigh samples unequally).
         """
-        optimizers = ([self.optimizer] if self.optimizer is not None else []) + self.table_optimizers
-        for opt in optimizers + self.host_optimizers:
-            opt.zero_grad()
-        m, total = self.micro_batches, 0.0
+        m = self.micro_batches
         rank, dp = self.data_parallel
         if dp > 1:  # every rank passes the global batch: this rank's share of it
             inputs, target = split_batch(inputs, dp)[rank], split_batch(target, dp)[rank]
-        if self.pipeline is not None:  # the schedule runs the micro-batches (its loss: apply's loss_fn)
-            total = self.pipeline.step(inputs, target)  # sync point: the loss, over the pp group
-        else:
-            device = _one_device(self.model)  # a model wholly on the device takes its batch there
-            for i, (part_inputs, part_target) in enumerate(zip(split_batch(inputs, m), split_batch(target, m))):
-                # DDP reduces the gradients summed over the micro-batches once, in the last backward
-                # (torch's gradient-accumulation idiom; FSDP2 reduce-scatters each: ZeRO keeps shards)
-                quiet = self.model.no_sync() if isinstance(self.model, nn.parallel.DistributedDataParallel) and \
-                    i < m - 1 else contextlib.nullcontext()
-                with quiet:
-                    out = self.model(*_moved(part_inputs, device))
-                    loss = loss_fn(out, _moved(part_target, out.device if isinstance(out, torch.Tensor) else device)) / m
-                    loss.backward()
-                total += float(loss.detach())  # sync point: the reported loss
-        for opt in optimizers:
-            opt.step()
-        with self.host_work():
-            for opt in self.host_optimizers:
-                opt.step()
+        device = _one_device(self.model)  # a model wholly on the device takes its batch there
+
+        def loss_of(out: Any, part_target: Any) -> torch.Tensor:  # noqa: ANN401
+            # (divided by the micro-batches: the gradients sum to the whole batch's mean)
+            return loss_fn(out, _moved(part_target, out.device if isinstance(out, torch.Tensor) else device)) / m
+
+        # the schedule runs a pipeline's micro-batches (its loss: apply's loss_fn; sync point: over the pp group)
+        pipelined = (lambda: self.pipeline.step(inputs, target)) if self.pipeline is not None else None
+        parts = [] if pipelined else list(zip(split_batch(inputs, m), split_batch(target, m)))
+        total = train_step(self.model, parts, loss_of, self.optimizers, forward_backward=pipelined,
+                           host_work=self.host_work, inputs_to=lambda part: _moved(part, device))
         return self._mean(total, dp)
 
     def _mean(self, loss: float, dp: int) -> float:

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from hetero.embedding import dense_parameters, host_tables, move_tables_to_device, move_tables_to_ssd
 from hetero.optim import SparseOptimizerKind, device_sparse_optimizer
+from hetero.optim.container import OptimizersContainer
 from hetero.optim.partial_offload import PartialOffloadAdamW, host_part
 from hetero.parallel.dims import ParallelDims
 from hetero.parallel.parallelize import ParallelPlan, parallelize
@@ -118,26 +119,24 @@ def apply(model: nn.Module, plan: Plan, config: OptimizerConfig = OptimizerConfi
     on_host = dict.fromkeys(p for n in host_dense + streamed for p in units[n].parameters())
     dense = set(dense_parameters(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in on_host and p in dense]
-    host_optimizers = []
-    if on_host:
-        host_optimizers.append(host_optimizer(on_host, plan, config))
     tables = host_tables(model)
     sparse, table_optimizers = _table_optimizers(tables, moved, sparse_optimizers)
-    host_optimizers += sparse
     host_tensors = set(on_host) | {b for n in host_dense for b in units[n].buffers()} | {t.weight for t in tables.values()}
-    return Applied(runnable, device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None, host_optimizers,
-                   c.micro_batches, plan, host_tensors, table_optimizers=table_optimizers)
+    optimizers = OptimizersContainer(dense=device_optimizer(named, plan, config, foreach=c.tp == 1) if named else None,
+                                     sparse=sparse, device_tables=table_optimizers,
+                                     host_dense=[host_optimizer(on_host, plan, config)] if on_host else [])
+    return Applied(runnable, optimizers, c.micro_batches, plan, host_tensors)
 
 
 def _table_optimizers(tables: Mapping[str, nn.Module], moved: Mapping[str, nn.Module],
-                      kinds: Mapping[str, SparseOptimizerKind]) -> tuple[list[Any], list[torch.optim.Optimizer]]:
+                      kinds: Mapping[str, SparseOptimizerKind]) -> tuple[dict[str, Any], list[torch.optim.Optimizer]]:
     """Each table's sparse optimizer, by the rule ``kinds`` gives its name: hetero's over the
-    host ``tables`` (one per rule), torch's of the same rule over the ``moved`` device tables."""
-    host, device = [], []
+    host ``tables`` (one per rule, named by it), torch's of the same rule over the ``moved`` device tables."""
+    host, device = {}, []
     for kind in SparseOptimizerKind:
         own = {k: t for k, t in tables.items() if sparse_optimizer_of(k, kinds) is kind}
         if own:
-            host.append(kind.optimizer(own, kind.optimizer.Config()))
+            host[kind.value] = kind.optimizer(own, kind.optimizer.Config())
         on_device = [t.weight for k, t in moved.items() if sparse_optimizer_of(k, kinds) is kind]
         if on_device:
             device.append(device_sparse_optimizer(kind, on_device))
@@ -227,6 +226,7 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
     ddp = c.tp == 1 and c.state is not StateHome.HOST and c.zero < 2
     synced = list(dict.fromkeys(host_buffers + (list(model.buffers()) if not ddp else [])))  # (in order, once each)
     host_optimizers = _replicas_host_optimizer(on_host, synced, plan, config, None)
+    sparse: dict[str, Any] = {}
     if tables:  # the plan's table placement over the replicas (world = dp here): DistributedSparse
         # exchanges the sparse gradients - all-gathered for replicated tables, each row to its
         # owner for row-sharded ones (their rows cut before the optimizers allocate state)
@@ -236,8 +236,9 @@ def _apply_data_parallel(model: nn.Module, plan: Plan, config: OptimizerConfig, 
         else:
             check_replicas(model)  # (replicas built alike: the same seed on every rank)
         sparse, _ = _table_optimizers(tables, {}, sparse_optimizers)
-        host_optimizers += [DistributedSparse(o) for o in sparse]
-    return Applied(runnable, optimizer, host_optimizers, c.micro_batches, plan,
+    optimizers = OptimizersContainer(dense=optimizer, sparse=sparse, host_dense=host_optimizers,
+                                     steppers={k: DistributedSparse(o) for k, o in sparse.items()})
+    return Applied(runnable, optimizers, c.micro_batches, plan,
                    set(on_host) | set(host_buffers) | {t.weight for t in tables.values()},
                    data_parallel=(dp.get_local_rank(), c.dp), dp_group=dp.get_group())
 
@@ -327,7 +328,7 @@ def _apply_pipeline(model: nn.Module, plan: Plan, config: OptimizerConfig, mesh:
         replicas = host_all_reduce_group(mesh[MeshDim.DP.value].get_group())[0]
         host_optimizers = _replicas_host_optimizer(on_host, synced, plan, config, replicas)
     host_tensors = set(on_host) | set(host_buffers)
-    return Applied(pipe.modules[0], optimizer, host_optimizers,
+    return Applied(pipe.modules[0], OptimizersContainer(dense=optimizer, host_dense=host_optimizers),
                    c.micro_batches, plan, host_tensors, pipeline=pipe, data_parallel=(rank, c.dp), dp_group=group)
 
 

@@ -139,7 +139,7 @@ def measure_step(applied: Applied, inputs: tuple[Any, ...], target: Any,  # noqa
         gc.collect()
         torch.cuda.synchronize(device)
         torch._C._cuda_clearCublasWorkspaces()  # (made again, and told apart, in the steps)
-        before = [*applied.model.parameters(), *applied.model.buffers(), *_device_state(applied.optimizer)]
+        before = [*applied.model.parameters(), *applied.model.buffers(), *_device_state(applied.optimizers.dense)]
         other = torch.cuda.memory_allocated(device) - _allocated_bytes(t for t in before if t.device == device)
         torch.cuda.reset_peak_memory_stats(device)
         run(warmup, False)
@@ -149,7 +149,7 @@ def measure_step(applied: Applied, inputs: tuple[Any, ...], target: Any,  # noqa
     run(warmup, False)  # the optimizers' state exists from here on
     run(steps, True)
     meter = LiveBytes()
-    state = _device_state(applied.optimizer) + [t for o in applied.table_optimizers for t in _device_state(o)]
+    state = _device_state(applied.optimizers.dense) + [t for o in applied.optimizers.device_tables for t in _device_state(o)]
     for t in list(applied.model.parameters()) + list(applied.model.buffers()) + state:
         if t not in applied.host_tensors:
             for part in _strided(t):

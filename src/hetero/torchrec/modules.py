@@ -28,6 +28,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection, Pooling, TableConfig
+from hetero.optim.container import OptimizersContainer
 from hetero.parallel.data_parallel import DistributedSparse
 from hetero.parallel.env import world_size
 from hetero.ps.client import PSSparse
@@ -132,15 +133,13 @@ class _Trained:
         ``DistributedSparse``; ``remote``: pushed to parameter servers, ``PSSparse``), as
         :attr:`fused_optimizer`; build after the tables are placed."""
         tables = {f"{prefix}.{self.tables_attribute}.{n}".lstrip("."): t for n, t in self.tables.items()}
-        optimizers = []
-        for rule in dict.fromkeys(self._rules.values()):
+        sparse = {}
+        for i, rule in enumerate(dict.fromkeys(self._rules.values())):  # (names stable across runs and world sizes)
             own = {q: t for q, t in tables.items() if self._rules[t.name] == rule}
-            optimizers.append(rule.kind.optimizer(own, rule.config))
-        if remote:
-            steppers = [PSSparse(o) for o in optimizers]
-        else:
-            steppers = [DistributedSparse(o) for o in optimizers] if world_size() > 1 else optimizers
-        self.fused_optimizer = FusedTables(tables, steppers, optimizers, prefix)
+            sparse[f"{prefix}.{rule.kind.optimizer.__name__}.{i}".lstrip(".")] = rule.kind.optimizer(own, rule.config)
+        wrap = PSSparse if remote else DistributedSparse if world_size() > 1 else None
+        steppers = {k: wrap(o) for k, o in sparse.items()} if wrap is not None else {}
+        self.fused_optimizer = FusedTables(tables, OptimizersContainer(sparse=sparse, steppers=steppers, remote=remote))
         return self.fused_optimizer
 
     def trained(self, out: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad as TorchRecRowWiseAdagrad
 
 from hetero.embedding import HostEmbedding
-from hetero.optim import SparseOptimizerKind
+from hetero.optim import SparseOptimizer, SparseOptimizerKind
+from hetero.optim.container import OptimizersContainer
 
 # FBGEMM's table-batched embedding defaults (split_table_batched_embeddings_ops_training.py)
 FBGEMM_DEFAULTS = {"lr": 0.01, "eps": 1.0e-8, "betas": (0.9, 0.999)}
@@ -123,19 +124,18 @@ class FusedTables(KeyedOptimizer):
 
     Args:
         tables: the tables by qualified name (``ebc.embedding_bags.t1``).
-        steppers: what updates them, each with ``step()``, ``zero_grad()``, ``state_dict()`` and
-            ``load_state_dict()``: hetero's sparse optimizers, or their distributed wrappers.
-        optimizers: hetero's sparse optimizers under the steppers (their state and param groups).
-        prefix: the collection's qualified name (the optimizers' names).
+        optimizers: their sparse optimizers by stable name (``<collection>.<rule>.<i>``, the keys of
+            :func:`hetero.parallel.save_distributed_checkpoint`'s and a parameter server's) and what
+            steps each over the ranks or servers (:class:`~hetero.optim.container.OptimizersContainer`).
     """
 
-    def __init__(self, tables: Mapping[str, HostEmbedding], steppers: Sequence[Any], optimizers: Sequence[Any],
-                 prefix: str = "", in_backward: bool = True) -> None:
+    def __init__(self, tables: Mapping[str, HostEmbedding], optimizers: OptimizersContainer,
+                 in_backward: bool = True) -> None:
         params = {f"{name}.weight": t.weight for name, t in tables.items()}
-        state = {p: st for o in optimizers for p, st in o.state.items()}
-        super().__init__(params, state, [g for o in optimizers for g in o.param_groups])
-        self.steppers, self.optimizers, self.in_backward = list(steppers), list(optimizers), in_backward
-        self.prefix = prefix
+        sparse = list(optimizers.sparse.values())
+        state = {p: st for o in sparse for p, st in o.state.items()}
+        super().__init__(params, state, [g for o in sparse for g in o.param_groups])
+        self.optimizers, self.in_backward = optimizers, in_backward
         self._queued = False
 
     def queue(self, grad: Tensor | None = None) -> None:
@@ -147,8 +147,7 @@ class FusedTables(KeyedOptimizer):
 
     def _update(self) -> None:
         self._queued = False
-        for s in self.steppers:
-            s.step()
+        self.optimizers.step()
 
     def step(self, closure: Any = None) -> None:  # noqa: ANN401 - torch.optim's signature
         if closure is not None:
@@ -158,26 +157,25 @@ class FusedTables(KeyedOptimizer):
 
     def zero_grad(self, set_to_none: bool = False) -> None:  # noqa: ARG002 - torch.optim's signature
         if not self.in_backward:  # (in backward: each update consumed its gradients)
-            for s in self.steppers:
-                s.zero_grad()
+            self.optimizers.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        """hetero's sparse optimizers' state (type, settings, steps and per-row state)."""
-        return {"sparse": [s.state_dict() for s in self.steppers]}
+        """hetero's sparse optimizers' state by name (type, settings, steps and per-row state)."""
+        return {"sparse": self.optimizers.sparse_state_dict()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
-        saved = state_dict["sparse"]
-        if len(saved) != len(self.steppers):
-            raise ValueError(f"the state holds {len(saved)} sparse optimizers, this model has {len(self.steppers)}")
-        for s, st in zip(self.steppers, saved):
-            s.load_state_dict(st)
+        """Restore a :meth:`state_dict`.
 
-    def named_optimizers(self) -> dict[str, Any]:
-        """hetero's sparse optimizers by a name stable across runs and world sizes
-        (``<collection>.<rule>``): the keys of :func:`hetero.parallel.save_distributed_checkpoint`'s
-        ``sparse_optimizers`` and of a parameter server's."""
-        return {f"{self.prefix}.{type(o).__name__}.{i}".lstrip("."): o for i, o in enumerate(self.optimizers)}
+        Raises:
+            ValueError: a sparse optimizer it lacks, or one whose type, tables or shapes differ.
+        """
+        self.optimizers.check_sparse_state(state_dict["sparse"])
+        self.optimizers.load_sparse_state_dict(state_dict["sparse"])
+
+    def named_optimizers(self) -> dict[str, SparseOptimizer]:
+        """hetero's sparse optimizers by their stable names."""
+        return dict(self.optimizers.sparse)
 
     def table_state(self) -> dict[str, dict[str, Tensor]]:
         """Each table's per-row state by table name (views of host memory)."""
-        return {k: v for o in self.optimizers for k, v in o.table_state.items()}
+        return {k: v for o in self.optimizers.sparse.values() for k, v in o.table_state.items()}

@@ -42,6 +42,7 @@ from hetero.parallel.checkpoint_state import model_state
 from hetero.parallel.sharded_keys import whole_keymap_of_ranks
 from hetero.parallel.tree_comm import gather_tree
 from hetero.ps.keys import whole_keymaps
+from hetero.optim.container import OptimizersContainer
 from hetero.ps.server import PS_TIER
 from hetero.storage.snapshot import read_fields
 
@@ -50,7 +51,7 @@ class Checkpointed(Protocol):
     """What a sharded checkpoint reads of a trainer (:class:`hetero.train.trainer.Trainer`)."""
 
     model: torch.nn.Module
-    sparse_optimizer_objects: Mapping[str, Any]
+    optimizers: OptimizersContainer  # its sparse optimizers' state goes into the tables' entries
     dp: DataParallelGroup  # the data-parallel ranks it trains on
 
     def state_dict(self, tables: bool = True) -> dict[str, Any]: ...
@@ -59,7 +60,7 @@ class Checkpointed(Protocol):
 def sharded_state(trainer: Checkpointed, blob: bool = True) -> dict[str, Any]:
     """The state :func:`hetero.checkpoint.sharded.save_sharded` writes; with ``blob=False``, the
     template :func:`~hetero.checkpoint.sharded.load_sharded` fills (tensors are live: in place)."""
-    tables, layout = model_state(trainer.model, trainer.sparse_optimizer_objects)
+    tables, layout = model_state(trainer.model, trainer.optimizers.sparse)
     state: dict[str, Any] = {**tables, "extra": io.BytesIO()}
     if blob:
         extra = {k: v for k, v in trainer.state_dict(tables=False).items()}

@@ -64,7 +64,7 @@ class TrainerCheckpoints:
         state = {"format_version": FORMAT_VERSION, "run": self.run_identity(), "run_uid": self.run_uid}
         if self.record is not None:
             state[RECORD_KEY] = self.record
-        dense = full_optimizer_state(self.dense_optimizer)  # operator-parallel shards gathered
+        dense = full_optimizer_state(self.optimizers.dense)  # operator-parallel shards gathered
         if tables:
             state["model"] = full_model_state(self.model)  # row-sharded tables gathered whole (collective)
         if self.pipeline is not None:  # the stages' parts gathered whole on pp rank 0, the writer (None elsewhere)
@@ -72,7 +72,7 @@ class TrainerCheckpoints:
             dense = whole_optimizer_state(self.pipeline.group, dense)
         state.update({
             "dense_optimizer": dense,
-            "sparse_optimizers": {k: o.state_dict(include_state=tables) for k, o in self.sparse_optimizers.items()},
+            "sparse_optimizers": self.optimizers.sparse_state_dict(include_state=tables),
             "position": {"epoch": self.epoch, "batch": self.batch, "global_step": self.global_step},
             "rng": rng,
             "losses": torch.tensor(self.losses, dtype=torch.float64),
@@ -116,10 +116,10 @@ class TrainerCheckpoints:
                 f"resume with the data it was saved with")
         if "model" in state:
             check_model_compatible(global_shapes(self.model), state["model"], path)
-        groups, saved_groups = self.dense_optimizer.param_groups, state["dense_optimizer"]["param_groups"]
+        groups, saved_groups = self.optimizers.dense.param_groups, state["dense_optimizer"]["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in saved_groups]:
             raise CheckpointError(f"checkpoint {path}: the dense optimizer's parameter groups differ from this run's")
-        for k, opt in self.sparse_optimizer_objects.items():
+        for k, opt in self.optimizers.sparse.items():
             if k not in state["sparse_optimizers"]:
                 raise CheckpointError(f"checkpoint {path} has no sparse optimizer {k!r}")
             try:
@@ -129,24 +129,11 @@ class TrainerCheckpoints:
         if self.record is not None:  # the run record last: whatever the checks above do not name (a transform,
             check_record(state, self.record, path)  # the reader settings)
 
-    def _hyper_parameters(self) -> dict[str, dict[str, Any]]:
-        out = {f"dense_optimizer group {i}": {k: v for k, v in g.items() if k != "params"}
-               for i, g in enumerate(self.dense_optimizer.param_groups)}
-        out.update({f"sparse optimizer {k!r}": dict(o.hyper) for k, o in self.sparse_optimizer_objects.items()})
-        return out
-
     def _restore_hyper_parameters(self, ours: dict[str, dict[str, Any]]) -> None:
         """After a load: this run's hyper-parameters win over the checkpoint's (a resume with lower
         learning rates is the fix for a diverged run), each change logged once."""
-        targets = {f"dense_optimizer group {i}": g for i, g in enumerate(self.dense_optimizer.param_groups)}
-        targets.update({f"sparse optimizer {k!r}": o.hyper for k, o in self.sparse_optimizer_objects.items()})
-        for where, values in ours.items():
-            group = targets[where]
-            for key, value in values.items():
-                if group.get(key) != value:
-                    log.info("hetero: resume: %s %s = %r (this run's; the checkpoint had %r)", where, key, value,
-                             group.get(key))
-                    group[key] = value
+        self.optimizers.set_hyper_parameters(ours, lambda where, key, value, old: log.info(
+            "hetero: resume: %s %s = %r (this run's; the checkpoint had %r)", where, key, value, old))
 
     def _stage_view(self, state: Mapping[str, Any], path: Path) -> dict[str, Any]:
         """A whole model's checkpoint cut to this pipeline stage's parameters and dense optimizer
@@ -154,7 +141,7 @@ class TrainerCheckpoints:
         group = self.pipeline.group
         check_model_compatible(whole_model_shapes(group, global_shapes(self.model)), state["model"], path)
         try:
-            dense = stage_optimizer_state(group, state["dense_optimizer"], self.dense_optimizer.state_dict())
+            dense = stage_optimizer_state(group, state["dense_optimizer"], self.optimizers.dense.state_dict())
         except ValueError as e:
             raise CheckpointError(f"checkpoint {path}: {e}") from e
         own = self.model.state_dict()
@@ -168,12 +155,11 @@ class TrainerCheckpoints:
             state = self._stage_view(state, path)
         self.check_resumable(state, path)
         tier = self.tier.check(state.get("tier"), path)  # every snapshot read and checked before anything changes
-        ours = self._hyper_parameters()
+        ours = self.optimizers.hyper_parameters()
         if "model" in state:
             self.model.load_state_dict(local_model_state(self.model, state["model"]))  # this rank's rows of sharded tables
-        load_full_optimizer_state(self.dense_optimizer, state["dense_optimizer"])
-        for k, opt in self.sparse_optimizers.items():
-            opt.load_state_dict(state["sparse_optimizers"][k])
+        load_full_optimizer_state(self.optimizers.dense, state["dense_optimizer"])
+        self.optimizers.load_sparse_state_dict(state["sparse_optimizers"])
         self._restore_hyper_parameters(ours)
         pos = state["position"]
         self.epoch, self.batch, self.global_step = pos["epoch"], pos["batch"], pos["global_step"]

@@ -25,12 +25,14 @@ from hetero.data.tabular import Batch, EvalData, TrainingData
 from hetero.embedding import Prefetcher, dense_parameters, drop_started_lookups, start_lookups
 from hetero.embedding.prefetch import looked_up_at_step
 from hetero.optim import SparseOptimizer
+from hetero.optim.container import OptimizersContainer
 from hetero.optim.host_state import AveragesReplicas
 from hetero.parallel import (
     DataParallelGroup, DistributedSparse, ParallelDims, ParallelPlan, check_replicas, global_rank, parallelize, rank,
     world_size,
 )
 from hetero.parallel.pipeline import Pipeline
+from hetero.parallel.step import train_step
 from hetero.parallel.sharded_keys import dynamic_stats, sharded_keymaps
 from hetero.placement import copy_to
 from hetero.train.config import CheckpointFormat, TrainConfig
@@ -103,7 +105,7 @@ class Trainer(TrainerCheckpoints):
         if pipeline is not None and bags:
             raise ValueError(f"a pipeline cuts each batch into micro-batches by rows, which cannot cut the multi-hot "
                              f"features {bags} (bags) yet: train them without a pipeline")
-        self.model, self.dense_optimizer, self.pipeline = model, dense_optimizer, pipeline
+        self.model, self.pipeline = model, pipeline
         # Data parallel over dp (nothing on one rank): DDP for the dense part; host tables replicated
         # (exchanged sparse gradients) or row-sharded (hetero.parallel.shard_rows, before the optimizers).
         self.dp, self.ps_job = (ps_job.dp, ps_job) if ps_job is not None else (dp, None)
@@ -119,11 +121,12 @@ class Trainer(TrainerCheckpoints):
         if self.remote and config.checkpoint_format is not CheckpointFormat.SHARDED:
             raise ValueError("tables on parameter servers are checkpointed by the servers, each its shard: use "
                              "checkpoint_format=CheckpointFormat.SHARDED (--checkpoint-format sharded)")
-        self.sparse_optimizers = {k: ps.PSSparse(o) if self.remote else
-                                  DistributedSparse(o, group=self.dp) if self.dp.active else o
-                                  for k, o in sparse_optimizers.items()}
-        # The optimizers themselves (unwrapped): their state, checks and hyper-parameters.
-        self.sparse_optimizer_objects: dict[str, SparseOptimizer] = dict(sparse_optimizers)
+        # One container: the dense optimizer, the sparse ones and what steps them across the ranks
+        # (the sparse-gradient exchange) or to the servers (pushes, first: the servers work meanwhile).
+        self.optimizers = OptimizersContainer(
+            dense=dense_optimizer, sparse=sparse_optimizers, remote=self.remote,
+            steppers={k: ps.PSSparse(o) if self.remote else DistributedSparse(o, group=self.dp) if self.dp.active else o
+                      for k, o in sparse_optimizers.items()})
         self.train, self.valid, self.test, self.config = train, valid, test, config
         self.run_dir = Path(run_dir)
         self.checkpoint_path = self.run_dir / config.checkpoint_format.file_name
@@ -146,20 +149,20 @@ class Trainer(TrainerCheckpoints):
                              "checkpoint: use checkpoint_format=CheckpointFormat.INTEGRATED")
 
     def _step(self, batch: Batch, upcoming: Batch | None = None) -> float:
-        for opt in self.sparse_optimizers.values():
-            opt.zero_grad()
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        if self.pipeline is not None:
-            value = self._pipelined_forward_backward(batch)
-        else:
-            logits = self.net(batch.features, batch.dense)
+        def loss_fn(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
             # Weighted by the global batch, not averaged per rank: the last batch's shares are unequal
             # or empty, and N ranks must still equal one process (an empty share adds 0, not NaN).
-            loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(batch.label, self.device),
-                                                                      reduction="sum")
-            loss = self.dp.batch_mean(loss_sum, batch.global_size)
-            loss.backward()
-            value = self.dp.mean(loss)  # sync point: the host needs the global loss to decide whether to step
+            loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, copy_to(label, self.device), reduction="sum")
+            return self.dp.batch_mean(loss_sum, batch.global_size)
+
+        # Tables on parameter servers: the next batch's pulls go out with this step's pushes.
+        between = (lambda: start_lookups(self.model, upcoming.features)) if self.remote and upcoming is not None else None
+        pipelined = (lambda: self._pipelined_forward_backward(batch)) if self.pipeline is not None else None
+        # measure: sync point, the host needs the global loss to decide whether to step
+        return train_step(self.net, [((batch.features, batch.dense), batch.label)], loss_fn, self.optimizers,
+                          measure=self.dp.mean, check=self._check_finite, forward_backward=pipelined, between=between)
+
+    def _check_finite(self, value: float) -> None:
         if not math.isfinite(value):
             where = (f"the last checkpoint {self.checkpoint_path} is intact: lower the learning rates or check the "
                      f"input, then --resume" if self.has_checkpoint() else
@@ -168,19 +171,6 @@ class Trainer(TrainerCheckpoints):
                 f"loss is {value} at epoch {self.epoch}, batch {self.batch} (step {self.global_step + 1}); "
                 f"training stopped before applying this step; {where}"
             )
-        if self.remote:
-            # Tables on parameter servers: the push goes first, with the next batch's pulls (the
-            # servers apply it, then read those rows), so the servers work while the dense optimizer steps.
-            for opt in self.sparse_optimizers.values():
-                opt.step()
-            if upcoming is not None:
-                start_lookups(self.model, upcoming.features)
-            self.dense_optimizer.step()
-            return value
-        self.dense_optimizer.step()
-        for opt in self.sparse_optimizers.values():
-            opt.step()
-        return value
 
     def _pipelined_forward_backward(self, batch: Batch) -> float:
         """Forward and backward of ``batch`` through the pipeline; the batch loss on every rank.
@@ -247,7 +237,7 @@ class Trainer(TrainerCheckpoints):
                 if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
                     self.save()
                 if self.scalars is not None:
-                    self.scalars.step(self.global_step, loss, {"dense": self.dense_optimizer, **self.sparse_optimizer_objects},
+                    self.scalars.step(self.global_step, loss, {"dense": self.optimizers.dense, **self.optimizers.sparse},
                                       self.train_samples / self.train_seconds if self.train_seconds else None)
                 if self.scalars is not None or every_rank:
                     stats = dynamic_stats(self.model)
@@ -259,8 +249,7 @@ class Trainer(TrainerCheckpoints):
                     stop = True
                     break
             if self.remote:  # the last step's pushes travel with the next pulls: send them now, every worker alike
-                for opt in self.sparse_optimizers.values():
-                    opt.flush()  # (a started pull of a batch not trained - max_steps - read and dropped)
+                self.optimizers.flush()  # (a started pull of a batch not trained - max_steps - read and dropped)
                 drop_started_lookups(self.model)
             bar.close()
             improved = False
@@ -355,7 +344,7 @@ class Trainer(TrainerCheckpoints):
             "dynamic_tables": {name: vars(stats) for name, stats in dynamic.items()},
         }
         if self.remote:  # this worker's pulls sent ahead of their lookup: taken by it, or read and dropped
-            clients = [c for opt in self.sparse_optimizers.values() for c in opt.clients]
+            clients = [c for opt in self.optimizers.steppers.values() for c in opt.clients]
             metrics["ps_started_pulls"] = {"taken": sum(c.starts_taken for c in clients),
                                            "dropped": sum(c.starts_dropped for c in clients)}
         if self.bad_rows is not None and self.bad_rows.rows:
