@@ -140,6 +140,8 @@ _HEADLINES = {
     "peers_dlrm_zipf": ["cpu.isa", "ratios.hetero_vs_torchrec", "ratios.hetero_vs_dense_part", "ratios.torchrec_vs_dense_part"],
     "peers_dlrm_uniform": ["cpu.isa", "ratios.hetero_vs_torchrec", "ratios.hetero_vs_dense_part", "ratios.torchrec_vs_dense_part"],
     "worker_threads": ["slowdown_plain_worker", "slowdown_host_worker"],
+    "torchrec_on_hetero_uniform": ["cpu.isa", "ratios.torchrec_on_hetero_vs_torchrec", "ratios.dense_part_vs_torchrec",
+                                   "ratios.ssd_tier_vs_memory"],
     "disk_rate": ["direct_qd1_reads_per_s", "direct_qd32_reads_per_s", "buffered_qd32_reads_per_s",
                   "sequential_write_bytes_per_s"],
 }
