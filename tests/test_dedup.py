@@ -70,11 +70,11 @@ def test_a_group_sorts_from_its_size_on(monkeypatch):
     ids = torch.randint(0, 1_000, (512, 3), generator=torch.Generator().manual_seed(4))
     flat = ids.reshape(-1).tolist()
     small = HostEmbedding(TableConfig("t", 1_000, 4))
-    assert small.group.marker.shape == (1_000,)
+    assert small.group.deduper.marker.shape == (1_000,)
     assert small.group.plan([Request(small, ids)]).unique.tolist() == list(dict.fromkeys(flat))
     monkeypatch.setattr(group_module, "SORTED_DEDUP_BYTES", 1_000 * 4 * 4)
     large = HostEmbedding(TableConfig("t", 1_000, 4))
-    assert large.group.marker.shape == (0,)
+    assert large.group.deduper.marker.shape == (0,)
     assert large.group.plan([Request(large, ids)]).unique.tolist() == sorted(set(flat))
 
 
@@ -100,7 +100,7 @@ def test_the_sorted_dedup_equals_torch_unique(n, top):
 
 
 def test_a_plan_without_chains_dedups_in_parallel_to_the_same_plan(monkeypatch):
-    from hetero.embedding import group as group_module
+    from hetero.embedding import dedup as group_module
     from hetero.embedding.group import Request
 
     table = HostEmbedding(TableConfig("t", 1_000, 4))
@@ -146,7 +146,7 @@ def _device_training(prefetch, threads=4, steps=8):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_lookups_train_the_same_with_either_dedup_and_any_prefetch(monkeypatch):
     from hetero.embedding import PrefetchConfig
-    from hetero.embedding import group as group_module
+    from hetero.embedding import dedup as group_module
 
     monkeypatch.setattr(group_module, "PARALLEL_DEDUP_THREADS", 1_000)  # the serial dedup: the reference
     ref, ref_outs = _device_training(None)

@@ -80,7 +80,7 @@ def _rank(r, n, port, argv, out, sort_every_group=False):
         times.append(time.time())
         if sort_every_group:
             groups = [g for m in trainer.model.modules() if isinstance(m, HostEmbeddingCollection) for g in m.groups]
-            sorting.append(bool(groups) and all(g.marker.shape[0] == 0 for g in groups))
+            sorting.append(bool(groups) and all(g.deduper.marker.shape[0] == 0 for g in groups))
 
     def sample():  # (a parameter server has no steps of its own: its resident set by the clock)
         while not stop.wait(0.02):

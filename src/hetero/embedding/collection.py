@@ -233,7 +233,7 @@ def move_tables_to_ssd(model: nn.Module, names: list[str], ssd: SsdConfig, write
                     out[a - lo : b - lo] = rows[t][a - t.group_row : b - t.group_row]
             return out
 
-        g.ssd = SsdRows(g.ssd_name, g.num_rows, g.dim, g.dtype, ssd, initial, g.ssd_state or {})
+        g.place(g.exchange, ssd=SsdRows(g.ssd_name, g.num_rows, g.dim, g.dtype, ssd, initial, g.ssd_state or {}))
 
 
 def start_lookups(model: nn.Module, features: Mapping[str, Tensor | tuple[Tensor, Tensor]]) -> None:

@@ -16,7 +16,6 @@ tie the table's memory layout to its optimizer (and put optimizer state into eve
 
 from __future__ import annotations
 
-import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hetero.dynamic import KeyMap, Keys
 from hetero.embedding.capture import HostPool, capture_device_grad
 from hetero.embedding.config import TableConfig, init_rows
+from hetero.embedding.dedup import GroupDedup
 from hetero.embedding.dynamic_rows import DynamicRows
 from hetero.embedding.exchange import LocalRows, RowExchange, RowPlacement
 from hetero.embedding.grad import PendingGrads, SparseGrad
@@ -38,11 +38,6 @@ from hetero.embedding.plan import LookupPlan, Request, build_plan, fake_output
 from hetero.placement import StorageTier, copy_to, host_empty
 from hetero.storage.tier import SsdRows
 
-# Kernel threads from which a lookup without occurrence chains dedups in parallel: its passes over
-# the ids beat the serial dedup's one only with several threads to share them (106k ids: 1.2 ms at
-# 2 threads against 0.8 ms serial on the 2-core VM; 2.0-2.9 ms serial on the H200 host's 16 cores,
-# where the parallel one took the step from 0.67 to 0.75 of its dense part; docs/embedding.md).
-PARALLEL_DEDUP_THREADS = 4
 # Groups of this many bytes of rows or more dedup by sorting (the update then walks their rows in
 # address order), smaller ones through a marker (first-occurrence order): measured in
 # hetero.embedding._numba_dedup's docstring, the sort wins from 16M rows of 64 bytes.
@@ -110,10 +105,7 @@ class TableGroup:
         self.exchange: RowExchange = LocalRows(total)
         # the dedup's marker (8 bytes a row; empty: the group sorts), stamp and scratch, reused
         small = total * self.dim * self.dtype.itemsize < SORTED_DEDUP_BYTES
-        self.marker = np.zeros(total if self.local_dedup and small else 0, np.int64)
-        self.stamp = 0
-        self._scratch = (np.empty(0, np.int64), np.empty(0, np.int64))
-        self.lock = threading.Lock()  # all of them are shared by every lookup of the group
+        self.deduper = GroupDedup(total if self.local_dedup and small else 0)
         self.pending = PendingGrads()  # gradients of this step's lookups, until the optimizer steps
         self.version = 0  # optimizer updates applied so far
         self.row_version: np.ndarray | None = None  # per-row update version, while prefetching
@@ -125,6 +117,35 @@ class TableGroup:
     def num_rows(self) -> int:
         """Rows this process holds (a row-sharded group: its shard's)."""
         return self.storage.shape[0]
+
+    def place(self, exchange: RowExchange, storage: Tensor | None = None, first_row: int = 0,
+              initial_rows: Callable[[int, int], Tensor] | None = None, ssd: SsdRows | None = None,
+              views: bool = True) -> None:
+        """Where the group's rows live from now on - the one way another package changes it
+        (:func:`hetero.parallel.shard_rows`, :meth:`hetero.ps.PSJob.shard_tables`): ``exchange``
+        serves the lookups; ``storage`` (given) holds this process's rows from global row
+        ``first_row`` (``meta``: on the SSD tier), each table's ``weight`` becoming its view of them
+        (possibly empty; ``views=False``: a server's hash shard, not a block of rows, the weights
+        stay placeholders); ``initial_rows`` are the tier's first rows where they are not the
+        seeds' at ``first_row`` (a server's shard); ``ssd``: rows laid out already.
+        Rows not held whole here are deduplicated as the plan is built (their gradient arrives
+        coalesced per unique row)."""
+        if storage is not None:
+            hi = first_row + storage.shape[0]
+            for t in self.tables if views else ():
+                a, b = min(max(t.group_row, first_row), hi), min(max(t.group_row + t.config.num_rows, first_row), hi)
+                t.weight.data = storage[a - first_row : b - first_row]  # (the table's rows here)
+            self.storage, self.first_row = storage, first_row
+        self.initial_rows = initial_rows if initial_rows is not None else self.initial_rows
+        self.ssd = ssd if ssd is not None else self.ssd
+        self.exchange = exchange
+        if not exchange.placement.rows_here:
+            self.local_dedup, self.deduper = False, GroupDedup(0)
+
+    def checkpoint_rows_apart(self) -> None:
+        """Leave the rows (and their optimizer state) out of the state dicts: a checkpoint holds
+        them on its own, as the SSD tier's snapshots (:mod:`hetero.train.tier`)."""
+        self.rows_in_state_dict = False
 
     def local_start(self, table: GroupedTable) -> int:
         """The storage row of ``table``'s first row here (its ``weight`` holds the table's rows in
@@ -239,45 +260,13 @@ class TableGroup:
             return [fake_output(r) for r in requests]
         return self.exchange.lookup(self, requests, plan)
 
-    def _dedup_scratch(self, n: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-        """The marker, a fresh stamp and the two int64 scratch arrays of the dedup for ``n`` ids
-        (under the lock)."""
-        self.stamp += 1
-        if self.stamp >= 1 << 31:  # the stamp lives in the upper 32 bits of the marker
-            self.marker[:] = 0
-            self.stamp = 1
-        if self._scratch[0].shape[0] < n:
-            size = max(n, 2 * self._scratch[0].shape[0])
-            self._scratch = (np.empty(size, np.int64), np.empty(size, np.int64))
-        return (self.marker, self.stamp, *self._scratch)
-
     def dedup(self, plan: LookupPlan, chains: bool = True) -> None:
-        """Fill ``unique`` and ``inverse`` of a plan built with ``dedup=False``, and with
-        ``chains`` its ``first`` and ``next`` (the occurrence chains the host pooling's backward needs).
-
-        Without chains and with :data:`PARALLEL_DEDUP_THREADS` or more kernel threads, the dedup
-        runs in parallel (:func:`~hetero.embedding._numba_dedup.dedup_unique`: the same result)."""
-        index = plan.index.numpy()
-        K, threads = dedup_kernels(), num_threads()
-        with self.lock:
-            scratch = self._dedup_scratch(index.shape[0])
-            if chains or threads < PARALLEL_DEDUP_THREADS:
-                found = K.dedup(index, *scratch)
-                plan.first, plan.next = torch.from_numpy(found[2]), torch.from_numpy(found[3])
-            else:
-                found = K.dedup_unique(index, *scratch, threads)
-        plan.unique, plan.inverse = torch.from_numpy(found[0]), torch.from_numpy(found[1])
+        """:meth:`GroupDedup.dedup` of the plan's ids."""
+        self.deduper.dedup(plan, chains)
 
     def pool_and_dedup(self, plan: LookupPlan, out: Tensor) -> None:
-        """Pool the table's rows at ``plan.index`` into ``out`` and dedup ``plan.index`` at the
-        same time (one kernel), filling the plan's ``unique``, ``inverse``, ``first`` and ``next``."""
-        K = kernels()
-        scale = plan.scale.numpy() if plan.scale is not None else np.empty(0, np.float32)
-        index = plan.index.numpy()
-        with self.lock:
-            found = K.dedup_pool(index, *self._dedup_scratch(index.shape[0]), self.storage.numpy(),
-                                 plan.offsets.numpy(), scale, out.numpy(), K.num_threads())
-        plan.unique, plan.inverse, plan.first, plan.next = map(torch.from_numpy, found)
+        """:meth:`GroupDedup.pool_and_dedup` over this group's (fp32) storage."""
+        self.deduper.pool_and_dedup(plan, self.storage, out)
 
     # ------------------------------------------------------------------------------ rows
     def gather(self, plan: LookupPlan, pin: bool) -> Tensor:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -193,23 +192,17 @@ def shard_rows(module: nn.Module) -> int:
             continue
         total = group.num_rows
         lo, hi = block_range(total, r, n)
+        ssd = None
         if group.ssd_config is not None:  # the SSD tier: the shard's rows laid out when first needed, from row lo
             shard = torch.empty((hi - lo, group.dim), dtype=group.dtype, device="meta")
             if group.ssd is not None:  # laid out whole already: this rank's block of it replaces it
                 old = group.ssd
-                group.ssd = SsdRows(old.name, hi - lo, group.dim, group.dtype, old.config, None, old.state, previous=old,
-                                    first=lo)
+                ssd = SsdRows(old.name, hi - lo, group.dim, group.dtype, old.config, None, old.state, previous=old, first=lo)
         else:
             shard = host_empty((hi - lo, group.dim), group.dtype)
             shard.copy_(group.storage[lo:hi])
-        for t in group.tables:
-            start = t.group_row
-            a, b = min(max(start, lo), hi), min(max(start + t.config.num_rows, lo), hi)
-            t.weight.data = shard[a - lo : b - lo]  # the table's rows on this rank (possibly none)
-        group.storage = shard  # ids and row offsets stay global: the exchange maps them to ranks
-        group.first_row = lo
-        group.local_dedup, group.marker = False, np.zeros(0, np.int64)  # (deduped as the plan is built)
-        group.exchange = RowSharding(group, total)
+        # ids and row offsets stay global: the exchange maps them to ranks
+        group.place(RowSharding(group, total), storage=shard, first_row=lo, ssd=ssd)
         if group.dynamic.tables:  # each key's rows where its owner is (hetero.parallel.sharded_keys)
             shard_keys(group, [block_range(total, q, n) for q in range(n)])
     return len(groups)

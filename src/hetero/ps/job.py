@@ -129,17 +129,16 @@ class PSJob:
                 global_rows = group.num_rows
                 rows = shard_rows_count(global_rows, s, n)
                 if group.ssd_config is not None:  # the shard on the SSD tier: laid out from the seeds when first needed
-                    group.storage = torch.empty((rows, group.dim), dtype=group.dtype, device="meta")
-                    group.initial_rows = functools.partial(shard_rows, group, s, n)
+                    group.place(ServerShard(global_rows, s, n), initial_rows=functools.partial(shard_rows, group, s, n),
+                                storage=torch.empty((rows, group.dim), dtype=group.dtype, device="meta"), views=False)
                 else:
                     budget = self.config.server_memory_bytes
                     if budget and rows * group.dim * group.storage.element_size() > budget:
                         continue  # reported by start(), on every rank; nothing allocated
-                    group.storage = build_shard(group, s, n)
-                group.exchange = ServerShard(global_rows, s, n)
+                    group.place(ServerShard(global_rows, s, n), storage=build_shard(group, s, n), views=False)
             else:
                 staleness = self.config.staleness if self.config.mode is PSMode.BOUNDED else None
-                group.exchange = PSClient(group, index, self.servers, self.channel, staleness)
+                group.place(PSClient(group, index, self.servers, self.channel, staleness))
                 self.clients.append(group.exchange)
         self.stage = Stage.SHARDED
         return len(groups)

@@ -43,7 +43,7 @@ class TierCheckpoint:
     def __init__(self, model: nn.Module, run_dir: Path, rank: int = 0, world: int = 1) -> None:
         tiered = {k: g for k, g in table_groups(model).items() if g.ssd_config is not None}
         for g in tiered.values():
-            g.rows_in_state_dict = False
+            g.checkpoint_rows_apart()
         # (groups on parameter servers: each server's checkpoint holds its shard, hetero.ps.server)
         self.groups = {k: g for k, g in tiered.items() if g.exchange.placement is not RowPlacement.PARAMETER_SERVER}
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world
