@@ -36,6 +36,10 @@ def test_a_host_budget_below_the_tables_puts_the_coldest_on_the_ssd_tier_and_app
     plan = planner.plan(host_memory=budget)
     assert plan.ssd_tables == ("deep.tables.deep_a",), plan.ssd_tables  # the fewest ids per byte: given up first
     assert plan.units["deep"] == UnitChoice(Target.HOST, ssd_tables=1)
+    # the same choice as the one typed value a table's placement is (TablePlan)
+    placed = plan.table_plans(model)
+    assert placed["deep.tables.deep_a"].memory is StorageTier.SSD and placed["deep.tables.deep_a"].ssd == ssd
+    assert {n for n, p in placed.items() if p.memory is StorageTier.HOST_DRAM} == set(host_tables(model)) - {"deep.tables.deep_a"}
     assert plan.predicted.host_bytes <= budget and plan.predicted.seconds > roomy.predicted.seconds
     assert 0 < plan.ssd_hit_rate < 1
     text = str(hetero.explain(plan))

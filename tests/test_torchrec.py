@@ -199,7 +199,8 @@ def test_the_ssd_tier_trains_a_torchrec_model_as_memory(tmp_path):
     # a cache of 96 rows under a store of 120: rows evicted and read back from the file
     ssd = ht.TablePlan(memory=StorageTier.SSD, ssd=SsdConfig(directory=tmp_path, cache_bytes=96 * (D + 1) * 4))
     model = _hetero_in_memory({"t0": ssd, "t1": ssd})
-    assert all(t.group.ssd_config is not None for n, t in model.sparse_arch.embedding_bag_collection.tables.items() if n != "t2")
+    placed = {n: ht.TablePlan.of(t) for n, t in model.sparse_arch.embedding_bag_collection.tables.items()}
+    assert placed == {"t0": ssd, "t1": ssd, "t2": ht.TablePlan()}, placed  # (read back from the built tables)
     _trains_as(_hetero_in_memory(), model, batches)
 
 
@@ -213,6 +214,7 @@ def test_dynamic_tables_keyed_by_raw_ids_train_as_fixed_rows_when_every_key_fits
            for x, kjt, y in batches]
     dynamic = ht.shard_modules(_fused("dlrm", "rowwise_adagrad"),
                                ht.TablePlan(keys=Keys.DYNAMIC, dynamic=DynamicConfig(admit_after=1)))
+    assert all(ht.TablePlan.of(t).keys is Keys.DYNAMIC for t in dynamic.sparse_arch.embedding_bag_collection.tables.values())
     reference = _hetero_in_memory()
     with torch.no_grad():  # the reference's row k starts as the dynamic table's key k * spread + 7 does
         for name, t in dynamic.sparse_arch.embedding_bag_collection.tables.items():
@@ -246,6 +248,12 @@ def test_hetero_rules_and_unsupported_settings():
     with pytest.raises(ValueError, match="need_pos=True is not supported"):
         ht.shard_modules(TorchRecEBC(tables=[EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=8, need_pos=True)]),
                          fused_params={"optimizer": "exact_sgd"})
+    from hetero.placement import StorageTier
+
+    untouched = _fused("dlrm", "sgd")
+    with pytest.raises(ValueError, match=r"tables \['t0'\] are planned into device memory"):
+        ht.shard_modules(untouched, {"t0": ht.TablePlan(memory=StorageTier.DEVICE_MEMORY)})
+    assert type(untouched.sparse_arch.embedding_bag_collection) is FusedEmbeddingBagCollection  # (refused: unchanged)
     unweighted = ht.shard_modules(_fused("dlrm", "sgd"))
     x, kjt, _ = _batches(count=1, weighted=True)[0]
     with pytest.raises(ValueError, match="not weighted but the KeyedJaggedTensor carries per-sample weights"):

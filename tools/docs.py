@@ -23,6 +23,25 @@ from hetero.cli.reference import reference
 
 # (the module: the package's attribute of this name is the function)
 composition = importlib.import_module("hetero.parallel.parallelize")
+table_plan = importlib.import_module("hetero.planner.table_plan")
+
+
+def _seam() -> list[str]:
+    """The placement plan's section: its module's docstring, and each axis's values from the code."""
+    text = table_plan.__doc__.split("\n\n", 1)[1]
+    paragraphs = [" ".join(line.strip() for line in p.splitlines()) for p in text.strip().split("\n\n")]
+    paragraphs = [re.sub(r":\w+:`~?([^`]*)`", r"`\1`", p).replace("``", "`") for p in paragraphs]
+    keys = importlib.import_module("hetero.dynamic").Keys
+    kinds = importlib.import_module("hetero.optim").SparseOptimizerKind
+    axes = [("memory", [m.value for m in table_plan.MEMORIES]), ("keys", [k.value for k in keys] + ["hashed"]),
+            ("distribution", [d.value for d in table_plan.DISTRIBUTIONS]), ("optimizer", [k.value for k in kinds])]
+    return [*(x for p in paragraphs for x in (p, "")),
+            "| axis of `TablePlan` | values |", "|---|---|",
+            *(f"| `{a}` | {', '.join(f'`{v}`' for v in vs)} |" for a, vs in axes), "",
+            "A table group's rows change place through one method, `TableGroup.place` (row sharding, parameter "
+            "servers, the SSD tier's layout); its optimizers are one `hetero.optim.container.OptimizersContainer`, "
+            "stepped by one training step, `hetero.parallel.step.train_step`, for `Trainer`, `Applied` and "
+            "`hetero.torchrec` alike."]
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "hetero"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -100,6 +119,10 @@ def architecture() -> str:
         "`hetero train` calls it for steps 1-6 and its trainer for step 7; `hetero.apply` for steps 1-4 (a per-stage "
         "hook around a pipeline stage's host units), then partitions host units out and builds the optimizers "
         "around them.",
+        "",
+        "## Where a table lives: the placement plan",
+        "",
+        *_seam(),
         "",
         "## Packages, lowest first",
         "",

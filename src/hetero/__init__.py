@@ -10,6 +10,7 @@ from hetero.placement import StorageTier, Target, resolve_device
 from hetero.placement.partitioner import partition
 from hetero.planner.apply import apply
 from hetero.planner.planner import plan
+from hetero.planner.table_plan import SparseRule, TablePlan
 from hetero.report import explain
 
 __version__ = "0.1.0"
@@ -22,8 +23,10 @@ __all__ = [
     "plan",
     "HostEmbeddingCollection",
     "Pooling",
+    "SparseRule",
     "StorageTier",
     "TableConfig",
+    "TablePlan",
     "Target",
     "resolve_device",
 ]

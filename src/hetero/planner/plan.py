@@ -19,12 +19,13 @@ from typing import Any
 
 from torch import nn
 
-from hetero.embedding import HostEmbedding
-from hetero.placement import PlacementSpec, Target
+from hetero.embedding import HostEmbedding, host_tables
+from hetero.placement import PlacementSpec, StorageTier, Target
 from hetero.parallel.operator_plan import OpStrategy, ShardingPlan
 from hetero.parallel.recompute import RecomputeConfig
 from hetero.planner.graph import Granularity
 from hetero.planner.space import Candidate, CostPart, OptimizerKind, StateHome, TablePlacement, UnitChoice
+from hetero.planner.table_plan import TablePlan
 from hetero.storage import CachePolicy, SsdConfig
 
 FORMAT_VERSION = 1
@@ -141,6 +142,22 @@ class Plan:
     def host_units(self) -> list[str]:
         """The units placed on the host (host tables included)."""
         return [name for name, c in self.units.items() if c.target is Target.HOST]
+
+    def table_plans(self, model: nn.Module) -> dict[str, TablePlan]:
+        """Where the plan puts each host table of ``model`` (by qualified name), as the one typed
+        value (:class:`~hetero.planner.table_plan.TablePlan`): the device, the SSD tier (the plan's
+        ``ssd``) or host memory; replicated or row-sharded over the plan's data-parallel ranks; the
+        table's own keys. ``hetero.apply`` makes it real."""
+        out = {}
+        distribution = TablePlacement.ROW_SHARDED if self.candidate.tables is TablePlacement.ROW_SHARDED \
+            else TablePlacement.REPLICATED  # (one process's tables: the degenerate replica)
+        for name, table in host_tables(model).items():
+            now = TablePlan.of(table)
+            memory = StorageTier.DEVICE_MEMORY if name in self.device_tables else \
+                StorageTier.SSD if name in self.ssd_tables else StorageTier.HOST_DRAM
+            out[name] = dataclasses.replace(now, memory=memory, ssd=self.ssd if memory is StorageTier.SSD else None,
+                                            distribution=distribution)
+        return out
 
     def streamed_units(self) -> list[str]:
         """The device units whose parameters live on the host (streamed to the device each pass)."""

@@ -6,8 +6,8 @@ optimizers. See docs/torchrec.md. ``import hetero`` does not import this package
 
 from hetero.torchrec.model_parallel import DistributedModelParallel, shard_modules
 from hetero.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection, table_config
-from hetero.torchrec.optimizer import FusedTables, SparseRule
-from hetero.torchrec.plan import TablePlan
+from hetero.planner.table_plan import SparseRule, TablePlan
+from hetero.torchrec.optimizer import FusedTables
 
 __all__ = [
     "DistributedModelParallel",

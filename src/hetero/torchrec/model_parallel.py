@@ -29,15 +29,14 @@ from torchrec.optim.keyed import CombinedOptimizer
 from hetero.dynamic import Keys
 from hetero.embedding import host_tables, move_tables_to_ssd
 from hetero.parallel.data_parallel import check_replicas, data_parallel
-from hetero.parallel.env import DataParallelGroup
-from hetero.parallel.env import world_size
+from hetero.parallel.env import DataParallelGroup, world_size
 from hetero.parallel.row_sharded import shard_rows
 from hetero.planner.space import TablePlacement
 from hetero.ps import PSJob
 from hetero.placement import StorageTier
 from hetero.torchrec.modules import EmbeddingBagCollection, EmbeddingCollection
-from hetero.torchrec.optimizer import FusedTables, SparseRule, rule_of_class, rule_of_fused_params
-from hetero.torchrec.plan import TablePlan, plan_of
+from hetero.torchrec.optimizer import FusedTables, rule_of_class, rule_of_fused_params
+from hetero.planner.table_plan import SparseRule, TablePlan, plan_of
 
 log = logging.getLogger("hetero")
 _COLLECTIONS = (TorchRecEBC, TorchRecFusedEBC, TorchRecEC)
@@ -122,6 +121,11 @@ def shard_modules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan] =
     if not found:
         raise ValueError(f"{type(module).__name__} holds no torchrec EmbeddingBagCollection, FusedEmbeddingBagCollection "
                          f"or EmbeddingCollection to put on hetero's tables")
+    configs = [c for _, m in found for c in (m.embedding_configs() if isinstance(m, TorchRecEC) else m.embedding_bag_configs())]
+    if on_device := [c.name for c in configs if plan_of(plan, c.name).memory is StorageTier.DEVICE_MEMORY]:
+        raise ValueError(f"tables {on_device} are planned into device memory: a TorchRec model's tables on the device "
+                         f"are not supported by hetero.torchrec yet (TorchRec's own sharding puts them there); "
+                         f"plan them into host DRAM or onto the SSD tier")
     converted = []
     for name, m in found:
         new = _convert(m, plan, _rules(m, plan, fused_params, name or type(module).__name__))
@@ -133,6 +137,7 @@ def shard_modules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan] =
             setattr(module.get_submodule(parent) if parent else module, attr, new)
     tables = host_tables(module)
     plans = {q: plan_of(plan, t.name) for q, t in tables.items()}
+
     for ssd in dict.fromkeys(p.ssd for p in plans.values() if p.memory is StorageTier.SSD):
         move_tables_to_ssd(module, [q for q, p in plans.items() if p.ssd == ssd], ssd)
     distributions = {p.distribution for p in plans.values()}

@@ -32,8 +32,8 @@ from hetero.optim.container import OptimizersContainer
 from hetero.parallel.data_parallel import DistributedSparse
 from hetero.parallel.env import world_size
 from hetero.ps.client import PSSparse
-from hetero.torchrec.optimizer import FusedTables, SparseRule
-from hetero.torchrec.plan import TablePlan, plan_of
+from hetero.torchrec.optimizer import FusedTables
+from hetero.planner.table_plan import SparseRule, TablePlan, plan_of
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 _POOLING = {PoolingType.SUM: Pooling.SUM, PoolingType.MEAN: Pooling.MEAN}

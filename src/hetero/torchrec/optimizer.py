@@ -29,6 +29,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad as TorchRecRowWiseAdag
 from hetero.embedding import HostEmbedding
 from hetero.optim import SparseOptimizer, SparseOptimizerKind
 from hetero.optim.container import OptimizersContainer
+from hetero.planner.table_plan import SparseRule
 
 # FBGEMM's table-batched embedding defaults (split_table_batched_embeddings_ops_training.py)
 FBGEMM_DEFAULTS = {"lr": 0.01, "eps": 1.0e-8, "betas": (0.9, 0.999)}
@@ -41,19 +42,6 @@ _KIND_OF_FUSED = {"exact_sgd": SparseOptimizerKind.SGD, "sgd": SparseOptimizerKi
 _OFF = {"weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "lr_decay": 0.0, "amsgrad": False,
         "maximize": False}
 _IGNORED = {"foreach", "differentiable", "fused", "capturable"}  # torch's implementation switches
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseRule:
-    """A table's sparse optimizer: hetero's kernel and its settings (``kind.optimizer.Config``)."""
-
-    kind: SparseOptimizerKind
-    config: Any
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.config, self.kind.optimizer.Config):
-            raise TypeError(f"a {self.kind.value} rule takes a {self.kind.optimizer.Config.__name__}, got "
-                            f"{type(self.config).__name__}")
 
 
 def _rule(kind: SparseOptimizerKind, settings: Mapping[str, Any], source: str) -> SparseRule:
