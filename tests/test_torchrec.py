@@ -274,15 +274,24 @@ def _samples(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
 def _ranks_run(distribution: str):
     """A rank's share of every batch, the tables placed by ``distribution``, the dense part in DDP:
     the mean loss over the ranks each step, and the tables' whole rows."""
-    from hetero.parallel import full_model_state, rank, world_size
+    from hetero.parallel import full_model_state
     from hetero.planner.space import TablePlacement
 
-    n, r = world_size(), rank()
     model = ht.DistributedModelParallel(_fused("dlrm", "rowwise_adagrad"),
                                         plan=ht.TablePlan(distribution=TablePlacement(distribution)))
     dense = torch.optim.SGD([p for n_, p in model.named_parameters() if "embedding_bag" not in n_], lr=0.1)
+    losses = _train_share(model, dense, _batches(count=12))
+    tables = {k: v for k, v in full_model_state(model.module).items() if "embedding_bags" in k}
+    return losses, tables
+
+
+def _train_share(model, dense, batches) -> list[float]:
+    """This rank's share of every batch trained; each step's loss averaged over the ranks."""
+    from hetero.parallel import rank, world_size
+
+    n, r = world_size(), rank()
     losses, share = [], B // n
-    for x, kjt, y in _batches(count=12):
+    for x, kjt, y in batches:
         lo, hi = r * share, (r + 1) * share
         dense.zero_grad()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x[lo:hi], _samples(kjt, lo, hi)).reshape(-1),
@@ -290,10 +299,10 @@ def _ranks_run(distribution: str):
         loss.backward()
         dense.step()
         mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
+        if n > 1:
+            torch.distributed.all_reduce(mean)
         losses.append(mean.item() / n)
-    tables = {k: v for k, v in full_model_state(model.module).items() if "embedding_bags" in k}
-    return losses, tables
+    return losses
 
 
 @pytest.mark.parametrize("distribution", ["row_sharded", "replicated"])
@@ -360,10 +369,9 @@ def test_two_parameter_servers_train_a_torchrec_model_as_memory(tmp_path, cpu_ra
 
 def _checkpoint_run(path: str, save: bool):
     """Row-sharded over the ranks: 6 steps then a checkpoint (``save``), or a load of it and 6 steps more."""
-    from hetero.parallel import load_distributed_checkpoint, rank, save_distributed_checkpoint, world_size
+    from hetero.parallel import load_distributed_checkpoint, save_distributed_checkpoint
     from hetero.planner.space import TablePlacement
 
-    n, r = world_size(), rank()
     model = ht.DistributedModelParallel(_fused("dlrm", "rowwise_adagrad"),
                                         plan=ht.TablePlan(distribution=TablePlacement.ROW_SHARDED))
     sparse = model.named_sparse_optimizers()
@@ -371,18 +379,7 @@ def _checkpoint_run(path: str, save: bool):
     batches = _batches(count=12)[:6] if save else _batches(count=12)[6:]
     if not save:
         load_distributed_checkpoint(model.module, path, sparse_optimizers=sparse, optimizer=dense)
-    losses, share = [], B // n
-    for x, kjt, y in batches:
-        lo, hi = r * share, (r + 1) * share
-        dense.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x[lo:hi], _samples(kjt, lo, hi)).reshape(-1),
-                                                                    y[lo:hi])
-        loss.backward()
-        dense.step()
-        mean = loss.detach().clone()
-        if n > 1:
-            torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / n)
+    losses = _train_share(model, dense, batches)
     if save:
         save_distributed_checkpoint(model.module, path, sparse_optimizers=sparse, optimizer=dense)
     return losses
