@@ -393,3 +393,30 @@ def test_a_checkpoint_of_2_row_sharded_ranks_resumes_in_1_process_as_one_uninter
     first = run_ranks(tmp_path, 2, _checkpoint_run, path, True)
     second = run_ranks(tmp_path, 1, _checkpoint_run, path, False)
     assert max(abs(a - b) for a, b in zip(expected, first + second)) < 1e-5
+
+
+def test_hetero_plan_prices_a_torchrec_models_tables_and_its_choice_trains_as_memory(tmp_path, cache):
+    """``hetero.plan`` on the converted model: under a host budget below its tables it puts some
+    on the SSD tier; the plan's TablePlans, given to shard_modules, train as the tables in memory."""
+    import hetero
+    from hetero.placement import StorageTier
+    from hetero.planner.config import PlannerConfig
+    from hetero.storage import SsdConfig
+
+    rows = 100_000  # 3 tables x 100k x 8 fp32 with row-wise Adagrad: 10.8 MB
+    x, kjt, y = _batches(count=1, keys=rows)[0]
+    loss = lambda out: torch.nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), y)  # noqa: E731
+    ssd = SsdConfig(tmp_path / "tier", cache_bytes=1 << 20)
+    config = PlannerConfig(cache_dir=cache, device_tables=False, ssd=ssd)
+    planned = ht.shard_modules(_fused("dlrm", "rowwise_adagrad", _tables(rows)))
+    kinds = {"": SparseOptimizerKind.ROWWISE_ADAGRAD}
+    roomy = hetero.plan(planned, (x, kjt), loss_fn=loss, sparse_optimizers=kinds, config=config)
+    assert all(p.memory is StorageTier.HOST_DRAM for p in roomy.table_plans(planned).values())
+    tight = hetero.plan(planned, (x, kjt), loss_fn=loss, sparse_optimizers=kinds, config=config,
+                        host_memory=roomy.predicted.host_bytes - (4 << 20))
+    placed = {q.rsplit(".", 1)[-1]: p for q, p in tight.table_plans(planned).items()}
+    assert any(p.memory is StorageTier.SSD for p in placed.values()), tight
+    batches = _batches(count=10, keys=rows)
+    tiered = ht.shard_modules(_fused("dlrm", "rowwise_adagrad", _tables(rows)), placed)
+    assert {n: ht.TablePlan.of(t) for n, t in tiered.sparse_arch.embedding_bag_collection.tables.items()} == placed
+    _trains_as(ht.shard_modules(_fused("dlrm", "rowwise_adagrad", _tables(rows))), tiered, batches)

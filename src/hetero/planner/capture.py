@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
 from hetero.embedding import HostEmbedding, HostEmbeddingCollection
 from hetero.placement.tagging import tag_between
 from hetero.planner.graph import Granularity, ModelGraph, OpCost, OpFamily, TableInfo, TableTraffic, Unit, op_family, \
@@ -121,7 +123,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...],
             real.append((f, x))
             return f
 
-        id_hooks = _table_hooks(model, real, seen_ids)
+        id_hooks = _table_hooks(model, real, seen_ids, mode)
         try:
             with torch.no_grad():
                 for sample in sample_batches:  # forward only: their ids
@@ -263,21 +265,28 @@ def _unit_hooks(modules: dict[str, nn.Module], units: dict[str, Unit], inputs_of
 
 
 def _table_hooks(model: nn.Module, real: list[tuple[torch.Tensor, torch.Tensor]],
-                 seen: dict[str, list[torch.Tensor]]) -> list:
+                 seen: dict[str, list[torch.Tensor]], mode: Any) -> list:  # noqa: ANN401 - a FakeTensorMode
     """Forward pre-hooks on host tables and table collections recording the real ids behind
-    the fake ones they are called with, by table (qualified name)."""
+    the fake ones they are called with, by table (qualified name). A collection's input is read
+    as it reads it (:meth:`~hetero.embedding.HostEmbeddingCollection.feature_inputs`) from the real
+    input behind the fake one - a TorchRec ``KeyedJaggedTensor``'s features need its lengths'
+    values - and the collection then takes those features, fake."""
     def real_of(t: torch.Tensor) -> torch.Tensor:
-        return next(r for f, r in real if f is t)
+        return next((r for f, r in real if f is t), t)
 
     hooks = []
     for qualified, module in model.named_modules():
         if isinstance(module, HostEmbeddingCollection):
-            def collection(m: HostEmbeddingCollection, args: tuple, prefix: str = qualified) -> None:
-                features = m.feature_inputs(args[0])
+            def collection(m: HostEmbeddingCollection, args: tuple, prefix: str = qualified) -> tuple:
+                given = pytree.tree_map(lambda t: real_of(t) if isinstance(t, torch.Tensor) else t, args[0])
+                with unset_fake_temporarily():  # (the real input read as real: its lengths' values)
+                    features = dict(m.feature_inputs(given))
                 for feature, key in m.lookups:
                     x = features[feature]
-                    seen.setdefault(f"{prefix}.{m.tables_attribute}.{key}", []).append(
-                        real_of(x[0] if isinstance(x, tuple) else x))
+                    seen.setdefault(f"{prefix}.{m.tables_attribute}.{key}", []).append(x[0] if isinstance(x, tuple) else x)
+                fake_features = pytree.tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                                                features)
+                return (fake_features, *args[1:])
 
             hooks.append(module.register_forward_pre_hook(collection))
         elif isinstance(module, HostEmbedding):

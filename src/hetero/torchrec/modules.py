@@ -187,6 +187,8 @@ class EmbeddingBagCollection(_Trained, HostEmbeddingCollection):
         self._dims = [c.embedding_dim for c in configs for _ in (c.feature_names or [c.name])]
 
     def feature_inputs(self, features: Any) -> Mapping[str, tuple[Tensor, ...]]:  # noqa: ANN401 - a KJT
+        if isinstance(features, Mapping):  # (read already: the planner's capture hands them over)
+            return features
         return _features(features, self._is_weighted, [f for f, _ in self.lookups], type(self).__name__)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
