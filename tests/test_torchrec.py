@@ -114,6 +114,18 @@ def _ebc_path(model: torch.nn.Module) -> str:
     return next(n for n, m in model.named_modules() if isinstance(m, ht.EmbeddingBagCollection))
 
 
+def test_a_backward_that_fails_before_its_end_does_not_stop_later_updates():
+    model = ht.shard_modules(_fused("dlrm", "sgd"))
+    x, kjt, y = _batches(count=1)[0]
+    out = model.sparse_arch.embedding_bag_collection(kjt)
+    out.values().register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("a failing hook")))  # (after hetero's)
+    with pytest.raises(RuntimeError, match="a failing hook"):
+        out.values().sum().backward()  # (its queued update is dropped with it)
+    reference = _fused("dlrm", "sgd")
+    reference.load_state_dict(model.state_dict())
+    _trains_as(reference, model, _batches(count=5))  # (the tables move: every later backward updates them)
+
+
 def test_bags_of_one_id_take_the_lookup_without_offsets_and_train_the_same():
     _trains_as(_fused("dlrm", "rowwise_adagrad"), ht.shard_modules(_fused("dlrm", "rowwise_adagrad")),
                _batches(count=20, one_id=True))

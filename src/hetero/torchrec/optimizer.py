@@ -124,17 +124,19 @@ class FusedTables(KeyedOptimizer):
         state = {p: st for o in sparse for p, st in o.state.items()}
         super().__init__(params, state, [g for o in sparse for g in o.param_groups])
         self.optimizers, self.in_backward = optimizers, in_backward
-        self._queued = False
+        self._queued = -1  # the graph task (backward) whose update is queued
 
     def queue(self, grad: Tensor | None = None) -> None:
         """Queue the update for the end of the running backward (a gradient hook of the
-        collection's output; ``grad`` is passed through). Once per backward, however many outputs."""
-        if self.in_backward and not self._queued:
-            self._queued = True
+        collection's output; ``grad`` is passed through). Once per backward, however many outputs:
+        the backward is told by its graph task id, so one that failed before its end (its queued
+        update dropped with it) leaves the next one to queue its own."""
+        task = torch._C._current_graph_task_id()
+        if self.in_backward and task != self._queued:
+            self._queued = task
             torch.autograd.Variable._execution_engine.queue_callback(self._update)
 
     def _update(self) -> None:
-        self._queued = False
         self.optimizers.step()
 
     def step(self, closure: Any = None) -> None:  # noqa: ANN401 - torch.optim's signature
