@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetero.dynamic import DynamicConfig, Keys
-from hetero.embedding import RowPlacement, TableConfig
+from hetero.embedding import DeviceEmbedding, HostEmbedding, RowPlacement, TableConfig
 from hetero.optim import SparseOptimizerKind
 from hetero.placement import StorageTier
 from hetero.planner.space import TablePlacement
@@ -95,12 +95,12 @@ class TablePlan:
             raise ValueError(f"TablePlan.distribution is one of {[d.value for d in DISTRIBUTIONS]}, got {self.distribution}")
 
     @staticmethod
-    def of(table: Any) -> "TablePlan":  # noqa: ANN401 - a HostEmbedding or DeviceEmbedding
+    def of(table: HostEmbedding | DeviceEmbedding) -> "TablePlan":
         """Where a built table lives now: its config's tier and keys, its group's distribution."""
         c = table.config
-        group = getattr(table, "group", None)
-        memory = StorageTier.DEVICE_MEMORY if group is None else c.storage
-        distribution = TablePlacement.REPLICATED if group is None else _DISTRIBUTION_OF[group.exchange.placement]
+        on_host = isinstance(table, HostEmbedding)  # (else a DeviceEmbedding: torch's rows on the device)
+        memory = c.storage if on_host else StorageTier.DEVICE_MEMORY
+        distribution = _DISTRIBUTION_OF[table.group.exchange.placement] if on_host else TablePlacement.REPLICATED
         return TablePlan(memory=memory, ssd=c.ssd if memory is StorageTier.SSD else None, keys=c.keys, hashed=c.hashed,
                          dynamic=c.dynamic, distribution=distribution)
 

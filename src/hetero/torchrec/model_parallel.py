@@ -42,16 +42,23 @@ log = logging.getLogger("hetero")
 _COLLECTIONS = (TorchRecEBC, TorchRecFusedEBC, TorchRecEC)
 
 
+def _parts(module: nn.Module) -> tuple[list[Any], nn.ModuleDict]:
+    """A TorchRec collection's table configs and its tables' modules (``embeddings`` / ``embedding_bags``)."""
+    if isinstance(module, TorchRecEC):
+        return module.embedding_configs(), module.embeddings
+    return module.embedding_bag_configs(), module.embedding_bags
+
+
 def _rules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan], fused_params: Mapping[str, Any] | None,
            where: str) -> dict[str, SparseRule]:
     """Each table's sparse optimizer: the plan's, else the TorchRec module's own (a fused module's
     type and kwargs, ``apply_optimizer_in_backward``'s on the weight), else ``fused_params``."""
-    configs = module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs") else module.embedding_configs()
+    configs, old = _parts(module)
     rules = {}
     for c in configs:
         source = f"{where}: table {c.name!r}"
         planned = plan_of(plan, c.name).optimizer
-        weight = module.embedding_bags[c.name].weight if hasattr(module, "embedding_bags") else module.embeddings[c.name].weight
+        weight = old[c.name].weight
         classes = getattr(weight, "_optimizer_classes", [])
         if planned is not None:
             rules[c.name] = planned
@@ -71,13 +78,11 @@ def _rules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan], fused_p
 
 def _convert(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan], rules: Mapping[str, SparseRule]) -> nn.Module:
     """hetero's collection in place of the TorchRec one ``module``, holding its rows."""
-    old = module.embeddings if isinstance(module, TorchRecEC) else module.embedding_bags
+    configs, old = _parts(module)
     rows = not any(m.weight.is_meta for m in old.values())
     if isinstance(module, TorchRecEC):
-        configs = module.embedding_configs()
         new: nn.Module = EmbeddingCollection(configs, module.need_indices(), rules=rules, plan=plan, has_rows=rows)
     else:
-        configs = module.embedding_bag_configs()
         new = EmbeddingBagCollection(configs, module.is_weighted(), rules=rules, plan=plan, has_rows=rows)
     for c in configs:
         weight, table = old[c.name].weight, new.tables[c.name]
@@ -121,7 +126,7 @@ def shard_modules(module: nn.Module, plan: TablePlan | Mapping[str, TablePlan] =
     if not found:
         raise ValueError(f"{type(module).__name__} holds no torchrec EmbeddingBagCollection, FusedEmbeddingBagCollection "
                          f"or EmbeddingCollection to put on hetero's tables")
-    configs = [c for _, m in found for c in (m.embedding_configs() if isinstance(m, TorchRecEC) else m.embedding_bag_configs())]
+    configs = [c for _, m in found for c in _parts(m)[0]]
     if on_device := [c.name for c in configs if plan_of(plan, c.name).memory is StorageTier.DEVICE_MEMORY]:
         raise ValueError(f"tables {on_device} are planned into device memory: a TorchRec model's tables on the device "
                          f"are not supported by hetero.torchrec yet (TorchRec's own sharding puts them there); "

@@ -111,10 +111,11 @@ def _features(kjt: KeyedJaggedTensor, weighted: bool, needed: list[str], who: st
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     out = {}
-    for i, (k, v) in enumerate(zip(keys, values.split(per_key))):
+    per_id = weights.split(per_key) if weighted else [None] * len(keys)  # (one weight an id: split as the values)
+    for i, (k, v, w) in enumerate(zip(keys, values.split(per_key), per_id)):
         off = offsets[i * batch : (i + 1) * batch + 1]
         off = off - off[0]  # (a key's bags from 0 over its own values)
-        out[k] = (v, off, weights[int(offsets[i * batch]) : int(offsets[(i + 1) * batch])]) if weighted else (v, off)
+        out[k] = (v, off, w) if weighted else (v, off)
     return out
 
 
@@ -126,7 +127,7 @@ class _Trained:
     fused_optimizer: FusedTables | None = None
 
     def group_key(self, table: HostEmbedding) -> tuple:
-        return (*HostEmbeddingCollection.group_key(self, table), self._rules.get(table.name))
+        return (*super().group_key(table), self._rules.get(table.name))
 
     def build_optimizer(self, prefix: str, remote: bool = False) -> FusedTables:
         """The tables' sparse optimizers, one per rule (over the ranks when there are several:
