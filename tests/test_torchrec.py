@@ -126,6 +126,14 @@ def test_a_backward_that_fails_before_its_end_does_not_stop_later_updates():
     _trains_as(reference, model, _batches(count=5))  # (the tables move: every later backward updates them)
 
 
+def test_a_feature_without_any_id_in_a_batch_trains_as_torchrec():
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.cat([torch.zeros(B, dtype=torch.int64), torch.randint(0, 3, (3 * B,), generator=g)])  # f0: none
+    kjt = KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.randint(0, ROWS, (int(lengths.sum()),), generator=g), lengths)
+    batch = (torch.randn(B, DENSE, generator=g), kjt, torch.randint(0, 2, (B,), generator=g).float())
+    _trains_as(_fused("dlrm", "rowwise_adagrad"), ht.shard_modules(_fused("dlrm", "rowwise_adagrad")), [batch] * 10)
+
+
 def test_bags_of_one_id_take_the_lookup_without_offsets_and_train_the_same():
     _trains_as(_fused("dlrm", "rowwise_adagrad"), ht.shard_modules(_fused("dlrm", "rowwise_adagrad")),
                _batches(count=20, one_id=True))
